@@ -1,0 +1,1 @@
+"""labtools: a local tailnet in network namespaces (headscale + real tailscaled), for the demo and the netns tests."""

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Builds the pinned real binaries the lab needs (tailscaled, tailscale, upstream containerboot, headscale)
+# with `go install` into a version-keyed cache outside the repository. Idempotent: a binary that is already
+# there is not rebuilt. Prints the directory on its last line of stdout.
+set -euo pipefail
+TS_VER=${TS_VER:-v1.102.3}
+HS_VER=${HS_VER:-v0.29.2}
+CACHE=${CB_CACHE:-$HOME/.cache/containerboot-py}
+BIN="$CACHE/bin/ts-$TS_VER-hs-$HS_VER"
+mkdir -p "$BIN"
+export GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$BIN" GOFLAGS=-mod=mod
+log() { echo "[install-binaries] $*" >&2; }
+need=()
+for b in tailscaled tailscale containerboot; do [ -x "$BIN/$b" ] || need+=("tailscale.com/cmd/$b@$TS_VER"); done
+if [ ${#need[@]} -gt 0 ]; then
+  log "building ${need[*]} (cold build takes several minutes)"
+  start=$(date +%s)
+  go install -trimpath \
+    -ldflags="-s -w -X tailscale.com/version.longStamp=${TS_VER#v}-cbpy -X tailscale.com/version.shortStamp=${TS_VER#v}" \
+    "${need[@]}"
+  log "tailscale binaries built in $(( $(date +%s) - start ))s"
+fi
+if [ ! -x "$BIN/headscale" ]; then
+  log "building headscale $HS_VER (cold build takes several minutes)"
+  start=$(date +%s)
+  go install -trimpath -ldflags="-s -w" "github.com/juanfont/headscale/cmd/headscale@$HS_VER"
+  log "headscale built in $(( $(date +%s) - start ))s"
+fi
+echo "$BIN"

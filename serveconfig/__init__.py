@@ -1,0 +1,1 @@
+"""serveconfig: the L7 serve config model, file watch and LocalAPI apply."""
