@@ -1,0 +1,36 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (every test).
+SHELL := /bin/bash
+PY := .venv/bin/python
+export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
+
+.PHONY: setup setup-bin demo test test-unit test-netns bench clean-lab
+
+setup:
+	@bash scripts/setup.sh
+
+setup-bin:
+	@bash scripts/setup.sh --binaries
+
+## demo: a local tailnet in network namespaces with the agent exposing a backend (root).
+demo: setup-bin
+	$(PY) -m labtools.demo $(DEMO_ARGS)
+
+## test: unit tests (no root, no network), then the namespace and end-to-end tests (root).
+test: setup-bin
+	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -p no:cacheprovider netns-tests
+
+test-unit: setup
+	$(PY) -m pytest -q tests
+
+test-netns: setup-bin
+	$(PY) -m pytest -q netns-tests
+
+## bench: boot time and rule programming against upstream containerboot, measured in the same run (root).
+bench: setup-bin
+	$(PY) -m bench.boot
+	$(PY) -m bench.rules
+
+## clean-lab: remove namespaces left by an interrupted lab run (only ones this project created).
+clean-lab:
+	$(PY) -m labtools.cleanup

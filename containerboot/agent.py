@@ -1,0 +1,326 @@
+"""The agent's lifecycle: boot, log in, run the steady-state loop, shut down cleanly.
+
+This is the imperative shell around the pure modules. Every phase races against the shutdown signal, so a
+SIGTERM at any point leads to the same orderly shutdown: stop tailscaled (SIGTERM, then SIGKILL after the
+budget), remove the agent's rules, close the HTTP endpoints. Fatal errors go through the same path and exit 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Mapping
+from typing import TypeVar
+
+from . import tailscaled as ts
+from .desired import Desired
+from .localapi import FIRST_WATCH_MASK, WATCH_MASK, LocalAPI, LocalAPIError
+from .reconcile import Reconciler
+from .redact import redact, register
+from .settings import Settings
+from .state import NodeState, apply_notify, carries_netmap, notify_backend_state, with_dns_config
+
+log = logging.getLogger("containerboot")
+
+#: Time allowed for the whole shutdown; Kubernetes' default grace period is 30 s.
+SHUTDOWN_BUDGET = 25.0
+
+T = TypeVar("T")
+
+
+class AgentError(Exception):
+    """A fatal error: logged once and the agent exits 1 after an orderly shutdown."""
+
+
+class _Stopped(Exception):
+    """Shutdown was requested while a phase was running."""
+
+
+class Agent:
+    def __init__(self, settings: Settings, env: Mapping[str, str]):
+        self.s = settings
+        self.env = dict(env)
+        self.child_env = ts.child_env(settings, env)
+        self.tailscaled: ts.Tailscaled | None = None
+        self.api: LocalAPI | None = None
+        self.firewall = None
+        self.reconciler: Reconciler | None = None
+        self.startup_complete = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._stop_signal: int | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._linked = False
+        for secret in (settings.authkey, settings.client_secret, settings.id_token):
+            register(secret)
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _on_signal(self, signum: int) -> None:
+        if self._stop_signal is None:
+            log.info("Received %s, shutting down", signal.Signals(signum).name)
+            self._stop_signal = signum
+        self._stop.set()
+
+    async def _until_stop(self, aw: Awaitable[T]) -> T:
+        """Run one phase; abandon it if shutdown is requested meanwhile."""
+        task = asyncio.ensure_future(aw)
+        stopper = asyncio.ensure_future(self._stop.wait())
+        try:
+            done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except BaseException:
+            pass
+        raise _Stopped()
+
+    def _boot_deadline(self) -> float:
+        return self._boot_started + self.s.boot_timeout
+
+    # -- entry point -----------------------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        self._boot_started = time.monotonic()
+        code = 0
+        try:
+            await self._prepare()
+            await self._until_stop(self._start_tailscaled())
+            await self._until_stop(self._login())
+            await self._steady_state()
+        except _Stopped:
+            code = 0
+        except AgentError as e:
+            log.error("%s", redact(str(e)))
+            code = 1
+        except Exception as e:  # a bug: report it plainly and still shut down in order
+            log.exception("unexpected error: %s", redact(repr(e)))
+            code = 1
+        finally:
+            await self._shutdown()
+        return code
+
+    # -- boot ------------------------------------------------------------------------------------------
+    async def _prepare(self) -> None:
+        """Everything that may fail on the host before any process is started."""
+        s = self.s
+        if not s.userspace:
+            try:
+                ts.ensure_tun(s.root)
+            except OSError as e:
+                raise AgentError(f"unable to create tuntap device file: {e}") from None
+            if any(s.forwarding_families):
+                from netfilter.sysctl import ForwardingError, ensure_forwarding
+                try:
+                    ensure_forwarding(*s.forwarding_families, root=s.root)
+                except ForwardingError as e:
+                    raise AgentError(str(e)) from None
+            if s.is_l3_proxy:
+                from netfilter.backend import open_backend
+                try:
+                    self.firewall = await asyncio.to_thread(open_backend, s.firewall_mode)
+                except Exception as e:
+                    raise AgentError(f"error creating the netfilter runner: {e}") from None
+                log.info("Using %s for the agent's firewall rules", self.firewall.name)
+
+    async def _start_tailscaled(self) -> None:
+        argv = ts.tailscaled_argv(self.s)
+        try:
+            self.tailscaled = await ts.Tailscaled.start(argv, self.child_env, self.s.socket)
+        except OSError as e:
+            raise AgentError(f"failed to bring up tailscale: starting tailscaled failed: {e}") from None
+        try:
+            await self.tailscaled.wait_ready(self._boot_deadline())
+        except (ts.TailscaledExited, TimeoutError) as e:
+            raise AgentError(f"failed to bring up tailscale: {e}") from None
+        self.api = LocalAPI(self.s.socket)
+        self._linked = ts.link_socket(self.s.socket, ts.socket_link_path(self.s.root))
+        if self.s.forwarding_optimizations:
+            try:
+                await self.api.set_udp_gro_forwarding()
+            except LocalAPIError as e:
+                log.warning("[unexpected] error enabling UDP GRO forwarding: %s", e)
+
+    async def _tailscale_up(self) -> None:
+        try:
+            await ts.run_cli(ts.tailscale_up_argv(self.s), self.child_env, self._boot_deadline())
+        except asyncio.TimeoutError:
+            raise AgentError(f"tailscale up did not finish within TS_BOOT_TIMEOUT ({self.s.boot_timeout:g}s); "
+                             "check the auth key and that the control server is reachable") from None
+        except RuntimeError as e:
+            raise AgentError(f"failed to auth tailscale: {e}") from None
+
+    async def _login(self) -> None:
+        """Bring the backend to Running within the boot timeout."""
+        s = self.s
+        assert self.api is not None
+        if s.always_auth:
+            await self._tailscale_up()
+        did_up = s.always_auth
+        last_state = ""
+        remaining = self._boot_deadline() - time.monotonic()
+        try:
+            async with asyncio.timeout(max(0.0, remaining)):
+                while True:
+                    rewatch = False
+                    async for n in self.api.watch_ipn_bus(FIRST_WATCH_MASK):
+                        state = notify_backend_state(n)
+                        if state is None:
+                            continue
+                        last_state = state
+                        if state == "Running":
+                            return
+                        if state == "NeedsLogin":
+                            if s.one_step:
+                                raise AgentError(
+                                    "invalid state: tailscaled daemon started with a config file, but tailscale "
+                                    "is not logged in: ensure you pass a valid auth key in the config file")
+                            if not did_up:
+                                did_up = rewatch = True
+                                break
+                        elif state == "NeedsMachineAuth":
+                            log.info("machine authorization required, please visit the admin panel")
+                        else:
+                            log.info("tailscaled in state %r, waiting", state)
+                    if rewatch:
+                        await self._tailscale_up()
+                        continue
+                    raise AgentError("failed to read from tailscaled: the IPN bus stream ended")
+        except TimeoutError:
+            raise AgentError(f"tailscaled did not reach the Running state within TS_BOOT_TIMEOUT "
+                             f"({s.boot_timeout:g}s); last state {last_state or 'unknown'!r}") from None
+        except LocalAPIError as e:
+            raise AgentError(f"failed to watch tailscaled for updates: {e}") from None
+
+    async def _after_login(self) -> None:
+        if self.s.auth_once_mode:
+            argv, skipped = ts.tailscale_set_argv(self.s)
+            if skipped:
+                log.info("TS_EXTRA_ARGS flags %s apply only to the first `tailscale up` and were not re-applied",
+                         " ".join(skipped))
+            try:
+                await ts.run_cli(argv, self.child_env, None)
+            except RuntimeError as e:
+                raise AgentError(f"failed to auth tailscale: tailscale set failed: {e}") from None
+
+    # -- steady state ----------------------------------------------------------------------------------
+    async def _steady_state(self) -> None:
+        await self._until_stop(self._after_login())
+        rules_file = os.path.join(os.path.dirname(self.s.socket) or ".", "containerboot-rules.json")
+        forwarding = None
+        if not self.s.userspace:
+            from netfilter.sysctl import ensure_forwarding
+
+            def forwarding(v4: bool, v6: bool) -> None:
+                ensure_forwarding(v4, v6, root=self.s.root)
+
+        self.reconciler = Reconciler(self.s, self.firewall, rules_file=rules_file,
+                                     ensure_forwarding=forwarding, on_converged=self._on_converged)
+        fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._tasks = [
+            asyncio.create_task(self._watch_bus(fatal), name="ipn-bus"),
+            asyncio.create_task(self.reconciler.run(), name="reconcile"),
+            asyncio.create_task(self._watch_tailscaled(fatal), name="tailscaled-exit"),
+        ]
+        for t in self._tasks:
+            t.add_done_callback(lambda t, f=fatal: _propagate(t, f))
+        stopper = asyncio.ensure_future(self._stop.wait())
+        try:
+            done, _ = await asyncio.wait({fatal, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+        if fatal in done:
+            raise AgentError(fatal.result())
+        raise _Stopped()
+
+    async def _watch_bus(self, fatal: asyncio.Future) -> None:
+        assert self.api is not None and self.reconciler is not None
+        node = NodeState()
+        try:
+            async for n in self.api.watch_ipn_bus(WATCH_MASK):
+                node = apply_notify(node, n, time.time())
+                state = notify_backend_state(n)
+                if state is not None and state != "Running":
+                    # Upstream's design: a proxy that lost its login restarts, and Kubernetes restarts it.
+                    _set(fatal, f"tailscaled left running state (now in state {state!r}), exiting")
+                    return
+                if n.get("SelfChange"):
+                    try:
+                        node = with_dns_config(node, await self.api.dns_config())
+                    except LocalAPIError as e:
+                        log.info("error refreshing DNS config from tailscaled: %s", e)
+                if carries_netmap(n) or state is not None:
+                    self.reconciler.set_node(node)
+        except LocalAPIError as e:
+            reason = f"failed to read from tailscaled: {e}"
+        else:
+            reason = "failed to read from tailscaled: the IPN bus stream ended"
+        # The stream usually breaks because tailscaled died; then its exit status is the better report.
+        if self.tailscaled is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.tailscaled.proc.wait()), 2.0)
+                return
+            except asyncio.TimeoutError:
+                pass
+        _set(fatal, reason)
+
+    async def _watch_tailscaled(self, fatal: asyncio.Future) -> None:
+        assert self.tailscaled is not None
+        rc = await self.tailscaled.proc.wait()
+        if not self._stop.is_set():
+            _set(fatal, f"tailscaled exited unexpectedly with status {rc}")
+
+    async def _on_converged(self, rec: Reconciler, want: Desired) -> None:
+        if self.startup_complete.is_set():
+            return
+        if not rec.node.tailnet_ips:
+            return
+        if self.firewall is not None and not rec.rules_installed_for(want):
+            return
+        self.startup_complete.set()
+        ips = ", ".join(map(str, rec.node.tailnet_ips))
+        log.info("Tailnet addresses: %s", ips)
+        log.info("Startup complete, waiting for shutdown signal")
+
+    # -- shutdown --------------------------------------------------------------------------------------
+    async def _shutdown(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except BaseException:
+                pass
+        if self.tailscaled is not None:
+            await self.tailscaled.stop(SHUTDOWN_BUDGET)
+            log.info("tailscaled exited")
+        if self.firewall is not None:
+            try:
+                await asyncio.to_thread(self.firewall.cleanup)
+                log.info("Removed the agent's firewall rules")
+            except Exception as e:
+                log.error("failed to remove the agent's firewall rules: %s", e)
+        if self._linked:
+            ts.unlink_socket(self.s.socket, ts.socket_link_path(self.s.root))
+        if self.api is not None:
+            await self.api.aclose()
+
+
+def _set(fut: asyncio.Future, msg: str) -> None:
+    if not fut.done():
+        fut.set_result(msg)
+
+
+def _propagate(task: asyncio.Task, fatal: asyncio.Future) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        _set(fatal, f"internal error in {task.get_name()}: {exc!r}")
+

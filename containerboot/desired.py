@@ -1,0 +1,139 @@
+"""The desired data path, as a pure function of settings, node state and DNS answers.
+
+Level-triggered: every event recomputes the whole desired state from scratch; the reconciler converges the
+kernel to it. A target that disappears yields no rules (so its old rules are removed), and one that comes
+back yields them again, whatever happened in between.
+"""
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from netfilter.model import Dnat, EgressForward, PortMatch, RuleSet
+
+from .settings import Settings
+from .state import IP, NodeState, ResolveError, resolve_tailnet_fqdn
+
+DEFAULT_TAILSCALED_PORT = 41641
+
+
+@dataclass(frozen=True)
+class Target:
+    """One configured target and what it resolved to this time."""
+
+    name: str  # the setting, e.g. "TS_DEST_IP"
+    kind: str  # "ingress" | "egress" | "ingress-dns" | "cluster-via-ingress"
+    value: str  # what the user configured
+    resolved: tuple[IP, ...] = ()
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class DNSAnswer:
+    """The last successful resolution of TS_EXPERIMENTAL_DEST_DNS_NAME (empty until one succeeds)."""
+
+    addresses: tuple[IP, ...] = ()
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Desired:
+    rules: RuleSet
+    targets: tuple[Target, ...]
+    forwarding: tuple[bool, bool]  # IPv4, IPv6 forwarding needed
+
+
+def tailscaled_port(s: Settings) -> int:
+    """The UDP port tailscaled listens on (from TS_TAILSCALED_EXTRA_ARGS, else its default)."""
+    args = list(s.tailscaled_extra_args)
+    for i, a in enumerate(args):
+        value = None
+        if a.startswith(("--port=", "-port=")):
+            value = a.split("=", 1)[1]
+        elif a in ("--port", "-port") and i + 1 < len(args):
+            value = args[i + 1]
+        if value is not None and value.isdigit() and 0 < int(value) < 65536:
+            return int(value)
+    return DEFAULT_TAILSCALED_PORT
+
+
+def local_port(s: Settings) -> int | None:
+    if not s.local_server_enabled:
+        return None
+    try:
+        return int(s.local_addr_port.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _same_family(ips: tuple[IP, ...], version: int) -> IP | None:
+    return next((ip for ip in ips if ip.version == version), None)
+
+
+def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desired:
+    own = node.tailnet_ips
+    dnats: list[Dnat] = []
+    egress: list[EgressForward] = []
+    targets: list[Target] = []
+    v4, v6 = s.forwarding_families
+
+    if s.dest_ip is not None:
+        src = _same_family(own, s.dest_ip.version)
+        err = "" if src or not own else f"the node has no tailnet IPv{s.dest_ip.version} address to forward from"
+        if src:
+            dnats.append(Dnat(original_dst=src, targets=(s.dest_ip,)))
+        targets.append(Target("TS_DEST_IP", "ingress", str(s.dest_ip), (s.dest_ip,), err))
+
+    if s.dest_dns_name:
+        answer = dns or DNSAnswer()
+        for version in (4, 6):
+            backends = tuple(ip for ip in answer.addresses if ip.version == version)
+            src = _same_family(own, version)
+            if backends and src:
+                dnats.append(Dnat(original_dst=src, targets=backends))
+        v4 = v4 or any(ip.version == 4 for ip in answer.addresses)
+        v6 = v6 or any(ip.version == 6 for ip in answer.addresses)
+        targets.append(Target("TS_EXPERIMENTAL_DEST_DNS_NAME", "ingress-dns", s.dest_dns_name,
+                              answer.addresses, answer.error if not answer.addresses else ""))
+
+    egress_targets: tuple[IP, ...] = ()
+    if s.tailnet_target_ip is not None:
+        egress_targets = (s.tailnet_target_ip,)
+        targets.append(Target("TS_TAILNET_TARGET_IP", "egress", str(s.tailnet_target_ip), egress_targets))
+    elif s.tailnet_target_fqdn:
+        try:
+            egress_targets = resolve_tailnet_fqdn(node, s.tailnet_target_fqdn) if own else ()
+            err = "" if own else "waiting for the node's tailnet addresses"
+        except ResolveError as e:
+            err = str(e)
+        targets.append(Target("TS_TAILNET_TARGET_FQDN", "egress", s.tailnet_target_fqdn, egress_targets, err))
+    if egress_targets:
+        exempt = [PortMatch("udp", tailscaled_port(s))]
+        if (lp := local_port(s)) is not None:
+            exempt.append(PortMatch("tcp", lp))
+        for version in (4, 6):
+            target = _same_family(egress_targets, version)
+            src = _same_family(own, version)
+            if target and src:
+                egress.append(EgressForward(target=target, snat_source=src, exempt=tuple(exempt)))
+
+    if s.allow_proxying_cluster_traffic_via_ingress and s.serve_config:
+        for pod_ip in (s.pod_ipv4, s.pod_ipv6, _parse_ip(s.pod_ip)):
+            if pod_ip is None:
+                continue
+            src = _same_family(own, pod_ip.version)
+            if src and not any(d.original_dst == pod_ip for d in dnats):
+                dnats.append(Dnat(original_dst=pod_ip, targets=(src,)))
+        targets.append(Target("EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS", "cluster-via-ingress",
+                              s.pod_ip or str(s.pod_ipv4 or s.pod_ipv6 or "")))
+
+    rules = RuleSet(dnats=tuple(dnats), egress=tuple(egress), clamp_mss=bool(dnats or egress))
+    return Desired(rules=rules, targets=tuple(targets), forwarding=(v4, v6))
+
+
+def _parse_ip(value: str) -> IP | None:
+    try:
+        return ipaddress.ip_address(value) if value else None
+    except ValueError:
+        return None
+

@@ -1,0 +1,333 @@
+"""In-cluster Kubernetes API client for the agent's state Secret (adapter).
+
+Only what the agent needs: read, create and patch one Secret, and ask SelfSubjectAccessReviews. Compared with
+upstream's client it adds what a Pod entrypoint needs to be robust: a clear error for every missing
+ServiceAccount file, IPv6-safe URLs built from the environment, the bearer token re-read whenever the projected
+file changes and after a 401, per-request timeouts, and retries with exponential backoff and jitter on 5xx, 429
+(honouring Retry-After) and connection errors, all bounded by a caller-supplied deadline. A 403 becomes a
+message naming the verb, the object and the RBAC rule to add.
+
+Deadlines are absolute ``time.monotonic()`` values (the asyncio loop's clock on Linux). Secrets never reach a
+log line or an exception message: tokens are registered with ``redact`` and every message goes through it.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import email.utils
+import json
+import logging
+import os
+import random
+import ssl
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import httpx
+
+from containerboot.redact import redact, register
+
+log = logging.getLogger("containerboot")
+
+SA_DIR = "var/run/secrets/kubernetes.io/serviceaccount"
+DEFAULT_URL = "https://kubernetes.default.svc"
+FIELD_MANAGER = "tailscale-container"
+SSAR_PATH = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+
+_SA_FILE_HELP = {
+    "token": "the ServiceAccount token (set automountServiceAccountToken: true on the Pod or its ServiceAccount)",
+    "ca.crt": "the cluster CA bundle (mounted with the ServiceAccount token)",
+    "namespace": "the Pod namespace (mounted with the ServiceAccount token)",
+}
+
+
+class KubeError(Exception):
+    """A failed Kubernetes API call or client setup. str(e) is the user-facing message, already redacted.
+
+    status: HTTP status (0 when there was no HTTP answer: configuration, connection or deadline).
+    reason: the Status ``reason`` (NotFound, Forbidden, Conflict, AlreadyExists, Invalid, ...), or one of
+    ``Config``, ``Unreachable``, ``Timeout`` for client-side failures.
+    """
+
+    def __init__(self, message: str, *, status: int = 0, reason: str = "", verb: str = "",
+                 resource: str = "", name: str = "") -> None:
+        super().__init__(redact(message))
+        self.status = status
+        self.reason = reason
+        self.verb = verb
+        self.resource = resource
+        self.name = name
+
+
+@dataclass(frozen=True)
+class Secret:
+    name: str
+    resource_version: str
+    data: Mapping[str, bytes] = field(default_factory=lambda: types.MappingProxyType({}))
+    labels: Mapping[str, str] = field(default_factory=lambda: types.MappingProxyType({}))
+
+
+def rbac_hint(verb: str, resource: str, name: str = "") -> str:
+    """The Role rule that would allow verb on resource[/name], as a one-line YAML hint."""
+    group = "authorization.k8s.io" if resource == "selfsubjectaccessreviews" else ""
+    rule = f'kind: Role rules: - apiGroups: ["{group}"] resources: ["{resource}"] verbs: ["{verb}"]'
+    # RBAC cannot restrict create (or list) by name: the request has no name when it is authorised.
+    if name and verb not in ("create", "list", "watch"):
+        rule += f' resourceNames: ["{name}"]'
+    return rule
+
+
+def api_url_from_env(env: Mapping[str, str], *, root: str = "/") -> str:
+    """The API server URL: kubernetes.default.svc, or the service env vars (IPv6 hosts bracketed)."""
+    if root.rstrip("/") == "" and env.get("TS_KUBERNETES_READ_API_SERVER_ADDRESS_FROM_ENV") != "true":
+        return DEFAULT_URL
+    host = env.get("KUBERNETES_SERVICE_HOST", "").strip()
+    port = env.get("KUBERNETES_SERVICE_PORT_HTTPS", "").strip() or env.get("KUBERNETES_SERVICE_PORT", "").strip()
+    if not host:
+        raise KubeError("KUBERNETES_SERVICE_HOST is empty, but the API server address must come from the "
+                        "environment (TS_KUBERNETES_READ_API_SERVER_ADDRESS_FROM_ENV=true or a test root); "
+                        "set KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT_HTTPS", reason="Config")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"https://{host}:{port}" if port else f"https://{host}"
+
+
+class _Token:
+    """The bearer token file, re-read whenever it changes on disk (kubelet rotates projected tokens)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._stamp: tuple[int, int, int] | None = None
+        self._value = ""
+
+    def get(self, *, force: bool = False) -> str:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if force or stamp != self._stamp:
+                with open(self.path, encoding="utf-8", errors="replace") as f:
+                    value = f.read().strip()
+                self._value, self._stamp = value, stamp
+                register(value)
+        except OSError as e:
+            raise KubeError(f"cannot read the ServiceAccount token {self.path}: {e.strerror or e}; mount "
+                            f"{_SA_FILE_HELP['token']}", reason="Config") from None
+        if not self._value:
+            raise KubeError(f"the ServiceAccount token file {self.path} is empty", reason="Config")
+        return self._value
+
+
+class KubeClient:
+    """Async client for one namespace. Create with from_environment(); close with aclose()."""
+
+    def __init__(self, *, url: str, namespace: str, token_path: str, ca_path: str,
+                 timeout: float = 10.0, retry_budget: float = 30.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.namespace = namespace
+        self.timeout = timeout
+        self.retry_budget = retry_budget
+        self._token = _Token(token_path)
+        try:
+            ctx = ssl.create_default_context(cafile=ca_path)
+        except (ssl.SSLError, OSError) as e:
+            raise KubeError(f"the cluster CA bundle {ca_path} is not a valid PEM certificate file: {e}",
+                            reason="Config") from None
+        self._http = httpx.AsyncClient(verify=ctx, transport=transport, timeout=timeout,
+                                       headers={"Accept": "application/json",
+                                                "User-Agent": "containerboot-py"})
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str], *, root: str = "/", url: str | None = None,
+                         timeout: float = 10.0, retry_budget: float = 30.0) -> "KubeClient":
+        """Build a client from <root>/var/run/secrets/kubernetes.io/serviceaccount and the environment."""
+        sa = os.path.join(root, SA_DIR)
+        for name in ("token", "ca.crt", "namespace"):
+            p = os.path.join(sa, name)
+            if not os.path.isfile(p):
+                raise KubeError(
+                    f"Kubernetes ServiceAccount file {p} is missing: mount {_SA_FILE_HELP[name]}, or set "
+                    f"TS_KUBE_SECRET=\"\" to run without a Kubernetes state Secret", reason="Config")
+        try:
+            with open(os.path.join(sa, "namespace"), encoding="utf-8") as f:
+                namespace = f.read().strip()
+        except OSError as e:
+            raise KubeError(f"cannot read {os.path.join(sa, 'namespace')}: {e.strerror}", reason="Config") from None
+        if not namespace:
+            raise KubeError(f"the namespace file {os.path.join(sa, 'namespace')} is empty", reason="Config")
+        return cls(url=url or api_url_from_env(env, root=root), namespace=namespace,
+                   token_path=os.path.join(sa, "token"), ca_path=os.path.join(sa, "ca.crt"),
+                   timeout=timeout, retry_budget=retry_budget)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "KubeClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ---- Secrets
+
+    def _secret_url(self, name: str = "") -> str:
+        base = f"{self.url}/api/v1/namespaces/{self.namespace}/secrets"
+        return f"{base}/{name}" if name else base
+
+    async def get_secret(self, name: str, *, deadline: float | None = None) -> Secret | None:
+        """The Secret, or None if it does not exist."""
+        try:
+            obj = await self._request("GET", self._secret_url(name), verb="get", name=name, deadline=deadline)
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise
+        return _secret_from_json(name, obj)
+
+    async def patch_secret(self, name: str, data: Mapping[str, bytes | None], *,
+                           deadline: float | None = None) -> None:
+        """Strategic-merge-patch data into the Secret; a None value deletes the key."""
+        body = {"data": {k: (None if v is None else base64.b64encode(v).decode()) for k, v in sorted(data.items())}}
+        await self._request("PATCH", self._secret_url(name), verb="patch", name=name, deadline=deadline,
+                            params={"fieldManager": FIELD_MANAGER}, json_body=body,
+                            content_type="application/strategic-merge-patch+json")
+
+    async def json_patch_secret(self, name: str, ops: Sequence[Mapping[str, Any]], *,
+                                deadline: float | None = None) -> None:
+        """Apply an RFC 6902 patch to the Secret (values under /data/<key> must already be base64)."""
+        await self._request("PATCH", self._secret_url(name), verb="patch", name=name, deadline=deadline,
+                            json_body=[dict(op) for op in ops], content_type="application/json-patch+json")
+
+    async def create_secret(self, name: str, data: Mapping[str, bytes | None], *,
+                            deadline: float | None = None) -> None:
+        """Create the Secret with data (None values are skipped). KubeError(409, AlreadyExists) if it exists."""
+        body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": self.namespace},
+                "type": "Opaque",
+                "data": {k: base64.b64encode(v).decode() for k, v in sorted(data.items()) if v is not None}}
+        await self._request("POST", self._secret_url(), verb="create", name=name, deadline=deadline,
+                            json_body=body, params={"fieldManager": FIELD_MANAGER})
+
+    async def can_i(self, verb: str, resource: str, name: str = "", *, deadline: float | None = None) -> bool:
+        """SelfSubjectAccessReview for verb on resource (optionally one named object) in our namespace."""
+        attrs = {"namespace": self.namespace, "verb": verb, "resource": resource}
+        if name:
+            attrs["name"] = name
+        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                "spec": {"resourceAttributes": attrs}}
+        obj = await self._request("POST", self.url + SSAR_PATH, verb="create",
+                                  resource="selfsubjectaccessreviews", deadline=deadline, json_body=body)
+        return bool(((obj or {}).get("status") or {}).get("allowed"))
+
+    # ---- transport
+
+    async def _request(self, method: str, url: str, *, verb: str, name: str = "", resource: str = "secrets",
+                       deadline: float | None = None, params: Mapping[str, str] | None = None,
+                       json_body: Any = None, content_type: str = "application/json") -> Any:
+        """One API call with auth, retries and a deadline. Returns the decoded JSON body of a 200/201."""
+        if deadline is None:
+            deadline = time.monotonic() + self.retry_budget
+        content = None if json_body is None else json.dumps(json_body, separators=(",", ":")).encode()
+        what = f'{resource} "{name}"' if name else resource
+        attempt = 0
+        reauthed = False
+        started = time.monotonic()
+        while True:
+            attempt += 1
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise KubeError(f"{verb} {what}: deadline exceeded before the request could be sent "
+                                f"to {self.url}", reason="Timeout", verb=verb, resource=resource, name=name)
+            headers = {"Authorization": "Bearer " + self._token.get()}
+            if content is not None:
+                headers["Content-Type"] = content_type
+            retry_after: float | None = None
+            try:
+                resp = await self._http.request(method, url, params=params, content=content, headers=headers,
+                                                timeout=httpx.Timeout(min(self.timeout, remaining)))
+            except httpx.TransportError as e:
+                problem = f"cannot reach the Kubernetes API server at {self.url}: {type(e).__name__}: {e}"
+                status = 0
+            else:
+                status = resp.status_code
+                if status in (200, 201):
+                    try:
+                        return resp.json() if resp.content else None
+                    except ValueError:
+                        raise KubeError(f"{verb} {what}: the API server sent a body that is not JSON",
+                                        status=status, reason="InvalidResponse", verb=verb, resource=resource,
+                                        name=name) from None
+                st = _status(resp)
+                reason = st.get("reason") or ""
+                message = st.get("message") or resp.reason_phrase
+                if status == 401 and not reauthed:
+                    # The projected token may have been rotated under us: re-read it and retry once.
+                    reauthed = True
+                    self._token.get(force=True)
+                    continue
+                if status == 401:
+                    raise KubeError(f"{verb} {what}: the API server rejected the ServiceAccount token "
+                                    f"(401 Unauthorized: {message}); check that the token at "
+                                    f"{self._token.path} is current and belongs to this cluster",
+                                    status=401, reason=reason or "Unauthorized", verb=verb, resource=resource,
+                                    name=name)
+                if status == 403:
+                    raise KubeError(f"not allowed to {verb} {what} in namespace \"{self.namespace}\" "
+                                    f"(403 Forbidden: {message}); grant the Pod's ServiceAccount this "
+                                    f"permission, e.g. {rbac_hint(verb, resource, name)}",
+                                    status=403, reason=reason or "Forbidden", verb=verb, resource=resource,
+                                    name=name)
+                if not (status >= 500 or status == 429):
+                    raise KubeError(f"{verb} {what}: {status} {reason or resp.reason_phrase}: {message}",
+                                    status=status, reason=reason, verb=verb, resource=resource, name=name)
+                problem = f"the API server answered {status} {reason or resp.reason_phrase}: {message}"
+                retry_after = _retry_after(resp.headers.get("Retry-After"))
+            delay = min(0.2 * 2 ** (attempt - 1), 5.0) * random.uniform(0.5, 1.5)
+            if retry_after is not None:
+                delay = max(delay, retry_after)
+            remaining = deadline - time.monotonic()
+            if delay >= remaining:
+                raise KubeError(f"{verb} {what}: giving up after {attempt} attempt(s) in "
+                                f"{time.monotonic() - started:.1f}s: {problem}",
+                                status=status, reason="Unreachable" if status == 0 else "Timeout",
+                                verb=verb, resource=resource, name=name)
+            log.info("%s", redact(f"kube: {verb} {what}: {problem}; retrying in {delay:.1f}s"))
+            await asyncio.sleep(delay)
+
+
+def _status(resp: httpx.Response) -> dict:
+    try:
+        st = resp.json()
+        return st if isinstance(st, dict) else {}
+    except ValueError:
+        return {"message": resp.text[:200]}
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+        return max(0.0, when.timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def _secret_from_json(name: str, obj: Any) -> Secret:
+    obj = obj if isinstance(obj, dict) else {}
+    meta = obj.get("metadata") or {}
+    data: dict[str, bytes] = {}
+    for k, v in (obj.get("data") or {}).items():
+        try:
+            data[k] = base64.b64decode(v or "")
+        except ValueError:
+            raise KubeError(f'secrets "{name}": value of key {k!r} is not valid base64', reason="InvalidResponse",
+                            verb="get", resource="secrets", name=name) from None
+    return Secret(name=meta.get("name") or name, resource_version=str(meta.get("resourceVersion") or ""),
+                  data=types.MappingProxyType(data),
+                  labels=types.MappingProxyType(dict(meta.get("labels") or {})))

@@ -1,0 +1,172 @@
+"""The steady-state loop: events in, desired state out, adapters converge the world to it.
+
+Events (IPN bus notifications, DNS answers, file changes, timer ticks) only update the agent's state value
+and mark it dirty; one reconcile task then computes the whole desired state and converges every part. The
+bus reader never waits for a reconcile, so tailscaled never drops the agent as a slow consumer, and bursts of
+notifications coalesce into one reconcile.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from netfilter.model import RuleSet
+
+from . import desired as desired_mod
+from .desired import Desired, DNSAnswer
+from .settings import Settings
+from .state import NodeState
+
+log = logging.getLogger("containerboot")
+
+#: How often the whole desired state is re-applied even without events, to repair drift (someone flushing
+#: our table) and to retry failures. Applying an unchanged rule set is cheap and changes nothing.
+RESYNC_INTERVAL = 30.0
+
+
+@dataclass(frozen=True)
+class PartResult:
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class ReconcileStats:
+    reconciles: int = 0
+    failures: int = 0
+    last_duration: float = 0.0
+    total_duration: float = 0.0
+    rule_applies: int = 0
+
+
+@dataclass
+class Applied:
+    """What the agent last applied successfully (to skip no-op work and to order Secret writes)."""
+
+    rules: RuleSet | None = None
+    forwarding: tuple[bool, bool] = (False, False)
+    rules_error: str = ""
+
+
+class Reconciler:
+    """Holds the agent's state value and converges the data path to it."""
+
+    def __init__(self, settings: Settings, firewall, *, rules_file: str | None = None,
+                 ensure_forwarding: Callable[[bool, bool], None] | None = None,
+                 on_converged: Callable[["Reconciler", Desired], Awaitable[None]] | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.settings = settings
+        self.firewall = firewall
+        self.rules_file = rules_file
+        self.ensure_forwarding = ensure_forwarding
+        self.on_converged = on_converged
+        self.clock = clock
+        self.node = NodeState()
+        self.dns = DNSAnswer()
+        self.desired: Desired | None = None
+        self.applied = Applied()
+        self.stats = ReconcileStats()
+        self.heartbeat = clock()
+        self._dirty = asyncio.Event()
+        self._force = False
+
+    # -- events ----------------------------------------------------------------------------------------
+    def set_node(self, node: NodeState) -> None:
+        if node != self.node:
+            self.node = node
+            self._dirty.set()
+
+    def set_dns(self, answer: DNSAnswer) -> None:
+        if answer != self.dns:
+            self.dns = answer
+            self._dirty.set()
+
+    def poke(self, force: bool = False) -> None:
+        """Ask for a reconcile; `force` re-applies even parts that look unchanged (drift repair)."""
+        self._force = self._force or force
+        self._dirty.set()
+
+    # -- the loop --------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        ticker = asyncio.create_task(self._tick())
+        try:
+            while True:
+                await self._dirty.wait()
+                self._dirty.clear()
+                force, self._force = self._force, False
+                await self.reconcile_once(force=force)
+        finally:
+            ticker.cancel()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(RESYNC_INTERVAL)
+            self.poke(force=True)
+
+    async def reconcile_once(self, *, force: bool = False) -> Desired:
+        start = time.monotonic()
+        self.heartbeat = self.clock()
+        want = desired_mod.compute(self.settings, self.node, self.dns)
+        self.desired = want
+        ok = await self._converge_rules(want, force)
+        self.stats.reconciles += 1
+        if not ok:
+            self.stats.failures += 1
+        if self.on_converged is not None:
+            await self.on_converged(self, want)
+        self.stats.last_duration = time.monotonic() - start
+        self.stats.total_duration += self.stats.last_duration
+        return want
+
+    async def _converge_rules(self, want: Desired, force: bool) -> bool:
+        if self.firewall is None:
+            return True
+        try:
+            if self.ensure_forwarding is not None and want.forwarding != self.applied.forwarding \
+                    and any(want.forwarding):
+                await asyncio.to_thread(self.ensure_forwarding, *want.forwarding)
+                self.applied.forwarding = want.forwarding
+            if force or want.rules != self.applied.rules:
+                if want.rules != self.applied.rules:
+                    log.info("Applying rules: %s", describe(want.rules))
+                await asyncio.to_thread(self.firewall.apply, want.rules)
+                self.stats.rule_applies += 1
+                self.applied.rules = want.rules
+                self._write_rules_file(want.rules)
+            self.applied.rules_error = ""
+            return True
+        except Exception as e:  # an adapter failure must not stop the loop: report it and retry on the next tick
+            msg = f"failed to apply firewall rules: {e}"
+            if msg != self.applied.rules_error:
+                log.error("%s (will retry)", msg)
+            self.applied.rules_error = msg
+            return False
+
+    def rules_installed_for(self, want: Desired) -> bool:
+        return self.applied.rules == want.rules and not self.applied.rules_error
+
+    def _write_rules_file(self, rules: RuleSet) -> None:
+        """Publish the desired rule set for `containerboot rules` (debugging view)."""
+        if not self.rules_file:
+            return
+        tmp = f"{self.rules_file}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(rules.to_json(), f, indent=1)
+            os.replace(tmp, self.rules_file)
+        except OSError as e:
+            log.debug("could not write %s: %s", self.rules_file, e)
+
+
+def describe(rules: RuleSet) -> str:
+    parts = [f"DNAT {d.original_dst} -> {', '.join(map(str, d.targets))}" for d in rules.dnats]
+    parts += [f"egress -> {e.target} (SNAT {e.snat_source})" for e in rules.egress]
+    if rules.port_maps:
+        parts.append(f"{len(rules.port_maps)} egress service port maps")
+    return "; ".join(parts) or "none"
+

@@ -1,0 +1,41 @@
+"""`containerboot rules`: show what the agent wants and what is in the kernel, side by side.
+
+Run it in the agent's network namespace (in a Pod: `kubectl exec <pod> -- containerboot rules`; locally:
+`ip netns exec <ns> containerboot rules --socket <path>`). The desired rule set is the one the running agent
+last applied, read from the file it keeps next to its LocalAPI socket.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="containerboot rules", description=__doc__.splitlines()[0])
+    p.add_argument("--socket", default=os.environ.get("TS_SOCKET") or "/tmp/tailscaled.sock",
+                   help="the agent's TS_SOCKET (its rules file lives next to it)")
+    p.add_argument("--mode", default=os.environ.get("TS_DEBUG_FIREWALL_MODE", ""),
+                   help="firewall backend: nftables, iptables or auto (default: as the agent detects)")
+    args = p.parse_args(argv)
+    from netfilter.backend import open_backend
+    from netfilter.model import RuleSet
+
+    backend = open_backend(args.mode)
+    path = os.path.join(os.path.dirname(args.socket) or ".", "containerboot-rules.json")
+    print(f"# backend: {backend.name}")
+    try:
+        with open(path) as f:
+            desired = RuleSet.from_json(json.load(f))
+        print(f"# desired (from {path}):")
+        print(backend.render(desired).rstrip() or "(nothing)")
+    except FileNotFoundError:
+        print(f"# desired: no agent rules file at {path} (is the agent running with this TS_SOCKET?)")
+    print("# installed:")
+    print(backend.installed().rstrip() or "(nothing)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

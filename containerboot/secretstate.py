@@ -1,0 +1,166 @@
+"""The state Secret contract (spec 4.13) as pure functions: what to write, and how to read what is there.
+
+Every ``*_patch`` function returns ``dict[str, bytes | None]`` for ``KubeClient.patch_secret`` (a strategic
+merge patch: ``None`` deletes the key). Nothing here does I/O, so every key's value in every phase (first boot,
+restart, reissue request and clear, shutdown consistency) is unit-tested directly.
+
+Differences from upstream, on purpose:
+* ``boot_reset_patch`` also works when the Secret does not exist yet, so ``tailscale_capver`` and ``pod_uid`` are
+  written on a first boot too (upstream skips them until the next restart, spec defect 13).
+* ``is_consistent`` accepts several ``profile-*`` keys when ``_current-profile`` names one that is present
+  (upstream waits out the whole shutdown budget whenever there is more than one profile, defect 18).
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+from typing import Any, Iterable, Mapping
+
+# Keys written by the agent.
+KEY_CAPVER = "tailscale_capver"
+KEY_POD_UID = "pod_uid"
+KEY_HTTPS_ENDPOINT = "https_endpoint"
+KEY_EGRESS_SERVICES = "egress-services"
+KEY_INGRESS_CONFIG = "ingress-config.json"
+KEY_DEVICE_ID = "device_id"
+KEY_DEVICE_FQDN = "device_fqdn"
+KEY_DEVICE_IPS = "device_ips"
+KEY_REISSUE_AUTHKEY = "reissue_authkey"
+# Written by the user or the operator, read (and in AuthOnce mode deleted) by the agent.
+KEY_AUTHKEY = "authkey"
+# Written by tailscaled's kube state store.
+KEY_MACHINE_KEY = "_machinekey"
+KEY_PROFILES = "_profiles"
+KEY_CURRENT_PROFILE = "_current-profile"
+PROFILE_PREFIX = "profile-"
+
+NO_HTTPS = "no-https"
+
+Patch = dict[str, "bytes | None"]
+
+
+def boot_reset_patch(existing: Mapping[str, bytes] | None, *, capver: int | str | None, pod_uid: str,
+                     config_authkey: str) -> Patch:
+    """The patch that clears the previous run's agent state at boot.
+
+    existing is the Secret's data, or None when the Secret does not exist yet. In that case the result holds
+    only values to set (no deletions), so the agent can use it to create the Secret, or to patch it if
+    tailscaled created it in the meantime. device_id/device_fqdn/device_ips are kept so that the operator can
+    still clean up the old device; tailscaled's own keys are never touched.
+    capver None (unknown) deletes a stale tailscale_capver rather than keep a possibly wrong one.
+    """
+    patch: Patch = {KEY_CAPVER: None if capver is None else str(int(capver)).encode()}
+    if pod_uid:
+        patch[KEY_POD_UID] = pod_uid.encode()
+    if existing is None:
+        return {k: v for k, v in patch.items() if v is not None}
+    for k in (KEY_HTTPS_ENDPOINT, KEY_EGRESS_SERVICES, KEY_INGRESS_CONFIG):
+        patch[k] = None
+    # Clear the reissue request only once the operator has acted on it: the config now holds a different key.
+    old = existing.get(KEY_REISSUE_AUTHKEY)
+    if old is not None and config_authkey and old != config_authkey.encode():
+        patch[KEY_REISSUE_AUTHKEY] = None
+    if KEY_CAPVER not in existing and capver is None:
+        del patch[KEY_CAPVER]
+    return patch
+
+
+def _stable_id(node: Any) -> str:
+    if isinstance(node, str):
+        return node
+    return str(getattr(node, "stable_id"))
+
+
+def device_id_patch(node: Any) -> Patch:
+    """device_id = the node's StableID. node is a state.Node (or anything with stable_id) or the ID string."""
+    return {KEY_DEVICE_ID: _stable_id(node).encode()}
+
+
+def _bare_ip(a: Any) -> str:
+    if isinstance(a, (ipaddress.IPv4Address, ipaddress.IPv6Address)):
+        return str(a)
+    if isinstance(a, (ipaddress.IPv4Network, ipaddress.IPv6Network)):
+        return str(a.network_address)
+    if isinstance(a, (ipaddress.IPv4Interface, ipaddress.IPv6Interface)):
+        return str(a.ip)
+    return str(ipaddress.ip_interface(str(a)).ip)
+
+
+def format_device_ips(ips: Iterable[Any] | None) -> bytes:
+    """JSON array of addresses without prefix length, in the given order; null when there are none (as upstream)."""
+    out = [_bare_ip(a) for a in (ips or ())]
+    return json.dumps(out if out else None, separators=(",", ":")).encode()
+
+
+def format_device_fqdn(fqdn: str) -> bytes:
+    """The MagicDNS name with exactly one trailing dot ("" stays "")."""
+    fqdn = fqdn.strip()
+    if fqdn and not fqdn.endswith("."):
+        fqdn += "."
+    return fqdn.encode()
+
+
+def device_endpoints_patch(fqdn: str, ips: Iterable[Any] | None) -> Patch:
+    """device_fqdn and device_ips, written together after routing is in place."""
+    return {KEY_DEVICE_FQDN: format_device_fqdn(fqdn), KEY_DEVICE_IPS: format_device_ips(ips)}
+
+
+def https_endpoint_patch(value: str | None) -> Patch:
+    """https_endpoint = the cert domain without trailing dot, or "no-https"; None deletes it."""
+    if value is None:
+        return {KEY_HTTPS_ENDPOINT: None}
+    return {KEY_HTTPS_ENDPOINT: (value.rstrip(".") or NO_HTTPS).encode()}
+
+
+def is_consistent(data: Mapping[str, bytes] | None) -> bool:
+    """Whether tailscaled's state in the Secret looks complete, so that it is safe to stop tailscaled.
+
+    Consistent: none of tailscaled's keys (never logged in), or _machinekey, _profiles and _current-profile
+    all present together with the profile they point at. When _current-profile is empty or does not name a
+    profile-* key, fall back to upstream's rule: exactly one profile-* key.
+    """
+    data = data or {}
+    profiles = [k for k in data if k.startswith(PROFILE_PREFIX)]
+    core = [k in data for k in (KEY_CURRENT_PROFILE, KEY_PROFILES, KEY_MACHINE_KEY)]
+    if not any(core) and not profiles:
+        return True
+    if not all(core) or not profiles:
+        return False
+    current = data[KEY_CURRENT_PROFILE].decode(errors="replace").strip()
+    if current.startswith(PROFILE_PREFIX):
+        return current in data
+    return len(profiles) == 1
+
+
+def reissue_request_patch(old_key: str) -> Patch:
+    """Ask the operator for a new auth key: reissue_authkey = the key that failed (may be "", as upstream)."""
+    return {KEY_REISSUE_AUTHKEY: old_key.encode()}
+
+
+def reissue_clear_patch(data: Mapping[str, bytes] | None) -> Patch:
+    """After a new key arrived: drop the request, the stale device identity and tailscaled's login state."""
+    patch: Patch = {k: None for k in (KEY_REISSUE_AUTHKEY, KEY_DEVICE_ID, KEY_DEVICE_FQDN, KEY_DEVICE_IPS,
+                                      KEY_MACHINE_KEY, KEY_CURRENT_PROFILE, KEY_PROFILES)}
+    current = (data or {}).get(KEY_CURRENT_PROFILE)
+    if current:
+        name = current.decode(errors="replace").strip()
+        if name:
+            patch[name] = None
+    return patch
+
+
+def reissue_needs_clear(data: Mapping[str, bytes] | None, config_authkey: str) -> bool:
+    """True if a reissue was requested and the config now carries a different (new) key."""
+    old = (data or {}).get(KEY_REISSUE_AUTHKEY)
+    return old is not None and bool(config_authkey) and old != config_authkey.encode()
+
+
+def authkey_from_secret(data: Mapping[str, bytes] | None) -> str:
+    """The auth key a user or the operator put in the Secret ("" if none). Whitespace is trimmed."""
+    raw = (data or {}).get(KEY_AUTHKEY)
+    return raw.decode(errors="replace").strip() if raw else ""
+
+
+def delete_authkey_ops() -> list[dict]:
+    """JSON patch that removes the authkey after login (AuthOnce); a 422 answer means it was already gone."""
+    return [{"op": "remove", "path": "/data/" + KEY_AUTHKEY}]

@@ -1,0 +1,162 @@
+"""A snapshot of what the agent knows and has done, and the probe verdicts derived from it.
+
+Pure module: no I/O, no clock reads (callers pass `now`). The agent builds a new `AgentStatus` after every
+reconcile; `containerboot.endpoints` serves it. All timestamps are Unix time in seconds (`time.time()`).
+
+Three different questions, deliberately kept apart (upstream has only the first):
+
+* `healthy()` -- upstream's `/healthz` meaning: the node has at least one tailnet IP.
+* `live(now)`  -- the agent's loop is not stuck: its heartbeat is recent. A failing liveness probe restarts
+  the container, so it must not depend on anything outside the process (control plane, DNS, tailscaled).
+* `ready(now)` -- traffic sent to this Pod will flow: tailscaled is Running, every configured target has its
+  forwarding rules installed, the serve config is applied and its certificates exist. Control-plane freshness
+  (netmap age) is exposed but never gates readiness: an outage of the coordination server does not stop
+  existing tunnels, and failing readiness fleet-wide then would only make things worse.
+
+Counters: `AgentStatus.counters` maps Prometheus sample keys (`name` or `name{label="v",...}`, built with
+`sample_key`) to values; the metrics endpoint renders them.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = ["TargetStatus", "ServeStatus", "AgentStatus", "sample_key", "escape_label_value"]
+
+
+def escape_label_value(v: str) -> str:
+    """Escape a Prometheus label value (backslash, double quote, newline)."""
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def sample_key(name: str, **labels: str) -> str:
+    """The counters key for one sample: `name{a="x",b="y"}` (labels sorted), or `name` without labels."""
+    if not labels:
+        return name
+    inner = ",".join(f'{k}="{escape_label_value(str(v))}"' for k, v in sorted(labels.items()))
+    return f"{name}{{{inner}}}"
+
+
+@dataclass(frozen=True)
+class TargetStatus:
+    """One forwarding target (e.g. TS_DEST_IP, TS_TAILNET_TARGET_FQDN, one egress/ingress service)."""
+
+    name: str
+    kind: str                          # e.g. "dest-ip", "dest-dns-name", "tailnet-target-fqdn", "egress-service"
+    resolved: tuple[str, ...] = ()     # the backend IPs currently used
+    rules_installed: bool = False      # the kernel has the rules for the current `resolved` set
+    last_error: str = ""
+    updated_at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "resolved": list(self.resolved),
+                "rules_installed": self.rules_installed, "last_error": self.last_error,
+                "updated_at": _num(self.updated_at)}
+
+
+@dataclass(frozen=True)
+class ServeStatus:
+    """State of the serve config path (only present when TS_SERVE_CONFIG is set)."""
+
+    applied: bool = False              # the desired (or last good) config is in force in tailscaled
+    last_error: str = ""               # e.g. the validation error of a bad file; the last good config stays
+    cert_required: bool = False        # the config has HTTPS / TerminateTLS endpoints
+    cert_ready: bool = False           # every needed certificate has been obtained
+    https_endpoint: str = ""           # cert domain or "no-https" ("" before the first config)
+    advertised: tuple[str, ...] = ()   # Tailscale Services currently advertised by the agent
+
+    def to_json(self) -> dict[str, Any]:
+        return {"applied": self.applied, "last_error": self.last_error, "cert_required": self.cert_required,
+                "cert_ready": self.cert_ready, "https_endpoint": self.https_endpoint,
+                "advertised": list(self.advertised)}
+
+
+@dataclass(frozen=True)
+class AgentStatus:
+    """Everything the probes and /status need, as of one moment."""
+
+    backend_state: str = "NoState"
+    tailnet_ips: tuple[str, ...] = ()
+    targets: tuple[TargetStatus, ...] = ()
+    serve: ServeStatus | None = None
+    netmap_seen_at: float | None = None       # when the last netmap-bearing notification arrived
+    started_at: float = 0.0
+    last_reconcile_at: float | None = None
+    loop_heartbeat_at: float | None = None
+    counters: Mapping[str, float] = field(default_factory=dict)
+    startup_complete: bool = False
+
+    def __post_init__(self) -> None:
+        # Copy and freeze so that the agent mutating its own counters dict later cannot change a snapshot.
+        object.__setattr__(self, "counters", MappingProxyType(dict(self.counters)))
+        object.__setattr__(self, "targets", tuple(self.targets))
+        object.__setattr__(self, "tailnet_ips", tuple(str(ip) for ip in self.tailnet_ips))
+
+    def netmap_age_s(self, now: float) -> float | None:
+        """Seconds since the last netmap; None if none was seen yet."""
+        if self.netmap_seen_at is None:
+            return None
+        return max(0.0, now - self.netmap_seen_at)
+
+    def healthy(self) -> bool:
+        """Upstream's /healthz: the node has at least one Tailscale IP."""
+        return bool(self.tailnet_ips)
+
+    def live(self, now: float, max_stall: float = 30.0) -> bool:
+        """The agent loop has beaten within `max_stall` seconds (counting from start before the first beat)."""
+        return self.stall_s(now) <= max_stall
+
+    def stall_s(self, now: float) -> float:
+        last = self.loop_heartbeat_at if self.loop_heartbeat_at is not None else self.started_at
+        return max(0.0, now - last)
+
+    def ready(self, now: float, max_stall: float = 30.0) -> tuple[bool, list[str]]:
+        """(ready, reasons it is not). Reasons are short human-readable lines, one per problem."""
+        reasons: list[str] = []
+        if self.backend_state != "Running":
+            reasons.append(f"tailscaled backend state is {self.backend_state}, not Running")
+        elif not self.tailnet_ips:
+            reasons.append("node has no tailnet IPs yet")
+        if not self.live(now, max_stall):
+            reasons.append(f"agent loop stalled for {self.stall_s(now):.0f}s")
+        for t in self.targets:
+            if not t.rules_installed:
+                why = f": {t.last_error}" if t.last_error else ""
+                reasons.append(f"target {t.name} ({t.kind}): forwarding rules not installed{why}")
+        if self.serve is not None:
+            s = self.serve
+            if not s.applied:
+                why = f": {s.last_error}" if s.last_error else ""
+                reasons.append(f"serve config not applied{why}")
+            if s.cert_required and not s.cert_ready:
+                reasons.append("serve config needs a TLS certificate that has not been issued yet")
+        return (not reasons, reasons)
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        ok, reasons = self.ready(now)
+        return {
+            "ready": ok,
+            "not_ready_reasons": reasons,
+            "healthy": self.healthy(),
+            "live": self.live(now),
+            "startup_complete": self.startup_complete,
+            "backend_state": self.backend_state,
+            "tailnet_ips": list(self.tailnet_ips),
+            "netmap_age_s": _num(self.netmap_age_s(now)),
+            "started_at": _num(self.started_at),
+            "last_reconcile_at": _num(self.last_reconcile_at),
+            "loop_heartbeat_at": _num(self.loop_heartbeat_at),
+            "targets": [t.to_json() for t in self.targets],
+            "serve": self.serve.to_json() if self.serve is not None else None,
+            "counters": {k: _num(v) for k, v in sorted(self.counters.items())},
+        }
+
+
+def _num(v: float | None) -> float | None:
+    """JSON has no NaN/inf: map them to null so /status is always strict JSON."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return None
+    return v

@@ -1,0 +1,118 @@
+"""Demo: a proxy Pod's agent exposing a backend to the tailnet, in an island of network namespaces.
+
+    sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
+
+Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
+namespace with TS_DEST_IP=<backend IPv4>, prints the proxy's tailnet IPs and the result of curl from the
+client through the proxy (IPv4; for the Python agent also IPv6), then waits for Ctrl-C (or exits at once
+with --once) and tears everything down. Exit status: 0 if every curl that was expected to work worked.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+from labtools.lab import Lab, LabError, ensure_binaries, wait_until
+
+STARTUP = "Startup complete, waiting for shutdown signal"
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _curl_through(lab: Lab, ip: str, marker: str, tag: str, timeout: float) -> tuple[bool, str, float]:
+    t0 = time.monotonic()
+    path = f"/demo-{tag}"
+    try:
+        body = lab.wait_curl("client", lab.url(ip, 8080, path), marker, timeout=timeout, per_try=2)
+        peers = [r["peer"] for r in lab.http_peer_log("backend", 8080) if r["path"] == path]
+        return True, body.strip().replace("\n", " | ") + f"  (backend saw peer {peers[-1] if peers else '?'})", \
+            time.monotonic() - t0
+    except TimeoutError as e:
+        return False, str(e), time.monotonic() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m labtools.demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--agent", choices=("python", "upstream"), default="python")
+    ap.add_argument("--firewall", choices=("nftables", "iptables"), default="nftables")
+    ap.add_argument("--once", action="store_true", help="exit after printing instead of waiting for Ctrl-C")
+    ap.add_argument("--timeout", type=float, default=90, help="seconds to wait for the agent to be Running")
+    ap.add_argument("--diagnostics", action="store_true", help="print lab diagnostics at the end")
+    a = ap.parse_args(argv)
+
+    # SIGTERM behaves like Ctrl-C: unwind through the context manager, which tears the lab down.
+    def _term(*_: object) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, _term)
+
+    ok = True
+    t_all = time.monotonic()
+    try:
+        t0 = time.monotonic()
+        bin_dir = ensure_binaries()
+        _say(f"binaries: {bin_dir} ({time.monotonic() - t0:.1f}s)")
+        t0 = time.monotonic()
+        with Lab.create(bin_dir=bin_dir, firewall_mode=a.firewall) as lab:
+            _say(f"lab {lab.prefix} up in {time.monotonic() - t0:.1f}s "
+                 f"(topology {lab.timings['topology']:.1f}s, headscale {lab.timings['headscale']:.1f}s, "
+                 f"client node {lab.timings['client_node']:.1f}s); run dir {lab.run_dir}")
+            c4, c6 = lab.tailnet_ips("client")
+            _say(f"client tailnet IPs: {c4} {c6}")
+            marker = f"backend-ok-{lab.prefix}"
+            lab.start_http_server("backend", None, 8080, marker)
+            _say(f"backend HTTP server on {lab.backend_ipv4}:8080 and [{lab.backend_ipv6}]:8080")
+
+            cmd = [str(bin_dir / "containerboot")] if a.agent == "upstream" else [sys.executable, "-m", "containerboot"]
+            env = {"TS_DEST_IP": lab.backend_ipv4, "TS_DEBUG_FIREWALL_MODE": a.firewall}
+            t0 = time.monotonic()
+            agent = lab.start_agent(env, cmd)
+            _say(f"agent ({a.agent}, firewall {a.firewall}) started: pid {agent.pid}, log {agent.log_path}")
+            try:
+                agent.wait_running(a.timeout)
+                t_run = time.monotonic() - t0
+                p4, p6 = agent.tailnet_ips()
+                _say(f"proxy is Running after {t_run:.1f}s; tailnet IPs: {p4} {p6}")
+                try:
+                    agent.wait_for_log(STARTUP, 30)
+                    _say(f"agent logged '{STARTUP}' after {time.monotonic() - t0:.1f}s")
+                except (TimeoutError, LabError) as e:
+                    _say(f"agent did not log '{STARTUP}': {e}")
+                    ok = False
+                lab.wait_peer("client", agent.hostname, 30)
+                families = [("IPv4", p4)] + ([("IPv6", p6)] if a.agent == "python" and p6 else [])
+                for fam, ip in families:
+                    good, text, dt = _curl_through(lab, ip, marker, fam.lower(), 30)
+                    ok &= good
+                    _say(f"curl client -> {lab.url(ip, 8080)} ({fam}): {'OK' if good else 'FAILED'} "
+                         f"in {dt:.1f}s: {text}")
+            except (TimeoutError, LabError) as e:
+                ok = False
+                _say(f"agent did not come up: {e}\n--- agent log tail ---\n{agent.log_text()[-4000:]}")
+            if a.diagnostics or not ok:
+                _say(lab.dump_diagnostics())
+            if not a.once:
+                _say("lab is up; press Ctrl-C to tear it down")
+                while agent.running():
+                    time.sleep(0.5)
+                _say(f"agent exited by itself (rc={agent.returncode})")
+            t0 = time.monotonic()
+            rc = agent.stop()
+            left = lab.wait_ns_empty("proxy", 15)
+            _say(f"agent stopped (rc={rc}) in {time.monotonic() - t0:.1f}s; processes left in proxy ns: {left}")
+            ok &= not left
+    except KeyboardInterrupt:
+        _say("\ninterrupted; lab torn down")
+    except LabError as e:
+        _say(f"lab error: {e}")
+        return 2
+    _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

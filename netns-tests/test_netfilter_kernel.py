@@ -1,0 +1,412 @@
+"""netfilter backends against real kernels, each test in its own throw-away network namespace (root only).
+
+Every test creates `cbnf-<random>` with `ip netns add` and deletes it in a finalizer. The package is driven
+through `python -m netfilter.cli` run with `ip netns exec`, i.e. the same `Backend.apply/installed/cleanup`
+code path the agent uses. Backends: nftables, iptables (legacy x_tables) and iptables (nf_tables flavour).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from netfilter.model import Dnat, EgressForward, PortMatch, RuleSet, ServiceDnat, ServicePortMap
+
+pytestmark = pytest.mark.netns
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+if os.geteuid() != 0 or shutil.which("ip") is None:
+    pytest.skip("needs root and iproute2 (network namespaces)", allow_module_level=True)
+
+TS = {4: "100.64.0.5", 6: "fd7a:115c:a1e0::5"}
+BACKEND = {4: ("10.0.0.1", "10.0.0.2"), 6: ("fd00::1", "fd00::2")}
+TARGET = {4: ("100.99.99.99", "100.99.99.98"), 6: ("fd7a:115c:a1e0::99", "fd7a:115c:a1e0::98")}
+VIP = {4: ("100.100.1.1", "10.96.0.10"), 6: ("fd7a:115c:a1e0::1", "fd00:96::10")}
+POD = {4: "10.1.2.3", 6: "fd00:10::3"}
+EXEMPT = (PortMatch("udp", 41641), PortMatch("tcp", 9002))
+
+# (mode, iptables variant)
+BACKENDS = {"nftables": ("nftables", ""), "iptables-legacy": ("iptables", "legacy"),
+            "iptables-nft": ("iptables", "nft")}
+
+
+class NS:
+    def __init__(self) -> None:
+        self.name = f"cbnf-{secrets.token_hex(4)}"
+        subprocess.run(["ip", "netns", "add", self.name], check=True, capture_output=True, timeout=30)
+        self.run("ip", "link", "set", "lo", "up")
+
+    def close(self) -> None:
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+
+    def run(self, *argv: str, input: str | None = None, check: bool = True, env: dict | None = None
+            ) -> subprocess.CompletedProcess:
+        p = subprocess.run(["ip", "netns", "exec", self.name, *argv], input=input, capture_output=True,
+                           text=True, timeout=120, env=env, cwd=REPO)
+        if check and p.returncode != 0:
+            raise AssertionError(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+        return p
+
+    def py(self, code: str, env: dict | None = None) -> str:
+        return self.run(PY, "-c", code, env=env).stdout
+
+
+@pytest.fixture
+def ns():
+    n = NS()
+    yield n
+    n.close()
+
+
+class Agent:
+    def __init__(self, ns: NS, backend: str, tmp_path) -> None:
+        self.ns, self.tmp, self.n = ns, tmp_path, 0
+        self.mode, self.variant = BACKENDS[backend]
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        extra = ["--variant", self.variant] if self.variant else []
+        return self.ns.run(PY, "-m", "netfilter.cli", *args, "--mode", self.mode, *extra, check=check)
+
+    def _file(self, rules: RuleSet) -> str:
+        self.n += 1
+        path = self.tmp / f"rules{self.n}.json"
+        path.write_text(rules.to_json())
+        return str(path)
+
+    def apply(self, rules: RuleSet) -> None:
+        self.cli("apply", self._file(rules))
+
+    def render(self, rules: RuleSet) -> str:
+        return self.cli("render", self._file(rules)).stdout
+
+    def installed(self) -> str:
+        return self.cli("installed").stdout
+
+    def cleanup(self) -> None:
+        self.cli("cleanup")
+
+    def raw(self) -> str:
+        """Everything in the namespace's firewall, as the plain tools show it."""
+        if self.mode == "nftables":
+            return self.ns.run("nft", "list", "ruleset").stdout
+        out = ""
+        for b in (f"iptables-{self.variant}-save", f"ip6tables-{self.variant}-save"):
+            out += "\n".join(ln for ln in self.ns.run(b).stdout.splitlines() if not ln.startswith("#")) + "\n"
+        return out
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def agent(request, ns, tmp_path) -> Agent:
+    return Agent(ns, request.param, tmp_path)
+
+
+@pytest.fixture(params=(4, 6), ids=lambda v: f"ipv{v}")
+def family(request) -> int:
+    return request.param
+
+
+def everything(v: int, target_index: int = 0) -> RuleSet:
+    """One of each operation for family v (O1/O2 load-balanced, O3, O4 is a Dnat too, O5, O6)."""
+    t = TARGET[v][target_index]
+    return RuleSet(
+        dnats=(Dnat(TS[v], BACKEND[v]), Dnat(POD[v], (TS[v],))),
+        egress=(EgressForward(t, TS[v], EXEMPT),),
+        port_maps=(ServicePortMap("default-mysvc", "TCP", 10001, 5432, t, TS[v]),
+                   ServicePortMap("default-dns", "UDP", 10002, 53, t, TS[v])),
+        service_dnats=(ServiceDnat("svc:web", *VIP[v]),),
+        clamp_mss=True)
+
+
+# ====================================================================================================== tests
+
+def test_apply_three_times_is_byte_identical_and_matches_render(agent, family):
+    rules = everything(family)
+    agent.apply(rules)
+    first = agent.installed()
+    raw_first = agent.raw()
+    assert first and first == agent.render(rules)
+    for _ in range(2):
+        agent.apply(rules)
+        assert agent.installed() == first
+    assert agent.raw() == raw_first           # not even counters or positions moved
+    if agent.mode == "iptables":
+        assert first.count("-A PREROUTING -j CB-PREROUTING") == 1
+        assert first.count("TCPMSS") == 2
+    else:
+        assert first.count("tcp option maxseg size set rt mtu") == 2
+
+
+def test_both_families_at_once(agent):
+    rules = RuleSet(dnats=everything(4).dnats + everything(6).dnats, clamp_mss=True)
+    agent.apply(rules)
+    out = agent.installed()
+    assert out == agent.render(rules)
+    assert TS[4] in out and TS[6] in out
+    agent.cleanup()
+    assert agent.installed() == ""
+
+
+def test_changing_a_target_removes_every_old_rule(agent, family):
+    agent.apply(everything(family, 0))
+    agent.apply(everything(family, 1))
+    out, raw = agent.installed(), agent.raw()
+    assert out == agent.render(everything(family, 1))
+    old = TARGET[family][0]
+    assert old not in raw
+    assert TARGET[family][1] in raw
+    # a smaller rule set shrinks the installed state
+    small = RuleSet(dnats=(Dnat(TS[family], (BACKEND[family][0],)),))
+    agent.apply(small)
+    assert agent.installed() == agent.render(small)
+    assert TARGET[family][1] not in agent.raw()
+
+
+NFT_FOREIGN = """
+table ip other {
+	chain prerouting {
+		type nat hook prerouting priority dstnat; policy accept;
+		ip daddr 10.9.9.9 dnat to 10.8.8.8
+	}
+}
+table ip filter {
+	chain FORWARD {
+		type filter hook forward priority filter; policy accept;
+		counter jump ts-forward
+	}
+
+	chain ts-forward {
+		iifname "tailscale0*" counter meta mark set meta mark & 0xff00ffff | 0x00040000
+		oifname "tailscale0*" counter accept
+	}
+}
+table ip6 nat {
+	chain POSTROUTING {
+		type nat hook postrouting priority srcnat; policy accept;
+		counter jump ts-postrouting
+	}
+
+	chain ts-postrouting {
+		meta mark & 0x00ff0000 == 0x00040000 counter masquerade
+	}
+}
+"""
+
+
+def _ipt_foreign(agent: Agent) -> None:
+    v = agent.variant
+    for fam, tool in ((4, f"iptables-{v}-restore"), (6, f"ip6tables-{v}-restore")):
+        dst = "10.9.9.9/32" if fam == 4 else "fd00:9::9/128"
+        to = "10.8.8.8" if fam == 4 else "fd00:8::8"
+        agent.ns.run(tool, "--noflush", input=(
+            "*nat\n:OTHER - [0:0]\n:ts-postrouting - [0:0]\n"
+            f"-A PREROUTING -d {dst} -j DNAT --to-destination {to}\n"
+            "-A PREROUTING -j OTHER\n"
+            f"-A OTHER -d {dst} -j RETURN\n"
+            "-A POSTROUTING -j ts-postrouting\n"
+            "-A ts-postrouting -m mark --mark 0x40000/0xff0000 -j MASQUERADE\nCOMMIT\n"
+            "*filter\n:ts-forward - [0:0]\n-A FORWARD -j ts-forward\n"
+            "-A ts-forward -i tailscale0 -j MARK --set-xmark 0x40000/0xff0000\nCOMMIT\n"))
+
+
+def _foreign_view(agent: Agent) -> str:
+    """The firewall minus our own objects (and minus counters)."""
+    if agent.mode == "nftables":
+        out = []
+        for fam, table in (("ip", "other"), ("ip", "filter"), ("ip6", "nat")):
+            out.append(agent.ns.run("nft", "list", "table", fam, table).stdout)
+        return "".join(out)
+    lines = []
+    for fam in ("iptables", "ip6tables"):
+        for ln in agent.ns.run(f"{fam}-{agent.variant}-save").stdout.splitlines():
+            if ln.startswith("#") or "CB-" in ln:
+                continue
+            lines.append(ln.split(" [")[0] if ln.startswith(":") else ln)
+    return "\n".join(lines)
+
+
+def test_foreign_tables_and_tailscaled_chains_are_untouched(agent, family):
+    if agent.mode == "nftables":
+        agent.ns.run("nft", "-f", "-", input=NFT_FOREIGN)
+    else:
+        _ipt_foreign(agent)
+    before = _foreign_view(agent)
+    assert "ts-" in before
+    agent.apply(everything(family))
+    assert _foreign_view(agent) == before
+    agent.apply(everything(family, 1))
+    assert _foreign_view(agent) == before
+    agent.cleanup()
+    assert _foreign_view(agent) == before
+    assert agent.installed() == ""
+
+
+def test_our_jump_goes_first_even_after_tailscaled_inserts_its_own(agent):
+    if agent.mode != "iptables":
+        pytest.skip("iptables only: nftables uses its own base chains")
+    rules = everything(4)
+    agent.apply(rules)
+    # tailscaled (AddHooks) inserts its jump at position 1 after us
+    agent.ns.run(f"iptables-{agent.variant}", "-t", "nat", "-N", "ts-postrouting")
+    agent.ns.run(f"iptables-{agent.variant}", "-t", "nat", "-I", "POSTROUTING", "1", "-j", "ts-postrouting")
+    agent.apply(rules)
+    post = [ln for ln in agent.ns.run(f"iptables-{agent.variant}-save", "-t", "nat").stdout.splitlines()
+            if ln.startswith("-A POSTROUTING")]
+    assert post == ["-A POSTROUTING -j CB-POSTROUTING", "-A POSTROUTING -j ts-postrouting"]
+
+
+def test_cleanup_removes_everything_of_ours(agent, family):
+    pristine = agent.raw()
+    agent.apply(everything(family))
+    assert agent.raw() != pristine
+    agent.cleanup()
+    assert agent.installed() == ""
+    raw = agent.raw()
+    assert "containerboot" not in raw and "CB-" not in raw
+    if agent.mode == "nftables":
+        assert raw == pristine
+    agent.cleanup()                            # idempotent
+    assert agent.installed() == ""
+
+
+def test_empty_rule_set_is_cleanup(agent):
+    agent.apply(everything(6))
+    agent.apply(RuleSet(clamp_mss=True))
+    assert agent.installed() == ""
+
+
+def test_many_services_apply_fast_and_exactly(agent):
+    maps = tuple(ServicePortMap(f"ns-svc{i}", "tcp" if i % 2 else "udp", 10000 + i, 80 + i % 7,
+                                f"100.99.{i // 250}.{i % 250 + 1}", TS[4]) for i in range(1000))
+    vips = tuple(ServiceDnat(f"svc:s{i}", f"100.100.{i // 250}.{i % 250 + 1}", f"10.96.{i // 250}.{i % 250 + 1}")
+                 for i in range(300))
+    rules = RuleSet(port_maps=maps, service_dnats=vips, clamp_mss=True)
+    t0 = time.monotonic()
+    agent.apply(rules)
+    elapsed = time.monotonic() - t0
+    out = agent.installed()
+    assert out == agent.render(rules)
+    assert elapsed < 30, f"applying 1300 services took {elapsed:.1f}s"
+    if agent.mode == "nftables":
+        # one lookup rule each for port maps, VIP DNATs and SNATs, however many services
+        assert out.count("dnat") == 2 and out.count("snat") == 1
+    else:
+        assert out.count("-j DNAT") == 1300
+    agent.apply(rules)
+    assert agent.installed() == out
+
+
+def test_ipv6_rules_refused_without_ipv6(ns, tmp_path):
+    """[E11]: no crash and no half-applied state when IPv6 is unusable; IPv4 still works."""
+    ns.run("sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
+    out = ns.py("from netfilter.detect import check_ipv6, ipv6_nat_available\n"
+                "print(check_ipv6()); print(ipv6_nat_available('nftables'), ipv6_nat_available('iptables'))")
+    reason, avail = out.splitlines()
+    assert "disable_ipv6" in reason and avail == "False False"
+    for mode in ("nftables", "iptables"):
+        path = tmp_path / f"{mode}.json"
+        path.write_text(everything(6).to_json())
+        p = ns.run(PY, "-m", "netfilter.cli", "apply", str(path), "--mode", mode, "--no-ipv6", check=False)
+        assert p.returncode == 2 and "IPv6" in p.stderr
+        path.write_text(everything(4).to_json())
+        ns.run(PY, "-m", "netfilter.cli", "apply", str(path), "--mode", mode, "--no-ipv6")
+        ns.run(PY, "-m", "netfilter.cli", "cleanup", "--mode", mode, "--no-ipv6")
+
+
+# ============================================================================================ mode detection
+
+def _legacy_path(tmp_path) -> str:
+    """A $PATH where plain `iptables` is iptables-legacy, like the official image."""
+    d = tmp_path / "bin"
+    d.mkdir(exist_ok=True)
+    for name in ("iptables", "ip6tables", "iptables-save", "ip6tables-save", "iptables-restore",
+                 "ip6tables-restore"):
+        legacy = shutil.which(name.replace("tables", "tables-legacy", 1)) or ""
+        (d / name).symlink_to(legacy)
+    return f"{d}:{os.environ.get('PATH', '')}"
+
+
+def _detect(ns: NS, mode: str, path: str | None = None) -> str:
+    env = dict(os.environ, TS_DEBUG_FIREWALL_MODE=mode)
+    if path is not None:
+        env["PATH"] = path
+    return ns.py("from netfilter.backend import open_backend\n"
+                 "b = open_backend()\n"
+                 "print(b.name, getattr(b, 'variant', '-'))", env=env).strip()
+
+
+def test_auto_picks_nftables_when_only_nftables_holds_rules(ns, tmp_path):
+    ns.run("nft", "-f", "-", input=NFT_FOREIGN)
+    assert _detect(ns, "auto", _legacy_path(tmp_path)) == "nftables -"
+
+
+def test_auto_picks_iptables_when_only_iptables_holds_rules(ns, tmp_path):
+    path = _legacy_path(tmp_path)
+    ns.run("iptables-legacy", "-A", "INPUT", "-s", "10.9.9.9", "-j", "ACCEPT")
+    name, variant = _detect(ns, "auto", path).split()
+    assert name == "iptables" and variant == "legacy"    # and the rules go where the existing ones are
+
+
+def test_auto_prefers_nftables_when_both_or_neither(ns, tmp_path):
+    assert _detect(ns, "auto", _legacy_path(tmp_path)).startswith("nftables")
+    ns.run("iptables-nft", "-A", "INPUT", "-s", "10.9.9.9", "-j", "ACCEPT")   # counts for both
+    assert _detect(ns, "auto").startswith("nftables")
+
+
+def test_default_and_explicit_modes(ns, tmp_path):
+    assert _detect(ns, "").startswith("iptables")           # iptables binary present
+    assert _detect(ns, "nftables").startswith("nftables")
+    assert _detect(ns, "iptables").startswith("iptables")
+    assert _detect(ns, "NFTABLES").startswith("iptables")   # unknown values mean iptables, like upstream
+    nobin = tmp_path / "empty"
+    nobin.mkdir()
+    env_path = f"{nobin}:{os.path.dirname(PY)}"
+    assert _detect(ns, "", env_path).startswith("nftables")  # no iptables binary at all
+
+
+def test_auto_mode_end_to_end_keeps_using_the_same_backend(ns, tmp_path):
+    """After the agent applied rules in auto mode, a restarted agent picks the same backend."""
+    env = dict(os.environ, TS_DEBUG_FIREWALL_MODE="auto", PATH=_legacy_path(tmp_path))
+    path = tmp_path / "r.json"
+    path.write_text(everything(4).to_json())
+    ns.run(PY, "-m", "netfilter.cli", "apply", str(path), env=env)
+    first = ns.run(PY, "-m", "netfilter.cli", "installed", env=env).stdout
+    assert first
+    assert _detect(ns, "auto", env["PATH"]).startswith("nftables")   # nothing else held rules: nft preferred
+    ns.run(PY, "-m", "netfilter.cli", "cleanup", env=env)
+
+
+# ================================================================================================== sysctls
+
+def test_ensure_forwarding_in_namespace(ns):
+    out = ns.py(
+        "from netfilter.sysctl import ensure_forwarding, forwarding_enabled\n"
+        "print(forwarding_enabled(4), forwarding_enabled(6))\n"
+        "ensure_forwarding(True, True)\n"
+        "print(forwarding_enabled(4), forwarding_enabled(6))\n")
+    assert out.split() == ["False", "False", "True", "True"]
+    assert ns.run("sysctl", "-n", "net.ipv4.ip_forward").stdout.strip() == "1"
+
+
+def test_ensure_forwarding_read_only_root(tmp_path):
+    from netfilter.sysctl import ForwardingError, ensure_forwarding
+    v4 = tmp_path / "proc/sys/net/ipv4/ip_forward"
+    v6 = tmp_path / "proc/sys/net/ipv6/conf/all/forwarding"
+    v4.parent.mkdir(parents=True)
+    v6.parent.mkdir(parents=True)
+    v4.write_text("1\n")
+    v4.chmod(0o444)
+    ensure_forwarding(True, False, root=str(tmp_path))      # already on: never opened for writing
+    os.chmod(tmp_path / "proc/sys/net/ipv6/conf/all", 0o555)
+    try:
+        with pytest.raises(ForwardingError, match="privileged"):
+            ensure_forwarding(True, True, root=str(tmp_path), in_kubernetes=True)
+    finally:
+        os.chmod(tmp_path / "proc/sys/net/ipv6/conf/all", 0o755)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Idempotent set-up for the demo and the tests: Debian packages, the Python venv, and (with --binaries) the
+# pinned Go-built binaries. Each step is skipped when already done. Progress goes to stderr.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+log() { echo "[setup] $*" >&2; }
+
+want_binaries=0
+[ "${1:-}" = "--binaries" ] && want_binaries=1
+
+# 1. Debian packages the agent and the lab use.
+pkgs=(iproute2 nftables iptables libnftables1 curl dnsmasq-base openssl python3-venv procps)
+missing=()
+for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    log "missing Debian packages ${missing[*]} and not root: install them with apt-get"; exit 1
+  fi
+  log "installing Debian packages: ${missing[*]}"
+  apt-get update -qq >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
+fi
+
+# 2. The venv with the project and its test dependencies (re-installed when pyproject.toml changes).
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  log "creating the Python venv in .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+  log "installing Python packages into .venv"
+  .venv/bin/pip install -q --upgrade pip >&2
+  .venv/bin/pip install -q -e '.[test]' >&2
+  rm -f .venv/.installed-*; touch "$stamp"
+fi
+
+# 3. tailscaled, tailscale, upstream containerboot and headscale, built once into a cache outside the repo.
+if [ $want_binaries = 1 ]; then
+  if command -v go >/dev/null 2>&1; then
+    bash scripts/install-binaries.sh >/dev/null || log "building the binaries failed; the end-to-end tests will be skipped"
+  else
+    log "no Go toolchain: the end-to-end tests will be skipped"
+  fi
+fi

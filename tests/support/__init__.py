@@ -1,0 +1,1 @@
+"""Test support: fakes and servers that honour the real wire contracts (no mocks of our own modules)."""

@@ -1,0 +1,105 @@
+"""The LocalAPI client against the fake tailscaled's unix-socket server."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from containerboot.localapi import FIRST_WATCH_MASK, LocalAPI, LocalAPIError
+
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    sock = str(tmp_path / "ts.sock")
+    env = dict(os.environ, FAKE_TS_DIR=str(tmp_path), FAKE_TS_INITIAL="NeedsLogin")
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "support", "fake_tailscaled.py"),
+                             f"--socket={sock}"], env=env)
+    for _ in range(100):
+        if os.path.exists(sock):
+            break
+        time.sleep(0.05)
+    yield sock, tmp_path
+    proc.terminate()
+    proc.wait(5)
+
+
+def requests(tmp_path):
+    with open(tmp_path / "requests.log") as f:
+        return [json.loads(line) for line in f]
+
+
+async def test_requests_carry_local_host_and_no_referer_or_origin(fake):
+    sock, tmp = fake
+    api = LocalAPI(sock)
+    st = await api.status()
+    assert st["BackendState"] == "NeedsLogin"
+    assert api.capver == 142
+    await api.aclose()
+    (req,) = requests(tmp)
+    assert req["host"] == "local-tailscaled.sock"
+    assert req["referer"] is None and req["origin"] is None
+    assert req["cap"] == "142"
+
+
+async def test_watch_ipn_bus_streams_notifies(fake):
+    sock, _ = fake
+    api = LocalAPI(sock)
+    seen = []
+
+    async def login_later():
+        await asyncio.sleep(0.2)
+        r, w = await asyncio.open_unix_connection(sock)
+        w.write(b"POST /localapi/v0/fake/login HTTP/1.1\r\nHost: local-tailscaled.sock\r\nContent-Length: 0\r\n\r\n")
+        await w.drain()
+        await r.readline()
+        w.close()
+
+    task = asyncio.create_task(login_later())
+    async with asyncio.timeout(10):
+        async for n in api.watch_ipn_bus(FIRST_WATCH_MASK):
+            seen.append(n)
+            if n.get("SelfChange"):
+                break
+    await task
+    assert seen[0]["InitialStatus"]["BackendState"] == "NeedsLogin"
+    assert {"State": 6} in seen
+    assert seen[-1]["SelfChange"]["Addresses"][0] == "100.64.0.5/32"
+    await api.aclose()
+
+
+async def test_serve_config_etag_and_conflict(fake):
+    sock, _ = fake
+    api = LocalAPI(sock)
+    cfg, etag = await api.get_serve_config()
+    assert cfg is None and etag
+    await api.set_serve_config({"TCP": {"80": {"HTTP": True}}}, etag)
+    cfg, etag2 = await api.get_serve_config()
+    assert cfg == {"TCP": {"80": {"HTTP": True}}} and etag2 != etag
+    with pytest.raises(LocalAPIError) as e:
+        await api.set_serve_config({}, etag)  # stale ETag
+    assert e.value.status == 412
+    await api.aclose()
+
+
+async def test_errors_name_the_call_and_status(fake):
+    sock, _ = fake
+    api = LocalAPI(sock)
+    with pytest.raises(LocalAPIError) as e:
+        await api.disconnect_control()
+    assert e.value.status == 404 and "disconnect-control" in str(e.value)
+    await api.aclose()
+
+
+async def test_missing_socket_is_a_transport_error(tmp_path):
+    api = LocalAPI(str(tmp_path / "nope.sock"))
+    with pytest.raises(LocalAPIError) as e:
+        await api.status()
+    assert e.value.status == 0
+    await api.aclose()

@@ -1,0 +1,201 @@
+"""serveconfig.watch: kubelet-style atomic ..data swaps, rewrites, delete/recreate, polling fallback."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from serveconfig import watch as watchmod
+from serveconfig.watch import watch_file
+
+# With inotify working, only events may wake the watcher within a test (the safety resync is far away).
+NO_RESYNC = 3600.0
+
+
+async def nxt(gen, timeout: float = 5.0):
+    return await asyncio.wait_for(gen.__anext__(), timeout)
+
+
+async def nothing_within(gen, seconds: float) -> bool:
+    task = asyncio.ensure_future(gen.__anext__())
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if done:
+        return False
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, StopAsyncIteration):
+        pass
+    return True
+
+
+class Kubelet:
+    """Mimics kubelet's atomic writer for a ConfigMap/Secret volume."""
+
+    def __init__(self, root: Path, key: str = "serve-config"):
+        self.root, self.key, self.n = root, key, 0
+        root.mkdir(parents=True, exist_ok=True)
+
+    def publish(self, content: str) -> None:
+        self.n += 1
+        ts = self.root / f"..2026_11_21_22_00_{self.n:02d}.{self.n:09d}"
+        ts.mkdir()
+        (ts / self.key).write_text(content)
+        old = os.readlink(self.root / "..data") if (self.root / "..data").is_symlink() else None
+        tmp = self.root / "..data_tmp"
+        os.symlink(ts.name, tmp)
+        os.rename(tmp, self.root / "..data")       # the atomic swap
+        link = self.root / self.key
+        if not link.is_symlink():
+            os.symlink(f"..data/{self.key}", link)
+        if old:
+            shutil.rmtree(self.root / old)
+
+    @property
+    def path(self) -> str:
+        return str(self.root / self.key)
+
+
+async def test_kubelet_atomic_symlink_swaps(tmp_path: Path) -> None:
+    k = Kubelet(tmp_path / "vol")
+    k.publish('{"v":1}')
+    gen = watch_file(k.path, resync_interval=NO_RESYNC)
+    try:
+        assert await nxt(gen) == '{"v":1}'
+        k.publish('{"v":2}')
+        assert await nxt(gen) == '{"v":2}'
+        k.publish('{"v":3}')
+        assert await nxt(gen) == '{"v":3}'
+        # Same content republished (kubelet resync with a new dir): no yield.
+        k.publish('{"v":3}')
+        assert await nothing_within(gen, 0.5)
+    finally:
+        await gen.aclose()
+
+
+async def test_plain_rewrite_and_rename_into_place(tmp_path: Path) -> None:
+    p = tmp_path / "serve.json"
+    p.write_text("a")
+    gen = watch_file(str(p), resync_interval=NO_RESYNC)
+    try:
+        assert await nxt(gen) == "a"
+        p.write_text("b")
+        assert await nxt(gen) == "b"
+        tmp = tmp_path / ".serve.json.tmp"
+        tmp.write_text("c")
+        os.replace(tmp, p)
+        assert await nxt(gen) == "c"
+        # Touch without a change: nothing.
+        os.utime(p)
+        assert await nothing_within(gen, 0.4)
+    finally:
+        await gen.aclose()
+
+
+async def test_delete_and_recreate(tmp_path: Path) -> None:
+    p = tmp_path / "serve.json"
+    gen = watch_file(str(p), resync_interval=NO_RESYNC)
+    try:
+        assert await nxt(gen) is None        # starts missing
+        p.write_text("x")
+        assert await nxt(gen) == "x"
+        p.unlink()
+        assert await nxt(gen) is None
+        p.write_text("y")
+        assert await nxt(gen) == "y"
+    finally:
+        await gen.aclose()
+
+
+async def test_forced_polling(tmp_path: Path) -> None:
+    k = Kubelet(tmp_path / "vol")
+    k.publish("1")
+    gen = watch_file(k.path, poll_interval=0.1, force_polling=True)
+    try:
+        assert await nxt(gen) == "1"
+        k.publish("2")
+        assert await nxt(gen, 2) == "2"
+        os.unlink(k.path)
+        assert await nxt(gen, 2) is None
+    finally:
+        await gen.aclose()
+
+
+async def test_falls_back_to_polling_when_inotify_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    def broken(self) -> None:
+        raise OSError(24, "inotify instance limit reached")
+
+    monkeypatch.setattr(watchmod._DirWatch, "start", broken)
+    p = tmp_path / "serve.json"
+    p.write_text("a")
+    caplog.set_level("WARNING", logger="containerboot")
+    gen = watch_file(str(p), poll_interval=0.1, resync_interval=NO_RESYNC)
+    try:
+        assert await nxt(gen) == "a"
+        p.write_text("b")
+        assert await nxt(gen, 2) == "b"
+    finally:
+        await gen.aclose()
+    assert "polling every 0.1s instead" in caplog.text
+
+
+async def test_directory_created_later(tmp_path: Path) -> None:
+    vol = tmp_path / "later"
+    path = str(vol / "serve-config")
+    gen = watch_file(path, poll_interval=0.1, resync_interval=NO_RESYNC)
+    try:
+        assert await nxt(gen) is None
+        k = Kubelet(vol)
+        k.publish("hello")
+        assert await nxt(gen, 2) == "hello"
+        # Now inotify is set up on the new directory: a swap is seen promptly.
+        await asyncio.sleep(0.3)
+        k.publish("again")
+        assert await nxt(gen, 2) == "again"
+    finally:
+        await gen.aclose()
+
+
+async def test_directory_replaced(tmp_path: Path) -> None:
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    (vol / "f").write_text("1")
+    gen = watch_file(str(vol / "f"), poll_interval=0.1, resync_interval=0.2)
+    try:
+        assert await nxt(gen) == "1"
+        shutil.rmtree(vol)
+        assert await nxt(gen) is None
+        vol.mkdir()
+        (vol / "f").write_text("2")
+        assert await nxt(gen) == "2"
+        await asyncio.sleep(0.5)            # the watch has moved to the new directory inode
+        (vol / "f").write_text("3")
+        assert await nxt(gen, 2) == "3"
+    finally:
+        await gen.aclose()
+
+
+async def test_close_stops_observer_thread(tmp_path: Path) -> None:
+    import threading
+
+    from watchdog.observers.api import BaseObserver, EventEmitter
+
+    def watchdog_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if isinstance(t, (BaseObserver, EventEmitter)) and t.is_alive()]
+
+    p = tmp_path / "f"
+    p.write_text("x")
+    before = len(watchdog_threads())
+    gen = watch_file(str(p), resync_interval=NO_RESYNC)
+    assert await nxt(gen) == "x"
+    assert len(watchdog_threads()) > before
+    await gen.aclose()
+    for _ in range(50):
+        if len(watchdog_threads()) <= before:
+            break
+        await asyncio.sleep(0.05)
+    assert len(watchdog_threads()) <= before

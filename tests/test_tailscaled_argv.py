@@ -1,0 +1,66 @@
+"""tailscaled, `tailscale up` and `tailscale set` command lines, with upstream's flags and order."""
+from __future__ import annotations
+
+from containerboot.settings import load
+from containerboot.tailscaled import flag_name, tailscale_set_argv, tailscale_up_argv, tailscaled_argv
+
+
+def s(**env):
+    return load({k: v for k, v in env.items()})
+
+
+def test_tailscaled_defaults():
+    assert tailscaled_argv(s()) == ["tailscaled", "--socket=/tmp/tailscaled.sock", "--state=mem:",
+                                    "--statedir=/tmp", "--tun=userspace-networking"]
+
+
+def test_tailscaled_state_dir_kernel_mode_proxies_and_extra_args():
+    argv = tailscaled_argv(s(TS_STATE_DIR="/var/lib/ts", TS_USERSPACE="false", TS_SOCKS5_SERVER="localhost:1080",
+                             TS_OUTBOUND_HTTP_PROXY_LISTEN="localhost:8080",
+                             TS_TAILSCALED_EXTRA_ARGS="--port=41641  --verbose=1"))
+    assert argv == ["tailscaled", "--socket=/tmp/tailscaled.sock", "--statedir=/var/lib/ts",
+                    "--socks5-server=localhost:1080", "--outbound-http-proxy-listen=localhost:8080",
+                    "--port=41641", "--verbose=1"]
+
+
+def test_tailscaled_kube_state_and_debug_addr():
+    argv = tailscaled_argv(s(KUBERNETES_SERVICE_HOST="10.0.0.1", TS_DEBUG_ADDR_PORT="127.0.0.1:9001"))
+    assert argv[2:4] == ["--state=kube:tailscale", "--statedir=/tmp"]
+    assert argv[-1] == "--debug=127.0.0.1:9001"
+    # not added twice when the extra args already name it
+    argv = tailscaled_argv(s(TS_DEBUG_ADDR_PORT="127.0.0.1:9001",
+                             TS_TAILSCALED_EXTRA_ARGS="--debug=127.0.0.1:9001"))
+    assert argv.count("--debug=127.0.0.1:9001") == 1
+
+
+def test_up_argv_order():
+    argv = tailscale_up_argv(s(TS_AUTHKEY="tskey-key", TS_ROUTES="1.2.3.0/24,10.20.30.0/24"))
+    assert argv == ["tailscale", "--socket=/tmp/tailscaled.sock", "up", "--accept-dns=false",
+                    "--authkey=tskey-key", "--advertise-routes=1.2.3.0/24,10.20.30.0/24"]
+    assert tailscale_up_argv(s(TS_AUTHKEY="tskey-key", TS_ROUTES=""))[-1] == "--advertise-routes="
+    assert tailscale_up_argv(s(TS_HOSTNAME="my-server"))[3:] == ["--accept-dns=false", "--hostname=my-server"]
+    assert tailscale_up_argv(s(TS_EXTRA_ARGS="--accept-dns"))[3:] == ["--accept-dns=true"]
+    assert tailscale_up_argv(s(TS_EXTRA_ARGS="--login-server=http://h:8080 --advertise-exit-node"))[4:] == [
+        "--login-server=http://h:8080", "--advertise-exit-node"]
+
+
+def test_up_argv_oauth():
+    argv = tailscale_up_argv(s(TS_CLIENT_ID="cid", TS_CLIENT_SECRET="sec"))
+    assert argv[4:] == ["--client-id=cid", "--client-secret=sec"]
+
+
+def test_set_argv_reapplies_extra_args_set_accepts():
+    """Upstream drops TS_EXTRA_ARGS with TS_AUTH_ONCE; here `set` gets every flag it accepts."""
+    argv, skipped = tailscale_set_argv(s(TS_AUTH_ONCE="true", TS_HOSTNAME="h", TS_ROUTES="10.0.0.0/8",
+                                         TS_EXTRA_ARGS="--login-server=http://h:8080 --advertise-exit-node "
+                                                       "--timeout 30s --snat-subnet-routes=false"))
+    assert argv == ["tailscale", "--socket=/tmp/tailscaled.sock", "set", "--accept-dns=false",
+                    "--advertise-routes=10.0.0.0/8", "--hostname=h", "--advertise-exit-node",
+                    "--snat-subnet-routes=false"]
+    assert skipped == ["--login-server=http://h:8080", "--timeout", "30s"]
+
+
+def test_flag_name():
+    assert flag_name("--foo=bar") == "foo"
+    assert flag_name("-foo") == "foo"
+    assert flag_name("value") is None
