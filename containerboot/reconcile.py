@@ -8,7 +8,6 @@ notifications coalesce into one reconcile.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -157,7 +156,7 @@ class Reconciler:
         tmp = f"{self.rules_file}.tmp"
         try:
             with open(tmp, "w") as f:
-                json.dump(rules.to_json(), f, indent=1)
+                f.write(rules.to_json())
             os.replace(tmp, self.rules_file)
         except OSError as e:
             log.debug("could not write %s: %s", self.rules_file, e)

@@ -7,7 +7,6 @@ last applied, read from the file it keeps next to its LocalAPI socket.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,7 +26,7 @@ def main(argv: list[str]) -> int:
     print(f"# backend: {backend.name}")
     try:
         with open(path) as f:
-            desired = RuleSet.from_json(json.load(f))
+            desired = RuleSet.from_json(f.read())
         print(f"# desired (from {path}):")
         print(backend.render(desired).rstrip() or "(nothing)")
     except FileNotFoundError:

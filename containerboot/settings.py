@@ -293,7 +293,8 @@ class Setting:
     differs: str = ""
 
 
-_STRICT_BOOL = "A value other than ParseBool's words (1, t, true, 0, f, false ...) is an error; upstream uses the default."
+_STRICT_BOOL = ("A value other than ParseBool's words (1, t, true, 0, f, false ...) is an error; upstream uses the "
+                "default.")
 
 SETTINGS: tuple[Setting, ...] = (
     # Login.
@@ -358,7 +359,8 @@ SETTINGS: tuple[Setting, ...] = (
             "and replaces `tailscale up` (one-step mode).", "versioned_config_dir",
             differs="File names must match `cap-<N>.hujson` (or `tailscaled`) exactly, and the file found is the "
                     "file used; upstream accepts `cap-95.hujson.bak` and turns `cap-095.hujson` into a missing "
-                    "`cap-95.hujson`."),
+                    "`cap-95.hujson`. The file's unknown fields are rejected at the top level and in "
+                    "`AppConnector`/`AutoUpdate`; the nested serve config is left to tailscaled."),
     Setting("TS_HEALTHCHECK_ADDR_PORT", Kind.ADDRPORT,
             "Deprecated: a separate listener for `/healthz` only. Use TS_ENABLE_HEALTH_CHECK.",
             "healthcheck_addr_port", deprecated=True),
@@ -557,6 +559,10 @@ def _shown(name: str, env: Mapping[str, str]) -> str:
     return f"{name}={_quote(env.get(name, ''))}"
 
 
+def _shown_all(env: Mapping[str, str], *names: str) -> str:
+    return ", ".join(_shown(n, env) for n in names)
+
+
 def _fail(message: str, *names: str) -> SettingsError:
     return SettingsError(message, names)
 
@@ -601,7 +607,7 @@ def _read(setting: Setting, env: Mapping[str, str]) -> Any:
             raise _fail(f"{name}={_quote(raw)} is not an IP address: give a literal IPv4 or IPv6 address "
                         "(for a DNS name use TS_EXPERIMENTAL_DEST_DNS_NAME or TS_TAILNET_TARGET_FQDN)",
                         name) from None
-    if kind in (Kind.ARGS,):
+    if kind == Kind.ARGS:
         return tuple((raw or "").split())
     if kind == Kind.CHOICE:
         value = raw or ""
@@ -850,22 +856,26 @@ def _validate(s: Settings, env: Mapping[str, str]) -> None:
     # 9-14. Login methods: an auth key, or OAuth / workload identity federation, never both.
     wif = "workload identity federation needs TS_CLIENT_ID: set it to the OAuth client's ID"
     if s.id_token and not s.client_id:
-        raise _fail(f"TS_ID_TOKEN is set but TS_CLIENT_ID is not: {wif}", "TS_ID_TOKEN", "TS_CLIENT_ID")
+        raise _fail(f"TS_ID_TOKEN is set but TS_CLIENT_ID is not ({_shown_all(env, 'TS_ID_TOKEN', 'TS_CLIENT_ID')}): "
+                    f"{wif}", "TS_ID_TOKEN", "TS_CLIENT_ID")
     if s.audience and not s.client_id:
-        raise _fail(f"TS_AUDIENCE is set but TS_CLIENT_ID is not: {wif}", "TS_AUDIENCE", "TS_CLIENT_ID")
+        raise _fail(f"TS_AUDIENCE is set but TS_CLIENT_ID is not ({_shown_all(env, 'TS_AUDIENCE', 'TS_CLIENT_ID')}): "
+                    f"{wif}", "TS_AUDIENCE", "TS_CLIENT_ID")
     for a, b, a_on, b_on in (("TS_ID_TOKEN", "TS_CLIENT_SECRET", s.id_token, s.client_secret),
                              ("TS_ID_TOKEN", "TS_AUDIENCE", s.id_token, s.audience),
                              ("TS_AUDIENCE", "TS_CLIENT_SECRET", s.audience, s.client_secret)):
         if a_on and b_on:
-            raise _fail(f"{a} and {b} cannot both be set: they are different login methods; unset one", a, b)
+            raise _fail(f"{a} and {b} cannot both be set ({_shown_all(env, a, b)}): they are different login "
+                        "methods; unset one", a, b)
     if s.authkey:
         authkey_var = "TS_AUTHKEY" if env.get("TS_AUTHKEY") else "TS_AUTH_KEY"
         others = [n for n, v in (("TS_CLIENT_ID", s.client_id), ("TS_CLIENT_SECRET", s.client_secret),
                                  ("TS_ID_TOKEN", s.id_token), ("TS_AUDIENCE", s.audience)) if v]
         if others:
-            raise _fail(f"{authkey_var} cannot be used with {', '.join(others)}: log in with either an auth key "
-                        "or OAuth/workload identity (TS_CLIENT_ID with TS_CLIENT_SECRET, TS_ID_TOKEN or "
-                        "TS_AUDIENCE); unset the other", authkey_var, *others)
+            values = _shown_all(env, authkey_var, *others)
+            raise _fail(f"{authkey_var} cannot be used with {', '.join(others)} ({values}): "
+                        "log in with either an auth key or OAuth/workload identity (TS_CLIENT_ID with "
+                        "TS_CLIENT_SECRET, TS_ID_TOKEN or TS_AUDIENCE); unset the other", authkey_var, *others)
 
     # 15-18. Features that need kernel networking or an ingress setup.
     allow = "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS"

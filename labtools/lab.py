@@ -671,11 +671,16 @@ logtail:
         except _Exited as e:
             raise LabError(f"process exited ({e.args[0]}) before {name} was Running") from None
 
-    def wait_peer(self, name: str, peer_hostname: str, timeout: float = 30.0, *, online: bool = True) -> dict:
-        """Wait until node ``name`` sees a peer with HostName ``peer_hostname`` (and Online if asked)."""
+    def wait_peer(self, name: str, peer_hostname: str, timeout: float = 30.0, *, online: bool = True,
+                  relay: bool = True) -> dict:
+        """Wait until node ``name`` sees a peer with HostName ``peer_hostname``, Online and (``relay``) with a
+        home DERP region known, which is what it needs to send the first WireGuard handshake. A peer that
+        has just come up is first announced without DERP region/endpoints ("no UDP or DERP addr"); traffic
+        sent before the next map update is dropped, so gate data-plane checks on this."""
         def pred() -> dict | None:
             for p in (self.status(name).get("Peer") or {}).values():
-                if p.get("HostName") == peer_hostname and (p.get("Online") or not online):
+                if p.get("HostName") == peer_hostname and (p.get("Online") or not online) \
+                        and (p.get("Relay") or not relay):
                     return p
             return None
         return wait_until(pred, timeout, 0.25, f"{name} sees peer {peer_hostname}")

@@ -51,6 +51,7 @@ def test_upstream_ingress_dest_ip(lab, lab_backend, start_agent, upstream_agent_
     st = agent.wait_running(30)
     v4, _ = agent.tailnet_ips()
     assert v4, st["Self"]
+    lab.wait_peer("client", agent.hostname, 30)  # peer known with a home DERP: the first packet can go
     path = f"/ingress-{fw}-{lab.prefix}"
     body = lab.wait_curl("client", lab.url(v4, 8080, path), lab_backend.marker, timeout=30)
     t_curl = time.monotonic() - t0
@@ -68,6 +69,7 @@ def test_upstream_ingress_dest_ipv6(lab, lab_backend, start_agent, upstream_agen
     agent.wait_for_log(STARTUP, 90)
     _, v6 = agent.tailnet_ips()
     assert v6
+    lab.wait_peer("client", agent.hostname, 30)
     path = f"/ingress6-{fw}-{lab.prefix}"
     lab.wait_curl("client", lab.url(v6, 8080, path), lab_backend.marker, timeout=30)
     seen = [r for r in lab.http_peer_log(lab_backend) if r["path"] == path]

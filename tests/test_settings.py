@@ -255,8 +255,8 @@ def test_contract_fields_exist_and_table_fields_are_real():
 def test_table_defaults_parse_and_match_unset_environment():
     s = load({})
     for setting in S.SETTINGS:
-        if setting.kind == S.Kind.BOOL:
-            assert getattr(s, setting.field) is S.parse_go_bool(setting.default) if setting.field else True
+        if setting.kind == S.Kind.BOOL and setting.field:
+            assert getattr(s, setting.field) is S.parse_go_bool(setting.default), setting.name
     assert s == dataclasses.replace(S.Settings(), notices=())  # the dataclass defaults agree with the table
 
 
@@ -650,7 +650,9 @@ def test_valid_login_combinations(env):
     ({"TS_AUTHKEY": AUTHKEY, "TS_CLIENT_SECRET": CLIENT_SECRET}, ("TS_AUTHKEY", "TS_CLIENT_SECRET"),
      "TS_AUTHKEY cannot be used with TS_CLIENT_SECRET"),
     ({"TS_AUTH_KEY": ALIAS_KEY, "TS_CLIENT_ID": "c", "TS_ID_TOKEN": ID_TOKEN},
-     ("TS_AUTH_KEY", "TS_CLIENT_ID", "TS_ID_TOKEN"), "TS_AUTH_KEY cannot be used with TS_CLIENT_ID, TS_ID_TOKEN"),
+     ("TS_AUTH_KEY", "TS_CLIENT_ID", "TS_ID_TOKEN"),
+     'TS_AUTH_KEY cannot be used with TS_CLIENT_ID, TS_ID_TOKEN '
+     '(TS_AUTH_KEY (set), TS_CLIENT_ID="c", TS_ID_TOKEN (set))'),
     ({"TS_AUTHKEY": AUTHKEY, "TS_CLIENT_ID": "c", "TS_AUDIENCE": "a"},
      ("TS_AUTHKEY", "TS_CLIENT_ID", "TS_AUDIENCE"), "TS_AUTHKEY cannot be used with TS_CLIENT_ID, TS_AUDIENCE"),
 ])
@@ -694,15 +696,16 @@ def rule_cases(confdir: str) -> list[tuple[str, dict, tuple[str, ...], list[str]
         ("09 id token without client id", {"TS_ID_TOKEN": ID_TOKEN}, ("TS_ID_TOKEN", "TS_CLIENT_ID"),
          ["TS_CLIENT_ID is not", "set it to the OAuth client's ID"]),
         ("10 audience without client id", {"TS_AUDIENCE": "aud"}, ("TS_AUDIENCE", "TS_CLIENT_ID"),
-         ["TS_CLIENT_ID is not", "set it"]),
+         ["TS_CLIENT_ID is not", 'TS_AUDIENCE="aud"', 'TS_CLIENT_ID=""', "set it"]),
         ("11 id token and secret", {"TS_CLIENT_ID": "c", "TS_ID_TOKEN": ID_TOKEN, "TS_CLIENT_SECRET": CLIENT_SECRET},
-         ("TS_ID_TOKEN", "TS_CLIENT_SECRET"), ["cannot both be set", "unset one"]),
+         ("TS_ID_TOKEN", "TS_CLIENT_SECRET"), ["cannot both be set", "TS_ID_TOKEN (set), TS_CLIENT_SECRET (set)",
+                                               "unset one"]),
         ("12 id token and audience", {"TS_CLIENT_ID": "c", "TS_ID_TOKEN": ID_TOKEN, "TS_AUDIENCE": "a"},
          ("TS_ID_TOKEN", "TS_AUDIENCE"), ["cannot both be set"]),
         ("13 audience and secret", {"TS_CLIENT_ID": "c", "TS_AUDIENCE": "a", "TS_CLIENT_SECRET": CLIENT_SECRET},
          ("TS_AUDIENCE", "TS_CLIENT_SECRET"), ["cannot both be set"]),
         ("14 authkey and oauth", {"TS_AUTHKEY": AUTHKEY, "TS_CLIENT_ID": "c"}, ("TS_AUTHKEY", "TS_CLIENT_ID"),
-         ["cannot be used with TS_CLIENT_ID", "unset the other"]),
+         ["cannot be used with TS_CLIENT_ID", "TS_AUTHKEY (set)", 'TS_CLIENT_ID="c"', "unset the other"]),
         ("15 allow proxying userspace", {"EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS": "true"},
          ("EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS", "TS_USERSPACE"),
          ['EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS="true"', "set TS_USERSPACE=false"]),

@@ -493,6 +493,10 @@ class KubeAPIServer:
         assert self.certs is not None
         return self.certs.ca_pem
 
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client context that trusts only this server's CA."""
+        return ssl.create_default_context(cafile=self.certs.ca_path if self.certs else None)
+
     def env(self, *, read_from_env: bool = True) -> dict[str, str]:
         """Variables that point an in-cluster client (ours, or tailscaled's kubestore) at this server."""
         e = {"KUBERNETES_SERVICE_HOST": self.host, "KUBERNETES_SERVICE_PORT_HTTPS": str(self.port),
@@ -1031,6 +1035,23 @@ def _classify(method: str, path: str) -> tuple[str, str, str, str]:
     else:
         verb = {"GET": "list", "POST": "create"}.get(method, "")
     return verb, resource, name, ns
+
+
+# --------------------------------------------------------------------------------------------------------
+# running a real in-cluster client (tailscaled --state=kube:..., upstream containerboot) against the server
+
+
+def pod_mount_namespace_argv(argv: Sequence[str], sa_dir: str) -> list[str]:
+    """argv wrapped so that it runs in a private mount namespace (needs root) that looks like a Pod's:
+    tmpfs on /run and /var/lib (nothing leaks onto the host, e.g. tailscaled's log state in /var/lib/tailscale),
+    and sa_dir bind-mounted at /var/run/secrets/kubernetes.io/serviceaccount, the absolute path that tailscaled's
+    kube client reads (a bind mount, so rotate_token() reaches the process). Pair it with KubeAPIServer.env() for the API address."""
+    import shlex
+    sa = "/run/secrets/kubernetes.io/serviceaccount"
+    script = (f"set -e; mount -t tmpfs tmpfs /run; mount -t tmpfs tmpfs /var/lib; mkdir -p {sa}; "
+              f"mount --bind {shlex.quote(os.path.abspath(sa_dir))} {sa}; "
+              f"exec {' '.join(shlex.quote(a) for a in argv)}")
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
 
 
 # --------------------------------------------------------------------------------------------------------
