@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin demo test test-unit test-netns bench clean-lab
+.PHONY: setup setup-bin demo test test-unit test-netns bench clean-lab readme
 
 setup:
 	@bash scripts/setup.sh
@@ -34,3 +34,7 @@ bench: setup-bin
 ## clean-lab: remove namespaces left by an interrupted lab run (only ones this project created).
 clean-lab:
 	$(PY) -m labtools.cleanup
+
+## readme: regenerate the README's variable reference from the settings table.
+readme: setup
+	$(PY) scripts/update_readme.py

@@ -18,7 +18,9 @@ class _RedactingFormatter(logging.Formatter):
 
 def setup_logging(level: int = logging.INFO) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_RedactingFormatter("boot: %(asctime)s %(message)s", "%Y/%m/%d %H:%M:%S"))
+    # Upstream's log format by default (tools grep for it); milliseconds when debugging.
+    fmt = "boot: %(asctime)s.%(msecs)03d %(message)s" if level == logging.DEBUG else "boot: %(asctime)s %(message)s"
+    handler.setFormatter(_RedactingFormatter(fmt, "%Y/%m/%d %H:%M:%S"))
     root = logging.getLogger("containerboot")
     root.handlers[:] = [handler]
     root.setLevel(level)

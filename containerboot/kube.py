@@ -35,6 +35,7 @@ SA_DIR = "var/run/secrets/kubernetes.io/serviceaccount"
 DEFAULT_URL = "https://kubernetes.default.svc"
 FIELD_MANAGER = "tailscale-container"
 SSAR_PATH = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+_CREDENTIAL_KEYS = ("authkey", "reissue_authkey")
 
 _SA_FILE_HELP = {
     "token": "the ServiceAccount token (set automountServiceAccountToken: true on the Pod or its ServiceAccount)",
@@ -328,6 +329,11 @@ def _secret_from_json(name: str, obj: Any) -> Secret:
         except ValueError:
             raise KubeError(f'secrets "{name}": value of key {k!r} is not valid base64', reason="InvalidResponse",
                             verb="get", resource="secrets", name=name) from None
+    # Credentials read from the Secret must be masked wherever they might show up later (headscale's hex
+    # pre-auth keys have no recognisable prefix, so the pattern-based redaction alone would miss them).
+    for k in _CREDENTIAL_KEYS:
+        if data.get(k):
+            register(data[k].decode(errors="replace").strip())
     return Secret(name=meta.get("name") or name, resource_version=str(meta.get("resourceVersion") or ""),
                   data=types.MappingProxyType(data),
                   labels=types.MappingProxyType(dict(meta.get("labels") or {})))

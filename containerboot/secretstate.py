@@ -7,8 +7,8 @@ restart, reissue request and clear, shutdown consistency) is unit-tested directl
 Differences from upstream, on purpose:
 * ``boot_reset_patch`` also works when the Secret does not exist yet, so ``tailscale_capver`` and ``pod_uid`` are
   written on a first boot too (upstream skips them until the next restart, spec defect 13).
-* ``is_consistent`` accepts several ``profile-*`` keys when ``_current-profile`` names one that is present
-  (upstream waits out the whole shutdown budget whenever there is more than one profile, defect 18).
+* ``is_consistent`` accepts several ``profile-*`` keys when ``_current-profile`` names one that is present, and a
+  lone ``_machinekey`` (upstream waits out the whole shutdown budget in both cases, defect 18).
 """
 from __future__ import annotations
 
@@ -115,14 +115,16 @@ def https_endpoint_patch(value: str | None) -> Patch:
 def is_consistent(data: Mapping[str, bytes] | None) -> bool:
     """Whether tailscaled's state in the Secret looks complete, so that it is safe to stop tailscaled.
 
-    Consistent: none of tailscaled's keys (never logged in), or _machinekey, _profiles and _current-profile
-    all present together with the profile they point at. When _current-profile is empty or does not name a
-    profile-* key, fall back to upstream's rule: exactly one profile-* key.
+    Consistent: no profile state at all (never logged in; a lone _machinekey is fine, a real tailscaled writes
+    it on the first login attempt, and upstream would then wait out the whole shutdown budget), or
+    _machinekey, _profiles and _current-profile all present together with the profile they point at. When
+    _current-profile is empty or does not name a profile-* key, fall back to upstream's rule: exactly one
+    profile-* key.
     """
     data = data or {}
     profiles = [k for k in data if k.startswith(PROFILE_PREFIX)]
     core = [k in data for k in (KEY_CURRENT_PROFILE, KEY_PROFILES, KEY_MACHINE_KEY)]
-    if not any(core) and not profiles:
+    if not profiles and KEY_CURRENT_PROFILE not in data and KEY_PROFILES not in data:
         return True
     if not all(core) or not profiles:
         return False

@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     def _term(*_: object) -> None:
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, _term)
+    # Ctrl-C must unwind even if we were started with SIGINT ignored (e.g. as a background job of a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     ok = True
     t_all = time.monotonic()

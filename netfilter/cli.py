@@ -1,6 +1,7 @@
 """`containerboot rules` / `python -m netfilter.cli`: look at (and, for tests, change) the agent's firewall state.
 
     python -m netfilter.cli installed [--mode nftables|iptables|auto]   what the agent owns in the kernel now
+    python -m netfilter.cli show FILE.json [--mode ...]                desired and installed, and whether equal
     python -m netfilter.cli render FILE.json [--mode ...]              desired state from a rule-set JSON file
     python -m netfilter.cli diff FILE.json [--mode ...]                exit 1 if installed != desired
     python -m netfilter.cli apply FILE.json [--mode ...]               apply it (used by the netns tests)
@@ -31,6 +32,9 @@ def _backend(args: argparse.Namespace) -> Backend:
     return open_backend(args.mode or "")
 
 
+NOTHING = "(nothing)\n"
+
+
 def _load(path: str) -> RuleSet:
     with open(path) as f:
         return RuleSet.from_json(f.read())
@@ -38,7 +42,7 @@ def _load(path: str) -> RuleSet:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="containerboot rules", description=__doc__.split("\n")[0])
-    ap.add_argument("command", choices=("installed", "render", "diff", "apply", "cleanup", "detect"))
+    ap.add_argument("command", choices=("installed", "show", "render", "diff", "apply", "cleanup", "detect"))
     ap.add_argument("file", nargs="?", help="rule-set JSON (render, diff, apply)")
     ap.add_argument("--mode", default="", help="nftables, iptables or auto (default: TS_DEBUG_FIREWALL_MODE)")
     ap.add_argument("--variant", default="", choices=("", "auto", "legacy", "nft", "plain"),
@@ -51,11 +55,16 @@ def main(argv: list[str] | None = None) -> int:
             import os
             print(detect_firewall_mode(args.mode or os.environ.get("TS_DEBUG_FIREWALL_MODE", "")))
             return 0
-        if args.command in ("render", "diff", "apply") and not args.file:
+        if args.command in ("show", "render", "diff", "apply") and not args.file:
             ap.error(f"{args.command} needs a rule-set JSON file")
         b = _backend(args)
         if args.command == "installed":
             sys.stdout.write(b.installed())
+        elif args.command == "show":
+            want, have = b.render(_load(args.file)), b.installed()
+            status = "in sync" if want == have else "DIFFERENT (see: diff)"
+            sys.stdout.write(f"# backend: {b.name}\n# desired ({args.file}):\n{want or NOTHING}"
+                             f"# installed:\n{have or NOTHING}# {status}\n")
         elif args.command == "render":
             sys.stdout.write(b.render(_load(args.file)))
         elif args.command == "diff":

@@ -6,6 +6,7 @@ TS_DEBUG_FIREWALL_MODE, for both iptables and nftables.
 """
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -59,6 +60,7 @@ def test_upstream_ingress_dest_ip(lab, lab_backend, start_agent, upstream_agent_
     seen = [r for r in lab.http_peer_log(lab_backend) if r["path"] == path]
     assert seen and {r["peer"] for r in seen} == {"10.98.0.1"}, seen
     assert _firewall_shows_dnat(lab, fw, lab.backend_ipv4), f"no {fw} DNAT rule to the backend"
+    assert f"netfilter running in {fw} mode" in agent.log_text()  # TS_DEBUG_FIREWALL_MODE was honoured
     print(f"[timing] fw={fw} agent start->'{STARTUP}': {t_startup:.1f}s; ->first good curl: {t_curl:.1f}s")
 
 
@@ -97,9 +99,9 @@ def test_upstream_invalid_config_exits_1(lab, start_agent, upstream_agent_cmd):
     agent = start_agent({"TS_DEST_IP": lab.backend_ipv4, "TS_USERSPACE": "true"}, upstream_agent_cmd)
     code = agent.wait_exit(30)
     assert code == 1, agent.log_text()
-    import os
-
     assert not os.path.exists(agent.socket), "a tailscaled socket appeared"
     assert lab.wait_ns_empty("proxy", 5) == []
-    assert "tailscaled" not in agent.log_text().lower() or "TS_DEST_IP" in agent.log_text(), agent.log_text()
+    log = agent.log_text()
+    assert "TS_DEST_IP" in log and "TS_USERSPACE" in log, log  # the message names the conflicting variables
+    assert "Starting tailscaled" not in log, log
     assert lab.hs_node(agent.hostname) is None, "the invalid agent registered a node"

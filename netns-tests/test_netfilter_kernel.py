@@ -404,8 +404,13 @@ def test_ensure_forwarding_read_only_root(tmp_path):
     v4.parent.mkdir(parents=True)
     v6.parent.mkdir(parents=True)
     v4.write_text("1\n")
-    v4.chmod(0o444)
-    ensure_forwarding(True, False, root=str(tmp_path))      # already on: never opened for writing
+    os.utime(v4, (1_000_000, 1_000_000))
+    ensure_forwarding(True, False, root=str(tmp_path))      # already on: read, never written
+    assert v4.stat().st_mtime == 1_000_000 and v4.read_text() == "1\n"
+    v6.write_text("0\n")
+    ensure_forwarding(False, True, root=str(tmp_path))
+    assert v6.read_text() == "1"
+    v6.unlink()
     os.chmod(tmp_path / "proc/sys/net/ipv6/conf/all", 0o555)
     try:
         with pytest.raises(ForwardingError, match="privileged"):

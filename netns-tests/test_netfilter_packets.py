@@ -39,7 +39,9 @@ try:
 except ImportError as e:  # pragma: no cover - only while the model is being written
     pytest.skip(f"netfilter.model not importable: {e}", allow_module_level=True)
 
-BACKENDS = ("nftables", "iptables")
+# "iptables" lets the backend pick the flavour (here: the plain `iptables`, nf_tables based);
+# "iptables-legacy" forces x_tables, which is what the official image's iptables symlinks use.
+BACKENDS = ("nftables", "iptables", "iptables-legacy")
 # Overridable only to check the harness itself against a stand-in implementation.
 CLI_MODULE = os.environ.get("PTEST_NETFILTER_CLI", "netfilter.cli")
 FAMILIES = (4, 6)
@@ -70,9 +72,10 @@ table inet ptest_tailscaled {
 class Agent:
     """Drives the netfilter package inside the proxy namespace via its CLI, like the agent would."""
 
-    def __init__(self, lab: ProxyLab, mode: str, workdir):
+    def __init__(self, lab: ProxyLab, backend: str, workdir):
         self.lab = lab
-        self.mode = mode
+        self.mode, _, variant = backend.partition("-")
+        self.extra = ["--variant", variant] if variant else []
         self.workdir = workdir
         self.n = 0
 
@@ -80,7 +83,7 @@ class Agent:
         env = dict(os.environ, TS_DEBUG_FIREWALL_MODE=self.mode,
                    PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
         return self.lab.topo.run(self.lab.proxy, sys.executable, "-m", CLI_MODULE,
-                                 "--mode", self.mode, *args, check=False, env=env, cwd=REPO,
+                                 "--mode", self.mode, *self.extra, *args, check=False, env=env, cwd=REPO,
                                  timeout=90)
 
     def apply(self, rules: RuleSet) -> None:

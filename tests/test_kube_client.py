@@ -288,3 +288,12 @@ async def test_ipv6_server(tmp_path):
 def test_rbac_hint():
     assert kube.rbac_hint("get", "secrets", "s") == \
         'kind: Role rules: - apiGroups: [""] resources: ["secrets"] verbs: ["get"] resourceNames: ["s"]'
+
+
+async def test_credentials_read_from_secret_are_registered_for_redaction(kube_api):
+    from containerboot.redact import redact
+    hexkey = "0123456789abcdef0123456789abcdef0123456789abcdef"     # headscale-style: no tskey- prefix
+    kube_api.put_secret(SECRET, {"authkey": hexkey.encode()})
+    async with client(kube_api) as kc:
+        await kc.get_secret(SECRET)
+    assert redact(f"tailscale up --login-server=x {hexkey}") == "tailscale up --login-server=x [REDACTED]"

@@ -20,6 +20,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.support without pythonpath
 
+from containerboot import secretstate  # noqa: E402
 from tests.support.kubeapi import (KubeAPIServer, apply_json_patch, kube_api, merge_patch,  # noqa: E402,F401
                                    PatchError, pod_mount_namespace_argv)
 
@@ -363,6 +364,7 @@ def test_real_tailscaled_kube_store(tmp_path, scenario):
         log = [(r.method, r.verb, r.resource, r.content_type, r.status) for r in api.requests]
         why = (tmp_path / "tailscaled.log").read_text(errors="replace")[-3000:] + "\n" + "\n".join(map(str, log))
         assert data is not None and data.get("_machinekey"), why
+        assert secretstate.is_consistent(data), why
         assert all(status in (200, 201, 404) for *_, status in log), why
         # CheckSecretPermissions: SSARs for get, update, patch, create on the Secret
         verbs = [r.json()["spec"]["resourceAttributes"]["verb"] for r in api.requests

@@ -441,3 +441,46 @@ def test_iptables_comment_is_sanitised_and_bounded():
     line = next(ln for ln in plan_iptables(r, 4).splitlines() if "--comment" in ln)
     comment = line.split('--comment "')[1].split('"')[0]
     assert len(comment) <= 200 and "$" not in comment and "(" not in comment
+
+
+def test_egress_and_port_maps_never_capture_traffic_from_the_tun():        # [E1]
+    for v in (4, 6):
+        ts = TS4 if v == 4 else TS6
+        tgt = "100.99.99.99" if v == 4 else "fd7a:115c:a1e0::99"
+        r = RuleSet(egress=(EgressForward(tgt, ts, EXEMPT),),
+                    port_maps=(ServicePortMap("s", "udp", 10001, 53, tgt, ts),))
+        ipt = [ln for ln in plan_iptables(r, v).splitlines() if "-j DNAT" in ln or "-j RETURN" in ln]
+        assert ipt and all(ln.startswith("-A CB-PREROUTING ! -i tailscale0 ") for ln in ipt)
+        nft = [ln.strip() for ln in render_nft(r).splitlines() if "dnat" in ln]
+        assert len(nft) == 2 and all(ln.startswith('iifname != "tailscale0" ') for ln in nft)
+        assert "oifname" not in json.dumps(plan_nft(r))      # (no clamp here, so no legitimate oifname)
+
+
+def test_exempt_ports_come_from_all_egress_entries():                       # [E18]
+    r = RuleSet(egress=(EgressForward("100.99.99.99", TS4, (PortMatch("udp", 41641),)),
+                        EgressForward("100.99.99.98", TS4, (PortMatch("tcp", 9002),))))
+    assert "meta l4proto . th dport != { tcp . 9002, udp . 41641 }" in render_nft(r)
+    text = plan_iptables(r, 4)
+    assert text.index("--dport 9002 -j RETURN") < text.index("-j DNAT")
+    assert text.index("--dport 41641 -j RETURN") < text.index("-j DNAT")
+
+
+def test_snat_source_change_replaces_the_rule():                            # [E14]
+    ipt = FakeIptables()
+    ipt.apply(RuleSet(egress=(EgressForward("100.99.99.99", "100.64.0.5"),)), 4)
+    ipt.apply(RuleSet(egress=(EgressForward("100.99.99.99", "100.64.0.6"),)), 4)
+    assert ipt.tables["nat"]["CB-POSTROUTING"] == ["-d 100.99.99.99/32 -j SNAT --to-source 100.64.0.6"]
+
+
+def test_cli_render_without_root(tmp_path, capsys):
+    from netfilter.cli import main
+    rules = CASES["O5-v4"][0]
+    path = tmp_path / "rules.json"
+    path.write_text(rules.to_json())
+    assert main(["render", str(path), "--mode", "nftables", "--no-ipv6"]) == 0
+    assert capsys.readouterr().out == render_nft(rules, (4,))
+    assert main(["render", str(path), "--mode", "iptables", "--variant", "legacy", "--no-ipv6"]) == 0
+    assert capsys.readouterr().out == "# IPv4 (iptables-legacy)\n" + render_iptables(rules, 4)
+    path.write_text("{]")
+    assert main(["render", str(path), "--mode", "nftables", "--no-ipv6"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err

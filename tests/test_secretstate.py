@@ -116,7 +116,9 @@ def test_https_endpoint():
 @pytest.mark.parametrize("keys, want", [
     ({}, True),
     ({"device_id": b"x", "authkey": b"k"}, True),
-    ({"_machinekey": b"m"}, False),
+    ({"_machinekey": b"m"}, True),         # real tailscaled after a failed first login: no profile yet
+    ({"_machinekey": b"m", "_profiles": b"{}"}, False),
+    ({"_current-profile": b"profile-a"}, False),
     ({"_machinekey": b"m", "_profiles": b"{}", "_current-profile": b"profile-a"}, False),
     ({"_machinekey": b"m", "_profiles": b"{}", "_current-profile": b"profile-a", "profile-a": b"{}"}, True),
     ({"_machinekey": b"m", "_profiles": b"{}", "_current-profile": b"profile-b", "profile-a": b"{}"}, False),

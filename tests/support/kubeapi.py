@@ -50,8 +50,8 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
 FIDELITY = """\

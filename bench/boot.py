@@ -1,0 +1,70 @@
+"""Boot time: process start to "Startup complete", this agent against upstream containerboot, same lab.
+
+Run as root: `python -m bench.boot [--runs N] [--firewall nftables|iptables]`. Each run starts a fresh agent
+(new node, new state dir) with `TS_DEST_IP` pointing at the lab's backend, measures the time until the log
+line appears, checks that traffic flows, stops the agent and deletes the node. Prints every sample, the median
+of each agent and their ratio. No asserts: figures are for people to read.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from labtools.lab import Lab, ensure_binaries
+
+MARK = "Startup complete, waiting for shutdown signal"
+
+
+def boot_once(lab: Lab, agent_cmd: list[str] | None, env: dict[str, str], marker: str) -> float:
+    agent = lab.start_agent(env, agent_cmd)
+    try:
+        deadline = time.monotonic() + 120
+        while MARK not in agent.log_text():
+            if not agent.running():
+                raise RuntimeError(f"agent exited early:\n{agent.log_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("no startup within 120 s")
+            time.sleep(0.01)
+        elapsed = time.monotonic() - agent.started
+        proxy_v4, _ = agent.tailnet_ips()
+        lab.wait_curl("client", lab.url(proxy_v4, 8080, "/?bench"), marker, timeout=30)
+        return elapsed
+    finally:
+        agent.stop()
+        lab.wait_ns_empty("proxy", 15)
+        lab.kill_ns_leftovers("proxy")
+        lab.flush_firewall("proxy")
+        lab.delete_node(agent.hostname)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--firewall", default="nftables", choices=("nftables", "iptables"))
+    args = p.parse_args(argv)
+    bin_dir = ensure_binaries()
+    agents = {"python": None, "upstream": [str(bin_dir / "containerboot")]}
+    samples: dict[str, list[float]] = {k: [] for k in agents}
+    with Lab.create(bin_dir=bin_dir) as lab:
+        srv = lab.start_http_server("backend", None, 8080, f"bench-{lab.prefix}")
+        env = {"TS_DEST_IP": lab.backend_ipv4, "TS_DEBUG_FIREWALL_MODE": args.firewall}
+        # One warm-up of each, not counted: the first start pays for page cache and Python imports.
+        for name, cmd in agents.items():
+            boot_once(lab, cmd, env, srv.marker)
+        for i in range(args.runs):
+            for name, cmd in agents.items():  # interleaved, so drift affects both alike
+                t = boot_once(lab, cmd, env, srv.marker)
+                samples[name].append(t)
+                print(f"run {i + 1}: {name:8s} {t:6.2f} s", flush=True)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    print(f"\nboot to 'Startup complete' ({args.firewall}, {args.runs} runs each, median):")
+    print(f"  python agent      {med['python']:6.2f} s")
+    print(f"  upstream (Go)     {med['upstream']:6.2f} s")
+    print(f"  ratio python/upstream = {med['python'] / med['upstream']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Regenerate the README's variable reference from the settings table (`make readme`)."""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from containerboot.settings import reference_markdown  # noqa: E402
+
+BEGIN, END = "<!-- BEGIN SETTINGS REFERENCE -->", "<!-- END SETTINGS REFERENCE -->"
+
+
+def render(readme: str) -> str:
+    head, rest = readme.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{reference_markdown().strip()}\n{END}{tail}"
+
+
+if __name__ == "__main__":
+    p = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+    p.write_text(render(p.read_text()))
