@@ -228,6 +228,11 @@ class Agent:
             asyncio.create_task(self.reconciler.run(), name="reconcile"),
             asyncio.create_task(self._watch_tailscaled(fatal), name="tailscaled-exit"),
         ]
+        if self.s.dest_dns_name:
+            from .dns import Resolver, watch_name
+            self._tasks.append(asyncio.create_task(
+                watch_name(self.s.dest_dns_name, Resolver(), self.reconciler.on_dns_answer, log=log),
+                name="dns"))
         for t in self._tasks:
             t.add_done_callback(lambda t, f=fatal: _propagate(t, f))
         stopper = asyncio.ensure_future(self._stop.wait())

@@ -94,7 +94,7 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desir
         v4 = v4 or any(ip.version == 4 for ip in answer.addresses)
         v6 = v6 or any(ip.version == 6 for ip in answer.addresses)
         targets.append(Target("TS_EXPERIMENTAL_DEST_DNS_NAME", "ingress-dns", s.dest_dns_name,
-                              answer.addresses, answer.error if not answer.addresses else ""))
+                              answer.addresses, answer.error))
 
     egress_targets: tuple[IP, ...] = ()
     if s.tailnet_target_ip is not None:

@@ -180,10 +180,10 @@ class _UDP(asyncio.DatagramProtocol):
             self.answer.set_exception(exc)
 
 
-async def _exchange(server: str, query: bytes, timeout: float) -> bytes:
+async def _exchange(server: str, query: bytes, timeout: float, port: int = 53) -> bytes:
     loop = asyncio.get_running_loop()
     family = socket.AF_INET6 if ":" in server else socket.AF_INET
-    transport, proto = await loop.create_datagram_endpoint(_UDP, remote_addr=(server, 53), family=family)
+    transport, proto = await loop.create_datagram_endpoint(_UDP, remote_addr=(server, port), family=family)
     try:
         transport.sendto(query)
         return await asyncio.wait_for(proto.answer, timeout)
@@ -191,9 +191,9 @@ async def _exchange(server: str, query: bytes, timeout: float) -> bytes:
         transport.close()
 
 
-async def _exchange_tcp(server: str, query: bytes, timeout: float) -> bytes:
+async def _exchange_tcp(server: str, query: bytes, timeout: float, port: int = 53) -> bytes:
     async with asyncio.timeout(timeout):
-        r, w = await asyncio.open_connection(server, 53)
+        r, w = await asyncio.open_connection(server, port)
         try:
             w.write(struct.pack("!H", len(query)) + query)
             await w.drain()
@@ -204,8 +204,9 @@ async def _exchange_tcp(server: str, query: bytes, timeout: float) -> bytes:
 
 
 class Resolver:
-    def __init__(self, resolv_conf: str = "/etc/resolv.conf"):
+    def __init__(self, resolv_conf: str = "/etc/resolv.conf", *, port: int = 53):
         self.resolv_conf = resolv_conf
+        self.port = port
 
     def _conf(self) -> ResolvConf:
         try:
@@ -221,9 +222,9 @@ class Resolver:
                 qid = random.randrange(1, 0xFFFF)
                 q = encode_query(name, qtype, qid)
                 try:
-                    parsed = decode_response(await _exchange(server, q, conf.timeout), qid)
+                    parsed = decode_response(await _exchange(server, q, conf.timeout, self.port), qid)
                     if parsed.truncated:
-                        parsed = decode_response(await _exchange_tcp(server, q, conf.timeout), qid)
+                        parsed = decode_response(await _exchange_tcp(server, q, conf.timeout, self.port), qid)
                 except (OSError, asyncio.TimeoutError, DNSError) as e:
                     last = e
                     continue
@@ -246,3 +247,27 @@ class Resolver:
         raise DNSError(f"no IPv4 or IPv6 addresses found for host: {name}")
 
 
+
+
+async def watch_name(name: str, resolver: "Resolver", on_answer, *, sleep=asyncio.sleep, log=None) -> None:
+    """Resolve `name` forever: at the answer's TTL after a success, with backoff after failures.
+
+    `on_answer(addresses, error)` is called after every attempt: with the addresses on success, and with
+    `None` and the error text on failure, so that the caller keeps the last good addresses (a transient DNS
+    failure must not tear down working rules).
+    """
+    failures = 0
+    while True:
+        try:
+            answer = await resolver.resolve(name)
+        except DNSError as e:
+            delay = next_delay(ok=False, failures=failures)
+            failures += 1
+            if log is not None:
+                log.warning("[unexpected] error resolving DNS name %s: %s (retrying in %gs)", name, e, delay)
+            on_answer(None, str(e))
+        else:
+            failures = 0
+            delay = next_delay(ok=True, ttl=answer.ttl)
+            on_answer(answer.addresses, "")
+        await sleep(delay)

@@ -41,6 +41,8 @@ class ReconcileStats:
     last_duration: float = 0.0
     total_duration: float = 0.0
     rule_applies: int = 0
+    dns_resolutions: int = 0
+    dns_failures: int = 0
 
 
 @dataclass
@@ -84,6 +86,18 @@ class Reconciler:
         if answer != self.dns:
             self.dns = answer
             self._dirty.set()
+
+    def on_dns_answer(self, addresses, error: str) -> None:
+        """A DNS attempt finished: new addresses, or an error that keeps the last good ones."""
+        if addresses is None:
+            self.stats.dns_failures += 1
+            self.set_dns(DNSAnswer(self.dns.addresses, error))
+        else:
+            self.stats.dns_resolutions += 1
+            if tuple(addresses) != self.dns.addresses:
+                log.info("Backend address change detected, installing proxy rules for backends %s",
+                         [str(a) for a in addresses])
+            self.set_dns(DNSAnswer(tuple(addresses), ""))
 
     def poke(self, force: bool = False) -> None:
         """Ask for a reconcile; `force` re-applies even parts that look unchanged (drift repair)."""

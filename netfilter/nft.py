@@ -72,6 +72,8 @@ class NftBackend:
         if self.installed() == desired:
             return
         self._run(plan_nft(rules, self.families), "replacing the containerboot tables")
+        if not log.isEnabledFor(logging.DEBUG):
+            return      # listing big maps costs ~0.2 ms per element; only worth it when someone looks
         after = self.installed()
         if after != desired:
             # Not fatal: the kernel accepted the batch, the text differs only if our renderer lags nft's

@@ -50,6 +50,10 @@ def test_dns_name_ingress_balances_over_every_answer_of_each_family():
     failed = compute(load(dict(KERNEL, TS_EXPERIMENTAL_DEST_DNS_NAME="backend.example")), st,
                      DNSAnswer(error="NXDOMAIN"))
     assert failed.rules.dnats == () and failed.targets[0].error == "NXDOMAIN"
+    # a failure after a success keeps the last good backends (and reports the error)
+    kept = compute(load(dict(KERNEL, TS_EXPERIMENTAL_DEST_DNS_NAME="backend.example")), st,
+                   DNSAnswer(addresses=(ip("10.0.0.1"),), error="timeout"))
+    assert kept.rules.dnats and kept.targets[0].error == "timeout"
 
 
 def test_egress_ip_exempts_tailscaled_port_and_local_http_port():

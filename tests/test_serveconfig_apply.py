@@ -335,6 +335,8 @@ async def test_service_advertised_only_after_its_cert(api: FakeAPI, backend: Bac
     gate = asyncio.Event()
 
     async def sleep(d: float) -> None:
+        if d >= 3600:                      # the daily refresh: park
+            await asyncio.Event().wait()
         await gate.wait()
 
     changed = asyncio.Event()
