@@ -12,7 +12,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Mapping
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from . import tailscaled as ts
 from .desired import Desired
@@ -21,6 +21,9 @@ from .reconcile import Reconciler
 from .redact import redact, register
 from .settings import Settings
 from .state import NodeState, apply_notify, carries_netmap, notify_backend_state, with_dns_config
+
+if TYPE_CHECKING:
+    from .status import AgentStatus
 
 log = logging.getLogger("containerboot")
 
@@ -52,6 +55,10 @@ class Agent:
         self._stop_signal: int | None = None
         self._tasks: list[asyncio.Task] = []
         self._linked = False
+        self.endpoints = None
+        self.started_at = time.time()
+        self._boot_state = "NoState"
+        self.serve_status = None
         for secret in (settings.authkey, settings.client_secret, settings.id_token):
             register(secret)
 
@@ -110,6 +117,8 @@ class Agent:
     async def _prepare(self) -> None:
         """Everything that may fail on the host before any process is started."""
         s = self.s
+        for warning in ts.routing_warnings(s):
+            log.warning("[warning] %s", warning)
         if not s.userspace:
             try:
                 ts.ensure_tun(s.root)
@@ -141,11 +150,51 @@ class Agent:
             raise AgentError(f"failed to bring up tailscale: {e}") from None
         self.api = LocalAPI(self.s.socket)
         self._linked = ts.link_socket(self.s.socket, ts.socket_link_path(self.s.root))
+        await self._start_endpoints()
         if self.s.forwarding_optimizations:
             try:
                 await self.api.set_udp_gro_forwarding()
             except LocalAPIError as e:
                 log.warning("[unexpected] error enabling UDP GRO forwarding: %s", e)
+
+    async def _start_endpoints(self) -> None:
+        s = self.s
+        if not (s.local_server_enabled or s.healthcheck_addr_port):
+            return
+        from .endpoints import EndpointServer
+
+        api = self.api
+        self.endpoints = EndpointServer(
+            status_provider=self.status, metrics_source=api.usermetrics if api else None,
+            enable_metrics=s.enable_metrics, enable_health=s.enable_health_check,
+            pod_ipv4=s.pod_ipv4, pod_ipv6=s.pod_ipv6)
+        try:
+            if s.local_server_enabled:
+                await self.endpoints.start(s.local_addr_port)
+            if s.healthcheck_addr_port:
+                await self.endpoints.start(s.healthcheck_addr_port, healthz_only=True)
+        except (OSError, ValueError) as e:
+            raise AgentError(f"failed to start the HTTP endpoints: {e}; check TS_LOCAL_ADDR_PORT / "
+                             "TS_HEALTHCHECK_ADDR_PORT (is the port in use?)") from None
+
+    def status(self) -> "AgentStatus":
+        """A snapshot of everything the probes, /status and /metrics report."""
+        from .status import AgentStatus
+
+        rec = self.reconciler
+        node = rec.node if rec is not None else NodeState(backend_state=self._boot_state)
+        return AgentStatus(
+            backend_state=node.backend_state or self._boot_state,
+            tailnet_ips=tuple(str(ip) for ip in node.tailnet_ips),
+            targets=rec.target_statuses() if rec is not None else (),
+            serve=self.serve_status,
+            netmap_seen_at=node.netmap_seen_at,
+            started_at=self.started_at,
+            last_reconcile_at=rec.last_reconcile_at if rec is not None else None,
+            loop_heartbeat_at=rec.heartbeat if rec is not None else time.time(),
+            counters=rec.counters() if rec is not None else {},
+            startup_complete=self.startup_complete.is_set(),
+        )
 
     async def _tailscale_up(self) -> None:
         try:
@@ -173,7 +222,7 @@ class Agent:
                         state = notify_backend_state(n)
                         if state is None:
                             continue
-                        last_state = state
+                        last_state = self._boot_state = state
                         if state == "Running":
                             return
                         if state == "NeedsLogin":
@@ -311,6 +360,8 @@ class Agent:
                 log.info("Removed the agent's firewall rules")
             except Exception as e:
                 log.error("failed to remove the agent's firewall rules: %s", e)
+        if self.endpoints is not None:
+            await self.endpoints.close()
         if self._linked:
             ts.unlink_socket(self.s.socket, ts.socket_link_path(self.s.root))
         if self.api is not None:

@@ -7,7 +7,7 @@ back yields them again, whatever happened in between.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from netfilter.model import Dnat, EgressForward, PortMatch, RuleSet
 
@@ -26,6 +26,7 @@ class Target:
     value: str  # what the user configured
     resolved: tuple[IP, ...] = ()
     error: str = ""
+    has_rules: bool = False  # the desired rule set carries rules for this target
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,11 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desir
         err = "" if src or not own else f"the node has no tailnet IPv{s.dest_ip.version} address to forward from"
         if src:
             dnats.append(Dnat(original_dst=src, targets=(s.dest_ip,)))
-        targets.append(Target("TS_DEST_IP", "ingress", str(s.dest_ip), (s.dest_ip,), err))
+        targets.append(Target("TS_DEST_IP", "ingress", str(s.dest_ip), (s.dest_ip,), err, bool(src)))
 
     if s.dest_dns_name:
         answer = dns or DNSAnswer()
+        before = len(dnats)
         for version in (4, 6):
             backends = tuple(ip for ip in answer.addresses if ip.version == version)
             src = _same_family(own, version)
@@ -94,19 +96,21 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desir
         v4 = v4 or any(ip.version == 4 for ip in answer.addresses)
         v6 = v6 or any(ip.version == 6 for ip in answer.addresses)
         targets.append(Target("TS_EXPERIMENTAL_DEST_DNS_NAME", "ingress-dns", s.dest_dns_name,
-                              answer.addresses, answer.error))
+                              answer.addresses, answer.error, len(dnats) > before))
 
     egress_targets: tuple[IP, ...] = ()
+    egress_target: Target | None = None
     if s.tailnet_target_ip is not None:
         egress_targets = (s.tailnet_target_ip,)
-        targets.append(Target("TS_TAILNET_TARGET_IP", "egress", str(s.tailnet_target_ip), egress_targets))
+        egress_target = Target("TS_TAILNET_TARGET_IP", "egress", str(s.tailnet_target_ip), egress_targets)
     elif s.tailnet_target_fqdn:
+        err = ""
         try:
             egress_targets = resolve_tailnet_fqdn(node, s.tailnet_target_fqdn) if own else ()
             err = "" if own else "waiting for the node's tailnet addresses"
         except ResolveError as e:
             err = str(e)
-        targets.append(Target("TS_TAILNET_TARGET_FQDN", "egress", s.tailnet_target_fqdn, egress_targets, err))
+        egress_target = Target("TS_TAILNET_TARGET_FQDN", "egress", s.tailnet_target_fqdn, egress_targets, err)
     if egress_targets:
         exempt = [PortMatch("udp", tailscaled_port(s))]
         if (lp := local_port(s)) is not None:
@@ -116,8 +120,11 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desir
             src = _same_family(own, version)
             if target and src:
                 egress.append(EgressForward(target=target, snat_source=src, exempt=tuple(exempt)))
+    if egress_target is not None:
+        targets.append(replace(egress_target, has_rules=bool(egress)))
 
     if s.allow_proxying_cluster_traffic_via_ingress and s.serve_config:
+        before = len(dnats)
         for pod_ip in (s.pod_ipv4, s.pod_ipv6, _parse_ip(s.pod_ip)):
             if pod_ip is None:
                 continue
@@ -125,7 +132,7 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desir
             if src and not any(d.original_dst == pod_ip for d in dnats):
                 dnats.append(Dnat(original_dst=pod_ip, targets=(src,)))
         targets.append(Target("EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS", "cluster-via-ingress",
-                              s.pod_ip or str(s.pod_ipv4 or s.pod_ipv6 or "")))
+                              s.pod_ip or str(s.pod_ipv4 or s.pod_ipv6 or ""), has_rules=len(dnats) > before))
 
     rules = RuleSet(dnats=tuple(dnats), egress=tuple(egress), clamp_mss=bool(dnats or egress))
     return Desired(rules=rules, targets=tuple(targets), forwarding=(v4, v6))

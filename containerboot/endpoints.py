@@ -204,6 +204,7 @@ def _listen_socket(host: str, port: int) -> socket.socket:
         except OSError as e:
             s.close()
             if e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):   # IPv6 disabled in the Pod
+                log.info("IPv6 is not available; listening on 0.0.0.0:%d instead of [::]:%d", port, port)
                 return _listen_socket("0.0.0.0", port)
             raise
     else:
@@ -285,8 +286,13 @@ class EndpointServer:
             lambda r, w: self._on_connection(r, w, healthz_only), sock=sock, limit=_MAX_HEADER_BYTES)
         bound = _format_sockname(sock)
         self._listeners.append(_Listener(addr_port, bound, server, healthz_only))
-        paths = ["/healthz"] if healthz_only else self._paths()
-        log.info("Running HTTP endpoints at %s (%s)", addr_port, ", ".join(paths))
+        # Upstream's log lines for the two endpoints it has (harnesses grep for them), then ours.
+        if healthz_only or self._enable_health:
+            log.info("Running healthcheck endpoint at %s/healthz", addr_port)
+        if not healthz_only:
+            if self._enable_metrics:
+                log.info("Running metrics endpoint at %s/metrics", addr_port)
+            log.info("Running HTTP endpoints at %s (%s)", addr_port, ", ".join(self._paths()))
         return bound
 
     @property

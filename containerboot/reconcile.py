@@ -20,6 +20,7 @@ from . import desired as desired_mod
 from .desired import Desired, DNSAnswer
 from .settings import Settings
 from .state import NodeState
+from .status import TargetStatus
 
 log = logging.getLogger("containerboot")
 
@@ -73,6 +74,7 @@ class Reconciler:
         self.applied = Applied()
         self.stats = ReconcileStats()
         self.heartbeat = clock()
+        self.last_reconcile_at: float | None = None
         self._dirty = asyncio.Event()
         self._force = False
 
@@ -119,6 +121,7 @@ class Reconciler:
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(RESYNC_INTERVAL)
+            self.heartbeat = self.clock()
             self.poke(force=True)
 
     async def reconcile_once(self, *, force: bool = False) -> Desired:
@@ -134,6 +137,7 @@ class Reconciler:
             await self.on_converged(self, want)
         self.stats.last_duration = time.monotonic() - start
         self.stats.total_duration += self.stats.last_duration
+        self.last_reconcile_at = self.heartbeat = self.clock()
         return want
 
     async def _converge_rules(self, want: Desired, force: bool) -> bool:
@@ -162,6 +166,29 @@ class Reconciler:
 
     def rules_installed_for(self, want: Desired) -> bool:
         return self.applied.rules == want.rules and not self.applied.rules_error
+
+    def target_statuses(self) -> tuple[TargetStatus, ...]:
+        """Per-target status for /status, /readyz and /metrics."""
+        want = self.desired
+        if want is None:
+            return ()
+        installed = self.rules_installed_for(want)
+        return tuple(TargetStatus(name=t.name, kind=t.kind, resolved=tuple(str(ip) for ip in t.resolved),
+                                  rules_installed=installed and t.has_rules,
+                                  last_error=t.error or self.applied.rules_error,
+                                  updated_at=self.last_reconcile_at or 0.0) for t in want.targets)
+
+    def counters(self) -> dict[str, float]:
+        st = self.stats
+        return {
+            "containerboot_reconcile_total": st.reconciles,
+            "containerboot_reconcile_errors_total": st.failures,
+            "containerboot_reconcile_duration_seconds_sum": st.total_duration,
+            "containerboot_reconcile_duration_seconds_count": st.reconciles,
+            'containerboot_dns_resolutions_total{result="ok"}': st.dns_resolutions,
+            'containerboot_dns_resolutions_total{result="error"}': st.dns_failures,
+            'containerboot_firewall_applies_total{result="ok"}': st.rule_applies,
+        }
 
     def _write_rules_file(self, rules: RuleSet) -> None:
         """Publish the desired rule set for `containerboot rules` (debugging view)."""

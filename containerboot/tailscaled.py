@@ -246,3 +246,18 @@ async def run_cli(argv: Sequence[str], env: Mapping[str, str], deadline: float |
         raise
     if rc != 0:
         raise RuntimeError(f"{argv[2] if len(argv) > 2 else argv[0]} failed: exit status {rc}")
+
+
+def routing_warnings(s: Settings) -> list[str]:
+    """Configurations that work but route differently from what the user probably means."""
+    exit_flag = any(flag_name(a) == "advertise-exit-node" and not a.endswith("=false") for a in s.extra_args)
+    routes = [r.strip() for r in (s.routes or "").split(",") if r.strip()]
+    default_routes = [r for r in routes if r in ("0.0.0.0/0", "::/0")]
+    subnets = [r for r in routes if r not in default_routes]
+    if (exit_flag or default_routes) and subnets:
+        return [f"this node advertises both an exit node and subnet routes ({', '.join(subnets)}): a client that "
+                "uses it as its exit node sends all its traffic here, so the default route subsumes the subnet "
+                "routes, and a client that only accepts routes gets the subnets but not the exit node; the two "
+                "roles fail over and scale differently. Recommended: run two proxies (two Connectors), one with "
+                "TS_ROUTES for the subnets and one with --advertise-exit-node."]
+    return []

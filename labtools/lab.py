@@ -48,7 +48,7 @@ BINARIES = ("tailscaled", "tailscale", "containerboot", "headscale")
 
 # Address plan (fixed: every lab has its own namespaces, so labs never see each other's addresses).
 UNDERLAY_V4 = "10.99.0.{}"
-UNDERLAY_V6 = "fd99::{:x}"
+UNDERLAY_V6 = "fd99::{}"  # host 10 -> fd99::10 (decimal digits are valid hex)
 HS_V4 = "10.99.0.1"
 HS_V6 = "fd99::1"
 BACKEND_LINK_PROXY_V4 = "10.98.0.1"
@@ -904,7 +904,7 @@ logtail:
             out.append(f"\n=== headscale nodes list failed: {e}")
         for name, sock in sorted(self._sockets.items()):
             if os.path.exists(sock):
-                cp = self.ts(sock, "status", check=False, timeout=10) if True else None
+                cp = self.ts(sock, "status", check=False, timeout=10)
                 out.append(f"\n=== tailscale status ({name})\n{cp.stdout}{cp.stderr}")
         cmds = [["nft", "list", "ruleset"], ["iptables-save"], ["ip6tables-save"], ["ip", "addr"],
                 ["ip", "route", "show", "table", "all"], ["ip", "-6", "route", "show", "table", "all"],
@@ -1080,8 +1080,48 @@ def _http_serve(argv: list[str]) -> int:
     return 0
 
 
+def reap_stale(run_root: str | Path = "/tmp", dry_run: bool = False) -> list[str]:
+    """Remove labs left behind by a process that died without teardown (e.g. a SIGKILLed pytest).
+
+    Only labs made by this module are touched: a run dir ``<run_root>/<prefix>/owner`` whose owner pid is
+    gone, and the netns named ``<prefix>-*``. Processes inside those namespaces are killed (they were started
+    by that lab), then the namespaces, /etc/netns entries and the run dir are removed. Returns the prefixes."""
+    reaped = []
+    listed = _run(["ip", "netns", "list"], check=False).stdout.split("\n")
+    all_ns = [ln.split()[0] for ln in listed if ln.strip()]
+    for owner in sorted(Path(run_root).glob("cb*/owner")):
+        try:
+            pid = int(owner.read_text().strip())
+            os.kill(pid, 0)
+            continue  # owner alive: not stale
+        except ProcessLookupError:
+            pass
+        except (ValueError, OSError):
+            continue
+        prefix = owner.parent.name
+        reaped.append(prefix)
+        if dry_run:
+            continue
+        mine = [n for n in all_ns if n.startswith(prefix + "-")]
+        for n in mine:
+            pids = _run(["ip", "netns", "pids", n], check=False).stdout.split()
+            for p in pids:
+                try:
+                    os.kill(int(p), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        for n in sorted(mine, key=lambda x: x.endswith("-sw")):
+            _run(["ip", "netns", "del", n], check=False)
+            shutil.rmtree(Path("/etc/netns") / n, ignore_errors=True)
+        shutil.rmtree(owner.parent, ignore_errors=True)
+    return reaped
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "http-serve":
         sys.exit(_http_serve(sys.argv[2:]))
-    print("usage: python -m labtools.demo (this module is a library)", file=sys.stderr)
+    if len(sys.argv) > 1 and sys.argv[1] in ("reap-stale", "list-stale"):
+        print("\n".join(reap_stale(dry_run=sys.argv[1] == "list-stale")) or "(none)")
+        sys.exit(0)
+    print("usage: python -m labtools.lab reap-stale|list-stale   (demo: python -m labtools.demo)", file=sys.stderr)
     sys.exit(2)

@@ -141,7 +141,11 @@ class Topology:
             self.ip(ns, "link", "set", dev, "up")
 
     def dummy(self, ns: str, name: str) -> None:
-        self.ip(ns, "link", "add", name, "type", "dummy")
+        """A stand-alone interface named `name`: a dummy, or (no dummy module) one end of a veth pair."""
+        r = self.ip(ns, "link", "add", name, "type", "dummy", check=False)
+        if r.returncode != 0:
+            self.ip(ns, "link", "add", name, "type", "veth", "peer", "name", f"{name[:12]}-pr")
+            self.ip(ns, "link", "set", f"{name[:12]}-pr", "up")
         self.ip(ns, "link", "set", name, "up")
 
     def addr(self, ns: str, dev: str, cidr: str) -> None:

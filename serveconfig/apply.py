@@ -48,7 +48,7 @@ from serveconfig.model import (
 
 log = logging.getLogger("containerboot")
 
-__all__ = ["ApplyResult", "ServeApplier", "CertManager", "LocalAPILike", "NO_HTTPS_EXPLANATION"]
+__all__ = ["ApplyResult", "ServeApplier", "ServeLoop", "CertManager", "LocalAPILike", "NO_HTTPS_EXPLANATION"]
 
 NO_HTTPS_EXPLANATION = (
     "serve proxy: this node is configured to serve HTTPS, but TLS certificates cannot be issued because "
@@ -242,6 +242,7 @@ class ServeApplier:
         self._clock = clock
         self.counters: dict[str, float] = counters if counters is not None else {}
         self._in_force: ServeConfig | None = None     # what we last saw/put in tailscaled
+        self._applied: ServeConfig | None = None      # the last desired config that converged successfully
         self._posted: ServeConfig | None = None       # what we last POSTed ...
         self._posted_etag: str | None = None          # ... and the ETag tailscaled reported right after
         self._failed: tuple[ServeConfig, float, float, str] | None = None   # (config, retry_at, delay, error)
@@ -331,13 +332,14 @@ class ServeApplier:
             self._posted, self._posted_etag = None, None
 
         if desired is None:
-            in_force = self._good_text is not None and self._in_force is not None
-            domains, required, ready = self._cert_state(self._in_force if in_force else None)
-            adv = await self._advertise_safely(self._in_force if in_force else None)
+            # No file (or an empty one): change nothing, as upstream. What we applied before stays in force.
+            prev = self._applied
+            domains, required, ready = self._cert_state(prev)
+            adv = await self._advertise_safely(prev)
             if count:
                 self._count("skipped")
-            return ApplyResult(applied=in_force, skipped="" if in_force else "no serve config",
-                               https_endpoint=cert_domain if in_force else None, advertised=adv,
+            return ApplyResult(applied=prev is not None, skipped="" if prev is not None else "no serve config",
+                               https_endpoint=cert_domain if prev is not None else None, advertised=adv,
                                cert_required=required, cert_ready=ready, cert_domains=domains)
 
         if cert_domain == NO_HTTPS and needs_https(desired):
@@ -356,6 +358,7 @@ class ServeApplier:
         else:
             try:
                 changed = await self._set(desired)
+                self._applied = desired
                 self._failed = None
                 if count:
                     self._count("applied" if changed else "unchanged")
@@ -461,3 +464,78 @@ class ServeApplier:
                                     "AdvertiseServicesSet": True})
         self._advertised = want
         return want
+
+
+# --------------------------------------------------------------------------------------------------------
+# The loop that ties the file watch, the cert domain and the applier together.
+
+
+class ServeLoop:
+    """Runs the serve path: watch the file, converge on every change of file content or cert domain, and
+    re-converge periodically (level-triggered: out-of-band changes are reverted, failures retried).
+
+    Start it only once tailscaled is Running with a self node (tailscaled refuses serve configs before).
+    `on_result` (sync or async) gets every ApplyResult; the agent uses it to update `/status` and to write
+    `https_endpoint` to the state Secret when that value changes."""
+
+    def __init__(self, path: str, applier: ServeApplier, *, cert_domain: str = NO_HTTPS,
+                 on_result: Callable[[ApplyResult], Any] | None = None,
+                 poll_interval: float = 5.0, resync_interval: float = 30.0, error_retry: float = 1.0):
+        self.path = path
+        self.applier = applier
+        self._cert_domain = cert_domain or NO_HTTPS
+        self._on_result = on_result
+        self._poll_interval = poll_interval
+        self._resync = resync_interval
+        self._error_retry = error_retry
+        self._wake = asyncio.Event()
+        self._text: str | None = None
+        self._have_text = asyncio.Event()
+        self.last_result: ApplyResult | None = None
+
+    @property
+    def cert_domain(self) -> str:
+        return self._cert_domain
+
+    def set_cert_domain(self, domain: str) -> None:
+        """Call on every self-node change with CertDomains[0] (or "" / "no-https"); wakes the loop on change."""
+        domain = domain or NO_HTTPS
+        if domain != self._cert_domain:
+            log.info("serve proxy: cert domain is now %s", domain)
+            self._cert_domain = domain
+            self._wake.set()
+
+    def poke(self) -> None:
+        """Converge soon (e.g. from CertManager's on_change, so Services are advertised once their cert exists)."""
+        self._wake.set()
+
+    async def _follow_file(self) -> None:
+        from serveconfig.watch import watch_file   # local import: keeps this module importable without watchdog
+
+        async for text in watch_file(self.path, self._poll_interval):
+            self._text = text
+            self._have_text.set()
+            self._wake.set()
+
+    async def run(self) -> None:
+        follower = asyncio.get_running_loop().create_task(self._follow_file(), name="serve-config-watch")
+        try:
+            await self._have_text.wait()
+            while True:
+                if follower.done():
+                    follower.result()   # surface a watcher crash instead of silently stopping
+                self._wake.clear()
+                res = await self.applier.converge_text(self._text, self._cert_domain)
+                self.last_result = res
+                if self._on_result is not None:
+                    out = self._on_result(res)
+                    if asyncio.iscoroutine(out):
+                        await out
+                timeout = self._error_retry if (res.error and not res.invalid) else self._resync
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)

@@ -160,3 +160,57 @@ def test_sigterm_during_login_exits_0(run_agent, tmp_path):
     a.wait_for("Running tailscale")
     assert a.stop() == 0
     assert (tmp_path / "tailscaled.sigterm").exists()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_endpoints_report_health_readiness_status_and_metrics(run_agent):
+    port = _free_port()
+    a = run_agent(TS_AUTH_ONCE="true", FAKE_TS_INITIAL="Running", TS_ENABLE_HEALTH_CHECK="true",
+                  TS_ENABLE_METRICS="true", TS_LOCAL_ADDR_PORT=f"127.0.0.1:{port}", POD_IPS="10.0.0.9")
+    a.wait_for("Startup complete")
+    base = f"http://127.0.0.1:{port}"
+    assert _get(f"{base}/healthz") == (200, "ok")
+    code, body = _get(f"{base}/readyz")
+    assert code == 200, body
+    code, body = _get(f"{base}/status")
+    st = json.loads(body)
+    assert code == 200 and st["backend_state"] == "Running"
+    assert "100.64.0.5" in st["tailnet_ips"]
+    code, metrics = _get(f"{base}/metrics")
+    assert code == 200
+    assert "tailscaled_health_messages 0" in metrics  # tailscaled's own user metrics
+    assert "# TYPE containerboot_reconcile_total counter" in metrics
+    assert "containerboot_backend_running 1" in metrics
+    assert a.stop() == 0
+    assert "HTTP server at" in a.log() or "closed" in a.log()
+
+
+def test_endpoint_port_in_use_is_a_clear_error(run_agent):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        a = run_agent(FAKE_TS_INITIAL="Running", TS_AUTH_ONCE="true", TS_ENABLE_HEALTH_CHECK="true",
+                      TS_LOCAL_ADDR_PORT=f"127.0.0.1:{port}")
+        assert a.wait() == 1
+    assert "TS_LOCAL_ADDR_PORT" in a.log() and str(port) in a.log()

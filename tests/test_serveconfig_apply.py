@@ -518,3 +518,50 @@ async def test_etag_flow_over_real_localapi_client(backend: Backend, tmp_path: P
 def test_parse_equals_from_json_of_posted_body() -> None:
     cfg = parse(SVC_CFG, DOMAIN)
     assert ServeConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+
+
+# -- ServeLoop: file watch + cert domain + applier -----------------------------------------------------------
+
+
+async def test_serve_loop_end_to_end(api: FakeAPI, backend: Backend, tmp_path: Path) -> None:
+    from serveconfig.apply import ServeLoop
+
+    path = tmp_path / "serve-config"
+    path.write_text(HTTPS_CFG)
+    results: asyncio.Queue = asyncio.Queue()
+
+    async def on_result(res) -> None:
+        await results.put(res)
+
+    async def next_result(pred):
+        while True:
+            res = await asyncio.wait_for(results.get(), 5)
+            if pred(res):
+                return res
+
+    loop = ServeLoop(str(path), ServeApplier(api), cert_domain=DOMAIN, on_result=on_result, resync_interval=3600)
+    task = asyncio.ensure_future(loop.run())
+    try:
+        res = await next_result(lambda r: r.applied)
+        assert res.https_endpoint == DOMAIN
+        assert list(backend.config["Web"]) == [f"{DOMAIN}:443"]
+        path.write_text(HTTPS_CFG2)
+        await next_result(lambda r: r.changed)
+        assert backend.config == parse(HTTPS_CFG2, DOMAIN).to_json()
+        loop.set_cert_domain("renamed.tailnet.ts.net")
+        res = await next_result(lambda r: r.changed)
+        assert res.https_endpoint == "renamed.tailnet.ts.net"
+        assert list(backend.config["Web"]) == ["renamed.tailnet.ts.net:443"]
+        path.write_text("{not json")
+        res = await next_result(lambda r: r.invalid)
+        assert res.applied and list(backend.config["Web"]) == ["renamed.tailnet.ts.net:443"]
+        # Someone changes tailscaled's config behind our back; a poke (or the periodic resync) reverts it.
+        path.write_text(HTTPS_CFG2)
+        await next_result(lambda r: not r.invalid)
+        backend.config = {}
+        loop.poke()
+        await next_result(lambda r: r.changed)
+        assert backend.config == parse(HTTPS_CFG2, "renamed.tailnet.ts.net").to_json()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

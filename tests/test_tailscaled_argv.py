@@ -64,3 +64,15 @@ def test_flag_name():
     assert flag_name("--foo=bar") == "foo"
     assert flag_name("-foo") == "foo"
     assert flag_name("value") is None
+
+
+def test_exit_node_plus_subnet_routes_warns_about_the_conflict():
+    from containerboot.tailscaled import routing_warnings
+
+    (w,) = routing_warnings(s(TS_ROUTES="10.1.0.0/16", TS_EXTRA_ARGS="--advertise-exit-node"))
+    assert "10.1.0.0/16" in w and "two proxies" in w
+    (w,) = routing_warnings(s(TS_ROUTES="0.0.0.0/0,::/0,10.1.0.0/16"))
+    assert "default route subsumes" in w
+    assert routing_warnings(s(TS_ROUTES="10.1.0.0/16")) == []
+    assert routing_warnings(s(TS_EXTRA_ARGS="--advertise-exit-node")) == []
+    assert routing_warnings(s(TS_ROUTES="0.0.0.0/0,::/0")) == []

@@ -1,0 +1,330 @@
+"""Small additions to labtools.lab for the egress, DNS-ingress and connector end-to-end tests.
+
+Everything here works through the Lab's public surface (``exec``, ``namespaces``, ``nodes``, ``run_dir``,
+``hs``...) and only touches namespaces of that lab, so nothing ever leaves the island. Every wait is bounded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from labtools import lab as labmod
+from labtools.lab import Lab, LabError, NsInfo, wait_until
+
+
+# --------------------------------------------------------------------------------------------------------
+# tailnet nodes
+# --------------------------------------------------------------------------------------------------------
+
+def stop_node(lab: Lab, name: str, timeout: float = 20.0) -> int | None:
+    """SIGTERM the lab node ``name`` (a tailscaled started by lab.start_node), wait, SIGKILL if needed.
+
+    The node stays in lab.nodes (its name cannot be reused there); its socket is gone afterwards."""
+    node = lab.nodes[name]
+    p = node.proc
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+    return p.returncode
+
+
+def start_node_as(lab: Lab, key: str, hostname: str, ns: str, *, timeout: float = 60.0) -> labmod.Node:
+    """lab.start_node under a fresh lab key ``key`` (own state dir, so a NEW node for headscale) but with the
+    tailnet hostname ``hostname``: lets a "same" node leave and come back as a new machine."""
+    # `tailscale up` parses flags with Go's flag package: a repeated flag's last value wins.
+    return lab.start_node(key, ns, extra_up_args=[f"--hostname={hostname}"], timeout=timeout)
+
+
+def node_self(lab: Lab, name: str) -> dict:
+    return lab.status(name).get("Self") or {}
+
+
+def magicdns_name(lab: Lab, name: str) -> str:
+    """The node's MagicDNS FQDN as headscale assigned it, without the trailing dot."""
+    dns = node_self(lab, name).get("DNSName") or ""
+    if not dns:
+        raise LabError(f"node {name} has no DNSName in its status")
+    return dns.rstrip(".")
+
+
+def peer_by_dns(lab: Lab, name: str, fqdn: str) -> dict | None:
+    want = fqdn.rstrip(".").lower()
+    for p in (lab.status(name).get("Peer") or {}).values():
+        if (p.get("DNSName") or "").rstrip(".").lower() == want:
+            return p
+    return None
+
+
+def wait_peer_ips(lab: Lab, name: str, fqdn: str, ips: Iterable[str], timeout: float = 30.0) -> dict:
+    """Wait until node ``name`` sees peer ``fqdn`` with tailnet addresses ``ips``, online and with a DERP home."""
+    want = set(ips)
+
+    def pred() -> dict | None:
+        p = peer_by_dns(lab, name, fqdn)
+        if p and set(p.get("TailscaleIPs") or ()) == want and p.get("Online") and p.get("Relay"):
+            return p
+        return None
+    return wait_until(pred, timeout, 0.25, f"{name} sees {fqdn} at {sorted(want)}")
+
+
+def wait_peer_gone(lab: Lab, name: str, fqdn: str, timeout: float = 30.0) -> None:
+    wait_until(lambda: peer_by_dns(lab, name, fqdn) is None, timeout, 0.25, f"{fqdn} gone from {name}'s netmap")
+
+
+# --------------------------------------------------------------------------------------------------------
+# namespaces and addresses
+# --------------------------------------------------------------------------------------------------------
+
+def ip(lab: Lab, *args: str) -> None:
+    cp = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=15)
+    if cp.returncode != 0:
+        raise LabError(f"ip {' '.join(args)} failed: {cp.stderr.strip()}")
+
+
+def add_address(lab: Lab, ns: str, dev: str, cidr: str) -> None:
+    """Add an address to ``dev`` in ``ns`` (nodad for IPv6, so it is usable at once)."""
+    extra = ["nodad"] if ":" in cidr else []
+    ip(lab, "-n", lab.netns(ns), "addr", "replace", cidr, "dev", dev, *extra)
+
+
+def del_address(lab: Lab, ns: str, dev: str, cidr: str) -> None:
+    subprocess.run(["ip", "-n", lab.netns(ns), "addr", "del", cidr, "dev", dev],
+                   capture_output=True, text=True, timeout=15)
+
+
+@dataclass
+class Outside:
+    """A namespace behind the proxy (not on the island bridge): the "internet" for exit-node tests."""
+    info: NsInfo
+    proxy_dev: str
+    proxy_v4: str
+    proxy_v6: str
+    v4: str
+    v6: str
+
+
+def add_outside_namespace(lab: Lab, name: str = "outside", *, proxy_dev: str = "eth2",
+                          proxy_v4: str = "192.0.2.1", v4: str = "192.0.2.10",
+                          proxy_v6: str = "2001:db8::1", v6: str = "2001:db8::10") -> Outside:
+    """A namespace ``<prefix>-<name>`` linked only to the proxy namespace by a veth pair (proxy side
+    ``proxy_dev``). The documentation prefixes 192.0.2.0/24 and 2001:db8::/64 exist only on that link. The
+    namespace is registered in lab.namespaces, so lab.exec works in it and lab.close removes it."""
+    if name in lab.namespaces:
+        raise LabError(f"namespace {name!r} exists")
+    full = f"{lab.prefix}-{name}"
+    ip(lab, "netns", "add", full)
+    info = NsInfo(name, full, v4, v6)
+    lab.namespaces[name] = info  # before anything else can fail, so lab.close removes it
+    etc = Path("/etc/netns") / full
+    etc.mkdir(parents=True, exist_ok=True)
+    (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+    (etc / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
+    ip(lab, "-n", full, "link", "set", "lo", "up")
+    for key in ("all", "default"):
+        lab.exec(name, ["sh", "-c", f"echo 0 > /proc/sys/net/ipv6/conf/{key}/disable_ipv6"], check=True)
+    px = lab.netns("proxy")
+    ip(lab, "-n", px, "link", "add", proxy_dev, "type", "veth", "peer", "name", "eth0", "netns", full)
+    ip(lab, "-n", px, "addr", "add", f"{proxy_v4}/24", "dev", proxy_dev)
+    ip(lab, "-n", px, "-6", "addr", "add", f"{proxy_v6}/64", "dev", proxy_dev, "nodad")
+    ip(lab, "-n", px, "link", "set", proxy_dev, "up")
+    ip(lab, "-n", full, "addr", "add", f"{v4}/24", "dev", "eth0")
+    ip(lab, "-n", full, "-6", "addr", "add", f"{v6}/64", "dev", "eth0", "nodad")
+    ip(lab, "-n", full, "link", "set", "eth0", "up")
+    ip(lab, "-n", full, "route", "add", "default", "via", proxy_v4)
+    ip(lab, "-n", full, "-6", "route", "add", "default", "via", proxy_v6)
+    return Outside(info, proxy_dev, proxy_v4, proxy_v6, v4, v6)
+
+
+def remove_namespace(lab: Lab, name: str) -> None:
+    """Kill what runs in a namespace this module added, and delete it (its veths go with it)."""
+    if name not in lab.namespaces:
+        return
+    lab.kill_ns_leftovers(name, 5)
+    full = lab.namespaces[name].netns
+    subprocess.run(["ip", "netns", "del", full], capture_output=True, text=True, timeout=15)
+    import shutil
+    shutil.rmtree(Path("/etc/netns") / full, ignore_errors=True)
+    del lab.namespaces[name]
+
+
+def resolv_conf_path(lab: Lab, ns: str) -> Path:
+    """The file `ip netns exec` bind-mounts over /etc/resolv.conf for processes started in ``ns``."""
+    return Path("/etc/netns") / lab.netns(ns) / "resolv.conf"
+
+
+def set_resolv_conf(lab: Lab, ns: str, text: str) -> str:
+    """Rewrite ``ns``'s resolv.conf IN PLACE (same inode, so processes already running in the namespace see it
+    through their bind mount) and return the old contents."""
+    p = resolv_conf_path(lab, ns)
+    old = p.read_text()
+    with open(p, "r+") as f:
+        f.seek(0)
+        f.write(text)
+        f.truncate()
+    return old
+
+
+# --------------------------------------------------------------------------------------------------------
+# dnsmasq: an authoritative-enough DNS server for one or more names, from a hosts file
+# --------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Dnsmasq:
+    lab: Lab
+    ns: str
+    listen: tuple[str, ...]
+    ttl: int
+    hosts_file: Path
+    log_path: Path
+    proc: subprocess.Popen = field(repr=False)
+
+    def set_records(self, records: dict[str, Sequence[str]]) -> None:
+        """Replace every record (name -> addresses) and make dnsmasq reload them (SIGHUP rereads addn-hosts)."""
+        write_hosts(self.hosts_file, records)
+        if self.proc.poll() is not None:
+            raise LabError(f"dnsmasq exited ({self.proc.returncode}):\n{self.log_text()[-2000:]}")
+        self.proc.send_signal(signal.SIGHUP)
+
+    def query(self, name: str, qtype: str = "A", timeout: float = 5.0) -> list[str]:
+        """Ask the server (from ``ns``) through the agent's own resolver code, for checks in tests."""
+        code = ("import asyncio,sys\n"
+                "from containerboot import dns\n"
+                "async def m():\n"
+                "    r = dns.Resolver()\n"
+                "    conf = dns.ResolvConf(nameservers=(sys.argv[1],), timeout=2.0, attempts=1)\n"
+                "    q = {'A': dns.QTYPE_A, 'AAAA': dns.QTYPE_AAAA}[sys.argv[3]]\n"
+                "    _, addrs, ttl = await r._query(conf, sys.argv[2].rstrip('.') + '.', q)\n"
+                "    print(' '.join(map(str, addrs)))\n"
+                "asyncio.run(m())\n")
+        cp = self.lab.exec(self.ns, [_python(), "-c", code, self.listen[0], name, qtype], timeout=timeout,
+                           env={"PYTHONPATH": str(labmod.REPO_ROOT)})
+        if cp.returncode != 0:
+            raise LabError(f"DNS query failed: {cp.stderr[-1000:]}")
+        return cp.stdout.split()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _python() -> str:
+    import sys
+    return sys.executable
+
+
+def write_hosts(path: Path, records: dict[str, Sequence[str]]) -> None:
+    lines = [f"{addr} {name}" for name, addrs in records.items() for addr in addrs]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def start_dnsmasq(lab: Lab, ns: str, listen: Sequence[str], records: dict[str, Sequence[str]], *,
+                  ttl: int = 5, tag: str = "dns") -> Dnsmasq:
+    """Run ``dnsmasq`` in the foreground in ``ns``, answering only from a hosts file (no upstream servers, no
+    /etc/hosts, no DHCP), bound to the ``listen`` addresses, with TTL ``ttl`` on every answer."""
+    d = lab.run_dir / tag
+    d.mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o755)
+    hosts = d / "hosts"
+    write_hosts(hosts, records)
+    log = d / "dnsmasq.log"
+    argv = ["dnsmasq", "--no-daemon", "--conf-file=/dev/null", "--no-resolv", "--no-hosts", "--no-poll",
+            f"--addn-hosts={hosts}", f"--local-ttl={ttl}", "--bind-interfaces", "--pid-file=",
+            "--user=root", "--group=root", "--log-queries", "--log-facility=-", "--cache-size=0",
+            *[f"--listen-address={a}" for a in listen]]
+    p = lab._popen("http", f"dnsmasq-{ns}", ns, argv, lab._base_env(d), log)  # "http" kind: stopped at close
+    srv = Dnsmasq(lab, ns, tuple(listen), ttl, hosts, log, p)
+
+    def ready() -> bool:
+        if p.poll() is not None:
+            raise LabError(f"dnsmasq exited ({p.returncode}):\n{srv.log_text()[-2000:]}")
+        return "started, version" in srv.log_text()
+    wait_until(ready, 15, 0.1, f"dnsmasq in {ns}")
+    return srv
+
+
+# --------------------------------------------------------------------------------------------------------
+# traffic
+# --------------------------------------------------------------------------------------------------------
+
+def curl_body(lab: Lab, ns: str, url: str, timeout: float = 4.0) -> str | None:
+    cp = lab.curl(ns, url, timeout)
+    return cp.stdout if cp.returncode == 0 else None
+
+
+def markers_seen(lab: Lab, ns: str, url: str, markers: Sequence[str], n: int, timeout: float = 4.0) -> dict[str, int]:
+    """curl ``url`` ``n`` times (each a new TCP connection, so a new NAT decision); count the answers per
+    marker ("<fail>" for failed requests, "<other>" for answers with none of the markers)."""
+    out: dict[str, int] = {}
+    for _ in range(n):
+        body = curl_body(lab, ns, url, timeout)
+        if body is None:
+            k = "<fail>"
+        else:
+            k = next((m for m in markers if body.startswith(m + "\n")), "<other>")
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def own_rules(lab: Lab, mode: str, ns: str = "proxy") -> str:
+    """The agent's own firewall objects in ``ns`` right now ("" = none)."""
+    if mode == "nftables":
+        out = lab.exec(ns, ["nft", "list", "ruleset"], check=True).stdout
+        keep, depth, lines = False, 0, []
+        for line in out.splitlines():
+            if line.startswith("table ") and " containerboot" in line:
+                keep = True
+            if keep:
+                lines.append(line)
+                depth += line.count("{") - line.count("}")
+                if depth == 0:
+                    keep = False
+        return "\n".join(lines)
+    dump = ""
+    for tool in ("iptables-save", "ip6tables-save"):
+        dump += lab.exec(ns, [tool], check=True).stdout
+    return "\n".join(line for line in dump.splitlines() if "CB-" in line)
+
+
+def poll(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.5) -> object:
+    return wait_until(pred, timeout, interval, what)
+
+
+def agent_log_since(agent, start: int) -> str:
+    return agent.log_text()[start:]
+
+
+def hs_node_routes(lab: Lab, hostname: str) -> dict:
+    n = lab.hs_node(hostname) or {}
+    return {k: n.get(k) for k in ("approved_routes", "available_routes", "subnet_routes")}
+
+
+def dumps(obj: object) -> str:
+    return json.dumps(obj, indent=1, sort_keys=True, default=str)
+
+
+def monotonic() -> float:
+    return time.monotonic()
