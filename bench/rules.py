@@ -253,8 +253,11 @@ def run(a: argparse.Namespace) -> int:
 
     # Summary against the goals.
     print("\n== summary (goals are reported, not asserted)")
-    ref_bin = "iptables-legacy" if "iptables-legacy" in results["baseline"] else next(iter(results["baseline"]), None)
-    ref = results["baseline"].get(ref_bin, {}).get("extrapolated_s") if ref_bin else None
+    # The 20x goal is judged against the FASTER baseline (the stricter comparison).
+    ref_bin, ref = None, None
+    for bb, br in results["baseline"].items():
+        if ref is None or br["extrapolated_s"] < ref:
+            ref_bin, ref = bb, br["extrapolated_s"]
     for b, r in results["backends"].items():
         ap = r.get("apply_s")
         if ap is None:
@@ -264,12 +267,13 @@ def run(a: argparse.Namespace) -> int:
         if b == "nftables":
             line += f"  [goal < 1 s: {'MET' if ap < 1 else 'MISSED'}]"
         for bb, br in results["baseline"].items():
-            line += f"  {br['extrapolated_s'] / ap:7.1f}x vs {bb} baseline (extrapolated)"
+            line += f"\n{'':20s}{br['extrapolated_s'] / ap:8.1f}x faster than the {bb} per-rule baseline (extrapolated)"
         if ref is not None:
-            line += f"  [goal >= 20x vs {ref_bin}: {'MET' if ref / ap >= 20 else 'MISSED'}]"
+            line += f"\n{'':20s}[goal >= 20x vs the faster baseline ({ref_bin}): {'MET' if ref / ap >= 20 else 'MISSED'}]"
         if "tput_ratio" in r:
             ratio = r["tput_ratio"]
-            line += f"  throughput ratio {ratio:.3f} [goal within 5%: {'MET' if ratio >= 0.95 else 'MISSED'}]"
+            line += (f"\n{'':20s}throughput {a.maps} services / 1 service = {ratio:.3f} "
+                     f"[goal within 5%: {'MET' if ratio >= 0.95 else 'MISSED'}]")
         print(line)
     print(f"   total bench time {time.monotonic() - started:.0f} s")
     if a.json:

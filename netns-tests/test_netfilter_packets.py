@@ -148,7 +148,7 @@ def host_mss(lab: ProxyLab, version: int) -> int:
 # O1: ingress to a single IP (TS_DEST_IP)
 # --------------------------------------------------------------------------------------------
 
-def test_o1_ingress_dnat_reaches_backend(lab, agent, family):
+def test_o1_ingress_dnat_reaches_backend(lab, agent, backend, family):
     f = lab.fam(family)
     t = lab.topo
     t.serve(lab.backend, "backend", tcp=[WEB], udp=[DNS])
@@ -170,6 +170,13 @@ def test_o1_ingress_dnat_reaches_backend(lab, agent, family):
     assert urep["node"] == "backend" and urep["local"] == backend_ip
     assert urep["reply_from"] == f.proxy_tailnet
     assert backend_ip in agent.installed()
+    # The iptables flavours program the tables they claim to: legacy x_tables vs the nf_tables one.
+    if agent.mode == "iptables":
+        save = {"iptables": "iptables-save", "iptables-legacy": "iptables-legacy-save"}[backend]
+        if family == 6:
+            save = save.replace("iptables", "ip6tables")
+        dump = t.run(lab.proxy, save, "-t", "nat").stdout
+        assert backend_ip in dump, f"{save} does not show the DNAT rule:\n{dump}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -136,7 +136,7 @@ def test_failed_up_exits_1_and_stops_tailscaled(run_agent, tmp_path):
 
 def test_tailscaled_dying_after_startup_is_an_error(run_agent):
     """Upstream exits 0 when tailscaled dies after startup; a crash is a failure here."""
-    a = run_agent(FAKE_TS_INITIAL="Running", TS_AUTH_ONCE="true", FAKE_TS_DIE_AFTER="0.5")
+    a = run_agent(FAKE_TS_INITIAL="Running", TS_AUTH_ONCE="true", FAKE_TS_DIE_AFTER="2")
     a.wait_for("Startup complete")
     assert a.wait() == 1
     assert "tailscaled exited unexpectedly with status 3" in a.log()
