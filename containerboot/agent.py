@@ -59,6 +59,9 @@ class Agent:
         self.started_at = time.time()
         self._boot_state = "NoState"
         self.serve_status = None
+        self.serve_loop = None
+        self.serve_applier = None
+        self._serve_counters: dict[str, float] = {}
         for secret in (settings.authkey, settings.client_secret, settings.id_token):
             register(secret)
 
@@ -192,7 +195,7 @@ class Agent:
             started_at=self.started_at,
             last_reconcile_at=rec.last_reconcile_at if rec is not None else None,
             loop_heartbeat_at=rec.heartbeat if rec is not None else time.time(),
-            counters=rec.counters() if rec is not None else {},
+            counters={**(rec.counters() if rec is not None else {}), **self._serve_counters},
             startup_complete=self.startup_complete.is_set(),
         )
 
@@ -277,6 +280,8 @@ class Agent:
             asyncio.create_task(self.reconciler.run(), name="reconcile"),
             asyncio.create_task(self._watch_tailscaled(fatal), name="tailscaled-exit"),
         ]
+        if self.s.serve_config:
+            self._tasks.append(asyncio.create_task(self._start_serve(), name="serve-config"))
         if self.s.dest_dns_name:
             from .dns import Resolver, watch_name
             self._tasks.append(asyncio.create_task(
@@ -311,6 +316,8 @@ class Agent:
                         log.info("error refreshing DNS config from tailscaled: %s", e)
                 if carries_netmap(n) or state is not None:
                     self.reconciler.set_node(node)
+                    if self.serve_loop is not None:
+                        self.serve_loop.set_cert_domain(node.cert_domain)
         except LocalAPIError as e:
             reason = f"failed to read from tailscaled: {e}"
         else:
@@ -323,6 +330,26 @@ class Agent:
             except asyncio.TimeoutError:
                 pass
         _set(fatal, reason)
+
+    async def _start_serve(self) -> None:
+        """L7 ingress: keep tailscaled's serve config equal to the file (and the cert domain)."""
+        from serveconfig.apply import CertManager, ServeApplier, ServeLoop
+
+        assert self.api is not None and self.reconciler is not None
+        certs = CertManager(self.api, on_change=lambda: self.serve_loop and self.serve_loop.poke(),
+                            counters=self._serve_counters)
+        self.serve_applier = ServeApplier(self.api, auto_advertise=self.s.service_auto_advertisement,
+                                          cert_manager=certs, counters=self._serve_counters)
+        log.info("serve proxy: unsetting previous config")
+        self.serve_loop = ServeLoop(self.s.serve_config, self.serve_applier,
+                                    cert_domain=self.reconciler.node.cert_domain, on_result=self._on_serve_result)
+        try:
+            await self.serve_loop.run()
+        finally:
+            await certs.close()
+
+    async def _on_serve_result(self, res) -> None:
+        self.serve_status = res.status()
 
     async def _watch_tailscaled(self, fatal: asyncio.Future) -> None:
         assert self.tailscaled is not None
@@ -344,6 +371,11 @@ class Agent:
 
     # -- shutdown --------------------------------------------------------------------------------------
     async def _shutdown(self) -> None:
+        if self.serve_applier is not None and self.tailscaled is not None and self.tailscaled.alive():
+            try:
+                await asyncio.wait_for(self.serve_applier.unadvertise(), 5)
+            except Exception as e:
+                log.warning("Error ensuring services are not advertised: %s", e)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

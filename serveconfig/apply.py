@@ -362,8 +362,6 @@ class ServeApplier:
                 self._failed = None
                 if count:
                     self._count("applied" if changed else "unchanged")
-                if changed:
-                    self._log_once("serve proxy: serve config applied")
             except Exception as e:   # noqa: BLE001 -- reported, retried with backoff
                 error = f"cannot apply the serve config: {_errtext(e)}"
                 delay = self._retry_initial
@@ -397,6 +395,7 @@ class ServeApplier:
                 # Equal, or exactly what we posted (tailscaled may drop fields it does not know).
                 self._in_force = desired
                 return False
+            log.info("serve proxy: applying serve config")
             try:
                 await self._api.set_serve_config(body, etag)
             except Exception as e:   # noqa: BLE001

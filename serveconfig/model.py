@@ -684,26 +684,36 @@ def parse(text: str | bytes | None, cert_domain: str) -> ServeConfig | None:
     return ServeConfig.from_json(obj, strict=True)
 
 
+def _coerce(cfg: ServeConfig | Mapping[str, Any] | None) -> ServeConfig | None:
+    """Accept tailscaled JSON (a dict) wherever a ServeConfig is expected."""
+    if cfg is None or isinstance(cfg, ServeConfig):
+        return cfg
+    return ServeConfig.from_json(dict(cfg))
+
+
 def _https_ports(tcp: Mapping[int, TCPPortHandler]) -> set[int]:
     return {p for p, h in tcp.items() if h.https}
 
 
-def needs_https(cfg: ServeConfig | None) -> bool:
+def needs_https(cfg: ServeConfig | Mapping[str, Any] | None) -> bool:
     """True if the config needs TLS certificates: an HTTPS port or a TerminateTLS handler, at the top level
     or in any Service (upstream's gate inspects top-level HTTPS only)."""
+    cfg = _coerce(cfg)
     if cfg is None:
         return False
     return any(h.https or h.terminate_tls for _, tcp, _ in cfg.scopes() for h in tcp.values())
 
 
-def service_names(cfg: ServeConfig | None) -> tuple[str, ...]:
+def service_names(cfg: ServeConfig | Mapping[str, Any] | None) -> tuple[str, ...]:
     """The Tailscale Services the config serves (the keys of `Services`), sorted."""
+    cfg = _coerce(cfg)
     return tuple(sorted(cfg.services)) if cfg is not None else ()
 
 
-def cert_domains_needed(cfg: ServeConfig | None) -> tuple[str, ...]:
+def cert_domains_needed(cfg: ServeConfig | Mapping[str, Any] | None) -> tuple[str, ...]:
     """The domains that need a certificate: hosts of Web entries on HTTPS ports and TerminateTLS names,
     top level and Services. The `no-https` placeholder is never a domain. Sorted, unique."""
+    cfg = _coerce(cfg)
     if cfg is None:
         return ()
     out: set[str] = set()

@@ -214,3 +214,63 @@ def test_endpoint_port_in_use_is_a_clear_error(run_agent):
                       TS_LOCAL_ADDR_PORT=f"127.0.0.1:{port}")
         assert a.wait() == 1
     assert "TS_LOCAL_ADDR_PORT" in a.log() and str(port) in a.log()
+
+
+def _serve_config_in_tailscaled(sock: str):
+    import asyncio
+
+    from containerboot.localapi import LocalAPI
+
+    async def get():
+        api = LocalAPI(sock)
+        try:
+            return (await api.get_serve_config())[0]
+        finally:
+            await api.aclose()
+
+    return asyncio.run(get())
+
+
+def _wait_serve(sock: str, pred, timeout: float = 10):
+    end = time.monotonic() + timeout
+    cfg = None
+    while time.monotonic() < end:
+        cfg = _serve_config_in_tailscaled(sock)
+        if pred(cfg):
+            return cfg
+        time.sleep(0.1)
+    raise AssertionError(f"serve config never matched; last: {cfg}")
+
+
+def test_serve_config_applied_followed_and_last_good_kept(run_agent, tmp_path):
+    cfg_dir = tmp_path / "serve"
+    cfg_dir.mkdir()
+    path = cfg_dir / "serve.json"
+
+    def write(backend_port: int) -> None:
+        tmp = cfg_dir / ".tmp"
+        tmp.write_text(json.dumps({"TCP": {"80": {"HTTP": True}}, "Web": {"${TS_CERT_DOMAIN}:80": {
+            "Handlers": {"/": {"Proxy": f"http://127.0.0.1:{backend_port}"}}}}}))
+        os.replace(tmp, path)
+
+    write(8080)
+    port = _free_port()
+    a = run_agent(FAKE_TS_INITIAL="Running", TS_AUTH_ONCE="true", TS_SERVE_CONFIG=str(path),
+                  TS_ENABLE_METRICS="true", TS_LOCAL_ADDR_PORT=f"127.0.0.1:{port}")
+    a.wait_for("Startup complete")
+    sock = str(tmp_path / "tailscaled.sock")
+
+    def proxy_of(cfg):
+        return cfg and cfg["Web"]["proxy.tailnet.test:80"]["Handlers"]["/"]["Proxy"]
+
+    _wait_serve(sock, lambda c: proxy_of(c) == "http://127.0.0.1:8080")
+    write(9090)
+    _wait_serve(sock, lambda c: proxy_of(c) == "http://127.0.0.1:9090")
+    path.write_text("{ this is not json")
+    a.wait_for("serve", timeout=10)
+    time.sleep(1.5)
+    assert proxy_of(_serve_config_in_tailscaled(sock)) == "http://127.0.0.1:9090", "last good config not kept"
+    assert a.proc.poll() is None, "a broken serve config file must not crash the agent"
+    code, metrics = _get(f"http://127.0.0.1:{port}/metrics")
+    assert 'containerboot_serve_config_applies_total{result="invalid"}' in metrics
+    assert a.stop() == 0

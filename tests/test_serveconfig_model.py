@@ -260,3 +260,8 @@ def test_lenient_from_json_accepts_what_tailscaled_returns() -> None:
     # its config back must not fail.
     raw = {"Web": {"a:443": {"Handlers": {"/": {}}}}}
     assert ServeConfig.from_json(raw).to_json() == raw
+
+
+def test_queries_accept_plain_json_too() -> None:
+    assert needs_https(FULL) and service_names(FULL) == ("svc:db", "svc:l3", "svc:web")
+    assert cert_domains_needed({"TCP": {"80": {"HTTP": True}}}) == ()
