@@ -24,6 +24,7 @@ import ipaddress
 import json
 import logging
 import math
+import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -76,6 +77,15 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "containerboot_cert_requests_total": ("counter", "TLS certificate requests to tailscaled, by result."),
     "containerboot_firewall_applies_total": ("counter", "Firewall rule set applications, by result."),
 }
+# Families rendered from the status fields rather than from counters.
+_FIXED = frozenset({
+    "containerboot_rules_installed", "containerboot_netmap_age_seconds", "containerboot_ready",
+    "containerboot_backend_running", "containerboot_serve_config_applied", "containerboot_serve_cert_ready",
+    "containerboot_last_reconcile_timestamp_seconds", "containerboot_start_time_seconds",
+    "containerboot_tailscaled_metrics_up"})
+_SAMPLE_KEY_RE = re.compile(
+    r'[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\["\\n])*"'
+    r'(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\["\\n])*")*\})?')
 _ALWAYS = ("containerboot_reconcile_total", "containerboot_reconcile_duration_seconds",
            "containerboot_dns_resolutions_total", "containerboot_serve_config_applies_total")
 
@@ -107,7 +117,12 @@ def render_agent_metrics(st: AgentStatus, now: float) -> str:
     """The agent's own metrics in Prometheus text exposition format 0.0.4, every family with HELP and TYPE."""
     fams: dict[str, list[tuple[str, float]]] = {}
     for key, value in st.counters.items():
-        fams.setdefault(_family_of(key), []).append((key, value))
+        family_name = _family_of(key)
+        # A malformed key or one that collides with a family rendered below would break the whole scrape.
+        if not _SAMPLE_KEY_RE.fullmatch(key) or family_name in _FIXED:
+            log.debug("metrics: skipping counter %r", key)
+            continue
+        fams.setdefault(family_name, []).append((key, value))
     for name in _ALWAYS:
         fams.setdefault(name, [])
     if not fams["containerboot_reconcile_total"]:
@@ -126,7 +141,8 @@ def render_agent_metrics(st: AgentStatus, now: float) -> str:
             lines.append(f"{k} {_fmt(v)}")
 
     for name in sorted(fams):
-        typ, help_ = _FAMILIES.get(name, ("gauge", f"Agent value {name}."))
+        default = ("counter" if name.endswith("_total") else "gauge", f"Agent value {name}.")
+        typ, help_ = _FAMILIES.get(name, default)
         family(name, typ, help_, fams[name])
 
     family("containerboot_rules_installed", "gauge",

@@ -41,9 +41,10 @@ CLIENT_CAPVER = 142
 class LocalAPIError(Exception):
     """A LocalAPI call failed; `status` is the HTTP status (0 for a transport error)."""
 
-    def __init__(self, message: str, status: int = 0):
+    def __init__(self, message: str, status: int = 0, retry_after: float | None = None):
         super().__init__(redact(message))
         self.status = status
+        self.retry_after = retry_after  # seconds, from a 429's Retry-After header
 
 
 def _error_text(resp: httpx.Response) -> str:
@@ -83,15 +84,19 @@ class LocalAPI:
             self.capver = int(cap)
 
     async def _call(self, method: str, path: str, *, expect: int = 200, json_body: Any = None,
-                    headers: dict[str, str] | None = None, content: bytes | None = None) -> httpx.Response:
+                    headers: dict[str, str] | None = None, content: bytes | None = None,
+                    timeout: float | None = None) -> httpx.Response:
+        extra = {"timeout": timeout} if timeout is not None else {}
         try:
             resp = await self._client.request(
-                method, f"{BASE}/{path}", json=json_body, content=content, headers=headers)
+                method, f"{BASE}/{path}", json=json_body, content=content, headers=headers, **extra)
         except httpx.HTTPError as e:
             raise LocalAPIError(f"LocalAPI {method} {path}: {e!r}") from None
         self._note_capver(resp)
         if resp.status_code != expect:
-            raise LocalAPIError(f"LocalAPI {method} {path}: {_error_text(resp)}", resp.status_code)
+            ra = resp.headers.get("Retry-After", "")
+            raise LocalAPIError(f"LocalAPI {method} {path}: {_error_text(resp)}", resp.status_code,
+                                float(ra) if ra.replace(".", "", 1).isdigit() else None)
         return resp
 
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
@@ -126,7 +131,8 @@ class LocalAPI:
         return await self._json("GET", "dns-config") or {}
 
     async def cert_pair(self, domain: str) -> tuple[bytes, bytes]:
-        resp = await self._call("GET", f"cert/{domain}?type=pair&min_validity=0s")
+        # Issuing a certificate (ACME) can take minutes; the default timeout is for quick calls.
+        resp = await self._call("GET", f"cert/{domain}?type=pair&min_validity=0s", timeout=300.0)
         return _split_pem_pair(resp.content)
 
     async def usermetrics(self) -> str:

@@ -38,11 +38,16 @@ def stop_node(lab: Lab, name: str, timeout: float = 20.0) -> int | None:
     return p.returncode
 
 
-def start_node_as(lab: Lab, key: str, hostname: str, ns: str, *, timeout: float = 60.0) -> labmod.Node:
-    """lab.start_node under a fresh lab key ``key`` (own state dir, so a NEW node for headscale) but with the
-    tailnet hostname ``hostname``: lets a "same" node leave and come back as a new machine."""
-    # `tailscale up` parses flags with Go's flag package: a repeated flag's last value wins.
-    return lab.start_node(key, ns, extra_up_args=[f"--hostname={hostname}"], timeout=timeout)
+def rejoin_as_new_node(lab: Lab, name: str, timeout: float = 60.0) -> labmod.Node:
+    """The lab node ``name`` (already stopped and deleted from headscale) joins again as a NEW machine with the
+    same hostname: its state dir is wiped (new machine and node keys), so headscale registers a new node."""
+    import shutil
+    node = lab.nodes[name]
+    if node.proc.poll() is None:
+        raise LabError(f"node {name} is still running; stop_node() it first")
+    del lab.nodes[name]
+    shutil.rmtree(node.dir, ignore_errors=True)
+    return lab.start_node(name, node.ns, timeout=timeout)
 
 
 def node_self(lab: Lab, name: str) -> dict:

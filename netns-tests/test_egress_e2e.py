@@ -93,10 +93,14 @@ def test_egress_by_tailnet_ip_both_families(lab, lab_backend, client_server, sta
 
 NFT_PROBE = """
 table inet cbtest {
-    chain input { type filter hook input priority 0; policy accept;
-        udp sport 50001 udp dport %(port)d counter }
-    chain forward { type filter hook forward priority 0; policy accept;
-        udp sport 50001 counter }
+    chain input {
+        type filter hook input priority 0; policy accept;
+        udp sport 50001 udp dport %(port)d counter
+    }
+    chain forward {
+        type filter hook forward priority 0; policy accept;
+        udp sport 50001 counter
+    }
 }
 """ % {"port": TS_PORT}
 
@@ -183,9 +187,9 @@ def mover(lab, request):
 def test_egress_by_fqdn_follows_the_target_and_spares_tailscaled(lab, client_server, mover, start_agent, mode):
     ns, srv = mover
     hostname = f"mover-{mode[:3]}"
-    lx.start_node_as(lab, f"{hostname}-1", hostname, ns)
-    fqdn = lx.magicdns_name(lab, f"{hostname}-1")
-    old_v4, old_v6 = lab.tailnet_ips(f"{hostname}-1")
+    lab.start_node(hostname, ns)
+    fqdn = lx.magicdns_name(lab, hostname)
+    old_v4, old_v6 = lab.tailnet_ips(hostname)
     agent = start_agent({"TS_TAILNET_TARGET_FQDN": fqdn, "TS_DEBUG_FIREWALL_MODE": mode,
                          "TS_ENABLE_HEALTH_CHECK": "true", "TS_LOCAL_ADDR_PORT": f"[::]:{HEALTH_PORT}"})
     agent.wait_for_log("Startup complete, waiting for shutdown signal", timeout=90)
@@ -197,7 +201,7 @@ def test_egress_by_fqdn_follows_the_target_and_spares_tailscaled(lab, client_ser
     check_not_captured(lab, agent, mode, srv)
 
     # The target leaves: stopped, and deleted from the control server, so the name no longer resolves.
-    lx.stop_node(lab, f"{hostname}-1")
+    lx.stop_node(lab, hostname)
     assert lab.delete_node(hostname) == 1
     lx.wait_peer_gone(lab, "proxy", fqdn, 30)
     wait_until(lambda: "DNAT" not in lx.own_rules(lab, mode) and "dnat" not in lx.own_rules(lab, mode), 20, 0.3,
@@ -208,9 +212,9 @@ def test_egress_by_fqdn_follows_the_target_and_spares_tailscaled(lab, client_ser
     assert srv.marker not in cp.stdout
 
     # A NEW node with the same name joins, with new addresses; the traffic follows without a restart.
-    lx.start_node_as(lab, f"{hostname}-2", hostname, ns)
-    assert lx.magicdns_name(lab, f"{hostname}-2") == fqdn
-    new_v4, new_v6 = lab.tailnet_ips(f"{hostname}-2")
+    lx.rejoin_as_new_node(lab, hostname)
+    assert lx.magicdns_name(lab, hostname) == fqdn
+    new_v4, new_v6 = lab.tailnet_ips(hostname)
     assert new_v4 != old_v4, "headscale gave the new node the old address; the move proves nothing"
     check_egress(lab, srv, 4, f"fqdn4-{mode}-b", proxy_v4, new_v4, timeout=60)
     if new_v6 and proxy_v6:

@@ -372,8 +372,10 @@ class ServeApplier:
                     self._count("error")
                 self._log_once(f"serve proxy: {error} (retrying in {delay:.0f}s)", level=logging.ERROR)
 
-        applied = not error
-        in_force = desired if applied else self._in_force
+        # A rejected config leaves the previous one in force (restored if need be): like a bad file, that
+        # counts as applied, with the error reported, as long as what is in force is our last good config.
+        in_force = desired if not error else self._in_force
+        applied = not error or (self._applied is not None and in_force == self._applied)
         # Certificates follow the config in force: a transient apply failure must not stop their loops.
         domains, required, ready = self._cert_state(in_force)
         if not applied:
@@ -391,6 +393,7 @@ class ServeApplier:
                 current = ServeConfig.from_json(raw)
             except ServeConfigError:
                 current = None    # tailscaled's JSON we cannot decode: just overwrite it
+            self._in_force = current
             if current == desired or (self._posted == desired and etag and etag == self._posted_etag):
                 # Equal, or exactly what we posted (tailscaled may drop fields it does not know).
                 self._in_force = desired
@@ -404,7 +407,7 @@ class ServeApplier:
                     log.info("serve proxy: serve config changed concurrently (ETag mismatch), re-reading")
                     self._count("conflict")
                     continue
-                if status in (401, 403):
+                if status not in (400, 500):   # transport errors, 401/403: clearing would not help
                     raise
                 await self._clear_then_set(body, current, e)
             self._in_force = desired

@@ -496,3 +496,12 @@ def test_strict_parser_rejects_bad_exposition() -> None:
         with pytest.raises(AssertionError):
             parse_prometheus(text)
     assert set(parse_prometheus(USERMETRICS)) == {"tailscaled_inbound_bytes_total", "tailscaled_health_messages"}
+
+
+def test_bad_or_colliding_counter_keys_cannot_break_the_exposition() -> None:
+    st = AgentStatus(counters={"bad key": 1, 'x{a=b}': 2, "containerboot_ready": 5,
+                               "containerboot_custom_total": 3, sample_key("containerboot_g", a='q"\n'): 1.5})
+    fams = parse_prometheus(render_agent_metrics(st, 0.0))
+    assert fams["containerboot_custom_total"]["type"] == "counter"
+    assert sample(fams, "containerboot_g", a='q"\n') == 1.5
+    assert sample(fams, "containerboot_ready") == 0          # from the status, not the stray counter

@@ -260,21 +260,44 @@ async def test_rejected_config_restores_previous_and_backs_off(api: FakeAPI, bac
     good = backend.config
     backend.reject_containing = "10.0.0.6"
     res = await a.converge_text(HTTPS_CFG2, DOMAIN)
-    assert not res.applied and "funnel not allowed" in res.error
-    assert backend.config == good                    # what was in force is back
+    # The last good config is back in force: still "applied", with the rejection reported.
+    assert res.applied and "funnel not allowed" in res.error
+    assert backend.config == good
     n = len(backend.posts)
     res = await a.converge_text(HTTPS_CFG2, DOMAIN)  # within the backoff: no LocalAPI writes
-    assert not res.applied and len(backend.posts) == n
+    assert "funnel not allowed" in res.error and len(backend.posts) == n
     now[0] += 1.5
     res = await a.converge_text(HTTPS_CFG2, DOMAIN)  # retried, fails again; next delay 2 s
-    assert not res.applied and len(backend.posts) > n
+    assert res.error and len(backend.posts) > n
     n = len(backend.posts)
     now[0] += 1.5
     await a.converge_text(HTTPS_CFG2, DOMAIN)
     assert len(backend.posts) == n
     # A different config is tried at once.
     res = await a.converge_text(HTTP_CFG, DOMAIN)
-    assert res.applied
+    assert res.applied and not res.error
+
+
+async def test_rejected_first_config_is_not_applied(api: FakeAPI, backend: Backend) -> None:
+    backend.reject_containing = "10.0.0.5"
+    a = ServeApplier(api)
+    res = await a.converge_text(HTTPS_CFG, DOMAIN)
+    assert not res.applied and "funnel not allowed" in res.error
+    assert res.status().last_error == res.error
+
+
+async def test_transport_errors_do_not_clear(api: FakeAPI, backend: Backend) -> None:
+    a = ServeApplier(api)
+    await a.converge_text(HTTPS_CFG, DOMAIN)
+    n = len(backend.posts)
+
+    async def down(config, etag=""):
+        raise FakeError("LocalAPI POST serve-config: ConnectError", 0)
+
+    api.set_serve_config = down   # type: ignore[method-assign]
+    res = await a.converge_text(HTTPS_CFG2, DOMAIN)
+    assert "ConnectError" in res.error and len(backend.posts) == n
+    assert backend.config == parse(HTTPS_CFG, DOMAIN).to_json()
 
 
 async def test_clear_failure_is_retried(api: FakeAPI, backend: Backend) -> None:
