@@ -120,6 +120,8 @@ class Agent:
     async def _prepare(self) -> None:
         """Everything that may fail on the host before any process is started."""
         s = self.s
+        for notice in s.notices:
+            log.info("%s", notice)
         for warning in ts.routing_warnings(s):
             log.warning("[warning] %s", warning)
         if not s.userspace:

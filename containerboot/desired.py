@@ -78,12 +78,17 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desir
     targets: list[Target] = []
     v4, v6 = s.forwarding_families
 
-    if s.dest_ip is not None:
-        src = _same_family(own, s.dest_ip.version)
-        err = "" if src or not own else f"the node has no tailnet IPv{s.dest_ip.version} address to forward from"
-        if src:
-            dnats.append(Dnat(original_dst=src, targets=(s.dest_ip,)))
-        targets.append(Target("TS_DEST_IP", "ingress", str(s.dest_ip), (s.dest_ip,), err, bool(src)))
+    if s.dest_ips:
+        errs = []
+        before = len(dnats)
+        for dest in s.dest_ips:
+            src = _same_family(own, dest.version)
+            if src:
+                dnats.append(Dnat(original_dst=src, targets=(dest,)))
+            elif own:
+                errs.append(f"the node has no tailnet IPv{dest.version} address to forward from")
+        targets.append(Target("TS_DEST_IP", "ingress", ",".join(map(str, s.dest_ips)), s.dest_ips, "; ".join(errs),
+                              len(dnats) > before))
 
     if s.dest_dns_name:
         answer = dns or DNSAnswer()

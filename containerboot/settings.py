@@ -264,6 +264,7 @@ class Kind(enum.Enum):
     TRIBOOL = "bool or unset"
     ROUTES = "CIDR list, or unset"
     IP = "IP address"
+    DEST_IPS = "IP address, or one IPv4 and one IPv6 address"
     ADDRPORT = "IP:port"
     DURATION = "Go duration"
     IP_LIST = "IP list"
@@ -315,8 +316,12 @@ SETTINGS: tuple[Setting, ...] = (
             differs="Each entry must be a CIDR with no host bits, checked at start in every mode; upstream checks "
                     "only in kernel mode and reports it as an IP-forwarding failure."),
     # Proxy targets.
-    Setting("TS_DEST_IP", Kind.IP, "Ingress: forward all tailnet traffic to this IP (kernel networking only).",
-            "dest_ip", differs="Must be an IP literal; upstream finds out only when setting up forwarding."),
+    Setting("TS_DEST_IP", Kind.DEST_IPS, "Ingress: forward all tailnet traffic to this IP (kernel networking "
+            "only). For a dual-stack Service give both ClusterIPs, comma separated: tailnet IPv4 traffic goes to "
+            "the IPv4 address and tailnet IPv6 traffic to the IPv6 address.",
+            "dest_ips", differs="Must be IP literals, checked at start; one address of each family may be given "
+                                "(upstream takes one address, so a dual-stack Service is reachable over one "
+                                "family only)."),
     Setting("TS_EXPERIMENTAL_DEST_DNS_NAME", Kind.STRING,
             "Ingress: like TS_DEST_IP, but to the addresses of this DNS name, re-resolved periodically.",
             "dest_dns_name",
@@ -331,9 +336,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TS_TAILSCALED_EXTRA_ARGS", Kind.ARGS, "Extra tailscaled flags, separated by spaces.",
             "tailscaled_extra_args"),
     Setting("TS_EXTRA_ARGS", Kind.ARGS,
-            "Extra `tailscale up` flags, separated by spaces (not passed to `tailscale set`). An `--accept-dns` "
-            "flag here is taken out and overrides TS_ACCEPT_DNS.", "extra_args",
-            differs="Every word must be a flag or a flag's value, and no flag may be given twice; "
+            "Extra `tailscale up` flags, separated by spaces. An `--accept-dns` flag here is taken out and "
+            "overrides TS_ACCEPT_DNS.", "extra_args",
+            differs="Re-applied with `tailscale set` on every boot when TS_AUTH_ONCE=true (upstream drops them "
+                    "after the first login); flags only `tailscale up` takes are logged as not re-applied. "
+                    "Every word must be a flag or a flag's value, and no flag may be given twice; "
                     "`-accept-dns` counts as `--accept-dns`, `--accept-dns-foo=...` does not, and a non-bool "
                     "`--accept-dns=` value is an error."),
     Setting("TS_USERSPACE", Kind.BOOL, "Userspace networking; false uses a kernel TUN device (needs NET_ADMIN).",
@@ -446,7 +453,7 @@ class Settings:
     audience: str = ""
     hostname: str = ""
     routes: str | None = None
-    dest_ip: IP | None = None
+    dest_ips: tuple[IP, ...] = ()
     dest_dns_name: str = ""
     tailnet_target_ip: IP | None = None
     tailnet_target_fqdn: str = ""
@@ -505,6 +512,11 @@ class Settings:
         return not self.one_step and self.auth_once
 
     @property
+    def dest_ip(self) -> IP | None:
+        """The first TS_DEST_IP address (upstream's single target)."""
+        return self.dest_ips[0] if self.dest_ips else None
+
+    @property
     def is_l3_proxy(self) -> bool:
         """Whether the agent installs firewall rules."""
         return bool(self.dest_ip or self.dest_dns_name or self.tailnet_target_ip or self.tailnet_target_fqdn
@@ -523,7 +535,7 @@ class Settings:
         if self.userspace:
             return False, False
         v4 = v6 = False
-        for ip in (self.dest_ip, self.tailnet_target_ip):
+        for ip in (*self.dest_ips, self.tailnet_target_ip):
             if ip is not None:
                 v4, v6 = v4 or ip.version == 4, v6 or ip.version == 6
         if self.tailnet_target_fqdn or self.dest_dns_name:
@@ -607,6 +619,22 @@ def _read(setting: Setting, env: Mapping[str, str]) -> Any:
             raise _fail(f"{name}={_quote(raw)} is not an IP address: give a literal IPv4 or IPv6 address "
                         "(for a DNS name use TS_EXPERIMENTAL_DEST_DNS_NAME or TS_TAILNET_TARGET_FQDN)",
                         name) from None
+    if kind == Kind.DEST_IPS:
+        if not raw:
+            return ()
+        entries = raw.split(",")
+        ips = []
+        for entry in entries:
+            try:
+                ips.append(parse_addr(entry))
+            except ValueError:
+                raise _fail(f"{name}={_quote(raw)}: {_quote(entry)} is not an IP address: give a literal "
+                            "IPv4 or IPv6 address, or one of each separated by a comma (for a DNS name use "
+                            "TS_EXPERIMENTAL_DEST_DNS_NAME)", name) from None
+        if len(ips) > 2 or (len(ips) == 2 and ips[0].version == ips[1].version):
+            raise _fail(f"{name}={_quote(raw)}: give one address, or one IPv4 and one IPv6 address (the targets "
+                        "of the proxy's tailnet IPv4 and IPv6 addresses)", name)
+        return tuple(ips)
     if kind == Kind.ARGS:
         return tuple((raw or "").split())
     if kind == Kind.CHOICE:

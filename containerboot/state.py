@@ -153,6 +153,13 @@ def apply_notify(state: NodeState, notify: Mapping[str, Any], now: float) -> Nod
                     peers[k] = node
     if isinstance(notify.get("SelfChange"), Mapping) and notify["SelfChange"]:
         changes["self_node"] = node_from_tailcfg(notify["SelfChange"])
+        if isinstance(notify.get("PeersChanged"), list):
+            # tailscaled sends SelfChange only when a whole new netmap is installed (LocalBackend.setNetMap), and
+            # then, to watchers of peer changes, PeersChanged holds EVERY peer of that netmap (possibly `[]`).
+            # A peer missing from it is gone: control servers that send full netmaps (headscale after a node is
+            # deleted) never produce a PeersRemoved for it, so upserting alone would keep a deleted peer, and a
+            # tailnet FQDN target would stay resolved to the addresses of a node that no longer exists.
+            peers = {}
     for raw in notify.get("PeersChanged") or ():
         if not isinstance(raw, Mapping):
             continue

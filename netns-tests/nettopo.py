@@ -242,12 +242,17 @@ class Topology:
         raise TopologyError(f"http.server on port {port} in {ns} did not come up")
 
     def connect(self, ns: str, host: str, port: int, *, proto: str = "tcp", count: int = 1,
-                timeout: float = 3.0, src: str | None = None) -> list[dict]:
-        """Connect `count` times from `ns`; one report dict per attempt ({"error": ...} on failure)."""
+                timeout: float = 3.0, src: str | None = None, sport: int = 0) -> list[dict]:
+        """Connect `count` times from `ns`; one report dict per attempt ({"error": ...} on failure).
+
+        `sport` pins the source port (UDP: reuse one flow across calls, as a DNS client or a
+        WireGuard peer would)."""
         args = [THIS_FILE, "connect", "--host", str(host), "--port", str(port),
                 "--proto", proto, "--count", str(count), "--timeout", str(timeout)]
         if src:
             args += ["--src", src]
+        if sport:
+            args += ["--sport", str(sport)]
         r = self.python(ns, *args, timeout=30 + count * (timeout + 1))
         return json.loads(r.stdout)
 
@@ -455,14 +460,16 @@ def _serve(node: str, tcp: list[int], udp: list[int], sink: list[int]) -> None:
     time.sleep(3600)
 
 
-def _connect_once(host: str, port: int, proto: str, timeout: float, src: str | None) -> dict:
+def _connect_once(host: str, port: int, proto: str, timeout: float, src: str | None,
+                  sport: int = 0) -> dict:
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         if proto == "tcp":
             with socket.socket(fam, socket.SOCK_STREAM) as s:
                 s.settimeout(timeout)
-                if src:
-                    s.bind((src, 0))
+                if src or sport:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind((src or "", sport))
                 s.connect((host, port))
                 client_mss = s.getsockopt(socket.IPPROTO_TCP, TCP_MAXSEG)
                 s.sendall(b"hello\n")
@@ -477,8 +484,8 @@ def _connect_once(host: str, port: int, proto: str, timeout: float, src: str | N
             return rep
         with socket.socket(fam, socket.SOCK_DGRAM) as s:
             s.settimeout(timeout)
-            if src:
-                s.bind((src, 0))
+            if src or sport:
+                s.bind((src or "", sport))
             s.sendto(b"hello\n", (host, port))
             data, peer = s.recvfrom(65536)
             rep = json.loads(data.decode())
@@ -524,6 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cn.add_argument("--count", type=int, default=1)
     cn.add_argument("--timeout", type=float, default=3.0)
     cn.add_argument("--src")
+    cn.add_argument("--sport", type=int, default=0)
     bl = sub.add_parser("blast")
     bl.add_argument("--host", required=True)
     bl.add_argument("--port", type=int, required=True)
@@ -533,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.cmd == "serve":
         _serve(a.node, a.tcp, a.udp, a.sink)
     elif a.cmd == "connect":
-        out = [_connect_once(a.host, a.port, a.proto, a.timeout, a.src)
+        out = [_connect_once(a.host, a.port, a.proto, a.timeout, a.src, a.sport)
                for _ in range(max(0, min(a.count, 10000)))]
         print(json.dumps(out))
     elif a.cmd == "blast":

@@ -210,6 +210,9 @@ def test_egress_by_fqdn_follows_the_target_and_spares_tailscaled(lab, client_ser
     assert agent.running(), f"the agent exited while the target was gone:\n{agent.log_text()[-3000:]}"
     cp = lab.curl("backend", egress_url(4, "while-gone"), 3)
     assert srv.marker not in cp.stdout
+    status = json.loads(lab.curl("proxy", f"http://127.0.0.1:{HEALTH_PORT}/status", 5).stdout)
+    (target,) = [t for t in status["targets"] if t["name"] == "TS_TAILNET_TARGET_FQDN"]
+    assert "could not find" in target["last_error"] and not target["rules_installed"], target
 
     # A NEW node with the same name joins, with new addresses; the traffic follows without a restart.
     lx.rejoin_as_new_node(lab, hostname)

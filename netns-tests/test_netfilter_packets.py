@@ -14,8 +14,9 @@ Neither the tailnet nor the backend namespace has a route to the other side, so 
 come back when the proxy translates addresses, as in a real Pod.
 
 tailscaled normally marks packets that arrive on tailscale0 and masquerades them on the way
-out (spec §2.9, [E19]); ingress (O1/O2/O6) depends on that. The test emulates it with its own
-nftables table `ptest_tailscaled` (inet family) which the agent must never touch.
+out (spec §2.9, [E19]); ingress (O1/O2/O6) depends on that. The tests emulate those rules
+(`ts-forward` / `ts-postrouting`, in the firewall flavour matching the backend under test) and
+check that the agent coexists with them and never removes them.
 """
 from __future__ import annotations
 
@@ -55,18 +56,78 @@ WG_PORT = 41641     # tailscaled's UDP port: exempt from egress capture
 AGENT_PORT = 9002   # the agent's own HTTP port (health/metrics): exempt from egress capture
 PROXY_ONLY = 7777   # a port only the proxy itself listens on
 
-TAILSCALED_EMULATION = """
-table inet ptest_tailscaled {
-    chain forward {
+# tailscaled's own base rules (spec §2.9), reduced to what ingress depends on: mark what arrives on
+# tailscale0 in FORWARD, masquerade marked packets in POSTROUTING. Installed in the same firewall
+# flavour that tailscaled would use next to each backend, before the agent runs (tailscaled starts
+# first), so the tests also check that the agent coexists with them and never removes them.
+def _tailscaled_nft(fam: str) -> str:
+    return f"""
+table {fam} filter {{
+    chain ts-forward {{
+        iifname "tailscale0" meta mark set meta mark & 0xff00ffff | 0x40000
+    }}
+    chain FORWARD {{
         type filter hook forward priority filter; policy accept;
-        iifname "tailscale0" meta mark set meta mark | 0x40000
-    }
-    chain postrouting {
+        jump ts-forward
+    }}
+}}
+table {fam} nat {{
+    chain ts-postrouting {{
+        meta mark & 0xff0000 == 0x40000 masquerade
+    }}
+    chain POSTROUTING {{
         type nat hook postrouting priority srcnat; policy accept;
-        meta mark & 0x40000 == 0x40000 oifname != "tailscale0" masquerade
-    }
-}
+        jump ts-postrouting
+    }}
+}}
 """
+
+
+TAILSCALED_IPTABLES = """*filter
+:ts-forward - [0:0]
+-A FORWARD -j ts-forward
+-A ts-forward -i tailscale0 -j MARK --set-xmark 0x40000/0xff0000
+COMMIT
+*nat
+:ts-postrouting - [0:0]
+-A POSTROUTING -j ts-postrouting
+-A ts-postrouting -m mark --mark 0x40000/0xff0000 -j MASQUERADE
+COMMIT
+"""
+
+# Which iptables tools hold tailscaled's rules for each backend under test.
+IPT_TOOLS = {"iptables": ("iptables", "ip6tables"), "iptables-legacy": ("iptables-legacy", "ip6tables-legacy")}
+
+
+def install_tailscaled_emulation(lab: ProxyLab, backend: str) -> None:
+    t = lab.topo
+    if backend == "nftables":
+        t.run(lab.proxy, "nft", "-f", "-", input=_tailscaled_nft("ip") + _tailscaled_nft("ip6"))
+        return
+    for tool in IPT_TOOLS[backend]:
+        t.run(lab.proxy, f"{tool}-restore", "--noflush", input=TAILSCALED_IPTABLES)
+
+
+def tailscaled_emulation_intact(lab: ProxyLab, backend: str) -> list[str]:
+    """Problems with tailscaled's (emulated) rules; empty when they are all still there."""
+    t = lab.topo
+    problems = []
+    if backend == "nftables":
+        for fam in ("ip", "ip6"):
+            r = t.run(lab.proxy, "nft", "list", "table", fam, "nat", check=False)
+            if r.returncode != 0 or "masquerade" not in r.stdout or "jump ts-postrouting" not in r.stdout:
+                problems.append(f"{fam} nat: {r.stdout or r.stderr}")
+            r = t.run(lab.proxy, "nft", "list", "table", fam, "filter", check=False)
+            if r.returncode != 0 or "jump ts-forward" not in r.stdout or "0x00040000" not in r.stdout:
+                problems.append(f"{fam} filter: {r.stdout or r.stderr}")
+        return problems
+    for tool in IPT_TOOLS[backend]:
+        dump = t.run(lab.proxy, f"{tool}-save").stdout
+        for needle in ("-A POSTROUTING -j ts-postrouting", "-j MASQUERADE", "-A FORWARD -j ts-forward",
+                       "-A ts-forward -i tailscale0 -j MARK"):
+            if needle not in dump:
+                problems.append(f"{tool}: {needle!r} missing")
+    return problems
 
 
 class Agent:
@@ -114,9 +175,8 @@ def family(request) -> int:
 
 
 @pytest.fixture
-def lab(proxy_lab: ProxyLab) -> ProxyLab:
-    t = proxy_lab.topo
-    t.run(proxy_lab.proxy, "nft", "-f", "-", input=TAILSCALED_EMULATION)
+def lab(proxy_lab: ProxyLab, backend: str) -> ProxyLab:
+    install_tailscaled_emulation(proxy_lab, backend)
     return proxy_lab
 
 
@@ -397,7 +457,7 @@ def test_changing_egress_target_moves_traffic(lab, agent, family):
     assert old not in agent.installed()
 
 
-def test_reapply_is_stable_and_cleanup_restores(lab, agent, family):
+def test_reapply_is_stable_and_cleanup_restores(lab, agent, backend, family):
     f = lab.fam(family)
     t = lab.topo
     t.serve(lab.tailnet, "tailnet", tcp=[WEB])
@@ -416,7 +476,28 @@ def test_reapply_is_stable_and_cleanup_restores(lab, agent, family):
     # Traffic is no longer captured ...
     assert one(ok(t.connect(lab.backend, f.proxy_cluster, WEB, src=f.workload)))["node"] == "proxy"
     # ... and the rules the agent does not own (tailscaled's, emulated) are untouched.
-    r = t.run(lab.proxy, "nft", "list", "table", "inet", "ptest_tailscaled", check=False)
-    assert r.returncode == 0 and "masquerade" in r.stdout, "cleanup removed a table it does not own"
+    assert tailscaled_emulation_intact(lab, backend) == []
     for addr in (f.targets[0], f.targets[1]):
         assert addr not in agent.installed()
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "known gap (reported): apply() does not delete conntrack entries whose NAT binding points at a "
+    "target that is no longer wanted, so an ongoing UDP flow keeps reaching the old target"))
+def test_changing_egress_target_moves_existing_udp_flow(lab, agent, family):
+    """A UDP client that keeps its source port (DNS resolvers, WireGuard, QUIC) must follow a target
+    change too. Conntrack remembers the NAT binding of a flow until it times out (30 s unreplied, 120 s
+    after replies, refreshed by every packet), so the rules alone do not move such a flow: the old
+    target keeps receiving it for as long as the client keeps talking."""
+    f = lab.fam(family)
+    t = lab.topo
+    t.serve(lab.tailnet, "tailnet", udp=[DNS])
+    old, new = f.targets[0], f.targets[1]
+    sport = 40123
+    agent.apply(egress_rules(f, old))
+    first = one(ok(t.connect(lab.backend, f.proxy_cluster, DNS, proto="udp", src=f.workload, sport=sport)))
+    assert first["local"] == old
+    agent.apply(egress_rules(f, new))
+    after = one(ok(t.connect(lab.backend, f.proxy_cluster, DNS, proto="udp", src=f.workload, sport=sport)))
+    assert after["local"] == new, (
+        f"UDP flow from port {sport} still goes to the old target {old} after the change to {new}")

@@ -83,3 +83,12 @@ def test_egress_fqdn_follows_the_peer_through_a_nothing_a_and_a_move():
 def test_tailscaled_port_default_and_override():
     assert tailscaled_port(load({})) == 41641
     assert tailscaled_port(load({"TS_TAILSCALED_EXTRA_ARGS": "--port 5000"})) == 5000
+
+
+def test_dual_stack_dest_ip_maps_each_family_to_its_own_target():
+    st = node("100.64.0.5", "fd7a:115c:a1e0::5")
+    d = compute(load(dict(KERNEL, TS_DEST_IP="10.98.0.2,fd98::2")), st)
+    assert set(d.rules.dnats) == {Dnat(original_dst=ip("100.64.0.5"), targets=(ip("10.98.0.2"),)),
+                                  Dnat(original_dst=ip("fd7a:115c:a1e0::5"), targets=(ip("fd98::2"),))}
+    assert d.forwarding == (True, True)
+    assert d.targets[0].has_rules and d.targets[0].value == "10.98.0.2,fd98::2"

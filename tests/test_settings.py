@@ -227,7 +227,7 @@ TS_EXPERIMENTAL_CERT_SHARE TS_BOOT_TIMEOUT POD_IP POD_IPS POD_UID POD_NAME KUBER
 KUBERNETES_SERVICE_PORT_HTTPS TS_KUBERNETES_READ_API_SERVER_ADDRESS_FROM_ENV TS_TEST_ONLY_ROOT TS_TEST_FAKE_NETFILTER
 TS_TEST_FAKE_NETFILTER_6 TS_DEBUG_FIREWALL_MODE""".split()
 
-CONTRACT_FIELDS = """authkey client_id client_secret id_token audience hostname routes dest_ip dest_dns_name
+CONTRACT_FIELDS = """authkey client_id client_secret id_token audience hostname routes dest_ips dest_dns_name
 tailnet_target_ip tailnet_target_fqdn tailscaled_extra_args extra_args userspace state_dir accept_dns kube_secret
 socks5_server outbound_http_proxy_listen socket auth_once serve_config versioned_config_dir tailscaled_config_path
 healthcheck_addr_port local_addr_port enable_metrics enable_health_check debug_addr_port egress_proxies_config_path
@@ -894,3 +894,18 @@ def test_no_secret_in_any_message(confdir, tmp_path):
     # (the redaction of secret flags turns our "(set)" into "[REDACTED]"; either way, the value is gone)
     assert "--authkey=[REDACTED] --reset" in str(error(secret_cases(confdir)[2]))
     assert "--client-secret [REDACTED]" in str(error(secret_cases(confdir)[3]))
+
+
+def test_dest_ip_accepts_one_address_per_family():
+    from containerboot.settings import SettingsError, load
+
+    s = load({"TS_USERSPACE": "false", "TS_DEST_IP": "10.0.0.7,fd00::7"})
+    assert [str(i) for i in s.dest_ips] == ["10.0.0.7", "fd00::7"] and str(s.dest_ip) == "10.0.0.7"
+    assert s.forwarding_families == (True, True)
+    for bad in ("10.0.0.7,10.0.0.8", "10.0.0.7,fd00::7,fd00::8", "10.0.0.7,nope"):
+        try:
+            load({"TS_USERSPACE": "false", "TS_DEST_IP": bad})
+        except SettingsError as e:
+            assert "TS_DEST_IP" in str(e) and bad in str(e)
+        else:
+            raise AssertionError(f"TS_DEST_IP={bad} was accepted")
