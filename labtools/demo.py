@@ -3,8 +3,9 @@
     sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
 
 Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
-namespace with TS_DEST_IP=<backend IPv4>, prints the proxy's tailnet IPs and the result of curl from the
-client through the proxy (IPv4; for the Python agent also IPv6), then waits for Ctrl-C (or exits at once
+namespace with TS_DEST_IP=<backend IPv4>[,<backend IPv6>] (--dest; dual-stack by default for our agent), prints
+the proxy's tailnet IPs and the result of curl from the client through the proxy (IPv4, and IPv6 when the
+destination has an IPv6 address), then waits for Ctrl-C (or exits at once
 with --once) and tears everything down. Exit status: 0 if every curl that was expected to work worked.
 """
 from __future__ import annotations
@@ -13,9 +14,8 @@ import argparse
 import signal
 import sys
 import time
-from pathlib import Path
 
-from labtools.lab import Lab, LabError, ensure_binaries, wait_until
+from labtools.lab import Lab, LabError, ensure_binaries
 
 STARTUP = "Startup complete, waiting for shutdown signal"
 
@@ -41,9 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agent", choices=("python", "upstream"), default="python")
     ap.add_argument("--firewall", choices=("nftables", "iptables"), default="nftables")
     ap.add_argument("--once", action="store_true", help="exit after printing instead of waiting for Ctrl-C")
+    ap.add_argument("--dest", choices=("v4", "dual"), default=None,
+                    help="TS_DEST_IP: the backend's IPv4 only, or its IPv4 and IPv6 (our agent's dual-stack form; "
+                         "upstream takes one address). Default: dual for --agent python, v4 for upstream")
     ap.add_argument("--timeout", type=float, default=90, help="seconds to wait for the agent to be Running")
     ap.add_argument("--diagnostics", action="store_true", help="print lab diagnostics at the end")
     a = ap.parse_args(argv)
+    if a.dest is None:
+        a.dest = "dual" if a.agent == "python" else "v4"
 
     # SIGTERM behaves like Ctrl-C: unwind through the context manager, which tears the lab down.
     def _term(*_: object) -> None:
@@ -70,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"backend HTTP server on {lab.backend_ipv4}:8080 and [{lab.backend_ipv6}]:8080")
 
             cmd = [str(bin_dir / "containerboot")] if a.agent == "upstream" else [sys.executable, "-m", "containerboot"]
-            env = {"TS_DEST_IP": lab.backend_ipv4, "TS_DEBUG_FIREWALL_MODE": a.firewall}
+            dest = lab.backend_ipv4 + (f",{lab.backend_ipv6}" if a.dest == "dual" and lab.backend_ipv6 else "")
+            env = {"TS_DEST_IP": dest, "TS_DEBUG_FIREWALL_MODE": a.firewall}
             t0 = time.monotonic()
             agent = lab.start_agent(env, cmd)
-            _say(f"agent ({a.agent}, firewall {a.firewall}) started: pid {agent.pid}, log {agent.log_path}")
+            _say(f"agent ({a.agent}, firewall {a.firewall}, TS_DEST_IP={dest}) started: pid {agent.pid}, "
+                 f"log {agent.log_path}")
             try:
                 agent.wait_running(a.timeout)
                 t_run = time.monotonic() - t0
@@ -86,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
                     _say(f"agent did not log '{STARTUP}': {e}")
                     ok = False
                 lab.wait_peer("client", agent.hostname, 30)
-                families = [("IPv4", p4)] + ([("IPv6", p6)] if a.agent == "python" and p6 else [])
+                # IPv6 through the proxy needs an IPv6 destination (tailnet v6 is DNATed within its family)
+                families = [("IPv4", p4)] + ([("IPv6", p6)] if "," in dest and p6 else [])
                 for fam, ip in families:
-                    good, text, dt = _curl_through(lab, ip, marker, fam.lower(), 30)
+                    good, text, dt = _curl_through(lab, ip, marker, fam.lower(), 30 if fam == "IPv4" else 15)
                     ok &= good
                     _say(f"curl client -> {lab.url(ip, 8080)} ({fam}): {'OK' if good else 'FAILED'} "
                          f"in {dt:.1f}s: {text}")

@@ -36,6 +36,53 @@ class Backend(Protocol):
         ...
 
 
+IPS_DST_NAT = 1 << 5      # conntrack status bit: the flow's destination was translated
+
+
+def flush_stale_conntrack(rules: RuleSet) -> int:
+    """Delete UDP conntrack entries whose DNAT binding contradicts `rules`; returns how many. Best effort.
+
+    Only UDP: a TCP connection to a target that is no longer wanted keeps working while that target lives and
+    ends on its own (the same policy kube-proxy follows), whereas a UDP "flow" from a fixed source port never
+    ends and would stick to the old target forever. Errors (no nf_conntrack_netlink, no CAP_NET_ADMIN) are
+    logged, never raised: the rules themselves are already correct.
+    """
+    import ipaddress
+    import socket
+
+    from .plan import NatOracle
+
+    removed = 0
+    for version, family in ((4, socket.AF_INET), (6, socket.AF_INET6)):
+        oracle = NatOracle(rules, version)
+        try:
+            from pyroute2 import Conntrack
+            ct = Conntrack(nfgen_family=family)
+        except Exception as e:
+            log.debug("conntrack unavailable (IPv%d): %s", version, e)
+            continue
+        try:
+            # Read the whole dump before deleting: pyroute2 cannot interleave requests with a running dump.
+            for e in list(ct.dump_entries()):
+                if not (e.status or 0) & IPS_DST_NAT or e.tuple_orig.proto != socket.IPPROTO_UDP:
+                    continue
+                o, r = e.tuple_orig, e.tuple_reply
+                if oracle.is_stale("udp", ipaddress.ip_address(o.daddr), o.dport,
+                                   ipaddress.ip_address(r.saddr), r.sport):
+                    try:
+                        ct.delete(e)
+                        removed += 1
+                    except Exception as err:   # already gone
+                        log.debug("conntrack delete %s: %s", e, err)
+        except Exception as err:
+            log.info("could not clean up conntrack entries (IPv%d): %s", version, err)
+        finally:
+            ct.close()
+    if removed:
+        log.info("removed %d UDP conntrack entries that pointed at targets no longer wanted", removed)
+    return removed
+
+
 def open_backend(mode: str = "", *, env: Mapping[str, str] | None = None) -> Backend:
     """Backend for `TS_DEBUG_FIREWALL_MODE` semantics: "", "auto", "iptables", "nftables".
 

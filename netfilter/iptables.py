@@ -13,7 +13,7 @@ import logging
 import shutil
 import subprocess
 
-from .backend import FirewallError
+from .backend import FirewallError, flush_stale_conntrack
 from .model import RuleSet
 from .plan import (IPT_CHAINS, IPT_TABLES, IptState, canonical_iptables, filter_iptables_save,
                    plan_iptables, render_iptables)
@@ -97,6 +97,7 @@ class IptablesBackend:
             raise FirewallError(
                 "the rule set has IPv6 rules but ip6tables NAT is not usable in this network namespace (no IPv6, "
                 "no ip6tables binary, or no ip6table_nat module); enable IPv6 NAT or drop the IPv6 targets")
+        changed = False
         for fam in self._families():
             save = self._save(fam)
             if self._converged(rules, fam, save):
@@ -104,6 +105,9 @@ class IptablesBackend:
             text = plan_iptables(rules, fam, save)
             if text:
                 self._restore(fam, text)
+                changed = True
+        if changed:
+            flush_stale_conntrack(rules)
 
     def _converged(self, rules: RuleSet, fam: int, save: str) -> bool:
         """Kernel already matches: same rules, and every needed jump is the single first rule of its chain."""

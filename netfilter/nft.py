@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 
-from .backend import FirewallError
+from .backend import FirewallError, flush_stale_conntrack
 from .model import RuleSet
 from .plan import NFT_FAMILY, TABLE, normalize_nft_text, plan_nft, render_nft
 
@@ -72,6 +72,7 @@ class NftBackend:
         if self.installed() == desired:
             return
         self._run(plan_nft(rules, self.families), "replacing the containerboot tables")
+        flush_stale_conntrack(rules)
         if not log.isEnabledFor(logging.DEBUG):
             return      # listing big maps costs ~0.2 ms per element; only worth it when someone looks
         after = self.installed()

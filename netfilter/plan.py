@@ -456,3 +456,36 @@ def render_iptables(rules: RuleSet, family: int) -> str:
                 lines += [f":{chain} - [0:0]", f"-A {builtin} -j {chain}", *wanted[chain]]
         out += canonical_iptables(table, lines)
     return "\n".join(out) + "\n" if out else ""
+
+
+# ======================================================================================= conntrack hygiene
+
+class NatOracle:
+    """Decides whether an existing NAT binding contradicts the current rule set (pure).
+
+    Conntrack keeps a flow's DNAT binding until the flow times out, so after a target change a UDP client that
+    keeps its source port (DNS resolvers, QUIC, WireGuard) would keep reaching the old target indefinitely.
+    The backend asks this oracle about every DNATed UDP entry and deletes the stale ones; the next packet then
+    goes through the current rules. A binding is stale only if the *current* rules would capture the flow
+    (same precedence as the chains) and send it somewhere else; flows no current rule matches are left alone,
+    since they may be another component's.
+    """
+
+    def __init__(self, rules: RuleSet, version: int) -> None:
+        p = _family_plan(rules, version)
+        self._lb = {d.original_dst: frozenset(d.targets) for d in p.lb_dnats}
+        self._addr = {dst: target for dst, target, _ in p.addr_dnats}
+        self._ports = {(proto, mport): (target, tport) for proto, mport, target, tport, _ in p.port_maps}
+        self._egress = frozenset(p.egress_targets)
+        self._exempt = frozenset(p.exempt)
+
+    def is_stale(self, proto: str, orig_dst: IP, dport: int, reply_src: IP, reply_sport: int) -> bool:
+        if orig_dst in self._lb:
+            return reply_src not in self._lb[orig_dst] or reply_sport != dport
+        if orig_dst in self._addr:
+            return reply_src != self._addr[orig_dst] or reply_sport != dport
+        if (proto, dport) in self._ports:
+            return (reply_src, reply_sport) != self._ports[(proto, dport)]
+        if self._egress and (proto, dport) not in self._exempt:
+            return reply_src not in self._egress or reply_sport != dport
+        return False

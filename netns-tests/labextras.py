@@ -247,9 +247,11 @@ def write_hosts(path: Path, records: dict[str, Sequence[str]]) -> None:
 
 
 def start_dnsmasq(lab: Lab, ns: str, listen: Sequence[str], records: dict[str, Sequence[str]], *,
-                  ttl: int = 5, tag: str = "dns") -> Dnsmasq:
+                  ttl: int = 5, local_domains: Sequence[str] = (), tag: str = "dns") -> Dnsmasq:
     """Run ``dnsmasq`` in the foreground in ``ns``, answering only from a hosts file (no upstream servers, no
-    /etc/hosts, no DHCP), bound to the ``listen`` addresses, with TTL ``ttl`` on every answer."""
+    /etc/hosts, no DHCP), bound to the ``listen`` addresses, with TTL ``ttl`` on every answer. For names under
+    ``local_domains`` that the file does not hold it answers NXDOMAIN (like a real authoritative server after a
+    record is deleted); other names get REFUSED (there is no upstream to forward to)."""
     d = lab.run_dir / tag
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o755)
@@ -259,6 +261,7 @@ def start_dnsmasq(lab: Lab, ns: str, listen: Sequence[str], records: dict[str, S
     argv = ["dnsmasq", "--no-daemon", "--conf-file=/dev/null", "--no-resolv", "--no-hosts", "--no-poll",
             f"--addn-hosts={hosts}", f"--local-ttl={ttl}", "--bind-interfaces", "--pid-file=",
             "--user=root", "--group=root", "--log-queries", "--log-facility=-", "--cache-size=0",
+            *[f"--local=/{d.strip('.')}/" for d in local_domains],
             *[f"--listen-address={a}" for a in listen]]
     p = lab._popen("http", f"dnsmasq-{ns}", ns, argv, lab._base_env(d), log)  # "http" kind: stopped at close
     srv = Dnsmasq(lab, ns, tuple(listen), ttl, hosts, log, p)

@@ -109,9 +109,17 @@ class Topology:
         self.namespaces.append(name)
         self.ip(name, "link", "set", "lo", "up")
         # IPv4 conf is inherited from the host namespace; make reverse-path filtering neutral,
-        # and switch off DAD so IPv6 addresses are usable immediately.
+        # switch off DAD so IPv6 addresses are usable immediately, and ignore/never send ICMP
+        # redirects: a router that forwards a packet back out of the interface it came in on
+        # (e.g. before a DNAT rule exists) would otherwise teach the sender a direct route.
         for key, value in (("net.ipv4.conf.all.rp_filter", "0"),
                            ("net.ipv4.conf.default.rp_filter", "0"),
+                           ("net.ipv4.conf.all.accept_redirects", "0"),
+                           ("net.ipv4.conf.default.accept_redirects", "0"),
+                           ("net.ipv4.conf.all.send_redirects", "0"),
+                           ("net.ipv4.conf.default.send_redirects", "0"),
+                           ("net.ipv6.conf.all.accept_redirects", "0"),
+                           ("net.ipv6.conf.default.accept_redirects", "0"),
                            ("net.ipv6.conf.all.accept_dad", "0"),
                            ("net.ipv6.conf.default.accept_dad", "0")):
             self.sysctl(name, key, value)

@@ -417,3 +417,65 @@ def test_ensure_forwarding_read_only_root(tmp_path):
             ensure_forwarding(True, True, root=str(tmp_path), in_kubernetes=True)
     finally:
         os.chmod(tmp_path / "proc/sys/net/ipv6/conf/all", 0o755)
+
+
+# ================================================================================================ conntrack
+
+def _udp_topology(client: NS, proxy: NS) -> None:
+    """client --veth-- proxy --veth(tailscale0)--> nowhere: enough for conntrack entries to be confirmed."""
+    subprocess.run([IP, "link", "add", "cbva", "netns", client.name, "type", "veth", "peer", "name", "cbvb",
+                    "netns", proxy.name], check=True, capture_output=True, timeout=30)
+    client.run("ip", "addr", "add", "10.7.0.2/24", "dev", "cbva")
+    client.run("ip", "addr", "add", "fd07::2/64", "dev", "cbva", "nodad")
+    client.run("ip", "link", "set", "cbva", "up")
+    proxy.run("ip", "addr", "add", "10.7.0.1/24", "dev", "cbvb")
+    proxy.run("ip", "addr", "add", "fd07::1/64", "dev", "cbvb", "nodad")
+    proxy.run("ip", "link", "set", "cbvb", "up")
+    proxy.run("ip", "link", "add", "tailscale0", "type", "veth", "peer", "name", "tspeer")
+    proxy.run("ip", "link", "set", "tailscale0", "up")
+    proxy.run("ip", "link", "set", "tspeer", "up")
+    proxy.run("ip", "route", "add", "100.64.0.0/10", "dev", "tailscale0")
+    proxy.run("ip", "-6", "route", "add", "fd7a:115c:a1e0::/48", "dev", "tailscale0")
+    proxy.run("sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1")
+
+
+def _send_udp(client: NS, v: int, sport: int) -> None:
+    fam, src, dst = ("AF_INET", "10.7.0.2", "10.7.0.1") if v == 4 else ("AF_INET6", "fd07::2", "fd07::1")
+    client.py(f"import socket\ns = socket.socket(socket.{fam}, socket.SOCK_DGRAM)\n"
+              f"s.bind(({src!r}, {sport}))\ns.sendto(b'x', ({dst!r}, 53))\n")
+
+
+def _udp_nat_targets(proxy: NS, v: int) -> list[str]:
+    fam = "AF_INET" if v == 4 else "AF_INET6"
+    out = proxy.py("import socket\nfrom pyroute2 import Conntrack\n"
+                   f"ct = Conntrack(nfgen_family=socket.{fam})\n"
+                   "print(' '.join(sorted(e.tuple_reply.saddr for e in ct.dump_entries()"
+                   " if e.tuple_orig.proto == 17 and e.status & 32)))\nct.close()\n")
+    return out.split()
+
+
+def _flow(client: NS, proxy: NS, v: int) -> list[str]:
+    """Send from UDP port 40123 until conntrack shows the flow (fresh links need a moment for ND/DAD)."""
+    deadline = time.monotonic() + 5
+    while True:
+        _send_udp(client, v, 40123)
+        time.sleep(0.2)
+        got = _udp_nat_targets(proxy, v)
+        if got or time.monotonic() > deadline:
+            return got
+
+
+def test_target_change_drops_stale_udp_bindings(agent, family, tmp_path):
+    client = NS()
+    try:
+        _udp_topology(client, agent.ns)
+        old, new = TARGET[family]
+        agent.apply(RuleSet(egress=(EgressForward(old, TS[family], EXEMPT),)))
+        assert _flow(client, agent.ns, family) == [old]
+        agent.apply(RuleSet(egress=(EgressForward(old, TS[family], EXEMPT),)))   # no change: binding kept
+        assert _udp_nat_targets(agent.ns, family) == [old]
+        agent.apply(RuleSet(egress=(EgressForward(new, TS[family], EXEMPT),)))
+        assert _udp_nat_targets(agent.ns, family) == []
+        assert _flow(client, agent.ns, family) == [new]                           # same source port again
+    finally:
+        client.close()

@@ -55,6 +55,10 @@ DNS = 5353          # generic UDP service on every node
 WG_PORT = 41641     # tailscaled's UDP port: exempt from egress capture
 AGENT_PORT = 9002   # the agent's own HTTP port (health/metrics): exempt from egress capture
 PROXY_ONLY = 7777   # a port only the proxy itself listens on
+# Source port for checks made BEFORE rules are applied. It lies outside the ephemeral range, so
+# later connections never reuse the 5-tuple: conntrack keeps the (un-NATed) binding of a flow, and
+# a later SYN on the same tuple would be treated as a retransmission of the old, untranslated flow.
+PRECHECK_SPORT = 21001
 
 # tailscaled's own base rules (spec §2.9), reduced to what ingress depends on: mark what arrives on
 # tailscale0 in FORWARD, masquerade marked packets in POSTROUTING. Installed in the same firewall
@@ -216,7 +220,7 @@ def test_o1_ingress_dnat_reaches_backend(lab, agent, backend, family):
     backend_ip = f.backends[0]
 
     # Before any rule: the tailnet client reaches the proxy's own server.
-    assert one(ok(t.connect(lab.tailnet, f.proxy_tailnet, WEB)))["node"] == "proxy"
+    assert one(ok(t.connect(lab.tailnet, f.proxy_tailnet, WEB, sport=PRECHECK_SPORT)))["node"] == "proxy"
 
     agent.apply(RuleSet(dnats=(Dnat(f.proxy_tailnet, (backend_ip,)),), clamp_mss=True))
 
@@ -317,7 +321,8 @@ def test_o4_pod_ip_to_tailnet_ip(lab, agent, family):
     f = lab.fam(family)
     t = lab.topo
     t.serve(lab.proxy, "proxy", tcp=[WEB])
-    assert one(ok(t.connect(lab.backend, f.proxy_cluster, WEB, src=f.workload)))["local"] == f.proxy_cluster
+    assert one(ok(t.connect(lab.backend, f.proxy_cluster, WEB, src=f.workload,
+                            sport=PRECHECK_SPORT)))["local"] == f.proxy_cluster
     agent.apply(RuleSet(dnats=(Dnat(f.proxy_cluster, (f.proxy_tailnet,)),)))
     rep = one(ok(t.connect(lab.backend, f.proxy_cluster, WEB, src=f.workload)))
     assert rep["node"] == "proxy" and rep["local"] == f.proxy_tailnet
@@ -375,7 +380,7 @@ def test_o6_service_vip_to_cluster_ip(lab, agent, family):
     # tailscaled would route the VIP to this proxy over WireGuard; a host route does it here.
     t.route(lab.tailnet, f"{vip}/{32 if family == 4 else 128}", "via", f.proxy_tailnet, "dev", "tn0")
     t.serve(lab.backend, "backend", tcp=[WEB])
-    assert "error" in one(t.connect(lab.tailnet, vip, WEB, timeout=1))
+    assert "error" in one(t.connect(lab.tailnet, vip, WEB, timeout=1, sport=PRECHECK_SPORT))
     agent.apply(RuleSet(service_dnats=(ServiceDnat("svc:web", vip, f.backends[1]),), clamp_mss=True))
     rep = one(ok(t.connect(lab.tailnet, vip, WEB)))
     assert rep["node"] == "backend" and rep["local"] == f.backends[1]

@@ -484,3 +484,31 @@ def test_cli_render_without_root(tmp_path, capsys):
     path.write_text("{]")
     assert main(["render", str(path), "--mode", "nftables", "--no-ipv6"]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+# ============================================================================== conntrack oracle (pure)
+
+def test_nat_oracle_decides_staleness_like_the_chains():
+    import ipaddress
+    from netfilter.plan import NatOracle
+    a = ipaddress.ip_address
+    r = RuleSet(dnats=(Dnat(TS4, ("10.0.0.1", "10.0.0.2")), Dnat("10.1.2.3", (TS4,))),
+                port_maps=(ServicePortMap("s", "udp", 10002, 53, "100.99.99.98", TS4),),
+                egress=(EgressForward("100.99.99.99", TS4, EXEMPT),))
+    o = NatOracle(r, 4)
+    # load-balanced DNAT: any current backend is fine, a removed one is stale
+    assert not o.is_stale("udp", a(TS4), 53, a("10.0.0.2"), 53)
+    assert o.is_stale("udp", a(TS4), 53, a("10.0.0.3"), 53)
+    assert not o.is_stale("udp", a("10.1.2.3"), 53, a(TS4), 53)
+    # port map: address AND port must match
+    assert not o.is_stale("udp", a("10.7.0.1"), 10002, a("100.99.99.98"), 53)
+    assert o.is_stale("udp", a("10.7.0.1"), 10002, a("100.99.99.98"), 5353)
+    # egress catch-all: old target is stale, exempt ports are never ours
+    assert o.is_stale("udp", a("10.7.0.1"), 5000, a("100.99.99.97"), 5000)
+    assert not o.is_stale("udp", a("10.7.0.1"), 5000, a("100.99.99.99"), 5000)
+    assert not o.is_stale("udp", a("10.7.0.1"), 41641, a("10.9.9.9"), 41641)
+    # flows no current rule captures are left alone (they may be someone else's)
+    o6 = NatOracle(RuleSet(dnats=(Dnat(TS6, ("fd00::1",)),)), 6)
+    assert not o6.is_stale("udp", a("fd00:10::3"), 53, a("fd00::9"), 53)
+    assert o6.is_stale("udp", a(TS6), 53, a("fd00::2"), 53)
+    assert not NatOracle(RuleSet(), 4).is_stale("udp", a(TS4), 53, a("10.0.0.3"), 53)
