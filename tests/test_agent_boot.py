@@ -274,3 +274,11 @@ def test_serve_config_applied_followed_and_last_good_kept(run_agent, tmp_path):
     code, metrics = _get(f"http://127.0.0.1:{port}/metrics")
     assert 'containerboot_serve_config_applies_total{result="invalid"}' in metrics
     assert a.stop() == 0
+
+
+def test_backend_leaving_running_exits_1_and_stops_tailscaled(run_agent, tmp_path):
+    a = run_agent(FAKE_TS_INITIAL="Running", TS_AUTH_ONCE="true", FAKE_TS_LOGOUT_AFTER="2")
+    a.wait_for("Startup complete")
+    assert a.wait() == 1
+    assert "tailscaled left running state (now in state 'NeedsLogin')" in a.log()
+    assert (tmp_path / "tailscaled.sigterm").exists()

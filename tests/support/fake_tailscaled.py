@@ -11,6 +11,7 @@ Knobs (environment):
   FAKE_TS_INITIAL    initial backend state name
   FAKE_TS_IPS        comma-separated tailnet IPs of the self node (default 100.64.0.5,fd7a:115c:a1e0::5)
   FAKE_TS_DIE_AFTER  exit with status 3 this many seconds after reaching Running
+  FAKE_TS_LOGOUT_AFTER  go to NeedsLogin this many seconds after starting
   FAKE_TS_NO_SOCKET  never create the socket (to test the boot timeout)
 """
 from __future__ import annotations
@@ -184,6 +185,8 @@ def main() -> None:
     BACKEND = Backend(record_dir)
     if BACKEND.state == "Running" and os.environ.get("FAKE_TS_DIE_AFTER"):
         threading.Timer(float(os.environ["FAKE_TS_DIE_AFTER"]), lambda: os._exit(3)).start()
+    if os.environ.get("FAKE_TS_LOGOUT_AFTER"):
+        threading.Timer(float(os.environ["FAKE_TS_LOGOUT_AFTER"]), lambda: BACKEND.set_state("NeedsLogin")).start()
     if os.environ.get("FAKE_TS_NO_SOCKET"):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         while True:
