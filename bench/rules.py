@@ -145,6 +145,19 @@ def _throughput(topo, lab, host: str, port: int, megabytes: int, runs: int) -> l
     return out
 
 
+def ratio_ci(big: list[float], small: list[float], rounds: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of median(big)/median(small) (fixed seed, bounded rounds)."""
+    import random
+    rng = random.Random(1234)
+    out = []
+    for _ in range(rounds):
+        b = [rng.choice(big) for _ in big]
+        s = [rng.choice(small) for _ in small]
+        out.append(statistics.median(b) / statistics.median(s))
+    out.sort()
+    return out[int(0.025 * rounds)], out[int(0.975 * rounds) - 1]
+
+
 def _fmt_gbps(xs: list[float]) -> str:
     return f"median {statistics.median(xs):6.2f} Gbit/s  (runs: {', '.join(f'{x:.2f}' for x in xs)})"
 
@@ -223,10 +236,13 @@ def run(a: argparse.Namespace) -> int:
                       f"({len(grow)} times)", flush=True)
             if tp_small and tp_big:
                 m1, mbig = statistics.median(tp_small), statistics.median(tp_big)
-                r.update({"tput_1_gbps": tp_small, "tput_big_gbps": tp_big, "tput_ratio": mbig / m1})
+                lo, hi = ratio_ci(tp_big, tp_small)
+                r.update({"tput_1_gbps": tp_small, "tput_big_gbps": tp_big, "tput_ratio": mbig / m1,
+                          "tput_ratio_ci95": [lo, hi]})
                 print(f"   throughput, 1 service:       {_fmt_gbps(tp_small)}")
                 print(f"   throughput, {a.maps} services: {_fmt_gbps(tp_big)}")
-                print(f"   ratio {a.maps}/1: {mbig / m1:.3f}  ({(mbig / m1 - 1) * 100:+.1f}%)", flush=True)
+                print(f"   ratio {a.maps}/1: {mbig / m1:.3f}  ({(mbig / m1 - 1) * 100:+.1f}%), "
+                      f"95% bootstrap interval {lo:.3f}..{hi:.3f}", flush=True)
             _child(topo, lab.proxy, ["inner-cleanup", "--backend", b], 120)
             results["backends"][b] = r
 
@@ -272,8 +288,10 @@ def run(a: argparse.Namespace) -> int:
             line += f"\n{'':20s}[goal >= 20x vs the faster baseline ({ref_bin}): {'MET' if ref / ap >= 20 else 'MISSED'}]"
         if "tput_ratio" in r:
             ratio = r["tput_ratio"]
+            lo, hi = r["tput_ratio_ci95"]
+            verdict = "MET" if lo >= 0.95 else ("MISSED" if hi < 0.95 else "INCONCLUSIVE (noise > 5%)")
             line += (f"\n{'':20s}throughput {a.maps} services / 1 service = {ratio:.3f} "
-                     f"[goal within 5%: {'MET' if ratio >= 0.95 else 'MISSED'}]")
+                     f"(95% interval {lo:.3f}..{hi:.3f}) [goal within 5%: {verdict}]")
         print(line)
     print(f"   total bench time {time.monotonic() - started:.0f} s")
     if a.json:
@@ -300,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-binaries", nargs="+", default=["iptables-legacy", "iptables"])
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     ap.add_argument("--megabytes", type=int, default=200, help="per throughput run")
-    ap.add_argument("--runs", type=int, default=9, help="throughput runs per configuration (interleaved)")
+    ap.add_argument("--runs", type=int, default=11, help="throughput runs per configuration (interleaved)")
     ap.add_argument("--apply-timeout", type=float, default=150.0)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--json", help="also write the figures to this file")

@@ -54,6 +54,7 @@ class Agent:
         self._stop = asyncio.Event()
         self._stop_signal: int | None = None
         self._tasks: list[asyncio.Task] = []
+        self._firewall_task: asyncio.Task | None = None
         self._linked = False
         self.endpoints = None
         self.started_at = time.time()
@@ -136,12 +137,17 @@ class Agent:
                 except ForwardingError as e:
                     raise AgentError(str(e)) from None
             if s.is_l3_proxy:
-                from netfilter.backend import open_backend
-                try:
-                    self.firewall = await asyncio.to_thread(open_backend, s.firewall_mode)
-                except Exception as e:
-                    raise AgentError(f"error creating the netfilter runner: {e}") from None
-                log.info("Using %s for the agent's firewall rules", self.firewall.name)
+                # Detecting the firewall mode probes the kernel (about 0.3 s); it runs while tailscaled starts
+                # and logs in, since rules are needed only once the node has addresses.
+                self._firewall_task = asyncio.create_task(self._open_firewall())
+
+    async def _open_firewall(self) -> None:
+        from netfilter.backend import open_backend
+        try:
+            self.firewall = await asyncio.to_thread(open_backend, self.s.firewall_mode)
+        except Exception as e:
+            raise AgentError(f"error creating the netfilter runner: {e}") from None
+        log.info("Using %s for the agent's firewall rules", self.firewall.name)
 
     async def _start_tailscaled(self) -> None:
         argv = ts.tailscaled_argv(self.s)
@@ -266,6 +272,8 @@ class Agent:
     # -- steady state ----------------------------------------------------------------------------------
     async def _steady_state(self) -> None:
         await self._until_stop(self._after_login())
+        if self._firewall_task is not None:
+            await self._until_stop(self._firewall_task)
         rules_file = os.path.join(os.path.dirname(self.s.socket) or ".", "containerboot-rules.json")
         forwarding = None
         if not self.s.userspace:
@@ -373,6 +381,11 @@ class Agent:
 
     # -- shutdown --------------------------------------------------------------------------------------
     async def _shutdown(self) -> None:
+        if self._firewall_task is not None and not self._firewall_task.done():
+            try:  # let an unfinished detection end, so that cleanup sees the backend it may have touched
+                await self._firewall_task
+            except Exception:
+                pass
         if self.serve_applier is not None and self.tailscaled is not None and self.tailscaled.alive():
             try:
                 await asyncio.wait_for(self.serve_applier.unadvertise(), 5)

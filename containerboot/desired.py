@@ -58,13 +58,23 @@ def tailscaled_port(s: Settings) -> int:
     return DEFAULT_TAILSCALED_PORT
 
 
-def local_port(s: Settings) -> int | None:
-    if not s.local_server_enabled:
-        return None
+def _port_of(addr_port: str) -> int | None:
     try:
-        return int(s.local_addr_port.rsplit(":", 1)[1])
+        port = int(addr_port.rsplit(":", 1)[1])
     except (IndexError, ValueError):
         return None
+    return port if 0 < port < 65536 else None
+
+
+def local_ports(s: Settings) -> tuple[int, ...]:
+    """TCP ports on which the Pod itself listens (agent endpoints, the deprecated health listener,
+    tailscaled's debug listener): the egress catch-all must not send connections to them to the tailnet."""
+    ports: list[int] = []
+    for addr_port in ((s.local_addr_port if s.local_server_enabled else ""), s.healthcheck_addr_port,
+                      s.debug_addr_port):
+        if addr_port and (p := _port_of(addr_port)) is not None and p not in ports:
+            ports.append(p)
+    return tuple(ports)
 
 
 def _same_family(ips: tuple[IP, ...], version: int) -> IP | None:
@@ -118,7 +128,7 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desir
         egress_target = Target("TS_TAILNET_TARGET_FQDN", "egress", s.tailnet_target_fqdn, egress_targets, err)
     if egress_targets:
         exempt = [PortMatch("udp", tailscaled_port(s))]
-        if (lp := local_port(s)) is not None:
+        for lp in local_ports(s):
             exempt.append(PortMatch("tcp", lp))
         for version in (4, 6):
             target = _same_family(egress_targets, version)

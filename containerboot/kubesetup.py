@@ -126,14 +126,13 @@ async def await_reissued_authkey(read_authkey: Callable[[], str], old_key: str, 
         wait = min(poll_interval, remaining)
         if changed is None:
             await asyncio.sleep(wait)
+            log.info("Waiting for new auth key from operator (%s elapsed)", _fmt_duration(time.monotonic() - start))
         else:
             try:
                 await asyncio.wait_for(changed.wait(), wait)
             except (asyncio.TimeoutError, TimeoutError):
                 pass
             changed.clear()
-        if changed is None or not changed.is_set():
-            log.debug("Waiting for new auth key from operator (%s elapsed)", _fmt_duration(time.monotonic() - start))
 
 
 async def reissue_flow(client: KubeClient, name: str, old_key: str, read_authkey: Callable[[], str], *,

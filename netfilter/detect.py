@@ -17,10 +17,6 @@ NFTABLES = "nftables"
 IPTABLES = "iptables"
 
 
-class _NotFound(Exception):
-    pass
-
-
 def _run(argv: list[str], timeout: float = 20.0) -> str:
     """Run a command, return stdout; FileNotFoundError if the binary is missing, RuntimeError if it fails."""
     if shutil.which(argv[0]) is None:

@@ -106,6 +106,14 @@ class IptablesBackend:
             if text:
                 self._restore(fam, text)
                 changed = True
+        if not self.ipv6 and shutil.which(self._bin(6, "save")):
+            # IPv6 became unusable: best-effort removal of chains a previous run left in ip6tables.
+            try:
+                text = plan_iptables(RuleSet(), 6, self._save(6))
+                if text:
+                    self._restore(6, text)
+            except FirewallError as e:
+                log.debug("ip6tables cleanup skipped: %s", e)
         if changed:
             flush_stale_conntrack(rules)
 

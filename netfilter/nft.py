@@ -69,9 +69,13 @@ class NftBackend:
     def apply(self, rules: RuleSet) -> None:
         self._check_families(rules)
         desired = self.render(rules)
-        if self.installed() == desired:
+        current = self.installed()
+        if current == desired:
             return
-        self._run(plan_nft(rules, self.families), "replacing the containerboot tables")
+        families = self.families
+        if 6 not in families and f"table {NFT_FAMILY[6]} {TABLE} " in current:
+            families = (4, 6)     # IPv6 became unusable: still remove our stale ip6 table
+        self._run(plan_nft(rules, families), "replacing the containerboot tables")
         flush_stale_conntrack(rules)
         if not log.isEnabledFor(logging.DEBUG):
             return      # listing big maps costs ~0.2 ms per element; only worth it when someone looks

@@ -41,7 +41,7 @@ health port).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from .model import IP, Dnat, RuleSet
@@ -113,7 +113,7 @@ def _family_plan(rules: RuleSet, version: int) -> _Plan:
         egress_targets=tuple(targets), exempt=tuple(sorted(exempt)), snat=snat, clamp=False)
     # Clamping only matters where this family forwards something.
     clamp = rules.clamp_mss and (plan.has_prerouting or bool(snat))
-    return _Plan(**{**plan.__dict__, "clamp": clamp})
+    return replace(plan, clamp=clamp)
 
 
 # ============================================================================================== nftables (JSON)

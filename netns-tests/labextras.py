@@ -109,26 +109,34 @@ def del_address(lab: Lab, ns: str, dev: str, cidr: str) -> None:
 
 @dataclass
 class Outside:
-    """A namespace behind the proxy (not on the island bridge): the "internet" for exit-node tests."""
+    """A namespace behind the proxy (not on the island bridge): the "internet" for exit-node tests.
+
+    ``v4``/``v6`` are the server's addresses, in prefixes one router hop away from the proxy (on the outside
+    namespace's loopback, routed by the proxy via the link): an exit node never forwards to subnets attached
+    to its own interfaces (tailscaled cuts them out of 0.0.0.0/0 and ::/0, "guest wifi" semantics), so a
+    server on the link itself would be unreachable through it by design."""
     info: NsInfo
     proxy_dev: str
-    proxy_v4: str
-    proxy_v6: str
+    link_v4: tuple[str, str]   # (proxy side, outside side)
+    link_v6: tuple[str, str]
     v4: str
     v6: str
 
 
 def add_outside_namespace(lab: Lab, name: str = "outside", *, proxy_dev: str = "eth2",
-                          proxy_v4: str = "192.0.2.1", v4: str = "192.0.2.10",
-                          proxy_v6: str = "2001:db8::1", v6: str = "2001:db8::10") -> Outside:
+                          link_v4: tuple[str, str] = ("192.0.2.1", "192.0.2.10"),
+                          link_v6: tuple[str, str] = ("2001:db8::1", "2001:db8::10"),
+                          server_v4: str = "198.51.100.10", server_v6: str = "2001:db8:1::10") -> Outside:
     """A namespace ``<prefix>-<name>`` linked only to the proxy namespace by a veth pair (proxy side
-    ``proxy_dev``). The documentation prefixes 192.0.2.0/24 and 2001:db8::/64 exist only on that link. The
-    namespace is registered in lab.namespaces, so lab.exec works in it and lab.close removes it."""
+    ``proxy_dev``, /24 and /64 from ``link_v4``/``link_v6``), with the server addresses on its loopback and
+    routes to them in the proxy. Only documentation prefixes (RFC 5737 / RFC 3849) are used, and they exist
+    only inside these two namespaces. The namespace is registered in lab.namespaces, so lab.exec works in
+    it and lab.close removes it."""
     if name in lab.namespaces:
         raise LabError(f"namespace {name!r} exists")
     full = f"{lab.prefix}-{name}"
     ip(lab, "netns", "add", full)
-    info = NsInfo(name, full, v4, v6)
+    info = NsInfo(name, full, server_v4, server_v6)
     lab.namespaces[name] = info  # before anything else can fail, so lab.close removes it
     etc = Path("/etc/netns") / full
     etc.mkdir(parents=True, exist_ok=True)
@@ -139,15 +147,19 @@ def add_outside_namespace(lab: Lab, name: str = "outside", *, proxy_dev: str = "
         lab.exec(name, ["sh", "-c", f"echo 0 > /proc/sys/net/ipv6/conf/{key}/disable_ipv6"], check=True)
     px = lab.netns("proxy")
     ip(lab, "-n", px, "link", "add", proxy_dev, "type", "veth", "peer", "name", "eth0", "netns", full)
-    ip(lab, "-n", px, "addr", "add", f"{proxy_v4}/24", "dev", proxy_dev)
-    ip(lab, "-n", px, "-6", "addr", "add", f"{proxy_v6}/64", "dev", proxy_dev, "nodad")
+    ip(lab, "-n", px, "addr", "add", f"{link_v4[0]}/24", "dev", proxy_dev)
+    ip(lab, "-n", px, "-6", "addr", "add", f"{link_v6[0]}/64", "dev", proxy_dev, "nodad")
     ip(lab, "-n", px, "link", "set", proxy_dev, "up")
-    ip(lab, "-n", full, "addr", "add", f"{v4}/24", "dev", "eth0")
-    ip(lab, "-n", full, "-6", "addr", "add", f"{v6}/64", "dev", "eth0", "nodad")
+    ip(lab, "-n", full, "addr", "add", f"{link_v4[1]}/24", "dev", "eth0")
+    ip(lab, "-n", full, "-6", "addr", "add", f"{link_v6[1]}/64", "dev", "eth0", "nodad")
     ip(lab, "-n", full, "link", "set", "eth0", "up")
-    ip(lab, "-n", full, "route", "add", "default", "via", proxy_v4)
-    ip(lab, "-n", full, "-6", "route", "add", "default", "via", proxy_v6)
-    return Outside(info, proxy_dev, proxy_v4, proxy_v6, v4, v6)
+    ip(lab, "-n", full, "addr", "add", f"{server_v4}/32", "dev", "lo")
+    ip(lab, "-n", full, "-6", "addr", "add", f"{server_v6}/128", "dev", "lo", "nodad")
+    ip(lab, "-n", full, "route", "add", "default", "via", link_v4[0])
+    ip(lab, "-n", full, "-6", "route", "add", "default", "via", link_v6[0])
+    ip(lab, "-n", px, "route", "add", f"{server_v4}/32", "via", link_v4[1], "dev", proxy_dev)
+    ip(lab, "-n", px, "-6", "route", "add", f"{server_v6}/128", "via", link_v6[1], "dev", proxy_dev)
+    return Outside(info, proxy_dev, link_v4, link_v6, server_v4, server_v6)
 
 
 def remove_namespace(lab: Lab, name: str) -> None:

@@ -479,3 +479,15 @@ def test_target_change_drops_stale_udp_bindings(agent, family, tmp_path):
         assert _flow(client, agent.ns, family) == [new]                           # same source port again
     finally:
         client.close()
+
+
+def test_ipv6_leftovers_removed_when_ipv6_becomes_unusable(agent, tmp_path):
+    both = RuleSet(dnats=everything(4).dnats + everything(6).dnats)
+    agent.apply(both)
+    assert TS[6] in agent.raw()
+    path = tmp_path / "v4.json"
+    path.write_text(RuleSet(dnats=everything(4).dnats).to_json())
+    extra = ["--variant", agent.variant] if agent.variant else []
+    agent.ns.run(PY, "-m", "netfilter.cli", "apply", str(path), "--mode", agent.mode, "--no-ipv6", *extra)
+    raw = agent.raw()
+    assert TS[4] in raw and TS[6] not in raw

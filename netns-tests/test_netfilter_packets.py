@@ -486,9 +486,6 @@ def test_reapply_is_stable_and_cleanup_restores(lab, agent, backend, family):
         assert addr not in agent.installed()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known gap (reported): apply() does not delete conntrack entries whose NAT binding points at a "
-    "target that is no longer wanted, so an ongoing UDP flow keeps reaching the old target"))
 def test_changing_egress_target_moves_existing_udp_flow(lab, agent, family):
     """A UDP client that keeps its source port (DNS resolvers, WireGuard, QUIC) must follow a target
     change too. Conntrack remembers the NAT binding of a flow until it times out (30 s unreplied, 120 s
@@ -506,3 +503,25 @@ def test_changing_egress_target_moves_existing_udp_flow(lab, agent, family):
     after = one(ok(t.connect(lab.backend, f.proxy_cluster, DNS, proto="udp", src=f.workload, sport=sport)))
     assert after["local"] == new, (
         f"UDP flow from port {sport} still goes to the old target {old} after the change to {new}")
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "reported bug: apply() only flushes UDP conntrack entries that a CURRENT rule would send elsewhere "
+    "(netfilter.plan.NatOracle.is_stale returns False when no rule matches), so a removed service's "
+    "flow keeps its DNAT+SNAT binding"))
+def test_removing_port_map_stops_existing_udp_flow(lab, agent, family):
+    """Deleting an egress service must stop its traffic, also for a UDP client that keeps its source
+    port: otherwise the removed tailnet target stays reachable for as long as the client talks."""
+    f = lab.fam(family)
+    t = lab.topo
+    t.serve(lab.tailnet, "tailnet", udp=[DNS], tcp=[WEB])
+    sport = 40124
+    keep = ("default-web", "tcp", 10002, WEB, f.targets[1])
+    gone = ("default-dns", "udp", 10003, DNS, f.targets[2])
+    agent.apply(port_map_rules(f, [keep, gone]))
+    first = one(ok(t.connect(lab.backend, f.proxy_cluster, 10003, proto="udp", src=f.workload, sport=sport)))
+    assert first["node"] == "tailnet" and first["local"] == f.targets[2]
+    agent.apply(port_map_rules(f, [keep]))
+    after = one(t.connect(lab.backend, f.proxy_cluster, 10003, proto="udp", src=f.workload, sport=sport,
+                          timeout=1))
+    assert "error" in after, f"removed service's UDP flow still reaches {after.get('local')}: {after}"

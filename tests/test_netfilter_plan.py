@@ -512,3 +512,12 @@ def test_nat_oracle_decides_staleness_like_the_chains():
     assert not o6.is_stale("udp", a("fd00:10::3"), 53, a("fd00::9"), 53)
     assert o6.is_stale("udp", a(TS6), 53, a("fd00::2"), 53)
     assert not NatOracle(RuleSet(), 4).is_stale("udp", a(TS4), 53, a("10.0.0.3"), 53)
+
+
+def test_backends_satisfy_the_protocol():
+    from netfilter.backend import Backend
+    from netfilter.iptables import IptablesBackend
+    from netfilter.nft import NftBackend
+    assert isinstance(NftBackend(ipv6=False), Backend)
+    assert isinstance(IptablesBackend(ipv6=False, variant="legacy"), Backend)
+    assert NftBackend.name == "nftables" and IptablesBackend.name == "iptables"
