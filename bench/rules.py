@@ -17,7 +17,9 @@ What it measures (all inside namespaces it creates with `netns-tests/nettopo.py`
    workload through the proxy's port map to a sink on the tailnet side, with 1 service installed and with
    `--maps` services installed (the measured service is the last one of the set). The same namespaces are
    used for both; the rule set is switched before every run in ABBA order, so drift and other load on the
-   machine hit both configurations alike.
+   machine hit both configurations alike. Alongside, the rate of new connections (`--conns` sequential
+   connect/close per run): NAT rules are evaluated only for a connection's first packet, so rule-count
+   effects show there, not in bulk throughput.
 
 Goals (reported, not asserted): 10,000 maps applied in < 1 s with nftables; >= 20x faster than the per-rule
 baseline; throughput with 10,000 services within 5% of throughput with 1.
@@ -208,6 +210,8 @@ def run(a: argparse.Namespace) -> int:
             shrink, grow = [], []
             tp_small: list[float] = []
             tp_big: list[float] = []
+            cr_small: list[float] = []
+            cr_big: list[float] = []
             if not a.skip_throughput:
                 # One lab, the rule set switched before every run, order alternating (big, small, small, big,
                 # big, ...), so drift and other load on the machine hit both configurations alike.
@@ -222,6 +226,11 @@ def run(a: argparse.Namespace) -> int:
                         state = want
                     (tp_big if want == "big" else tp_small).extend(
                         _throughput(topo, lab, f.proxy_cluster, measured_port, a.megabytes, 1))
+                    if a.conns:
+                        cr = topo.conn_rate(lab.backend, f.proxy_cluster, measured_port, count=a.conns)
+                        if cr["errors"]:
+                            raise RuntimeError(f"{cr['errors']} of {cr['count']} connections failed")
+                        (cr_big if want == "big" else cr_small).append(cr["count"] / cr["seconds"])
             else:
                 rr = apply(b, small_path)
                 if rr:
@@ -243,6 +252,15 @@ def run(a: argparse.Namespace) -> int:
                 print(f"   throughput, {a.maps} services: {_fmt_gbps(tp_big)}")
                 print(f"   ratio {a.maps}/1: {mbig / m1:.3f}  ({(mbig / m1 - 1) * 100:+.1f}%), "
                       f"95% bootstrap interval {lo:.3f}..{hi:.3f}", flush=True)
+            if cr_small and cr_big:
+                c1, cbig = statistics.median(cr_small), statistics.median(cr_big)
+                lo, hi = ratio_ci(cr_big, cr_small)
+                r.update({"conn_1_per_s": cr_small, "conn_big_per_s": cr_big, "conn_ratio": cbig / c1,
+                          "conn_ratio_ci95": [lo, hi]})
+                print(f"   new connections/s through the measured port map ({a.conns} sequential per run):")
+                print(f"     1 service:       median {c1:7.0f}/s (runs: {', '.join(f'{x:.0f}' for x in cr_small)})")
+                print(f"     {a.maps} services: median {cbig:7.0f}/s (runs: {', '.join(f'{x:.0f}' for x in cr_big)})")
+                print(f"     ratio {a.maps}/1: {cbig / c1:.3f}, 95% bootstrap interval {lo:.3f}..{hi:.3f}", flush=True)
             _child(topo, lab.proxy, ["inner-cleanup", "--backend", b], 120)
             results["backends"][b] = r
 
@@ -292,6 +310,10 @@ def run(a: argparse.Namespace) -> int:
             verdict = "MET" if lo >= 0.95 else ("MISSED" if hi < 0.95 else "INCONCLUSIVE (noise > 5%)")
             line += (f"\n{'':20s}throughput {a.maps} services / 1 service = {ratio:.3f} "
                      f"(95% interval {lo:.3f}..{hi:.3f}) [goal within 5%: {verdict}]")
+        if "conn_ratio" in r:
+            lo, hi = r["conn_ratio_ci95"]
+            line += (f"\n{'':20s}new connections/s {a.maps} services / 1 service = {r['conn_ratio']:.3f} "
+                     f"(95% interval {lo:.3f}..{hi:.3f}) [no goal; per-connection rule cost]")
         print(line)
     print(f"   total bench time {time.monotonic() - started:.0f} s")
     if a.json:
@@ -319,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     ap.add_argument("--megabytes", type=int, default=200, help="per throughput run")
     ap.add_argument("--runs", type=int, default=11, help="throughput runs per configuration (interleaved)")
+    ap.add_argument("--conns", type=int, default=300,
+                    help="sequential new connections per run for the connection-rate figure (0: skip)")
     ap.add_argument("--apply-timeout", type=float, default=150.0)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--json", help="also write the figures to this file")
@@ -335,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     a.runs = max(1, min(a.runs, 40))
     a.megabytes = max(1, min(a.megabytes, 4096))
+    a.conns = max(0, min(a.conns, 20000))
     return run(a)
 
 

@@ -36,6 +36,7 @@ DEFAULT_URL = "https://kubernetes.default.svc"
 FIELD_MANAGER = "tailscale-container"
 SSAR_PATH = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 _CREDENTIAL_KEYS = ("authkey", "reissue_authkey")
+_LAST_ATTEMPT = 0.2     # seconds kept for a final attempt before a deadline
 
 _SA_FILE_HELP = {
     "token": "the ServiceAccount token (set automountServiceAccountToken: true on the Pod or its ServiceAccount)",
@@ -285,10 +286,13 @@ class KubeClient:
                 problem = f"the API server answered {status} {reason or resp.reason_phrase}: {message}"
                 retry_after = _retry_after(resp.headers.get("Retry-After"))
             delay = min(0.2 * 2 ** (attempt - 1), 5.0) * random.uniform(0.5, 1.5)
+            remaining = deadline - time.monotonic()
             if retry_after is not None:
                 delay = max(delay, retry_after)
-            remaining = deadline - time.monotonic()
-            if delay >= remaining:
+            elif delay > remaining - _LAST_ATTEMPT and remaining > 2 * _LAST_ATTEMPT:
+                # Use the budget fully: one last attempt just before the deadline rather than giving up early.
+                delay = remaining - _LAST_ATTEMPT
+            if delay > remaining - _LAST_ATTEMPT:
                 raise KubeError(f"{verb} {what}: giving up after {attempt} attempt(s) in "
                                 f"{time.monotonic() - started:.1f}s: {problem}",
                                 status=status, reason="Unreachable" if status == 0 else "Timeout",

@@ -1,18 +1,17 @@
 """Small additions to labtools.lab for the egress, DNS-ingress and connector end-to-end tests.
 
-Everything here works through the Lab's public surface (``exec``, ``namespaces``, ``nodes``, ``run_dir``,
-``hs``...) and only touches namespaces of that lab, so nothing ever leaves the island. Every wait is bounded.
+Everything here works through the Lab's surface (``exec``, ``namespaces``, ``nodes``, ``run_dir``, ``hs``...;
+dnsmasq is started with the lab's ``_popen`` so that the lab's teardown stops it like its own servers) and
+only touches namespaces of that lab, so nothing ever leaves the island. Every wait is bounded.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Sequence
 
 from labtools import lab as labmod
 from labtools.lab import Lab, LabError, NsInfo, wait_until
@@ -68,18 +67,6 @@ def peer_by_dns(lab: Lab, name: str, fqdn: str) -> dict | None:
         if (p.get("DNSName") or "").rstrip(".").lower() == want:
             return p
     return None
-
-
-def wait_peer_ips(lab: Lab, name: str, fqdn: str, ips: Iterable[str], timeout: float = 30.0) -> dict:
-    """Wait until node ``name`` sees peer ``fqdn`` with tailnet addresses ``ips``, online and with a DERP home."""
-    want = set(ips)
-
-    def pred() -> dict | None:
-        p = peer_by_dns(lab, name, fqdn)
-        if p and set(p.get("TailscaleIPs") or ()) == want and p.get("Online") and p.get("Relay"):
-            return p
-        return None
-    return wait_until(pred, timeout, 0.25, f"{name} sees {fqdn} at {sorted(want)}")
 
 
 def wait_peer_gone(lab: Lab, name: str, fqdn: str, timeout: float = 30.0) -> None:
@@ -327,24 +314,3 @@ def own_rules(lab: Lab, mode: str, ns: str = "proxy") -> str:
     for tool in ("iptables-save", "ip6tables-save"):
         dump += lab.exec(ns, [tool], check=True).stdout
     return "\n".join(line for line in dump.splitlines() if "CB-" in line)
-
-
-def poll(pred: Callable[[], object], timeout: float, what: str, interval: float = 0.5) -> object:
-    return wait_until(pred, timeout, interval, what)
-
-
-def agent_log_since(agent, start: int) -> str:
-    return agent.log_text()[start:]
-
-
-def hs_node_routes(lab: Lab, hostname: str) -> dict:
-    n = lab.hs_node(hostname) or {}
-    return {k: n.get(k) for k in ("approved_routes", "available_routes", "subnet_routes")}
-
-
-def dumps(obj: object) -> str:
-    return json.dumps(obj, indent=1, sort_keys=True, default=str)
-
-
-def monotonic() -> float:
-    return time.monotonic()

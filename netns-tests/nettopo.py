@@ -272,6 +272,15 @@ class Topology:
                         timeout=timeout + 30)
         return json.loads(r.stdout)
 
+    def conn_rate(self, ns: str, host: str, port: int, *, count: int, timeout: float = 5.0) -> dict:
+        """`count` sequential TCP connections to a `sink` port (connect, half-close, read the reply,
+        close): {"count", "errors", "seconds"} as timed inside the namespace. Every connection is a
+        new conntrack entry, so this is where per-connection NAT rule evaluation shows."""
+        r = self.python(ns, THIS_FILE, "rate", "--host", str(host), "--port", str(port),
+                        "--count", str(count), "--timeout", str(timeout),
+                        timeout=30 + count * (timeout + 0.1))
+        return json.loads(r.stdout)
+
     # -- teardown --------------------------------------------------------------------------------
     def close(self) -> None:
         if self._closed:
@@ -524,6 +533,29 @@ def _blast(host: str, port: int, megabytes: int, timeout: float) -> dict:
     return {"bytes": rep["bytes"], "sent": megabytes << 20, "seconds": elapsed}
 
 
+def _rate(host: str, port: int, count: int, timeout: float) -> dict:
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    errors = 0
+    t0 = time.perf_counter()
+    for _ in range(count):
+        try:
+            with socket.socket(fam, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout)
+                s.connect((host, port))
+                s.shutdown(socket.SHUT_WR)
+                buf = b""
+                while not buf.endswith(b"\n") and len(buf) < 4096:
+                    part = s.recv(4096)
+                    if not part:
+                        break
+                    buf += part
+                if not buf:
+                    errors += 1
+        except OSError:
+            errors += 1
+    return {"count": count, "errors": errors, "seconds": time.perf_counter() - t0}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="nettopo")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -545,8 +577,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     bl.add_argument("--port", type=int, required=True)
     bl.add_argument("--megabytes", type=int, required=True)
     bl.add_argument("--timeout", type=float, default=60.0)
+    rt = sub.add_parser("rate")
+    rt.add_argument("--host", required=True)
+    rt.add_argument("--port", type=int, required=True)
+    rt.add_argument("--count", type=int, required=True)
+    rt.add_argument("--timeout", type=float, default=5.0)
     a = ap.parse_args(argv)
-    if a.cmd == "serve":
+    if a.cmd == "rate":
+        print(json.dumps(_rate(a.host, a.port, max(1, min(a.count, 100000)), a.timeout)))
+    elif a.cmd == "serve":
         _serve(a.node, a.tcp, a.udp, a.sink)
     elif a.cmd == "connect":
         out = [_connect_once(a.host, a.port, a.proto, a.timeout, a.src, a.sport)

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sys
 import time
 
 import pytest
 
 import labextras as lx
-from labtools.lab import BACKEND_LINK_PROXY_V4, BACKEND_LINK_PROXY_V6, wait_until
+from labtools.lab import BACKEND_LINK_PROXY_V4, BACKEND_LINK_PROXY_V6, Lab, wait_until
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -45,7 +44,6 @@ def requests_for(lab, srv, tag: str) -> list[dict]:
 
 
 def egress_url(version: int, tag: str) -> str:
-    from labtools.lab import Lab
     return Lab.url(BACKEND_LINK_PROXY_V4 if version == 4 else BACKEND_LINK_PROXY_V6, PORT, f"/?{tag}")
 
 
