@@ -173,10 +173,8 @@ def run(a: argparse.Namespace) -> int:
     started = time.monotonic()
     results: dict = {"maps": a.maps, "baseline_count": a.baseline_count, "backends": {}, "baseline": {}}
     with nettopo.Topology() as topo, tempfile.TemporaryDirectory(prefix="cbbench") as tmp:
-        lab = nettopo.ProxyLab.build(topo)
-        f = lab.fam(4)
+        f = nettopo.V4
         target = f.targets[0]
-        topo.serve(lab.tailnet, "tailnet", sink=[SINK_PORT])
         big = port_map_ruleset(a.maps, target, f.proxy_tailnet)
         small = single_service_ruleset(a.maps, target, f.proxy_tailnet)
         measured_port = big.port_maps[-1].match_port
@@ -185,84 +183,90 @@ def run(a: argparse.Namespace) -> int:
             fh.write(big.to_json())
         with open(small_path, "w") as fh:
             fh.write(small.to_json())
-        print(f"== {a.maps} egress port maps ({a.maps} DNAT + {a.maps} SNAT targets, IPv4, clamp on); "
-              f"namespaces {topo.prefix}-*", flush=True)
-
-        def apply(b: str, path: str, cleanup_first: bool = False) -> dict | None:
-            args = ["inner-apply", "--backend", b, "--file", path] + (["--cleanup-first"] if cleanup_first else [])
-            return _child(topo, lab.proxy, args, a.apply_timeout)
+        print(f"== {a.maps} egress port maps ({a.maps} DNAT + {a.maps} SNAT targets, IPv4, clamp on)", flush=True)
 
         backends = [b for b in BACKENDS if b in a.backends]
         for b in backends:
-            print(f"-- backend {b}", flush=True)
-            r: dict = {}
-            res = apply(b, big_path, cleanup_first=True)
-            if res is None:
-                print(f"   apply({a.maps} maps): did not complete within {a.apply_timeout:.0f}s or failed")
-                results["backends"][b] = {"apply_s": None}
-                _child(topo, lab.proxy, ["inner-cleanup", "--backend", b], 120)
-                continue
-            r.update({"apply_s": res["apply_s"], "reapply_s": res["reapply_s"], "flavour": res["flavour"],
-                      "installed_lines": res["installed_lines"]})
-            print(f"   apply({a.maps} maps) from empty: {res['apply_s']:.3f} s   "
-                  f"(re-apply same set: {res['reapply_s']:.3f} s; installed() lines: {res['installed_lines']}; "
-                  f"driver: {res['flavour']})", flush=True)
-            shrink, grow = [], []
-            tp_small: list[float] = []
-            tp_big: list[float] = []
-            cr_small: list[float] = []
-            cr_big: list[float] = []
-            if not a.skip_throughput:
-                # One lab, the rule set switched before every run, order alternating (big, small, small, big,
-                # big, ...), so drift and other load on the machine hit both configurations alike.
-                state = "big"
-                for i in range(2 * a.runs):
-                    want = "big" if (i // 2 + i) % 2 == 0 else "small"
-                    if want != state:
-                        rr = apply(b, big_path if want == "big" else small_path)
-                        if rr is None:
-                            break
-                        (grow if want == "big" else shrink).append(rr["apply_s"])
-                        state = want
-                    (tp_big if want == "big" else tp_small).extend(
-                        _throughput(topo, lab, f.proxy_cluster, measured_port, a.megabytes, 1))
-                    if a.conns:
-                        cr = topo.conn_rate(lab.backend, f.proxy_cluster, measured_port, count=a.conns)
-                        if cr["errors"]:
-                            raise RuntimeError(f"{cr['errors']} of {cr['count']} connections failed")
-                        (cr_big if want == "big" else cr_small).append(cr["count"] / cr["seconds"])
-            else:
-                rr = apply(b, small_path)
-                if rr:
-                    shrink.append(rr["apply_s"])
-            if shrink:
-                r["shrink_to_1_s"] = statistics.median(shrink)
-                print(f"   apply(1 map) replacing {a.maps}: median {r['shrink_to_1_s']:.3f} s "
-                      f"({len(shrink)} times)", flush=True)
-            if grow:
-                r["grow_from_1_s"] = statistics.median(grow)
-                print(f"   apply({a.maps} maps) replacing 1: median {r['grow_from_1_s']:.3f} s "
-                      f"({len(grow)} times)", flush=True)
-            if tp_small and tp_big:
-                m1, mbig = statistics.median(tp_small), statistics.median(tp_big)
-                lo, hi = ratio_ci(tp_big, tp_small)
-                r.update({"tput_1_gbps": tp_small, "tput_big_gbps": tp_big, "tput_ratio": mbig / m1,
-                          "tput_ratio_ci95": [lo, hi]})
-                print(f"   throughput, 1 service:       {_fmt_gbps(tp_small)}")
-                print(f"   throughput, {a.maps} services: {_fmt_gbps(tp_big)}")
-                print(f"   ratio {a.maps}/1: {mbig / m1:.3f}  ({(mbig / m1 - 1) * 100:+.1f}%), "
-                      f"95% bootstrap interval {lo:.3f}..{hi:.3f}", flush=True)
-            if cr_small and cr_big:
-                c1, cbig = statistics.median(cr_small), statistics.median(cr_big)
-                lo, hi = ratio_ci(cr_big, cr_small)
-                r.update({"conn_1_per_s": cr_small, "conn_big_per_s": cr_big, "conn_ratio": cbig / c1,
-                          "conn_ratio_ci95": [lo, hi]})
-                print(f"   new connections/s through the measured port map ({a.conns} sequential per run):")
-                print(f"     1 service:       median {c1:7.0f}/s (runs: {', '.join(f'{x:.0f}' for x in cr_small)})")
-                print(f"     {a.maps} services: median {cbig:7.0f}/s (runs: {', '.join(f'{x:.0f}' for x in cr_big)})")
-                print(f"     ratio {a.maps}/1: {cbig / c1:.3f}, 95% bootstrap interval {lo:.3f}..{hi:.3f}", flush=True)
-            _child(topo, lab.proxy, ["inner-cleanup", "--backend", b], 120)
-            results["backends"][b] = r
+            # A fresh lab per backend: no rules and no conntrack entries left over from the previous one
+            # (apply() also walks the conntrack table, so leftovers would inflate its time).
+            with nettopo.Topology() as btopo:
+                lab = nettopo.ProxyLab.build(btopo)
+                btopo.serve(lab.tailnet, "tailnet", sink=[SINK_PORT])
+                print(f"-- backend {b} (namespaces {btopo.prefix}-*)", flush=True)
+
+                def apply(b: str, path: str, cleanup_first: bool = False, _t=btopo, _lab=lab) -> dict | None:
+                    args = ["inner-apply", "--backend", b, "--file", path] + (
+                        ["--cleanup-first"] if cleanup_first else [])
+                    return _child(_t, _lab.proxy, args, a.apply_timeout)
+
+                r: dict = {}
+                res = apply(b, big_path, cleanup_first=True)
+                if res is None:
+                    print(f"   apply({a.maps} maps): did not complete within {a.apply_timeout:.0f}s or failed")
+                    results["backends"][b] = {"apply_s": None}
+                    _child(btopo, lab.proxy, ["inner-cleanup", "--backend", b], 120)
+                    continue
+                r.update({"apply_s": res["apply_s"], "reapply_s": res["reapply_s"], "flavour": res["flavour"],
+                          "installed_lines": res["installed_lines"]})
+                print(f"   apply({a.maps} maps) from empty: {res['apply_s']:.3f} s   "
+                      f"(re-apply same set: {res['reapply_s']:.3f} s; installed() lines: {res['installed_lines']}; "
+                      f"driver: {res['flavour']})", flush=True)
+                shrink, grow = [], []
+                tp_small: list[float] = []
+                tp_big: list[float] = []
+                cr_small: list[float] = []
+                cr_big: list[float] = []
+                if not a.skip_throughput:
+                    # Same namespaces, the rule set switched before every run, order alternating (big, small, small, big,
+                    # big, ...), so drift and other load on the machine hit both configurations alike.
+                    state = "big"
+                    for i in range(2 * a.runs):
+                        want = "big" if (i // 2 + i) % 2 == 0 else "small"
+                        if want != state:
+                            rr = apply(b, big_path if want == "big" else small_path)
+                            if rr is None:
+                                break
+                            (grow if want == "big" else shrink).append(rr["apply_s"])
+                            state = want
+                        (tp_big if want == "big" else tp_small).extend(
+                            _throughput(btopo, lab, f.proxy_cluster, measured_port, a.megabytes, 1))
+                        if a.conns:
+                            cr = btopo.conn_rate(lab.backend, f.proxy_cluster, measured_port, count=a.conns)
+                            if cr["errors"]:
+                                raise RuntimeError(f"{cr['errors']} of {cr['count']} connections failed")
+                            (cr_big if want == "big" else cr_small).append(cr["count"] / cr["seconds"])
+                else:
+                    rr = apply(b, small_path)
+                    if rr:
+                        shrink.append(rr["apply_s"])
+                if shrink:
+                    r["shrink_to_1_s"] = statistics.median(shrink)
+                    print(f"   apply(1 map) replacing {a.maps}: median {r['shrink_to_1_s']:.3f} s "
+                          f"({len(shrink)} times)", flush=True)
+                if grow:
+                    r["grow_from_1_s"] = statistics.median(grow)
+                    print(f"   apply({a.maps} maps) replacing 1: median {r['grow_from_1_s']:.3f} s "
+                          f"({len(grow)} times)", flush=True)
+                if tp_small and tp_big:
+                    m1, mbig = statistics.median(tp_small), statistics.median(tp_big)
+                    lo, hi = ratio_ci(tp_big, tp_small)
+                    r.update({"tput_1_gbps": tp_small, "tput_big_gbps": tp_big, "tput_ratio": mbig / m1,
+                              "tput_ratio_ci95": [lo, hi]})
+                    print(f"   throughput, 1 service:       {_fmt_gbps(tp_small)}")
+                    print(f"   throughput, {a.maps} services: {_fmt_gbps(tp_big)}")
+                    print(f"   ratio {a.maps}/1: {mbig / m1:.3f}  ({(mbig / m1 - 1) * 100:+.1f}%), "
+                          f"95% bootstrap interval {lo:.3f}..{hi:.3f}", flush=True)
+                if cr_small and cr_big:
+                    c1, cbig = statistics.median(cr_small), statistics.median(cr_big)
+                    lo, hi = ratio_ci(cr_big, cr_small)
+                    r.update({"conn_1_per_s": cr_small, "conn_big_per_s": cr_big, "conn_ratio": cbig / c1,
+                              "conn_ratio_ci95": [lo, hi]})
+                    print(f"   new connections/s through the measured port map ({a.conns} sequential per run):")
+                    print(f"     1 service:       median {c1:7.0f}/s (runs: {', '.join(f'{x:.0f}' for x in cr_small)})")
+                    print(f"     {a.maps} services: median {cbig:7.0f}/s (runs: {', '.join(f'{x:.0f}' for x in cr_big)})")
+                    print(f"     ratio {a.maps}/1: {cbig / c1:.3f}, 95% bootstrap interval {lo:.3f}..{hi:.3f}", flush=True)
+                _child(btopo, lab.proxy, ["inner-cleanup", "--backend", b], 120)
+                results["backends"][b] = r
 
         # Baseline in its own namespace so it cannot disturb (or be disturbed by) the backends' state.
         bns = topo.ns("bl")

@@ -41,6 +41,10 @@ class _Stopped(Exception):
     """Shutdown was requested while a phase was running."""
 
 
+class _NeedsReissue(Exception):
+    """One-step mode: the config file's auth key was rejected; ask the operator for a new one."""
+
+
 class Agent:
     def __init__(self, settings: Settings, env: Mapping[str, str]):
         self.s = settings
@@ -63,6 +67,9 @@ class Agent:
         self.serve_loop = None
         self.serve_applier = None
         self._serve_counters: dict[str, float] = {}
+        self.secret = None  # kubestate.SecretState when TS_KUBE_SECRET is set
+        self.kube_store = False  # the agent manages the Secret's keys (patch allowed, in Kubernetes)
+        self.config_authkey = ""
         for secret in (settings.authkey, settings.client_secret, settings.id_token):
             register(secret)
 
@@ -102,8 +109,14 @@ class Agent:
         code = 0
         try:
             await self._prepare()
+            await self._until_stop(self._kube_setup())
             await self._until_stop(self._start_tailscaled())
-            await self._until_stop(self._login())
+            try:
+                await self._until_stop(self._login())
+            except _NeedsReissue as e:
+                # Outside the boot timeout: the operator may take minutes to issue a key.
+                await self._until_stop(self._reissue(str(e)))
+                raise _Stopped() from None
             await self._steady_state()
         except _Stopped:
             code = 0
@@ -140,6 +153,33 @@ class Agent:
                 # Detecting the firewall mode probes the kernel (about 0.3 s); it runs while tailscaled starts
                 # and logs in, since rules are needed only once the node has addresses.
                 self._firewall_task = asyncio.create_task(self._open_firewall())
+
+    async def _kube_setup(self) -> None:
+        """RBAC, the auth key from the Secret, and the reset of the previous run's keys, before tailscaled."""
+        s = self.s
+        if s.one_step:
+            from .conffile import authkey_from_config
+            self.config_authkey = authkey_from_config(s.tailscaled_config_path)
+            register(self.config_authkey)
+        if not s.kube_secret:
+            return
+        from dataclasses import replace
+
+        from .kube import KubeClient, KubeError
+        from .kubestate import KubeSetupError, SecretState
+        try:
+            client = KubeClient.from_environment(self.env, root=s.root, url=s.kube_api_url)
+        except KubeError as e:
+            raise AgentError(f"error initializing kube client: {e}") from None
+        self.secret = SecretState(client, s.kube_secret)
+        try:
+            setup = await self.secret.setup(s, self._boot_deadline(), config_authkey=self.config_authkey)
+        except KubeSetupError as e:
+            raise AgentError(str(e)) from None
+        self.kube_store = setup.has_state_store
+        if setup.authkey_from_secret:
+            register(setup.authkey_from_secret)
+            self.s = replace(self.s, authkey=setup.authkey_from_secret)
 
     async def _open_firewall(self) -> None:
         from netfilter.backend import open_backend
@@ -230,6 +270,11 @@ class Agent:
                 while True:
                     rewatch = False
                     async for n in self.api.watch_ipn_bus(FIRST_WATCH_MASK):
+                        health = n.get("Health")
+                        if s.one_step and self.kube_store and isinstance(health, dict) \
+                                and "login-state" in (health.get("Warnings") or {}):
+                            raise _NeedsReissue("Auth key failed to authenticate (may be expired or single-use), "
+                                                "disconnecting from control and requesting new key from operator")
                         state = notify_backend_state(n)
                         if state is None:
                             continue
@@ -237,6 +282,10 @@ class Agent:
                         if state == "Running":
                             return
                         if state == "NeedsLogin":
+                            if s.one_step and self.kube_store:
+                                raise _NeedsReissue("Auth key missing or invalid (NeedsLogin state), "
+                                                    "disconnecting from control and requesting new key from "
+                                                    "operator")
                             if s.one_step:
                                 raise AgentError(
                                     "invalid state: tailscaled daemon started with a config file, but tailscale "
@@ -258,7 +307,55 @@ class Agent:
         except LocalAPIError as e:
             raise AgentError(f"failed to watch tailscaled for updates: {e}") from None
 
+    async def _reissue(self, reason: str) -> None:
+        """Ask the operator for a new auth key and wait for it; the agent then exits 0 to restart with it."""
+        from .conffile import authkey_from_config
+        from .kubesetup import reissue_flow
+
+        assert self.secret is not None and self.api is not None
+        log.info("%s", reason)
+        log.info("Requesting a new auth key from operator")
+        try:
+            await reissue_flow(self.secret.client, self.secret.name, self.config_authkey,
+                               lambda: authkey_from_config(self.s.tailscaled_config_path),
+                               disconnect=self.api.disconnect_control)
+        except TimeoutError as e:
+            raise AgentError(f"failed to get a reissued authkey: {e}") from None
+        except Exception as e:
+            raise AgentError(f"failed to get a reissued authkey: {e}") from None
+        log.info("Successfully received new auth key, restarting to apply configuration")
+
+    async def _watch_config_file(self) -> None:
+        """One-step mode: when the operator rewrites the tailscaled config, have tailscaled reload it."""
+        from serveconfig.watch import watch_file
+
+        assert self.api is not None
+        first = True
+        async for text in watch_file(self.s.tailscaled_config_path, 5.0):
+            if first:
+                first = False
+                continue
+            if text is None:
+                continue
+            log.info("tailscaled config watch: ensuring that config is up to date")
+            try:
+                doc = await self.api.reload_config()
+            except LocalAPIError as e:
+                log.error("tailscaled config watch: reload failed: %s (the previous config stays in force)", e)
+                continue
+            if doc.get("Reloaded"):
+                log.info("tailscaled config watch: config was reloaded")
+            else:
+                log.error("tailscaled config watch: tailscaled did not reload its config: %s "
+                          "(the previous config stays in force)", doc.get("Err") or "no reason given")
+
     async def _after_login(self) -> None:
+        if self.s.auth_once_mode and self.kube_store and self.secret is not None:
+            from .kubestate import KubeSetupError
+            try:
+                await self.secret.delete_authkey(time.monotonic() + 30)
+            except KubeSetupError as e:
+                raise AgentError(str(e)) from None
         if self.s.auth_once_mode:
             argv, skipped = ts.tailscale_set_argv(self.s)
             if skipped:
@@ -283,7 +380,8 @@ class Agent:
                 ensure_forwarding(v4, v6, root=self.s.root)
 
         self.reconciler = Reconciler(self.s, self.firewall, rules_file=rules_file,
-                                     ensure_forwarding=forwarding, on_converged=self._on_converged)
+                                     ensure_forwarding=forwarding, on_converged=self._on_converged,
+                                     before_rules=self._before_rules)
         fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._tasks = [
             asyncio.create_task(self._watch_bus(fatal), name="ipn-bus"),
@@ -292,6 +390,8 @@ class Agent:
         ]
         if self.s.serve_config:
             self._tasks.append(asyncio.create_task(self._start_serve(), name="serve-config"))
+        if self.s.one_step:
+            self._tasks.append(asyncio.create_task(self._watch_config_file(), name="tailscaled-config"))
         if self.s.dest_dns_name:
             from .dns import Resolver, watch_name
             self._tasks.append(asyncio.create_task(
@@ -360,6 +460,9 @@ class Agent:
 
     async def _on_serve_result(self, res) -> None:
         self.serve_status = res.status()
+        if self.kube_store and self.secret is not None and res.https_endpoint is not None:
+            from . import secretstate as ss
+            await self.secret.sync(ss.https_endpoint_patch(res.https_endpoint))
 
     async def _watch_tailscaled(self, fatal: asyncio.Future) -> None:
         assert self.tailscaled is not None
@@ -367,12 +470,27 @@ class Agent:
         if not self._stop.is_set():
             _set(fatal, f"tailscaled exited unexpectedly with status {rc}")
 
+    async def _before_rules(self, rec: Reconciler, want: Desired) -> None:
+        """The device ID goes to the Secret before any rule, so the operator can always clean the device up."""
+        me = rec.node.self_node
+        if self.kube_store and self.secret is not None and me is not None and me.stable_id:
+            from . import secretstate as ss
+            await self.secret.sync(ss.device_id_patch(me))
+
     async def _on_converged(self, rec: Reconciler, want: Desired) -> None:
-        if self.startup_complete.is_set():
+        me = rec.node.self_node
+        routed = me is not None and bool(rec.node.tailnet_ips) and (
+            self.firewall is None or rec.rules_installed_for(want))
+        if self.kube_store and self.secret is not None and routed:
+            from . import secretstate as ss
+            # FQDN and IPs only once traffic can flow: the operator reads them as "this proxy works".
+            want_keys = {**ss.device_endpoints_patch(me.name, me.ips)}
+            if self.api is not None and self.api.capver:
+                want_keys[ss.KEY_CAPVER] = str(self.api.capver).encode()
+            await self.secret.sync(want_keys)
+        if self.startup_complete.is_set() or not routed:
             return
-        if not rec.node.tailnet_ips:
-            return
-        if self.firewall is not None and not rec.rules_installed_for(want):
+        if self.kube_store and self.secret is not None and not self.secret.has_written("device_id", "device_fqdn"):
             return
         self.startup_complete.set()
         ips = ", ".join(map(str, rec.node.tailnet_ips))
@@ -399,7 +517,10 @@ class Agent:
             except BaseException:
                 pass
         if self.tailscaled is not None:
-            await self.tailscaled.stop(SHUTDOWN_BUDGET)
+            budget_end = time.monotonic() + SHUTDOWN_BUDGET
+            if self.kube_store and self.secret is not None and self.tailscaled.alive():
+                await self.secret.wait_consistent(budget_end - 5.0)
+            await self.tailscaled.stop(max(5.0, budget_end - time.monotonic()))
             log.info("tailscaled exited")
         if self.firewall is not None:
             try:
@@ -413,6 +534,8 @@ class Agent:
             ts.unlink_socket(self.s.socket, ts.socket_link_path(self.s.root))
         if self.api is not None:
             await self.api.aclose()
+        if self.secret is not None:
+            await self.secret.client.aclose()
 
 
 def _set(fut: asyncio.Future, msg: str) -> None:

@@ -61,12 +61,14 @@ class Reconciler:
     def __init__(self, settings: Settings, firewall, *, rules_file: str | None = None,
                  ensure_forwarding: Callable[[bool, bool], None] | None = None,
                  on_converged: Callable[["Reconciler", Desired], Awaitable[None]] | None = None,
+                 before_rules: Callable[["Reconciler", Desired], Awaitable[None]] | None = None,
                  clock: Callable[[], float] = time.time):
         self.settings = settings
         self.firewall = firewall
         self.rules_file = rules_file
         self.ensure_forwarding = ensure_forwarding
         self.on_converged = on_converged
+        self.before_rules = before_rules
         self.clock = clock
         self.node = NodeState()
         self.dns = DNSAnswer()
@@ -129,6 +131,8 @@ class Reconciler:
         self.heartbeat = self.clock()
         want = desired_mod.compute(self.settings, self.node, self.dns)
         self.desired = want
+        if self.before_rules is not None:
+            await self.before_rules(self, want)
         ok = await self._converge_rules(want, force)
         self.stats.reconciles += 1
         if not ok:

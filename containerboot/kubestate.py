@@ -1,0 +1,132 @@
+"""The agent's half of the state-Secret contract, over the Kubernetes API (adapter).
+
+At boot: check RBAC, read the auth key the operator may have put in the Secret, and reset the previous run's
+agent keys (creating the Secret when it is missing and creation is allowed, so that `tailscale_capver` and
+`pod_uid` are there from the first boot). In the steady state the Secret fields are level-triggered like
+everything else: the agent states which values it wants, and `sync` writes only what differs from what it
+last wrote; a failed write is retried on the next reconcile. What is written and when is decided by the pure
+`secretstate` module.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from . import secretstate as ss
+from .kube import KubeClient, KubeError
+from .kubesetup import Permissions, check_permissions, wait_for_consistent_state
+from .redact import redact
+from .settings import CAPABILITY_VERSION, Settings
+
+log = logging.getLogger("containerboot")
+
+
+class KubeSetupError(Exception):
+    """Kubernetes set-up failed; the message says what is missing and how to fix it."""
+
+
+@dataclass(frozen=True)
+class KubeSetup:
+    permissions: Permissions
+    authkey_from_secret: str  # "" unless the Secret supplied the auth key
+    has_state_store: bool  # patch allowed: the agent manages the Secret's keys
+
+
+class SecretState:
+    """Writes the agent's keys of the state Secret; remembers what it wrote."""
+
+    def __init__(self, client: KubeClient, name: str):
+        self.client = client
+        self.name = name
+        self.written: dict[str, bytes | None] = {}
+        self.failed = ""
+
+    async def setup(self, s: Settings, deadline: float, *, config_authkey: str = "") -> KubeSetup:
+        try:
+            perms = await check_permissions(self.client, self.name, deadline=deadline)
+            secret = await self.client.get_secret(self.name, deadline=deadline)
+        except KubeError as e:
+            raise KubeSetupError(str(e)) from None
+        if secret is None and not perms.create:
+            raise KubeSetupError(
+                f'Tailscale state Secret "{self.name}" does not exist and the Pod may not create it: create '
+                f"the Secret, grant create on secrets ({ss_rbac('create', self.name)}), or set TS_KUBE_SECRET=\"\" "
+                "to keep no state in Kubernetes")
+        authkey = ""
+        if not (s.authkey or s.client_id or s.client_secret or s.one_step) and secret is not None:
+            authkey = ss.authkey_from_secret(secret.data)
+            if authkey and not perms.patch:
+                raise KubeSetupError(
+                    f'authkey found in Secret "{self.name}", but the Pod may not patch the Secret to manage the '
+                    f"auth key: grant patch on secrets ({ss_rbac('patch', self.name)})")
+            log.info("Using the auth key from Secret %r" if authkey else
+                     "No auth key in TS_AUTHKEY or the state Secret; login will be interactive if needed",
+                     self.name)
+        store = s.in_kubernetes and perms.patch
+        if store:
+            patch = ss.boot_reset_patch(secret.data if secret else None, capver=CAPABILITY_VERSION,
+                                        pod_uid=s.pod_uid, config_authkey=config_authkey)
+            await self._write_boot(patch, exists=secret is not None, deadline=deadline)
+        return KubeSetup(perms, authkey, store)
+
+    async def _write_boot(self, patch: dict[str, bytes | None], *, exists: bool, deadline: float) -> None:
+        try:
+            if exists:
+                await self.client.patch_secret(self.name, patch, deadline=deadline)
+            else:
+                try:
+                    await self.client.create_secret(self.name, patch, deadline=deadline)
+                except KubeError as e:
+                    if e.status != 409:  # someone (tailscaled) created it meanwhile: patch instead
+                        raise
+                    await self.client.patch_secret(self.name, patch, deadline=deadline)
+        except KubeError as e:
+            raise KubeSetupError(f"error clearing previous state from Secret {self.name!r}: {e}") from None
+        self.written.update(patch)
+
+    async def sync(self, want: Mapping[str, bytes | None], *, budget: float = 10.0) -> bool:
+        """Write the keys of `want` whose value differs from what was last written; True if all are in."""
+        patch = {k: v for k, v in want.items() if self.written.get(k, b"\0unset") != v}
+        if not patch:
+            return True
+        try:
+            await self.client.patch_secret(self.name, patch, deadline=time.monotonic() + budget)
+        except KubeError as e:
+            msg = redact(f"failed to update Secret {self.name!r} ({', '.join(sorted(patch))}): {e}")
+            if msg != self.failed:
+                log.error("%s (will retry)", msg)
+            self.failed = msg
+            return False
+        self.failed = ""
+        self.written.update(patch)
+        return True
+
+    def has_written(self, *keys: str) -> bool:
+        return all(self.written.get(k) is not None for k in keys)
+
+    async def delete_authkey(self, deadline: float) -> None:
+        """After a TS_AUTH_ONCE login the key has done its job; remove it from the Secret."""
+        log.info("Deleting authkey from Kubernetes Secret")
+        try:
+            await self.client.json_patch_secret(self.name, ss.delete_authkey_ops(), deadline=deadline)
+        except KubeError as e:
+            if e.status != 422:  # 422: the key is not there, nothing to delete
+                raise KubeSetupError(f"failed to delete the authkey from Secret {self.name!r}: {e}") from None
+
+    async def wait_consistent(self, deadline: float) -> None:
+        """Before stopping tailscaled: give it the time to finish writing its state to the Secret."""
+        log.info("Checking for consistent state")
+        try:
+            if not await wait_for_consistent_state(self.client, self.name, deadline):
+                log.warning("tailscaled's state in Secret %r still looks incomplete; stopping it anyway",
+                            self.name)
+        except KubeError as e:
+            log.error("Error waiting for consistent state on shutdown: %s", e)
+
+
+def ss_rbac(verb: str, name: str) -> str:
+    from .kube import rbac_hint
+
+    return rbac_hint(verb, "secrets", name)
