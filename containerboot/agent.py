@@ -372,15 +372,9 @@ class Agent:
         if self._firewall_task is not None:
             await self._until_stop(self._firewall_task)
         rules_file = os.path.join(os.path.dirname(self.s.socket) or ".", "containerboot-rules.json")
-        forwarding = None
-        if not self.s.userspace:
-            from netfilter.sysctl import ensure_forwarding
-
-            def forwarding(v4: bool, v6: bool) -> None:
-                ensure_forwarding(v4, v6, root=self.s.root)
-
         self.reconciler = Reconciler(self.s, self.firewall, rules_file=rules_file,
-                                     ensure_forwarding=forwarding, on_converged=self._on_converged,
+                                     ensure_forwarding=None if self.s.userspace else self._ensure_forwarding,
+                                     on_converged=self._on_converged,
                                      before_rules=self._before_rules)
         fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._tasks = [
@@ -407,6 +401,10 @@ class Agent:
         if fatal in done:
             raise AgentError(fatal.result())
         raise _Stopped()
+
+    def _ensure_forwarding(self, v4: bool, v6: bool) -> None:
+        from netfilter.sysctl import ensure_forwarding
+        ensure_forwarding(v4, v6, root=self.s.root)
 
     async def _watch_bus(self, fatal: asyncio.Future) -> None:
         assert self.api is not None and self.reconciler is not None

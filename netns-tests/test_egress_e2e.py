@@ -169,6 +169,14 @@ def check_not_captured(lab, agent, mode: str, target_srv) -> None:
     assert cp.returncode == 0 and direct, f"no direct path client -> proxy: {cp.stdout}{cp.stderr}"
 
 
+def fqdn_target_status(lab) -> dict | None:
+    """The TS_TAILNET_TARGET_FQDN entry of the agent's /status (asked from inside the proxy namespace)."""
+    cp = lab.curl("proxy", f"http://127.0.0.1:{HEALTH_PORT}/status", 5)
+    if cp.returncode != 0:
+        return None
+    return next((t for t in json.loads(cp.stdout).get("targets", ()) if t["name"] == "TS_TAILNET_TARGET_FQDN"), None)
+
+
 @pytest.fixture
 def mover(lab, request):
     """A namespace with an HTTP server on every address, in which the test runs (and replaces) tailnet nodes;
@@ -212,8 +220,7 @@ def test_egress_by_fqdn_follows_the_target_and_spares_tailscaled(lab, client_ser
     assert agent.running(), f"the agent exited while the target was gone:\n{agent.log_text()[-3000:]}"
     cp = lab.curl("backend", egress_url(4, "while-gone"), 3)
     assert srv.marker not in cp.stdout
-    status = json.loads(lab.curl("proxy", f"http://127.0.0.1:{HEALTH_PORT}/status", 5).stdout)
-    (target,) = [t for t in status["targets"] if t["name"] == "TS_TAILNET_TARGET_FQDN"]
+    target = wait_until(lambda: fqdn_target_status(lab), 10, 0.5, "the FQDN target in the agent's /status")
     assert "could not find" in target["last_error"] and not target["rules_installed"], target
 
     # A NEW node with the same name joins, with new addresses; the traffic follows without a restart.
@@ -231,3 +238,33 @@ def test_egress_by_fqdn_follows_the_target_and_spares_tailscaled(lab, client_ser
     log = agent.log_text()
     assert re.search(r"could not find Tailscale node.*" + re.escape(fqdn), log), \
         f"the agent did not log the unresolvable target; log tail:\n{log[-3000:]}"
+
+
+def test_egress_fqdn_target_that_joins_after_the_agent(lab, start_agent):
+    """The target does not exist yet when the agent starts (upstream's run loop `break`s out on the first
+    unresolvable FQDN, spec 4.4 step 2): the agent runs, reports the target as unresolved, and forwards as
+    soon as the node joins."""
+    ns, hostname = "late", "late-target"
+    lab.add_namespace(ns)
+    try:
+        srv = lab.start_http_server(ns, ("0.0.0.0", "::"), PORT, "late-ok")
+        fqdn = f"{hostname}.{lx.magicdns_name(lab, 'client').split('.', 1)[1]}"  # same tailnet domain
+        agent = start_agent({"TS_TAILNET_TARGET_FQDN": fqdn, "TS_DEBUG_FIREWALL_MODE": "nftables",
+                             "TS_ENABLE_HEALTH_CHECK": "true", "TS_LOCAL_ADDR_PORT": f"[::]:{HEALTH_PORT}"})
+        agent.wait_running(90)
+        target = wait_until(lambda: fqdn_target_status(lab), 30, 0.5, "the FQDN target in the agent's /status")
+        assert "could not find" in target["last_error"] and not target["rules_installed"], target
+        assert agent.running()
+
+        lab.start_node(hostname, ns)
+        assert lx.magicdns_name(lab, hostname) == fqdn
+        v4, v6 = lab.tailnet_ips(hostname)
+        proxy_v4, proxy_v6 = agent.tailnet_ips()
+        check_egress(lab, srv, 4, "late4", proxy_v4, v4, timeout=60)
+        if v6 and proxy_v6:
+            check_egress(lab, srv, 6, "late6", proxy_v6, v6)
+    finally:
+        if hostname in lab.nodes:
+            lx.stop_node(lab, hostname)
+        lab.delete_node(hostname)
+        lx.remove_namespace(lab, ns)

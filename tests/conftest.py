@@ -78,3 +78,6 @@ def run_agent(tmp_path):
             pass
 
 
+
+# The test Kubernetes API server, for every test that asks for it.
+from tests.support.kubeapi import kube_api  # noqa: E402,F401

@@ -1,0 +1,172 @@
+"""TS_KUBE_SECRET end to end: a Kubernetes API server in the island, the agent run like a Pod, real tailscaled.
+
+The test API server (tests/support/kubeapi.py) runs in the lab's hs namespace on 10.99.0.1:6443. The agent
+(ours, and upstream's Go containerboot for comparison) runs in the proxy namespace inside a private mount
+namespace where the ServiceAccount files sit at /var/run/secrets/kubernetes.io/serviceaccount, so that its
+tailscaled child, started with --state=kube:<secret>, keeps the node's state in the Secret. No TS_STATE_DIR.
+
+Scenarios:
+1. the proxy starts (``Startup complete``) and a client reaches the backend through the proxy's tailnet IP;
+2. the Secret holds tailscaled's keys and the agent's device_id/device_fqdn/device_ips (matching
+   ``tailscale status``), tailscale_capver and pod_uid;
+3. SIGTERM exits 0 and leaves nothing in the proxy namespace; a restart with the same Secret (fresh socket)
+   is the same node (same tailnet IP, same headscale node id and machine key, one ``proxy`` node);
+4. TS_AUTH_ONCE=true with the auth key only in the Secret: the agent logs in and deletes the key.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import kubelab
+from containerboot import secretstate
+
+pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(300)]
+
+STARTUP = "Startup complete, waiting for shutdown signal"
+POD_UID = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"
+TAILSCALED_KEYS = ("_machinekey", "_profiles", "_current-profile")
+AGENT_KEYS = ("device_id", "device_fqdn", "device_ips", "tailscale_capver", "pod_uid")
+
+
+@pytest.fixture
+def kube(lab, request):
+    """Yields a factory for the API server (one per test); cleans up agents, the proxy ns and the node."""
+    apis: list[kubelab.KubeAPI] = []
+    agents = []
+    kubelab.hs_nodes_named(lab, "proxy") and lab.delete_node("proxy")   # a clean headscale for this test
+
+    class K:
+        def api(self, name: str, **kw) -> kubelab.KubeAPI:
+            tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-")
+            a = kubelab.KubeAPI.start(lab, f"{tag}-{name}", **kw)
+            apis.append(a)
+            return a
+
+        def agent(self, api, env, agent_cmd=None, **kw):
+            a = kubelab.start_pod_agent(lab, api, env, agent_cmd, **kw)
+            agents.append(a)
+            return a
+
+    yield K()
+    problems = []
+    for a in agents:
+        try:
+            a.stop(timeout=30)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"stop agent: {e}")
+    if lab.wait_ns_empty("proxy", 10):
+        problems.append(f"killed leftovers in proxy: {lab.kill_ns_leftovers('proxy')}")
+    try:
+        lab.flush_firewall("proxy")
+        for key in ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"):
+            lab.exec("proxy", ["sh", "-c", f"echo 0 > /proc/sys/{key}"], timeout=10)
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"reset proxy: {e}")
+    try:
+        lab.delete_node("proxy")
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"delete node: {e}")
+    for a in apis:
+        a.stop()
+    if problems:
+        print("test_kube_e2e teardown:", "; ".join(problems))
+
+
+@pytest.fixture(params=["ours", "upstream"])
+def agent_cmd(request, lab):
+    return None if request.param == "ours" else [str(lab.bin_dir / "containerboot")]
+
+
+def kube_env(lab, secret: str, **extra: str) -> dict[str, str]:
+    return {"TS_KUBE_SECRET": secret, "POD_UID": POD_UID, "TS_DEST_IP": lab.backend_ipv4, **extra}
+
+
+def check_secret(api, secret: str, status: dict) -> dict[str, bytes]:
+    """Scenario 2: tailscaled's keys and the agent's keys are in the Secret and agree with tailscale status."""
+    data = api.secret_data(secret)
+    assert data is not None, f"Secret {secret} does not exist"
+    why = f"Secret keys: {sorted(data)}"
+    for k in TAILSCALED_KEYS + AGENT_KEYS:
+        assert data.get(k), f"{k} missing or empty; {why}"
+    profiles = [k for k in data if k.startswith("profile-")]
+    assert len(profiles) == 1, why
+    assert data["_current-profile"].decode() == profiles[0], why
+    assert secretstate.is_consistent(data), why
+    me = status["Self"]
+    assert data["device_id"].decode() == me["ID"]
+    assert data["device_fqdn"].decode() == me["DNSName"] and me["DNSName"].endswith(".")
+    assert json.loads(data["device_ips"]) == me["TailscaleIPs"]
+    assert re.fullmatch(rb"[0-9]+", data["tailscale_capver"]), data["tailscale_capver"]
+    assert data["pod_uid"] == POD_UID.encode()
+    assert "authkey" not in data
+    return data
+
+
+def test_kube_state_start_restart(lab, lab_backend, kube, agent_cmd):
+    secret = "ts-proxy-state"
+    api = kube.api("state", secrets=[secret])     # pre-created and empty, as the operator does
+    env = kube_env(lab, secret)
+
+    # 1. it starts and proxies
+    agent = kube.agent(api, env, agent_cmd)
+    agent.wait_for_log(STARTUP, timeout=120)
+    st = agent.wait_running(30)
+    proxy_v4, _ = agent.tailnet_ips()
+    body = lab.wait_curl("client", lab.url(proxy_v4, 8080, "/?kube1"), lab_backend.marker, timeout=60)
+    assert lab_backend.marker in body
+
+    # 2. the Secret holds tailscaled's state and the agent's keys
+    data1 = check_secret(api, secret, st)
+    nodes = kubelab.hs_nodes_named(lab, "proxy")
+    assert len(nodes) == 1, nodes
+    node1 = nodes[0]
+
+    # 3. SIGTERM: exit 0, nothing left, state consistent in the Secret
+    assert agent.stop(timeout=40) == 0, agent.log_text()[-3000:]
+    assert lab.wait_ns_empty("proxy", 15) == [], "processes left in the proxy namespace after SIGTERM"
+    after_stop = api.secret_data(secret)
+    assert secretstate.is_consistent(after_stop), sorted(after_stop)
+    assert after_stop["_machinekey"] == data1["_machinekey"]
+
+    # ... restart with the same Secret and a fresh socket: the same node comes back
+    agent2 = kube.agent(api, env, agent_cmd)
+    assert agent2.socket != agent.socket
+    agent2.wait_for_log(STARTUP, timeout=120)
+    st2 = agent2.wait_running(30)
+    assert st2["Self"]["TailscaleIPs"] == st["Self"]["TailscaleIPs"]
+    assert st2["Self"]["ID"] == st["Self"]["ID"]
+    nodes = kubelab.hs_nodes_named(lab, "proxy")
+    assert len(nodes) == 1, nodes
+    assert nodes[0]["id"] == node1["id"], (node1, nodes[0])
+    assert nodes[0].get("machine_key") == node1.get("machine_key")
+    body = lab.wait_curl("client", lab.url(proxy_v4, 8080, "/?kube2"), lab_backend.marker, timeout=60)
+    assert lab_backend.marker in body
+    data2 = check_secret(api, secret, st2)
+    assert data2["_machinekey"] == data1["_machinekey"]
+    assert agent2.stop(timeout=40) == 0, agent2.log_text()[-3000:]
+    assert lab.wait_ns_empty("proxy", 15) == []
+
+
+def test_auth_once_key_only_in_secret(lab, lab_backend, kube, agent_cmd):
+    secret = "ts-authonce"
+    api = kube.api("authonce")
+    api.put_secret(secret, {"authkey": lab.authkey})
+    env = kube_env(lab, secret, TS_AUTH_ONCE="true")
+    agent = kube.agent(api, env, agent_cmd, drop=("TS_STATE_DIR", "TS_AUTHKEY"))
+    assert "TS_AUTHKEY" not in agent.env
+    agent.wait_for_log(STARTUP, timeout=120)
+    st = agent.wait_running(30)
+    proxy_v4, _ = agent.tailnet_ips()
+    assert lab.backend_ipv4 and lab_backend.marker in lab.wait_curl(
+        "client", lab.url(proxy_v4, 8080, "/?authonce"), lab_backend.marker, timeout=60)
+    assert "Deleting authkey from Kubernetes Secret" in agent.log_text()
+    data = check_secret(api, secret, st)
+    assert "authkey" not in data
+    removes = [r for r in api.requests() if r["method"] == "PATCH" and r["name"] == secret
+               and '"/data/authkey"' in r["body"]]
+    assert removes and removes[0]["status"] == 200, removes
+    assert agent.stop(timeout=40) == 0, agent.log_text()[-3000:]
+    assert lab.wait_ns_empty("proxy", 15) == []
