@@ -39,22 +39,34 @@ class Backend(Protocol):
 IPS_DST_NAT = 1 << 5      # conntrack status bit: the flow's destination was translated
 
 
-def flush_stale_conntrack(rules: RuleSet) -> int:
+def _only_additions(previous: RuleSet, rules: RuleSet) -> bool:
+    """True when `rules` keeps every translation of `previous` unchanged (it may add new ones)."""
+    return all(set(getattr(previous, f)) <= set(getattr(rules, f))
+               for f in ("dnats", "egress", "port_maps", "service_dnats"))
+
+
+def flush_stale_conntrack(rules: RuleSet, previous: RuleSet | None = None) -> int:
     """Delete UDP conntrack entries whose DNAT binding contradicts `rules`; returns how many. Best effort.
 
     Only UDP: a TCP connection to a target that is no longer wanted keeps working while that target lives and
     ends on its own (the same policy kube-proxy follows), whereas a UDP "flow" from a fixed source port never
-    ends and would stick to the old target forever. Errors (no nf_conntrack_netlink, no CAP_NET_ADMIN) are
-    logged, never raised: the rules themselves are already correct.
+    ends and would stick to the old target forever. A binding is stale when the current rules send its flow
+    elsewhere, or when `previous` (the rules this binding came from) covered it and the current rules do not
+    (a removed service). When the change only adds translations no binding can be stale, so the conntrack
+    table (whose dump costs time in proportion to its size) is not read at all. Errors (no
+    nf_conntrack_netlink, no CAP_NET_ADMIN) are logged, never raised: the rules themselves are already correct.
     """
     import ipaddress
     import socket
 
     from .plan import NatOracle
 
+    if previous is not None and _only_additions(previous, rules):
+        return 0
     removed = 0
     for version, family in ((4, socket.AF_INET), (6, socket.AF_INET6)):
         oracle = NatOracle(rules, version)
+        old = NatOracle(previous, version) if previous is not None else None
         try:
             from pyroute2 import Conntrack
             ct = Conntrack(nfgen_family=family)
@@ -67,8 +79,9 @@ def flush_stale_conntrack(rules: RuleSet) -> int:
                 if not (e.status or 0) & IPS_DST_NAT or e.tuple_orig.proto != socket.IPPROTO_UDP:
                     continue
                 o, r = e.tuple_orig, e.tuple_reply
-                if oracle.is_stale("udp", ipaddress.ip_address(o.daddr), o.dport,
-                                   ipaddress.ip_address(r.saddr), r.sport):
+                dst = ipaddress.ip_address(o.daddr)
+                gone = old is not None and old.covers("udp", dst, o.dport) and not oracle.covers("udp", dst, o.dport)
+                if gone or oracle.is_stale("udp", dst, o.dport, ipaddress.ip_address(r.saddr), r.sport):
                     try:
                         ct.delete(e)
                         removed += 1

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", default="", choices=("", "auto", "legacy", "nft", "plain"),
                     help="iptables flavour (default: detect)")
     ap.add_argument("--no-ipv6", action="store_true", help="behave as if IPv6 NAT were unavailable")
+    ap.add_argument("--previous", default="", help="apply: the rule-set JSON applied before (conntrack hygiene "
+                                                   "for removed translations, as the agent does)")
     args = ap.parse_args(argv)
     try:
         if args.command == "detect":
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                 have.splitlines(True), want.splitlines(True), "installed", "desired"))
             return 1
         elif args.command == "apply":
+            if args.previous:
+                b.previous = _load(args.previous)
             b.apply(_load(args.file))
         elif args.command == "cleanup":
             b.cleanup()

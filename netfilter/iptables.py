@@ -30,6 +30,7 @@ class IptablesBackend:
             variant = iptables_variant()
         if variant not in ("", "legacy", "nft"):
             raise ValueError(f"iptables variant must be '', 'legacy' or 'nft', not {variant!r}")
+        self.previous: RuleSet | None = None  # the last rule set applied (conntrack hygiene)
         self.variant = variant
         self.ipv6 = ipv6
 
@@ -115,7 +116,8 @@ class IptablesBackend:
             except FirewallError as e:
                 log.debug("ip6tables cleanup skipped: %s", e)
         if changed:
-            flush_stale_conntrack(rules)
+            flush_stale_conntrack(rules, self.previous)
+        self.previous = rules
 
     def _converged(self, rules: RuleSet, fam: int, save: str) -> bool:
         """Kernel already matches: same rules, and every needed jump is the single first rule of its chain."""

@@ -30,6 +30,7 @@ class NftBackend:
         self._nft.set_json_output(False)
         self._nft.set_handle_output(False)
         self._lock = threading.Lock()       # one libnftables context, possibly called from worker threads
+        self.previous: RuleSet | None = None  # the last rule set applied (conntrack hygiene)
         self.ipv6 = ipv6
 
     @property
@@ -76,7 +77,8 @@ class NftBackend:
         if 6 not in families and f"table {NFT_FAMILY[6]} {TABLE} " in current:
             families = (4, 6)     # IPv6 became unusable: still remove our stale ip6 table
         self._run(plan_nft(rules, families), "replacing the containerboot tables")
-        flush_stale_conntrack(rules)
+        flush_stale_conntrack(rules, self.previous)
+        self.previous = rules
         if not log.isEnabledFor(logging.DEBUG):
             return      # listing big maps costs ~0.2 ms per element; only worth it when someone looks
         after = self.installed()

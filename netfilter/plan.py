@@ -479,6 +479,11 @@ class NatOracle:
         self._egress = frozenset(p.egress_targets)
         self._exempt = frozenset(p.exempt)
 
+    def covers(self, proto: str, orig_dst: IP, dport: int) -> bool:
+        """Whether these rules would translate a new flow to orig_dst:dport at all."""
+        return (orig_dst in self._lb or orig_dst in self._addr or (proto, dport) in self._ports
+                or (bool(self._egress) and (proto, dport) not in self._exempt))
+
     def is_stale(self, proto: str, orig_dst: IP, dport: int, reply_src: IP, reply_sport: int) -> bool:
         if orig_dst in self._lb:
             return reply_src not in self._lb[orig_dst] or reply_sport != dport

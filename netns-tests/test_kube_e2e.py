@@ -105,6 +105,13 @@ def check_secret(api, secret: str, status: dict) -> dict[str, bytes]:
     return data
 
 
+def assert_no_new_login(agent) -> None:
+    """tailscaled (its output is in the agent's log) reused the machine and node keys from the Secret."""
+    log = agent.log_text()
+    assert "generating new machine key" not in log, "a new machine key: the state was not found in the Secret"
+    assert "doLogin(regen=true" not in log, "a new node key was generated on restart"
+
+
 def test_kube_state_start_restart(lab, lab_backend, kube, agent_cmd):
     secret = "ts-proxy-state"
     api = kube.api("state", secrets=[secret])     # pre-created and empty, as the operator does
@@ -142,6 +149,8 @@ def test_kube_state_start_restart(lab, lab_backend, kube, agent_cmd):
     assert len(nodes) == 1, nodes
     assert nodes[0]["id"] == node1["id"], (node1, nodes[0])
     assert nodes[0].get("machine_key") == node1.get("machine_key")
+    assert nodes[0].get("node_key") == node1.get("node_key")
+    assert_no_new_login(agent2)
     body = lab.wait_curl("client", lab.url(proxy_v4, 8080, "/?kube2"), lab_backend.marker, timeout=60)
     assert lab_backend.marker in body
     data2 = check_secret(api, secret, st2)
@@ -168,5 +177,44 @@ def test_auth_once_key_only_in_secret(lab, lab_backend, kube, agent_cmd):
     removes = [r for r in api.requests() if r["method"] == "PATCH" and r["name"] == secret
                and '"/data/authkey"' in r["body"]]
     assert removes and removes[0]["status"] == 200, removes
+    node = kubelab.hs_nodes_named(lab, "proxy")
+    assert len(node) == 1, node
+    assert agent.stop(timeout=40) == 0, agent.log_text()[-3000:]
+    assert lab.wait_ns_empty("proxy", 15) == []
+
+    # the key is gone for good: a restart runs on the state in the Secret alone, with no `tailscale up`
+    agent2 = kube.agent(api, env, agent_cmd, drop=("TS_STATE_DIR", "TS_AUTHKEY"))
+    agent2.wait_for_log(STARTUP, timeout=120)
+    st2 = agent2.wait_running(30)
+    assert st2["Self"]["TailscaleIPs"] == st["Self"]["TailscaleIPs"]
+    log2 = agent2.log_text()
+    assert "Running 'tailscale up'" not in log2 and " up --accept-dns" not in log2, log2[-3000:]
+    assert_no_new_login(agent2)
+    nodes = kubelab.hs_nodes_named(lab, "proxy")
+    assert [n["id"] for n in nodes] == [node[0]["id"]], nodes
+    assert "authkey" not in api.secret_data(secret)
+    assert agent2.stop(timeout=40) == 0, agent2.log_text()[-3000:]
+    assert lab.wait_ns_empty("proxy", 15) == []
+
+
+def test_first_boot_without_secret(lab, lab_backend, kube, agent_cmd, request):
+    """No Secret at all (create allowed): tailscaled's store creates it. Ours also writes tailscale_capver and
+    pod_uid on this first boot; upstream only on the next one (spec 3 step 5c, a documented upstream gap)."""
+    secret = "ts-fresh"
+    api = kube.api("fresh")
+    agent = kube.agent(api, kube_env(lab, secret), agent_cmd)
+    agent.wait_for_log(STARTUP, timeout=120)
+    st = agent.wait_running(30)
+    data = api.secret_data(secret)
+    assert data is not None
+    for k in TAILSCALED_KEYS + ("device_id", "device_fqdn", "device_ips"):
+        assert data.get(k), f"{k} missing; keys {sorted(data)}"
+    assert data["device_id"].decode() == st["Self"]["ID"]
+    if request.node.callspec.params["agent_cmd"] == "ours":
+        assert data.get("pod_uid") == POD_UID.encode() and data.get("tailscale_capver"), sorted(data)
+        creates = [r for r in api.requests() if r["method"] == "POST" and r["resource"] == "secrets"]
+        assert creates and creates[0]["status"] == 201, creates
+    else:
+        assert "pod_uid" not in data and "tailscale_capver" not in data, sorted(data)
     assert agent.stop(timeout=40) == 0, agent.log_text()[-3000:]
     assert lab.wait_ns_empty("proxy", 15) == []

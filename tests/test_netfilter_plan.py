@@ -521,3 +521,29 @@ def test_backends_satisfy_the_protocol():
     assert isinstance(NftBackend(ipv6=False), Backend)
     assert isinstance(IptablesBackend(ipv6=False, variant="legacy"), Backend)
     assert NftBackend.name == "nftables" and IptablesBackend.name == "iptables"
+
+
+def test_nat_oracle_covers_what_the_rules_translate():
+    import ipaddress
+
+    from netfilter.model import Dnat, RuleSet, ServicePortMap
+    from netfilter.plan import NatOracle
+
+    rules = RuleSet(dnats=(Dnat("100.64.0.5", ("10.0.0.7",)),),
+                    port_maps=(ServicePortMap("svc", "udp", 10003, 53, "100.99.0.9", "100.64.0.5"),))
+    o = NatOracle(rules, 4)
+    assert o.covers("udp", ipaddress.ip_address("100.64.0.5"), 1)
+    assert o.covers("udp", ipaddress.ip_address("10.200.0.1"), 10003)
+    assert not o.covers("udp", ipaddress.ip_address("10.200.0.1"), 10004)
+
+
+def test_conntrack_flush_is_skipped_when_a_change_only_adds_translations():
+    from netfilter.backend import _only_additions
+    from netfilter.model import Dnat, RuleSet
+
+    one = RuleSet(dnats=(Dnat("100.64.0.5", ("10.0.0.7",)),))
+    two = RuleSet(dnats=(Dnat("100.64.0.5", ("10.0.0.7",)), Dnat("fd7a:115c:a1e0::5", ("fd00::7",))))
+    moved = RuleSet(dnats=(Dnat("100.64.0.5", ("10.0.0.8",)),))
+    assert _only_additions(one, two)
+    assert not _only_additions(two, one)
+    assert not _only_additions(one, moved)
