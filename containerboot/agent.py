@@ -60,6 +60,7 @@ class Agent:
         self._tasks: list[asyncio.Task] = []
         self._firewall_task: asyncio.Task | None = None
         self._linked = False
+        self._did_up = False
         self.endpoints = None
         self.started_at = time.time()
         self._boot_state = "NoState"
@@ -200,7 +201,8 @@ class Agent:
         except (ts.TailscaledExited, TimeoutError) as e:
             raise AgentError(f"failed to bring up tailscale: {e}") from None
         self.api = LocalAPI(self.s.socket)
-        self._linked = ts.link_socket(self.s.socket, ts.socket_link_path(self.s.root))
+        if ts.should_link_socket(self.s):
+            self._linked = ts.link_socket(self.s.socket, ts.socket_link_path(self.s.root))
         await self._start_endpoints()
         if self.s.forwarding_optimizations:
             try:
@@ -262,7 +264,7 @@ class Agent:
         assert self.api is not None
         if s.always_auth:
             await self._tailscale_up()
-        did_up = s.always_auth
+        did_up = self._did_up = s.always_auth
         last_state = ""
         remaining = self._boot_deadline() - time.monotonic()
         try:
@@ -299,6 +301,7 @@ class Agent:
                             log.info("tailscaled in state %r, waiting", state)
                     if rewatch:
                         await self._tailscale_up()
+                        self._did_up = True
                         continue
                     raise AgentError("failed to read from tailscaled: the IPN bus stream ended")
         except TimeoutError:
@@ -358,7 +361,7 @@ class Agent:
                 raise AgentError(str(e)) from None
         if self.s.auth_once_mode:
             argv, skipped = ts.tailscale_set_argv(self.s)
-            if skipped:
+            if skipped and not self._did_up:
                 log.info("TS_EXTRA_ARGS flags %s apply only to the first `tailscale up` and were not re-applied",
                          " ".join(skipped))
             try:
@@ -468,17 +471,16 @@ class Agent:
         if not self._stop.is_set():
             _set(fatal, f"tailscaled exited unexpectedly with status {rc}")
 
-    async def _before_rules(self, rec: Reconciler, want: Desired) -> None:
+    async def _before_rules(self, rec: Reconciler, want: Desired, node: NodeState) -> None:
         """The device ID goes to the Secret before any rule, so the operator can always clean the device up."""
-        me = rec.node.self_node
+        me = node.self_node
         if self.kube_store and self.secret is not None and me is not None and me.stable_id:
             from . import secretstate as ss
             await self.secret.sync(ss.device_id_patch(me))
 
-    async def _on_converged(self, rec: Reconciler, want: Desired) -> None:
-        me = rec.node.self_node
-        routed = me is not None and bool(rec.node.tailnet_ips) and (
-            self.firewall is None or rec.rules_installed_for(want))
+    async def _on_converged(self, rec: Reconciler, want: Desired, node: NodeState) -> None:
+        me = node.self_node
+        routed = me is not None and bool(node.tailnet_ips) and (self.firewall is None or rec.ready_to_serve(want))
         if self.kube_store and self.secret is not None and routed:
             from . import secretstate as ss
             # FQDN and IPs only once traffic can flow: the operator reads them as "this proxy works".
@@ -491,7 +493,7 @@ class Agent:
         if self.kube_store and self.secret is not None and not self.secret.has_written("device_id", "device_fqdn"):
             return
         self.startup_complete.set()
-        ips = ", ".join(map(str, rec.node.tailnet_ips))
+        ips = ", ".join(map(str, node.tailnet_ips))
         log.info("Tailnet addresses: %s", ips)
         log.info("Startup complete, waiting for shutdown signal")
 

@@ -60,8 +60,8 @@ class Reconciler:
 
     def __init__(self, settings: Settings, firewall, *, rules_file: str | None = None,
                  ensure_forwarding: Callable[[bool, bool], None] | None = None,
-                 on_converged: Callable[["Reconciler", Desired], Awaitable[None]] | None = None,
-                 before_rules: Callable[["Reconciler", Desired], Awaitable[None]] | None = None,
+                 on_converged: Callable[["Reconciler", Desired, NodeState], Awaitable[None]] | None = None,
+                 before_rules: Callable[["Reconciler", Desired, NodeState], Awaitable[None]] | None = None,
                  clock: Callable[[], float] = time.time):
         self.settings = settings
         self.firewall = firewall
@@ -129,16 +129,19 @@ class Reconciler:
     async def reconcile_once(self, *, force: bool = False) -> Desired:
         start = time.monotonic()
         self.heartbeat = self.clock()
-        want = desired_mod.compute(self.settings, self.node, self.dns)
+        # One snapshot for the whole pass: events arriving meanwhile mark the state dirty for the next pass.
+        node = self.node
+        want = desired_mod.compute(self.settings, node, self.dns)
+        self._log_target_changes(want)
         self.desired = want
         if self.before_rules is not None:
-            await self.before_rules(self, want)
+            await self.before_rules(self, want, node)
         ok = await self._converge_rules(want, force)
         self.stats.reconciles += 1
         if not ok:
             self.stats.failures += 1
         if self.on_converged is not None:
-            await self.on_converged(self, want)
+            await self.on_converged(self, want, node)
         self.stats.last_duration = time.monotonic() - start
         self.stats.total_duration += self.stats.last_duration
         self.last_reconcile_at = self.heartbeat = self.clock()
@@ -167,6 +170,21 @@ class Reconciler:
                 log.error("%s (will retry)", msg)
             self.applied.rules_error = msg
             return False
+
+    def _log_target_changes(self, want: Desired) -> None:
+        """Say when a target stops or starts resolving (the error also stays visible in /status)."""
+        before = {t.name: t for t in self.desired.targets} if self.desired else {}
+        for t in want.targets:
+            prev = before.get(t.name)
+            if t.error and (prev is None or prev.error != t.error):
+                log.warning("%s %s: %s; no forwarding rules for it until that changes", t.name, t.value, t.error)
+            elif not t.error and prev is not None and prev.error and t.resolved:
+                log.info("%s %s resolved again to %s", t.name, t.value, ", ".join(map(str, t.resolved)))
+
+    def ready_to_serve(self, want: Desired) -> bool:
+        """Rules are in for every target that can have them; a target still pending (no answer and no error
+        yet, like a DNS name before its first lookup) holds start-up back."""
+        return self.rules_installed_for(want) and all(t.has_rules or t.error for t in want.targets)
 
     def rules_installed_for(self, want: Desired) -> bool:
         return self.applied.rules == want.rules and not self.applied.rules_error

@@ -542,7 +542,18 @@ class Settings:
             v4 = v6 = True
         for prefix in self.route_prefixes:
             v4, v6 = v4 or prefix.version == 4, v6 or prefix.version == 6
+        if self.advertises_exit_node:
+            v4 = v6 = True  # an exit node forwards everything, in both families
         return v4, v6
+
+    @property
+    def advertises_exit_node(self) -> bool:
+        """TS_EXTRA_ARGS carries --advertise-exit-node (not =false)."""
+        for arg in self.extra_args:
+            name, _, value = arg.lstrip("-").partition("=")
+            if name == "advertise-exit-node" and value.lower() not in ("false", "0", "f"):
+                return True
+        return False
 
     @property
     def local_server_enabled(self) -> bool:

@@ -139,6 +139,13 @@ def socket_link_path(root: str = "/") -> str:
     return os.path.join(root, DEFAULT_SOCKET_LINK.lstrip("/"))
 
 
+def should_link_socket(s: Settings) -> bool:
+    """Link the default socket path only inside a container (or a test root): run locally for debugging,
+    the host's /var/run/tailscale belongs to the host's own tailscaled, and concurrent local agents would
+    overwrite each other's link."""
+    return s.in_kubernetes or s.root != "/" or os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
+
+
 def link_socket(path: str, link: str) -> bool:
     """Make the default socket path point at ours so a bare `tailscale` CLI in the container works.
 
@@ -250,7 +257,7 @@ async def run_cli(argv: Sequence[str], env: Mapping[str, str], deadline: float |
 
 def routing_warnings(s: Settings) -> list[str]:
     """Configurations that work but route differently from what the user probably means."""
-    exit_flag = any(flag_name(a) == "advertise-exit-node" and not a.endswith("=false") for a in s.extra_args)
+    exit_flag = s.advertises_exit_node
     routes = [r.strip() for r in (s.routes or "").split(",") if r.strip()]
     default_routes = [r for r in routes if r in ("0.0.0.0/0", "::/0")]
     subnets = [r for r in routes if r not in default_routes]

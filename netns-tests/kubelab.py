@@ -81,7 +81,7 @@ class KubeAPI:
     # ---- /_test endpoints
     def _curl(self, ns: str, path: str, *, method: str = "GET", body: Any = None, check: bool = True,
               timeout: float = 10.0) -> subprocess.CompletedProcess[str]:
-        argv = ["curl", "-sS", "--noproxy", "*", "-m", str(timeout), "--cacert", str(self.dir / "ca.crt"),
+        argv = ["curl", "-sS", "-g", "--noproxy", "*", "-m", str(timeout), "--cacert", str(self.dir / "ca.crt"),
                 "-X", method, "-o", "-", "-w", "\n%{http_code}"]
         if body is not None:
             argv += ["-H", "Content-Type: application/json", "--data-binary", json.dumps(body)]

@@ -218,3 +218,16 @@ def test_first_boot_without_secret(lab, lab_backend, kube, agent_cmd, request):
         assert "pod_uid" not in data and "tailscale_capver" not in data, sorted(data)
     assert agent.stop(timeout=40) == 0, agent.log_text()[-3000:]
     assert lab.wait_ns_empty("proxy", 15) == []
+
+
+def test_ipv6_api_server_address(lab, lab_backend, kube, agent_cmd):
+    """KUBERNETES_SERVICE_HOST is an IPv6 address (an IPv6-only or IPv6-first cluster)."""
+    if not lab.ipv6:
+        pytest.skip("the lab has no IPv6 underlay")
+    secret = "ts-v6api"
+    api = kube.api("v6api", host=kubelab.labmod.HS_V6, secrets=[secret])
+    agent = kube.agent(api, kube_env(lab, secret), agent_cmd)
+    agent.wait_for_log(STARTUP, timeout=120)
+    st = agent.wait_running(30)
+    check_secret(api, secret, st)
+    assert agent.stop(timeout=40) == 0, agent.log_text()[-3000:]

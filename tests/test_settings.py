@@ -909,3 +909,13 @@ def test_dest_ip_accepts_one_address_per_family():
             assert "TS_DEST_IP" in str(e) and bad in str(e)
         else:
             raise AssertionError(f"TS_DEST_IP={bad} was accepted")
+
+
+def test_exit_node_needs_forwarding_in_both_families():
+    from containerboot.settings import load
+
+    s = load({"TS_USERSPACE": "false", "TS_EXTRA_ARGS": "--advertise-exit-node"})
+    assert s.advertises_exit_node and s.forwarding_families == (True, True)
+    off = load({"TS_USERSPACE": "false", "TS_EXTRA_ARGS": "--advertise-exit-node=false"})
+    assert not off.advertises_exit_node and off.forwarding_families == (False, False)
+    assert load({"TS_EXTRA_ARGS": "--advertise-exit-node"}).forwarding_families == (False, False)  # userspace

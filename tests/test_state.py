@@ -115,3 +115,15 @@ def test_carries_netmap():
 def test_unknown_fields_are_ignored():
     n = dict(INITIAL, SomethingNew={"x": 1}, Version="1.999")
     assert apply_notify(NodeState(), n, 1).tailnet_ips
+
+
+def test_a_new_netmap_replaces_the_peer_set():
+    """tailscaled sends SelfChange with the full PeersChanged list when it installs a new netmap; a peer
+    missing from it is gone (headscale sends a full netmap after a node is deleted, no PeersRemoved)."""
+    st = apply_notify(NodeState(), INITIAL, 1)
+    me = tailcfg_node(1, "proxy.tailnet.test.", ["100.64.0.1/32"])
+    st2 = apply_notify(st, {"SelfChange": me, "PeersChanged": []}, 2)
+    with pytest.raises(ResolveError):
+        resolve_tailnet_fqdn(st2, "client.tailnet.test")
+    st3 = apply_notify(st, {"SelfChange": me}, 2)  # no peer list: peers are kept
+    assert resolve_tailnet_fqdn(st3, "client.tailnet.test")

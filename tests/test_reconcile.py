@@ -1,0 +1,85 @@
+"""The reconciler: level-triggered convergence, start-up gating, and what it says about targets."""
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+
+from containerboot.reconcile import Reconciler
+from containerboot.settings import load
+from containerboot.state import NodeState, apply_notify
+
+ip = ipaddress.ip_address
+
+
+class FakeFirewall:
+    name = "fake"
+
+    def __init__(self):
+        self.applied = []
+
+    def apply(self, rules):
+        self.applied.append(rules)
+
+
+def node(*ips, peers=None):
+    init = {"BackendState": "Running", "Self": {"ID": "n1", "NodeID": 1, "DNSName": "p.t.", "TailscaleIPs": list(ips)},
+            "Peer": peers or {}}
+    return apply_notify(NodeState(), {"InitialStatus": init}, 1.0)
+
+
+async def test_a_pending_dns_target_holds_start_up_back_until_it_resolves():
+    fw = FakeFirewall()
+    rec = Reconciler(load({"TS_USERSPACE": "false", "TS_EXPERIMENTAL_DEST_DNS_NAME": "b.example"}), fw)
+    rec.set_node(node("100.64.0.5"))
+    want = await rec.reconcile_once()
+    assert rec.rules_installed_for(want) and not rec.ready_to_serve(want)
+    rec.on_dns_answer((ip("10.0.0.1"),), "")
+    want = await rec.reconcile_once()
+    assert rec.ready_to_serve(want) and fw.applied[-1].dnats
+    rec.on_dns_answer(None, "SERVFAIL")  # a failure keeps the last good backends
+    want = await rec.reconcile_once()
+    assert rec.ready_to_serve(want) and fw.applied[-1].dnats
+
+
+async def test_applies_only_on_change_unless_forced():
+    fw = FakeFirewall()
+    rec = Reconciler(load({"TS_USERSPACE": "false", "TS_DEST_IP": "10.0.0.7"}), fw)
+    rec.set_node(node("100.64.0.5"))
+    await rec.reconcile_once()
+    await rec.reconcile_once()
+    assert len(fw.applied) == 1
+    await rec.reconcile_once(force=True)  # the periodic resync repairs drift
+    assert len(fw.applied) == 2
+
+
+async def test_target_errors_are_logged_once_and_recovery_too(caplog):
+    caplog.set_level(logging.INFO, logger="containerboot")
+    peer = {"k": {"ID": "n2", "NodeID": 2, "DNSName": "c.t.", "TailscaleIPs": ["100.64.0.2"],
+                  "AllowedIPs": ["100.64.0.2/32"]}}
+    rec = Reconciler(load({"TS_USERSPACE": "false", "TS_TAILNET_TARGET_FQDN": "c.t"}), FakeFirewall())
+    rec.set_node(node("100.64.0.5"))
+    await rec.reconcile_once()
+    await rec.reconcile_once()
+    assert caplog.text.count("could not find Tailscale node") == 1
+    rec.set_node(node("100.64.0.5", peers=peer))
+    await rec.reconcile_once()
+    assert "TS_TAILNET_TARGET_FQDN c.t resolved again to 100.64.0.2" in caplog.text
+
+
+async def test_a_failing_firewall_is_reported_and_retried():
+    class Broken(FakeFirewall):
+        def apply(self, rules):
+            raise RuntimeError("nft: Operation not permitted")
+
+    rec = Reconciler(load({"TS_USERSPACE": "false", "TS_DEST_IP": "10.0.0.7"}), Broken())
+    rec.set_node(node("100.64.0.5"))
+    want = await rec.reconcile_once()
+    assert not rec.rules_installed_for(want)
+    assert "Operation not permitted" in rec.target_statuses()[0].last_error
+    assert rec.stats.failures == 1
+    rec.firewall = FakeFirewall()
+    want = await rec.reconcile_once(force=True)
+    assert rec.rules_installed_for(want) and rec.target_statuses()[0].rules_installed
+
+
