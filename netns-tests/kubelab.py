@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from labtools import lab as labmod
 from labtools.lab import AgentProcess, Lab, LabError, wait_until
@@ -35,6 +35,37 @@ from tests.support.kubeapi import pod_mount_namespace_argv
 API_HOST = labmod.HS_V4
 API_PORT = 6443
 NAMESPACE = "tailscale"
+
+
+def wait_alive(pred: Callable[[], Any], proc: subprocess.Popen, timeout: float, what: str,
+               log: Path | None = None) -> Any:
+    """wait_until(pred), but fail at once if proc exits first. (labtools' own fail-fast raises an exception
+    inside the predicate, which wait_until swallows as "not ready yet", so it waits out the whole timeout.)"""
+    def check() -> Any:
+        v = pred()
+        if not v and proc.poll() is not None:
+            return _Dead(proc.returncode)
+        return v
+    v = wait_until(check, timeout, 0.1, what)
+    if isinstance(v, _Dead):
+        tail = log.read_text(errors="replace")[-3000:] if log is not None else ""
+        raise LabError(f"process exited ({v.code}) before {what}; log tail:\n{tail}")
+    return v
+
+
+@dataclass
+class _Dead:
+    code: int | None
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def wait_log(agent: AgentProcess, text: str, timeout: float = 120.0) -> str:
+    """The first agent log line containing text; fails as soon as the agent exits without logging it."""
+    def pred() -> str | None:
+        return next((ln for ln in agent.log_text().splitlines() if text in ln), None)
+    return wait_alive(pred, agent.proc, timeout, f"agent log line {text!r}", agent.log_path)
 
 
 @dataclass
@@ -62,11 +93,8 @@ class KubeAPI:
         # _popen: the lab's teardown stops it too if a test dies before its own cleanup
         p = lab._popen("http", f"kubeapi-{name}", "hs", argv, env, log)
 
-        def ready() -> bool:
-            if p.poll() is not None:
-                raise LabError(f"kubeapi exited ({p.returncode}):\n{log.read_text(errors='replace')[-3000:]}")
-            return (d / "url").exists() and (d / "ca.crt").exists()
-        wait_until(ready, timeout, 0.1, "test kube API server ready")
+        wait_alive(lambda: (d / "url").exists() and (d / "ca.crt").exists(), p, timeout,
+                   "test kube API server ready", log)
         api = cls(lab, d, (d / "url").read_text().strip(), host, port, p, log)
         # reachable with TLS verified against its CA from the proxy namespace, where the agent will run
         wait_until(lambda: api._curl("proxy", "/_test/objects", check=False).returncode == 0, timeout, 0.2,

@@ -177,6 +177,13 @@ def fqdn_target_status(lab) -> dict | None:
     return next((t for t in json.loads(cp.stdout).get("targets", ()) if t["name"] == "TS_TAILNET_TARGET_FQDN"), None)
 
 
+def readyz(lab) -> int:
+    """The HTTP status of the agent's /readyz (0 when it does not answer)."""
+    cp = lab.exec("proxy", ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "5",
+                            f"http://127.0.0.1:{HEALTH_PORT}/readyz"], timeout=10)
+    return int(cp.stdout or 0)
+
+
 @pytest.fixture
 def mover(lab, request):
     """A namespace with an HTTP server on every address, in which the test runs (and replaces) tailnet nodes;
@@ -209,6 +216,7 @@ def test_egress_by_fqdn_follows_the_target_and_spares_tailscaled(lab, client_ser
         check_egress(lab, srv, 6, f"fqdn6-{mode}-a", proxy_v6, old_v6)
 
     check_not_captured(lab, agent, mode, srv)
+    assert readyz(lab) == 200, "ready while traffic flows"
 
     # The target leaves: stopped, and deleted from the control server, so the name no longer resolves.
     lx.stop_node(lab, hostname)
@@ -222,6 +230,7 @@ def test_egress_by_fqdn_follows_the_target_and_spares_tailscaled(lab, client_ser
     assert srv.marker not in cp.stdout
     target = wait_until(lambda: fqdn_target_status(lab), 10, 0.5, "the FQDN target in the agent's /status")
     assert "could not find" in target["last_error"] and not target["rules_installed"], target
+    assert readyz(lab) == 503, "/readyz must say not ready while the target's rules are removed"
 
     # A NEW node with the same name joins, with new addresses; the traffic follows without a restart.
     lx.rejoin_as_new_node(lab, hostname)
@@ -232,6 +241,7 @@ def test_egress_by_fqdn_follows_the_target_and_spares_tailscaled(lab, client_ser
     if new_v6 and proxy_v6:
         check_egress(lab, srv, 6, f"fqdn6-{mode}-b", proxy_v6, new_v6)
     assert agent.running() and agent.tailnet_ips() == (proxy_v4, proxy_v6), "the agent restarted"
+    assert wait_until(lambda: readyz(lab) == 200, 20, 0.3, "ready again once the rules are back")
 
     # It said why there was nothing to forward to while the target was gone (checked last: a log wording
     # problem must not hide the data-path results above).

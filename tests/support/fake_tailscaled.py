@@ -125,6 +125,14 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/localapi/v0/fake/login":
             BACKEND.set_state("Running")
             return self._reply(200)
+        if path == "/localapi/v0/disconnect-control":
+            with open(os.path.join(BACKEND.dir, "disconnected"), "w") as f:
+                f.write("1")
+            return self._reply(200)
+        if path == "/localapi/v0/reload-config":
+            with open(os.path.join(BACKEND.dir, "reloads.log"), "a") as f:
+                f.write("reload\n")
+            return self._reply(200, {"Reloaded": True})
         if path == "/localapi/v0/serve-config":
             if self.headers.get("If-Match") and self.headers["If-Match"] != f'"{BACKEND.serve_etag}"':
                 return self._reply(412, {"error": "etag mismatch"})
