@@ -353,12 +353,6 @@ class Agent:
                           "(the previous config stays in force)", doc.get("Err") or "no reason given")
 
     async def _after_login(self) -> None:
-        if self.s.auth_once_mode and self.kube_store and self.secret is not None:
-            from .kubestate import KubeSetupError
-            try:
-                await self.secret.delete_authkey(time.monotonic() + 30)
-            except KubeSetupError as e:
-                raise AgentError(str(e)) from None
         if self.s.auth_once_mode:
             argv, skipped = ts.tailscale_set_argv(self.s)
             if skipped and not self._did_up:
@@ -368,6 +362,12 @@ class Agent:
                 await ts.run_cli(argv, self.child_env, None)
             except RuntimeError as e:
                 raise AgentError(f"failed to auth tailscale: tailscale set failed: {e}") from None
+        if self.s.auth_once_mode and self.kube_store and self.secret is not None:
+            from .kubestate import KubeSetupError
+            try:
+                await self.secret.delete_authkey(time.monotonic() + 30)
+            except KubeSetupError as e:
+                raise AgentError(str(e)) from None
 
     # -- steady state ----------------------------------------------------------------------------------
     async def _steady_state(self) -> None:

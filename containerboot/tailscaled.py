@@ -113,6 +113,10 @@ def child_env(s: Settings, env: Mapping[str, str]) -> dict[str, str]:
     out = dict(env)
     if s.cert_share_mode:
         out["TS_CERT_SHARE_MODE"] = s.cert_share_mode
+    # tailscaled's kube store joins host and port with a colon; an IPv6 host needs brackets (upstream defect 27).
+    host = out.get("KUBERNETES_SERVICE_HOST", "")
+    if ":" in host and not host.startswith("["):
+        out["KUBERNETES_SERVICE_HOST"] = f"[{host}]"
     return out
 
 

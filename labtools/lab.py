@@ -80,6 +80,8 @@ def wait_until(pred: Callable[[], Any], timeout: float = 60.0, interval: float =
             v = pred()
             if v:
                 return v
+        except _Exited:
+            raise  # the process being waited for is gone: waiting longer cannot help
         except Exception as e:  # noqa: BLE001 - "not ready yet" may look like anything
             last_exc = e
         if time.monotonic() >= deadline:

@@ -11,7 +11,11 @@ Scenarios:
    ``tailscale status``), tailscale_capver and pod_uid;
 3. SIGTERM exits 0 and leaves nothing in the proxy namespace; a restart with the same Secret (fresh socket)
    is the same node (same tailnet IP, same headscale node id and machine key, one ``proxy`` node);
-4. TS_AUTH_ONCE=true with the auth key only in the Secret: the agent logs in and deletes the key.
+4. TS_AUTH_ONCE=true with the auth key only in the Secret: the agent logs in and deletes the key, and a
+   restart without any key runs on the Secret's state alone;
+5. first boot with no Secret at all (tailscaled's store creates it; ours also writes capver/pod_uid);
+6. an IPv6 API server address (upstream fails by design; ours works).
+Every scenario runs with our agent and with upstream's containerboot (the ``agent_cmd`` parameter).
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ def kube(lab, request):
     """Yields a factory for the API server (one per test); cleans up agents, the proxy ns and the node."""
     apis: list[kubelab.KubeAPI] = []
     agents = []
-    kubelab.hs_nodes_named(lab, "proxy") and lab.delete_node("proxy")   # a clean headscale for this test
+    if kubelab.hs_nodes_named(lab, "proxy"):     # a clean headscale for this test
+        lab.delete_node("proxy")
 
     class K:
         def api(self, name: str, **kw) -> kubelab.KubeAPI:
@@ -225,10 +230,8 @@ def test_ipv6_api_server_address(lab, lab_backend, kube, agent_cmd, request):
     """KUBERNETES_SERVICE_HOST is an IPv6 address (IPv6-only cluster) with the read-from-env flag.
 
     Upstream containerboot and tailscaled's kube store both build ``https://%s:%s`` with a bare IPv6 host, so
-    upstream fails in its own client and exits 1. Our client brackets the host (it works: SSARs, GET and the
-    boot reset succeed), but tailscaled, inheriting the same unbracketed variable, cannot load its state and
-    ``tailscale up`` fails. Fix (agent, not tailscaled): bracket the host in tailscaled's environment; then
-    this test passes for ours (strict xfail until then)."""
+    upstream fails in its own client and exits 1. Ours brackets the host for its own client and in the
+    environment it gives tailscaled, whose kube store then works too."""
     if not lab.ipv6:
         pytest.skip("the lab has no IPv6 underlay")
     ours = request.node.callspec.params["agent_cmd"] == "ours"
@@ -246,10 +249,6 @@ def test_ipv6_api_server_address(lab, lab_backend, kube, agent_cmd, request):
         return any(r["method"] == "PATCH" and r["status"] == 200 and "tailscale_capver" in r["body"]
                    for r in api.requests())
     kubelab.wait_alive(reset_done, agent.proc, 60, "our boot reset over IPv6", agent.log_path)
-    request.applymarker(pytest.mark.xfail(
-        strict=True, raises=kubelab.LabError,
-        reason="tailscaled inherits an unbracketed IPv6 KUBERNETES_SERVICE_HOST (containerboot/tailscaled.py "
-        "child_env) and its kube store cannot parse https://fd99::1:6443"))
     kubelab.wait_log(agent, STARTUP, timeout=90)
     st = agent.wait_running(30)
     check_secret(api, secret, st)

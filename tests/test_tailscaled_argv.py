@@ -76,3 +76,11 @@ def test_exit_node_plus_subnet_routes_warns_about_the_conflict():
     assert routing_warnings(s(TS_ROUTES="10.1.0.0/16")) == []
     assert routing_warnings(s(TS_EXTRA_ARGS="--advertise-exit-node")) == []
     assert routing_warnings(s(TS_ROUTES="0.0.0.0/0,::/0")) == []
+
+
+def test_child_env_brackets_an_ipv6_api_server_host():
+    from containerboot.tailscaled import child_env
+
+    env = {"KUBERNETES_SERVICE_HOST": "fd99::1", "KUBERNETES_SERVICE_PORT_HTTPS": "6443"}
+    assert child_env(s(), env)["KUBERNETES_SERVICE_HOST"] == "[fd99::1]"
+    assert child_env(s(), {"KUBERNETES_SERVICE_HOST": "10.0.0.1"})["KUBERNETES_SERVICE_HOST"] == "10.0.0.1"
