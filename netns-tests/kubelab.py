@@ -165,17 +165,24 @@ class KubeAPI:
         return self.proc.returncode
 
 
-def pod_argv(argv: Sequence[str], sa_dir: str, keep: str) -> list[str]:
+def pod_argv(argv: Sequence[str], sa_dir: str, keep: Sequence[str]) -> list[str]:
     """``pod_mount_namespace_argv`` plus a fresh tmpfs on /tmp, as a container's own /tmp.
 
     Without TS_STATE_DIR both agents start tailscaled with ``--statedir=/tmp``, where it writes
     derpmap.cached.json, files/ and profile-data/ (a netmap cache): on the host's /tmp that would leak onto the
     machine and be shared between runs (a restart would find the previous run's cache, which a restarted
-    container never does). ``keep`` (the lab's run dir, under /tmp: sockets and logs) stays visible at its path."""
+    container never does). The paths in ``keep`` that lie under /tmp (the lab's run dir with sockets and logs,
+    and the checkout with its venv when it was cloned under /tmp) stay visible at their paths."""
     import shlex
-    k = shlex.quote(os.path.abspath(keep))
-    inner = (f"set -e; mkdir -p /run/.keep; mount --bind {k} /run/.keep; mount -t tmpfs tmpfs /tmp; "
-             f"mkdir -p {k}; mount --bind /run/.keep {k}; umount /run/.keep; rmdir /run/.keep; exec \"$@\"")
+    tmp_paths = [os.path.abspath(k) for k in keep if os.path.abspath(k).startswith("/tmp/")]
+    steps = ["set -e"]
+    for i, k in enumerate(tmp_paths):
+        steps.append(f"mkdir -p /run/.keep{i}; mount --bind {shlex.quote(k)} /run/.keep{i}")
+    steps.append("mount -t tmpfs tmpfs /tmp")
+    for i, k in enumerate(tmp_paths):
+        q = shlex.quote(k)
+        steps.append(f"mkdir -p {q}; mount --bind /run/.keep{i} {q}; umount /run/.keep{i}; rmdir /run/.keep{i}")
+    inner = "; ".join(steps) + '; exec "$@"'
     return pod_mount_namespace_argv(["sh", "-c", inner, "sh", *argv], sa_dir)
 
 
@@ -199,7 +206,9 @@ def start_pod_agent(lab: Lab, api: KubeAPI, env: Mapping[str, str], agent_cmd: S
         e.pop(k, None)
     if os.path.exists(sock):
         os.unlink(sock)
-    argv = pod_argv(list(agent_cmd), str(api.dir), keep=str(lab.run_dir))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+    argv = pod_argv(list(agent_cmd), str(api.dir), keep=(str(lab.run_dir), repo, venv))
     log = d / "agent.log"
     started = time.monotonic()
     p = lab._popen("agent", f"agent-{seq}", ns, argv, e, log)
