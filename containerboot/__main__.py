@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
               "       containerboot rules      show the desired and installed firewall rules\n"
               "See the README for every variable.")
         return 0
+    import faulthandler
+    import signal
+
+    # `kill -USR1 <agent>` prints every thread's stack to stderr: a cheap way to see where a live agent is.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     setup_logging(logging.DEBUG if os.environ.get("TS_DEBUG_AGENT_LOG") == "debug" else logging.INFO)
     log = logging.getLogger("containerboot")
     from .settings import SettingsError, load

@@ -44,7 +44,12 @@ class AgentRun:
 
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
-        return self.wait()
+        try:
+            return self.wait()
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)  # show where it is stuck (faulthandler)
+            time.sleep(1)
+            raise AssertionError(f"the agent did not exit after SIGTERM; log:\n{self.log()}") from None
 
     def cli_calls(self) -> list[list[str]]:
         p = self.tmp / "tailscale.argv"
@@ -70,12 +75,25 @@ def run_agent(tmp_path):
             r.proc.kill()
             r.proc.wait()
     # tailscaled runs in its own process group; never leave a fake one behind, whatever the test did.
-    pid_file = tmp_path / "tailscaled.pid"
-    if pid_file.exists():
+    kill_fake_tailscaleds(tmp_path)
+
+
+def kill_fake_tailscaleds(tmp_path: Path) -> None:
+    """SIGKILL every fake tailscaled whose socket lives in this test's directory."""
+    marker = str(tmp_path).encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"fake_tailscaled" in cmd and marker in cmd:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 
