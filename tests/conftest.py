@@ -89,7 +89,8 @@ def kill_fake_tailscaleds(tmp_path: Path) -> None:
                 cmd = f.read()
         except OSError:
             continue
-        if b"fake_tailscaled" in cmd and marker in cmd:
+        # The fake starts as a shell wrapper (support/bin/tailscaled) that then execs python: match both.
+        if (b"fake_tailscaled" in cmd or b"support/bin/tailscaled" in cmd) and marker in cmd:
             try:
                 os.kill(int(entry), signal.SIGKILL)
             except ProcessLookupError:
