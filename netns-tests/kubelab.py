@@ -39,8 +39,7 @@ NAMESPACE = "tailscale"
 
 def wait_alive(pred: Callable[[], Any], proc: subprocess.Popen, timeout: float, what: str,
                log: Path | None = None) -> Any:
-    """wait_until(pred), but fail at once if proc exits first. (labtools' own fail-fast raises an exception
-    inside the predicate, which wait_until swallows as "not ready yet", so it waits out the whole timeout.)"""
+    """wait_until(pred), but fail at once if proc exits first (for predicates that are not about the log)."""
     def check() -> Any:
         v = pred()
         if not v and proc.poll() is not None:
@@ -63,9 +62,7 @@ class _Dead:
 
 def wait_log(agent: AgentProcess, text: str, timeout: float = 120.0) -> str:
     """The first agent log line containing text; fails as soon as the agent exits without logging it."""
-    def pred() -> str | None:
-        return next((ln for ln in agent.log_text().splitlines() if text in ln), None)
-    return wait_alive(pred, agent.proc, timeout, f"agent log line {text!r}", agent.log_path)
+    return agent.wait_for_log(text, timeout)
 
 
 @dataclass
