@@ -195,3 +195,26 @@ def test_one_step_config_change_makes_tailscaled_reload(run_agent, tmp_path):
     a.wait_for("tailscaled config watch: config was reloaded", timeout=15)
     assert (tmp_path / "reloads.log").read_text().count("reload") == 1
     assert a.stop() == 0
+
+
+def test_one_step_config_rewritten_during_boot_is_still_reloaded(run_agent, tmp_path):
+    # The operator rewrites the config after tailscaled read it but before the agent's watcher started:
+    # the watcher compares with what tailscaled loaded, so the change is not lost.
+    d = _config_dir(tmp_path, "tskey-auth-K1")
+    a = run_agent(TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR=str(d), FAKE_TS_INITIAL="Running",
+                  FAKE_TS_CONFIG_REWRITE='{"Version": "alpha0", "AuthKey": "tskey-auth-K2", "Hostname": "y"}')
+    a.wait_for("tailscaled config watch: config was reloaded", timeout=15)
+    assert (tmp_path / "reloads.log").read_text().count("reload") == 1
+    assert a.stop() == 0
+
+
+def test_one_step_unchanged_config_is_not_reloaded(run_agent, tmp_path):
+    d = _config_dir(tmp_path, "tskey-auth-K1")
+    a = run_agent(TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR=str(d), FAKE_TS_INITIAL="Running")
+    a.wait_for("Startup complete")
+    a.wait_for("watching")
+    # rewriting the same text is an inotify event but no change
+    (d / "cap-142.hujson").write_text((d / "cap-142.hujson").read_text())
+    time.sleep(1)
+    assert not (tmp_path / "reloads.log").exists()
+    assert a.stop() == 0

@@ -13,6 +13,8 @@ Knobs (environment):
   FAKE_TS_DIE_AFTER  exit with status 3 this many seconds after reaching Running
   FAKE_TS_LOGOUT_AFTER  go to NeedsLogin this many seconds after starting
   FAKE_TS_NO_SOCKET  never create the socket (to test the boot timeout)
+  FAKE_TS_CONFIG_REWRITE  write this text to the --config file right after start (an operator's rewrite
+                     landing while the agent boots, after tailscaled has read the old text)
 """
 from __future__ import annotations
 
@@ -191,6 +193,11 @@ def main() -> None:
     with open(os.path.join(record_dir, "tailscaled.pid"), "w") as f:
         f.write(str(os.getpid()))
     BACKEND = Backend(record_dir)
+    rewrite = os.environ.get("FAKE_TS_CONFIG_REWRITE")
+    config = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")), None)
+    if rewrite and config:
+        with open(config, "w") as f:
+            f.write(rewrite)
     if BACKEND.state == "Running" and os.environ.get("FAKE_TS_DIE_AFTER"):
         threading.Timer(float(os.environ["FAKE_TS_DIE_AFTER"]), lambda: os._exit(3)).start()
     if os.environ.get("FAKE_TS_LOGOUT_AFTER"):
