@@ -71,6 +71,7 @@ class Agent:
         self.secret = None  # kubestate.SecretState when TS_KUBE_SECRET is set
         self.kube_store = False  # the agent manages the Secret's keys (patch allowed, in Kubernetes)
         self.config_authkey = ""
+        self._config_loaded: str | None = None   # one-step mode: the config text tailscaled has in force
         for secret in (settings.authkey, settings.client_secret, settings.id_token):
             register(secret)
 
@@ -192,6 +193,11 @@ class Agent:
 
     async def _start_tailscaled(self) -> None:
         argv = ts.tailscaled_argv(self.s)
+        if self.s.one_step:
+            from serveconfig.watch import read_text
+            # What tailscaled is about to load: the config watcher compares against this, not against its own
+            # first read, so that a rewrite landing between here and the watcher's start is not missed.
+            self._config_loaded = await asyncio.to_thread(read_text, self.s.tailscaled_config_path)
         try:
             self.tailscaled = await ts.Tailscaled.start(argv, self.child_env, self.s.socket)
         except OSError as e:
@@ -221,9 +227,26 @@ class Agent:
             status_provider=self.status, metrics_source=api.usermetrics if api else None,
             enable_metrics=s.enable_metrics, enable_health=s.enable_health_check,
             pod_ipv4=s.pod_ipv4, pod_ipv6=s.pod_ipv6)
+        if s.egress_proxies_config_path:
+            from .egressdrain import PreShutdown
+            from .endpoints import Response
+            from .proxyservices import PRESHUTDOWN_PATH
+
+            hook = PreShutdown(s.egress_proxies_config_path, str(s.pod_ipv4 or ""), str(s.pod_ipv6 or ""))
+
+            async def preshutdown(method: str, target: str, headers) -> Response:
+                if method not in ("GET", "HEAD"):
+                    return Response(405, b"method not allowed\n", headers=(("Allow", "GET, HEAD"),))
+                status, body = await hook.run()
+                return Response(status, body.encode())
+
+            self.endpoints.add_route(PRESHUTDOWN_PATH, preshutdown)
         try:
             if s.local_server_enabled:
                 await self.endpoints.start(s.local_addr_port)
+                if s.egress_proxies_config_path:
+                    log.info("Running egress preshutdown hook at %s/internal-egress-services-preshutdown",
+                             s.local_addr_port)
             if s.healthcheck_addr_port:
                 await self.endpoints.start(s.healthcheck_addr_port, healthz_only=True)
         except (OSError, ValueError) as e:
@@ -333,12 +356,8 @@ class Agent:
         from serveconfig.watch import watch_file
 
         assert self.api is not None
-        first = True
-        async for text in watch_file(self.s.tailscaled_config_path, 5.0):
-            if first:
-                first = False
-                continue
-            if text is None:
+        async for text in watch_file(self.s.tailscaled_config_path, 5.0, label="tailscaled config watch"):
+            if text is None or text == self._config_loaded:
                 continue
             log.info("tailscaled config watch: ensuring that config is up to date")
             try:
@@ -347,10 +366,40 @@ class Agent:
                 log.error("tailscaled config watch: reload failed: %s (the previous config stays in force)", e)
                 continue
             if doc.get("Reloaded"):
+                self._config_loaded = text
                 log.info("tailscaled config watch: config was reloaded")
             else:
                 log.error("tailscaled config watch: tailscaled did not reload its config: %s "
                           "(the previous config stays in force)", doc.get("Err") or "no reason given")
+
+    async def _watch_services(self, which: str) -> None:
+        """Follow one ProxyGroup services file; a broken file is reported and the last good config stays."""
+        from dataclasses import replace
+
+        from serveconfig.watch import watch_file
+
+        from . import proxyservices as ps
+
+        assert self.reconciler is not None
+        if which == "egress":
+            path, parse = os.path.join(self.s.egress_proxies_config_path, ps.EGRESS_FILE), ps.parse_egress_services
+        else:
+            path, parse = self.s.ingress_proxies_config_path, ps.parse_ingress_config
+        reported: tuple = ()
+        async for text in watch_file(path, 5.0, label=f"{which} services"):
+            rec = self.reconciler
+            try:
+                cfg = parse(text)
+            except ps.ConfigError as e:
+                log.error("%s services: %s; the last good configuration stays in force", which, e)
+                rec.set_services(replace(rec.services, **{f"{which}_error": str(e)}))
+                continue
+            for _name, problem in cfg.problems:
+                if problem not in reported:
+                    log.error("%s; that service is skipped until its config is fixed", problem)
+            reported = tuple(p for _n, p in cfg.problems)
+            log.info("%s services: %d configured", which, len(cfg.services))
+            rec.set_services(replace(rec.services, **{which: cfg, f"{which}_error": ""}))
 
     async def _after_login(self) -> None:
         if self.s.auth_once_mode:
@@ -389,6 +438,12 @@ class Agent:
             self._tasks.append(asyncio.create_task(self._start_serve(), name="serve-config"))
         if self.s.one_step:
             self._tasks.append(asyncio.create_task(self._watch_config_file(), name="tailscaled-config"))
+        if self.s.egress_proxies_config_path:
+            log.info("configuring egress proxy using configuration file at %s", self.s.egress_proxies_config_path)
+            self._tasks.append(asyncio.create_task(self._watch_services("egress"), name="egress-services"))
+        if self.s.ingress_proxies_config_path:
+            log.info("configuring ingress proxy using configuration file at %s", self.s.ingress_proxies_config_path)
+            self._tasks.append(asyncio.create_task(self._watch_services("ingress"), name="ingress-services"))
         if self.s.dest_dns_name:
             from .dns import Resolver, watch_name
             self._tasks.append(asyncio.create_task(
@@ -488,6 +543,17 @@ class Agent:
             if self.api is not None and self.api.capver:
                 want_keys[ss.KEY_CAPVER] = str(self.api.capver).encode()
             await self.secret.sync(want_keys)
+        svc = want.services
+        if self.kube_store and self.secret is not None and svc is not None and rec.rules_installed_for(want):
+            from . import secretstate as ss
+            # Per-service records only once their rules are in: the operator routes a service to this Pod
+            # when the record matches what it asked for.
+            status = {}
+            if svc.egress_status is not None:
+                status[ss.KEY_EGRESS_SERVICES] = svc.egress_status
+            if svc.ingress_status is not None:
+                status[ss.KEY_INGRESS_CONFIG] = svc.ingress_status
+            await self.secret.sync(status)
         if self.startup_complete.is_set() or not routed:
             return
         if self.kube_store and self.secret is not None and not self.secret.has_written("device_id", "device_fqdn"):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from netfilter.model import Dnat, EgressForward, PortMatch, RuleSet
 
+from .proxyservices import ServicesDesired, ServicesInput, compute_services
 from .settings import Settings
 from .state import IP, NodeState, ResolveError, resolve_tailnet_fqdn
 
@@ -27,6 +28,9 @@ class Target:
     resolved: tuple[IP, ...] = ()
     error: str = ""
     has_rules: bool = False  # the desired rule set carries rules for this target
+    # Whether /readyz waits for this target. Egress/ingress services do not: each reports its own readiness to
+    # the operator through the Secret, and one broken service must not take the Pod's other services down.
+    gates_readiness: bool = True
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class Desired:
     rules: RuleSet
     targets: tuple[Target, ...]
     forwarding: tuple[bool, bool]  # IPv4, IPv6 forwarding needed
+    services: ServicesDesired | None = None  # egress/ingress services of a ProxyGroup Pod, when configured
 
 
 def tailscaled_port(s: Settings) -> int:
@@ -81,7 +86,14 @@ def _same_family(ips: tuple[IP, ...], version: int) -> IP | None:
     return next((ip for ip in ips if ip.version == version), None)
 
 
-def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desired:
+def _no_nat(version: int) -> str:
+    return f"IPv{version} NAT is not available in this network namespace (see the firewall probe in the log)"
+
+
+def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None, *,
+            services: ServicesInput | None = None, families: tuple[int, ...] = (4, 6)) -> Desired:
+    """The whole desired data path. `families` are the IP versions the firewall can translate: rules of any
+    other family are left out and the target says why, so that one family's gap never fails the whole apply."""
     own = node.tailnet_ips
     dnats: list[Dnat] = []
     egress: list[EgressForward] = []
@@ -93,7 +105,9 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desir
         before = len(dnats)
         for dest in s.dest_ips:
             src = _same_family(own, dest.version)
-            if src:
+            if dest.version not in families:
+                errs.append(_no_nat(dest.version))
+            elif src:
                 dnats.append(Dnat(original_dst=src, targets=(dest,)))
             elif own:
                 errs.append(f"the node has no tailnet IPv{dest.version} address to forward from")
@@ -103,7 +117,7 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desir
     if s.dest_dns_name:
         answer = dns or DNSAnswer()
         before = len(dnats)
-        for version in (4, 6):
+        for version in families:
             backends = tuple(ip for ip in answer.addresses if ip.version == version)
             src = _same_family(own, version)
             if backends and src:
@@ -130,12 +144,16 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desir
         exempt = [PortMatch("udp", tailscaled_port(s))]
         for lp in local_ports(s):
             exempt.append(PortMatch("tcp", lp))
-        for version in (4, 6):
+        for version in families:
             target = _same_family(egress_targets, version)
             src = _same_family(own, version)
             if target and src:
                 egress.append(EgressForward(target=target, snat_source=src, exempt=tuple(exempt)))
     if egress_target is not None:
+        if egress_targets and not egress and not egress_target.error:
+            missing = [ip.version for ip in egress_targets if ip.version not in families]
+            egress_target = replace(egress_target, error=_no_nat(missing[0]) if missing else
+                                    "the node has no tailnet address of the target's family")
         targets.append(replace(egress_target, has_rules=bool(egress)))
 
     if s.allow_proxying_cluster_traffic_via_ingress and s.serve_config:
@@ -144,13 +162,24 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None) -> Desir
             if pod_ip is None:
                 continue
             src = _same_family(own, pod_ip.version)
-            if src and not any(d.original_dst == pod_ip for d in dnats):
+            if src and pod_ip.version in families and not any(d.original_dst == pod_ip for d in dnats):
                 dnats.append(Dnat(original_dst=pod_ip, targets=(src,)))
         targets.append(Target("EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS", "cluster-via-ingress",
                               s.pod_ip or str(s.pod_ipv4 or s.pod_ipv6 or ""), has_rules=len(dnats) > before))
 
-    rules = RuleSet(dnats=tuple(dnats), egress=tuple(egress), clamp_mss=bool(dnats or egress))
-    return Desired(rules=rules, targets=tuple(targets), forwarding=(v4, v6))
+    svc: ServicesDesired | None = None
+    if services is not None and (services.egress is not None or services.ingress is not None):
+        svc = compute_services(services, node, families=families, pod_ipv4=s.pod_ipv4, pod_ipv6=s.pod_ipv6,
+                               reserved=frozenset(d.original_dst for d in dnats))
+        for r in svc.results:
+            targets.append(Target(r.name, r.kind, r.value, r.resolved, r.error, r.installed, gates_readiness=False))
+        v4 = v4 or (4 in svc.families and not s.userspace)
+        v6 = v6 or (6 in svc.families and not s.userspace)
+
+    rules = RuleSet(dnats=tuple(dnats), egress=tuple(egress),
+                    port_maps=svc.port_maps if svc else (), service_dnats=svc.service_dnats if svc else (),
+                    clamp_mss=bool(dnats or egress or (svc and (svc.port_maps or svc.service_dnats))))
+    return Desired(rules=rules, targets=tuple(targets), forwarding=(v4, v6), services=svc)
 
 
 def _parse_ip(value: str) -> IP | None:

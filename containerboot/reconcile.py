@@ -18,6 +18,7 @@ from netfilter.model import RuleSet
 
 from . import desired as desired_mod
 from .desired import Desired, DNSAnswer
+from .proxyservices import ServicesInput
 from .settings import Settings
 from .state import NodeState
 from .status import TargetStatus
@@ -72,6 +73,7 @@ class Reconciler:
         self.clock = clock
         self.node = NodeState()
         self.dns = DNSAnswer()
+        self.services = ServicesInput()
         self.desired: Desired | None = None
         self.applied = Applied()
         self.stats = ReconcileStats()
@@ -89,6 +91,12 @@ class Reconciler:
     def set_dns(self, answer: DNSAnswer) -> None:
         if answer != self.dns:
             self.dns = answer
+            self._dirty.set()
+
+    def set_services(self, services: ServicesInput) -> None:
+        """The egress/ingress services files changed (or became unreadable: then only the error changes)."""
+        if services != self.services:
+            self.services = services
             self._dirty.set()
 
     def on_dns_answer(self, addresses, error: str) -> None:
@@ -131,7 +139,8 @@ class Reconciler:
         self.heartbeat = self.clock()
         # One snapshot for the whole pass: events arriving meanwhile mark the state dirty for the next pass.
         node = self.node
-        want = desired_mod.compute(self.settings, node, self.dns)
+        families = tuple(getattr(self.firewall, "families", (4, 6))) if self.firewall is not None else (4, 6)
+        want = desired_mod.compute(self.settings, node, self.dns, services=self.services, families=families)
         self._log_target_changes(want)
         self.desired = want
         if self.before_rules is not None:
@@ -198,7 +207,8 @@ class Reconciler:
         return tuple(TargetStatus(name=t.name, kind=t.kind, resolved=tuple(str(ip) for ip in t.resolved),
                                   rules_installed=installed and t.has_rules,
                                   last_error=t.error or self.applied.rules_error,
-                                  updated_at=self.last_reconcile_at or 0.0) for t in want.targets)
+                                  updated_at=self.last_reconcile_at or 0.0,
+                                  gates_readiness=t.gates_readiness) for t in want.targets)
 
     def counters(self) -> dict[str, float]:
         st = self.stats
@@ -230,5 +240,7 @@ def describe(rules: RuleSet) -> str:
     parts += [f"egress -> {e.target} (SNAT {e.snat_source})" for e in rules.egress]
     if rules.port_maps:
         parts.append(f"{len(rules.port_maps)} egress service port maps")
+    if rules.service_dnats:
+        parts.append(f"{len(rules.service_dnats)} ingress service VIP mappings")
     return "; ".join(parts) or "none"
 

@@ -381,10 +381,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TS_DEBUG_ADDR_PORT", Kind.ADDRPORT, "tailscaled's `--debug` listener, proxied under `/debug/`.",
             "debug_addr_port"),
     Setting("TS_EGRESS_PROXIES_CONFIG_PATH", Kind.PATH,
-            "Directory of the egress services config (Kubernetes with a state Secret only).",
+            "ProxyGroup egress services: directory with the operator's `egress-services` and `hep-pings` files; "
+            "watched, status in the Secret key `egress-services`, preStop hook on TS_LOCAL_ADDR_PORT (Kubernetes "
+            "with a state Secret and kernel networking only).",
             "egress_proxies_config_path"),
     Setting("TS_INGRESS_PROXIES_CONFIG_PATH", Kind.PATH,
-            "Ingress services config file (Kubernetes with a state Secret only).", "ingress_proxies_config_path"),
+            "ProxyGroup ingress services: file mapping Tailscale Service VIPs to ClusterIPs; watched, status in the "
+            "Secret key `ingress-config.json` (Kubernetes with a state Secret and kernel networking only).",
+            "ingress_proxies_config_path"),
     Setting("TS_EXPERIMENTAL_ENABLE_FORWARDING_OPTIMIZATIONS", Kind.BOOL,
             "Turn on UDP GRO forwarding at start (kernel networking only).", "forwarding_optimizations",
             default="false", differs=_STRICT_BOOL),
@@ -956,6 +960,8 @@ def _validate(s: Settings, env: Mapping[str, str]) -> None:
             raise _fail(f"{_shown(name, env)} is only supported for Tailscale running on Kubernetes with a state "
                         f"Secret, but {missing}: unset {name}, or run in Kubernetes with TS_KUBE_SECRET set",
                         name, "KUBERNETES_SERVICE_HOST" if not s.in_kubernetes else "TS_KUBE_SECRET")
+        if value and s.userspace:
+            raise _fail(f"{_shown(name, env)} is not supported with {userspace}: {kernel_fix}", name, "TS_USERSPACE")
 
     # 25. The boot deadline.
     text = cmp_or(env.get("TS_BOOT_TIMEOUT", ""), _BY_NAME["TS_BOOT_TIMEOUT"].default)

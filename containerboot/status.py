@@ -50,11 +50,14 @@ class TargetStatus:
     rules_installed: bool = False      # the kernel has the rules for the current `resolved` set
     last_error: str = ""
     updated_at: float = 0.0
+    # False for ProxyGroup egress/ingress services: each reports its own readiness to the operator through the
+    # state Secret, and one service whose target is gone must not make the Pod unready for all the others.
+    gates_readiness: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "resolved": list(self.resolved),
                 "rules_installed": self.rules_installed, "last_error": self.last_error,
-                "updated_at": _num(self.updated_at)}
+                "updated_at": _num(self.updated_at), "gates_readiness": self.gates_readiness}
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ class AgentStatus:
         if not self.live(now, max_stall):
             reasons.append(f"agent loop stalled for {self.stall_s(now):.0f}s")
         for t in self.targets:
-            if not t.rules_installed:
+            if t.gates_readiness and not t.rules_installed:
                 why = f": {t.last_error}" if t.last_error else ""
                 reasons.append(f"target {t.name} ({t.kind}): forwarding rules not installed{why}")
         if self.serve is not None:

@@ -38,7 +38,7 @@ def read_text(path: str) -> str | None:
         return None
     except OSError as e:
         # e.g. EACCES, EISDIR: treat as "no file" so the last good config stays in force.
-        log.warning("serve proxy: cannot read %s: %s", path, e)
+        log.warning("cannot read %s: %s", path, e)
         return None
     return data.decode("utf-8", errors="replace")
 
@@ -90,13 +90,15 @@ class _DirWatch:
 
 
 async def watch_file(path: str, poll_interval: float = 5.0, *, resync_interval: float = 60.0,
-                     force_polling: bool = False, debounce: float = 0.05) -> AsyncIterator[str | None]:
+                     force_polling: bool = False, debounce: float = 0.05,
+                     label: str = "serve proxy") -> AsyncIterator[str | None]:
     """Yield the content of `path` (None while it is missing): first the current content, then each time it
     changes. Consecutive yields always differ.
 
     `poll_interval`: how often to re-read when inotify is unavailable (or `force_polling`).
     `resync_interval`: how often to re-read anyway while inotify works.
     `debounce`: after an event, wait this long for the rest of a burst (kubelet's swap is several events).
+    `label`: what the log lines say the watch is for.
     """
     loop = asyncio.get_running_loop()
     wake = asyncio.Event()
@@ -120,7 +122,7 @@ async def watch_file(path: str, poll_interval: float = 5.0, *, resync_interval: 
             watch = None
         if st is None:
             if not warned:
-                log.info("serve proxy: directory %s does not exist yet; polling every %ss", directory, poll_interval)
+                log.info("%s: directory %s does not exist yet; polling every %ss", label, directory, poll_interval)
                 warned = True
             return
         w = _DirWatch(directory, loop, wake)
@@ -129,13 +131,13 @@ async def watch_file(path: str, poll_interval: float = 5.0, *, resync_interval: 
         except Exception as e:   # noqa: BLE001 -- inotify exhaustion, missing watchdog backend, ...
             w.stop()
             if not warned:
-                log.warning("serve proxy: cannot watch %s for changes (%s); polling every %ss instead",
+                log.warning("%s: cannot watch %s for changes (%s); polling every %ss instead", label,
                             directory, e, poll_interval)
                 warned = True
             return
         watch = w
         warned = False
-        log.info("serve proxy: watching %s for config changes via inotify", directory)
+        log.info("%s: watching %s for config changes via inotify", label, directory)
 
     try:
         await asyncio.to_thread(ensure_watch)

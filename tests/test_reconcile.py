@@ -83,3 +83,34 @@ async def test_a_failing_firewall_is_reported_and_retried():
     assert rec.rules_installed_for(want) and rec.target_statuses()[0].rules_installed
 
 
+
+
+async def test_services_follow_the_config_and_use_only_the_firewalls_families():
+    from containerboot import proxyservices as ps
+
+    class V4Only(FakeFirewall):
+        families = (4,)
+
+    fw = V4Only()
+    env = {"TS_USERSPACE": "false", "KUBERNETES_SERVICE_HOST": "10.0.0.1", "TS_KUBE_SECRET": "s",
+           "TS_EGRESS_PROXIES_CONFIG_PATH": "/etc/proxies", "POD_IPS": "10.1.2.3"}
+    rec = Reconciler(load(env), fw)
+    rec.set_node(node("100.64.0.5", "fd7a:115c:a1e0::5"))
+    want = await rec.reconcile_once()
+    assert want.services is None and fw.applied[-1].empty   # the file has not been read yet: nothing to report
+    cfg = ps.parse_egress_services('{"a": {"tailnetTarget": {"ip": "fd7a:115c:a1e0::9"}, '
+                                   '"ports": [{"protocol": "TCP", "matchPort": 10001, "targetPort": 80}]}, '
+                                   '"b": {"tailnetTarget": {"ip": "100.64.0.9"}, '
+                                   '"ports": [{"protocol": "UDP", "matchPort": 10002, "targetPort": 53}]}}')
+    rec.set_services(ps.ServicesInput(egress=cfg))
+    assert rec._dirty.is_set()
+    want = await rec.reconcile_once()
+    assert [p.service for p in fw.applied[-1].port_maps] == ["b"]   # the IPv6-only service cannot be installed
+    assert rec.rules_installed_for(want) and rec.ready_to_serve(want)
+    by_name = {t.name: t for t in rec.target_statuses()}
+    assert by_name["b"].rules_installed and not by_name["a"].rules_installed
+    assert "IPv6 NAT is not available" in by_name["a"].last_error and not by_name["a"].gates_readiness
+    # the service goes away: its rules go with it
+    rec.set_services(ps.ServicesInput(egress=ps.EgressConfig()))
+    await rec.reconcile_once()
+    assert fw.applied[-1].port_maps == ()

@@ -573,8 +573,8 @@ K8S = {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}
     ({"TS_TAILNET_TARGET_FQDN": "db.tailnet.ts.net", "TS_USERSPACE": "false"}, True),
     ({"EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS": "true", "TS_USERSPACE": "false",
       "TS_SERVE_CONFIG": "/s", "POD_IP": "10.1.1.1"}, True),
-    ({**K8S, "TS_EGRESS_PROXIES_CONFIG_PATH": "/e"}, True),
-    ({**K8S, "TS_INGRESS_PROXIES_CONFIG_PATH": "/i"}, True),
+    ({**K8S, "TS_EGRESS_PROXIES_CONFIG_PATH": "/e", "TS_USERSPACE": "false"}, True),
+    ({**K8S, "TS_INGRESS_PROXIES_CONFIG_PATH": "/i", "TS_USERSPACE": "false"}, True),
 ])
 def test_is_l3_proxy(env, want):
     assert load(env).is_l3_proxy is want
@@ -602,7 +602,8 @@ def test_forwarding_families(env, want):
 
 @pytest.mark.parametrize("env, want", [
     ({}, False), ({"TS_ENABLE_METRICS": "true"}, True), ({"TS_ENABLE_HEALTH_CHECK": "1"}, True),
-    ({**K8S, "TS_EGRESS_PROXIES_CONFIG_PATH": "/e"}, True), ({"TS_HEALTHCHECK_ADDR_PORT": "0.0.0.0:8080"}, False),
+    ({**K8S, "TS_EGRESS_PROXIES_CONFIG_PATH": "/e", "TS_USERSPACE": "false"}, True),
+    ({"TS_HEALTHCHECK_ADDR_PORT": "0.0.0.0:8080"}, False),
 ])
 def test_local_server_enabled(env, want):
     assert load(env).local_server_enabled is want
@@ -735,6 +736,9 @@ def rule_cases(confdir: str) -> list[tuple[str, dict, tuple[str, ...], list[str]
          ['TS_EGRESS_PROXIES_CONFIG_PATH="/etc/egress"', "KUBERNETES_SERVICE_HOST is empty", "unset"]),
         ("23b egress without secret", {**K8S, "TS_KUBE_SECRET": "", "TS_EGRESS_PROXIES_CONFIG_PATH": "/etc/egress"},
          ("TS_EGRESS_PROXIES_CONFIG_PATH", "TS_KUBE_SECRET"), ['TS_KUBE_SECRET is ""']),
+        ("23c egress in userspace", {**K8S, "TS_EGRESS_PROXIES_CONFIG_PATH": "/etc/egress"},
+         ("TS_EGRESS_PROXIES_CONFIG_PATH", "TS_USERSPACE"),
+         ['TS_EGRESS_PROXIES_CONFIG_PATH="/etc/egress"', "TS_USERSPACE=false"]),
         ("24 ingress outside kubernetes", {"TS_INGRESS_PROXIES_CONFIG_PATH": "/etc/ingress.json"},
          ("TS_INGRESS_PROXIES_CONFIG_PATH", "KUBERNETES_SERVICE_HOST"),
          ['TS_INGRESS_PROXIES_CONFIG_PATH="/etc/ingress.json"', "run in Kubernetes"]),

@@ -79,7 +79,7 @@ def test_to_json_is_strict_json() -> None:
     back = json.loads(text)
     assert back["ready"] is True and back["healthy"] is True and back["netmap_age_s"] == 5
     assert back["targets"][0] == {"name": "t", "kind": "dest-ip", "resolved": ["10.0.0.1"], "rules_installed": True,
-                                  "last_error": "", "updated_at": NOW}
+                                  "last_error": "", "updated_at": NOW, "gates_readiness": True}
     assert back["serve"]["https_endpoint"] == "n.ts.net"
     assert back["counters"]['containerboot_dns_resolutions_total{result="ok"}'] == 3
     assert back["counters"]["nan_value"] is None
