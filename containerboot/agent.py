@@ -340,7 +340,6 @@ class Agent:
 
         assert self.secret is not None and self.api is not None
         log.info("%s", reason)
-        log.info("Requesting a new auth key from operator")
         try:
             await reissue_flow(self.secret.client, self.secret.name, self.config_authkey,
                                lambda: authkey_from_config(self.s.tailscaled_config_path),
@@ -531,7 +530,8 @@ class Agent:
         me = node.self_node
         if self.kube_store and self.secret is not None and me is not None and me.stable_id:
             from . import secretstate as ss
-            await self.secret.sync(ss.device_id_patch(me))
+            # A login that got this far worked: the reissue rate limit starts over.
+            await self.secret.sync({**ss.device_id_patch(me), **ss.reissue_reset_patch()})
 
     async def _on_converged(self, rec: Reconciler, want: Desired, node: NodeState) -> None:
         me = node.self_node

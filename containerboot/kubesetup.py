@@ -88,10 +88,20 @@ async def wait_for_consistent_state(client: KubeClient, name: str, deadline: flo
         await asyncio.sleep(delay)
 
 
-async def request_reissue(client: KubeClient, name: str, old_key: str, *, deadline: float | None = None) -> None:
-    """Tell the operator that old_key failed (reissue_authkey = old_key)."""
+async def request_reissue(client: KubeClient, name: str, old_key: str, *, deadline: float | None = None,
+                          clock: Callable[[], float] = time.time) -> None:
+    """Tell the operator that old_key failed (reissue_authkey = old_key), rate-limited across restarts: after
+    requests in a row without a successful login, wait (secretstate.reissue_delay) before asking again."""
+    secret = await client.get_secret(name, deadline=deadline)
+    data = secret.data if secret is not None else None
+    delay = secretstate.reissue_delay(data, clock())
+    if delay > 0:
+        log.info("auth key reissue: asked %d time(s) in a row already; waiting %s before asking again",
+                 secretstate.reissue_attempts(data), _fmt_duration(delay))
+        await asyncio.sleep(delay)
     log.info("Requesting a new auth key from operator")
-    await client.patch_secret(name, secretstate.reissue_request_patch(old_key), deadline=deadline)
+    await client.patch_secret(name, secretstate.reissue_request_patch(old_key, now=clock(), data=data),
+                              deadline=deadline)
 
 
 async def clear_reissue(client: KubeClient, name: str, *, deadline: float | None = None) -> None:

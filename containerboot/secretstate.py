@@ -26,6 +26,13 @@ KEY_DEVICE_ID = "device_id"
 KEY_DEVICE_FQDN = "device_fqdn"
 KEY_DEVICE_IPS = "device_ips"
 KEY_REISSUE_AUTHKEY = "reissue_authkey"
+# Ours (the operator ignores them): when the agent last asked for a new key, and how many times in a row it has
+# asked without a successful login since. They rate-limit the requests across restarts.
+KEY_REISSUE_REQUESTED_AT = "reissue_requested_at"
+KEY_REISSUE_ATTEMPTS = "reissue_attempts"
+#: The wait before the second request in a row; it doubles with each further one, up to REISSUE_MAX_DELAY.
+REISSUE_BASE_DELAY = 30.0
+REISSUE_MAX_DELAY = 600.0
 # Written by the user or the operator, read (and in AuthOnce mode deleted) by the agent.
 KEY_AUTHKEY = "authkey"
 # Written by tailscaled's kube state store.
@@ -134,9 +141,60 @@ def is_consistent(data: Mapping[str, bytes] | None) -> bool:
     return len(profiles) == 1
 
 
-def reissue_request_patch(old_key: str) -> Patch:
-    """Ask the operator for a new auth key: reissue_authkey = the key that failed (may be "", as upstream)."""
-    return {KEY_REISSUE_AUTHKEY: old_key.encode()}
+def reissue_request_patch(old_key: str, *, now: float | None = None,
+                          data: Mapping[str, bytes] | None = None) -> Patch:
+    """Ask the operator for a new auth key: reissue_authkey = the key that failed (may be "", as upstream).
+
+    With `now` (Unix time), also record the request for the rate limit: its time and the count of requests in
+    a row (one more than `data` holds)."""
+    patch: Patch = {KEY_REISSUE_AUTHKEY: old_key.encode()}
+    if now is not None:
+        patch[KEY_REISSUE_REQUESTED_AT] = _rfc3339(now).encode()
+        patch[KEY_REISSUE_ATTEMPTS] = str(reissue_attempts(data) + 1).encode()
+    return patch
+
+
+def reissue_attempts(data: Mapping[str, bytes] | None) -> int:
+    """Requests in a row recorded in the Secret (0 when absent or unreadable)."""
+    raw = (data or {}).get(KEY_REISSUE_ATTEMPTS)
+    try:
+        return max(0, int(raw.decode())) if raw else 0
+    except ValueError:
+        return 0
+
+
+def reissue_delay(data: Mapping[str, bytes] | None, now: float) -> float:
+    """Seconds to wait before asking for a new key again. The first request goes at once; after n requests in a
+    row without a successful login the next waits until REISSUE_BASE_DELAY * 2^(n-1) (capped) after the last one,
+    so a key the control plane keeps rejecting cannot turn the Pod and the operator into a tight loop."""
+    n = reissue_attempts(data)
+    raw = (data or {}).get(KEY_REISSUE_REQUESTED_AT)
+    if n == 0 or not raw:
+        return 0.0
+    last = _parse_rfc3339(raw.decode(errors="replace"))
+    if last is None:
+        return 0.0
+    interval = min(REISSUE_MAX_DELAY, REISSUE_BASE_DELAY * 2 ** min(n - 1, 16))
+    return max(0.0, min(interval, last + interval - now))
+
+
+def reissue_reset_patch() -> Patch:
+    """After a successful login: forget the requests in a row."""
+    return {KEY_REISSUE_REQUESTED_AT: None, KEY_REISSUE_ATTEMPTS: None}
+
+
+def _rfc3339(t: float) -> str:
+    import datetime
+    return datetime.datetime.fromtimestamp(int(t), datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _parse_rfc3339(text: str) -> float | None:
+    import datetime
+    try:
+        return datetime.datetime.strptime(text.strip(), "%Y-%m-%dT%H:%M:%SZ").replace(
+            tzinfo=datetime.timezone.utc).timestamp()
+    except ValueError:
+        return None
 
 
 def reissue_clear_patch(data: Mapping[str, bytes] | None) -> Patch:

@@ -218,3 +218,12 @@ def test_one_step_unchanged_config_is_not_reloaded(run_agent, tmp_path):
     time.sleep(1)
     assert not (tmp_path / "reloads.log").exists()
     assert a.stop() == 0
+
+
+def test_a_successful_login_resets_the_reissue_rate_limit(run_agent, kube_api):
+    kube_api.put_secret(SECRET, {"reissue_attempts": b"3", "reissue_requested_at": b"2026-11-22T00:00:00Z"})
+    a = run_agent(**kube_env(kube_api, TS_AUTHKEY=KEY))
+    a.wait_for("Startup complete")
+    d = data(kube_api)
+    assert "reissue_attempts" not in d and "reissue_requested_at" not in d and d["device_id"] == b"nStable1"
+    assert a.stop() == 0

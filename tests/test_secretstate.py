@@ -177,7 +177,10 @@ async def test_phases_against_api_server(kube_api):
         await kubesetup.request_reissue(kc, SECRET, "tskey-auth-old")
         assert kube_api.secret_data(SECRET)["reissue_authkey"] == b"tskey-auth-old"
         await kubesetup.clear_reissue(kc, SECRET)
-        assert kube_api.secret_data(SECRET) == {"tailscale_capver": b"146", "pod_uid": b"uid-2"}
+        left = kube_api.secret_data(SECRET)
+        # the rate-limit record survives the clear (it is forgotten only after a successful login)
+        assert left.pop("reissue_attempts") == b"1" and left.pop("reissue_requested_at").endswith(b"Z")
+        assert left == {"tailscale_capver": b"146", "pod_uid": b"uid-2"}
 
 
 async def test_check_permissions(kube_api):
@@ -271,4 +274,39 @@ async def test_reissue_flow(kube_api):
                                            disconnect=disconnect, poll_interval=0.05, max_wait=5)
     await op
     assert new == "tskey-auth-fresh" and disconnected == [True]
-    assert kube_api.secret_data(SECRET) == {}
+    assert set(kube_api.secret_data(SECRET)) == {"reissue_attempts", "reissue_requested_at"}
+
+
+def test_reissue_rate_limit_doubles_and_resets():
+    now = 1_800_000_000.0
+    assert ss.reissue_delay(None, now) == 0.0                       # the first request goes at once
+    p1 = ss.reissue_request_patch("k", now=now, data=None)
+    assert p1["reissue_attempts"] == b"1" and p1["reissue_requested_at"] == b"2027-01-15T08:00:00Z"
+    assert ss.reissue_delay(p1, now + 10) == pytest.approx(20.0)     # 30 s after the first
+    assert ss.reissue_delay(p1, now + 31) == 0.0
+    p2 = ss.reissue_request_patch("k", now=now + 31, data=p1)
+    assert p2["reissue_attempts"] == b"2"
+    assert ss.reissue_delay(p2, now + 31) == pytest.approx(60.0)     # doubles
+    many = {"reissue_attempts": b"12", "reissue_requested_at": p2["reissue_requested_at"]}
+    assert ss.reissue_delay(many, now + 31) == pytest.approx(ss.REISSUE_MAX_DELAY)  # capped
+    # a clock that went backwards never means a wait longer than the interval
+    assert ss.reissue_delay(p1, now - 1000) == pytest.approx(30.0)
+    # garbage is ignored rather than blocking a recovery forever
+    assert ss.reissue_delay({"reissue_attempts": b"x", "reissue_requested_at": b"y"}, now) == 0.0
+    assert ss.reissue_reset_patch() == {"reissue_requested_at": None, "reissue_attempts": None}
+
+
+async def test_a_repeated_reissue_request_waits_out_the_rate_limit(kube_api, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="containerboot")
+    now = 2_000_000_000.0
+    kube_api.put_secret(SECRET, {"reissue_attempts": b"1",
+                                 "reissue_requested_at": ss.reissue_request_patch("", now=now - 29)[
+                                     "reissue_requested_at"]})
+    async with KubeClient.from_environment(kube_api.env(), root=kube_api.root) as kc:
+        t0 = time.monotonic()
+        await kubesetup.request_reissue(kc, SECRET, "tskey-auth-old", clock=lambda: now)
+        waited = time.monotonic() - t0
+    assert 0.9 < waited < 3   # the rest of the 30 s since the last request
+    assert "asked 1 time(s) in a row already; waiting" in caplog.text
+    d = kube_api.secret_data(SECRET)
+    assert d["reissue_authkey"] == b"tskey-auth-old" and d["reissue_attempts"] == b"2"
