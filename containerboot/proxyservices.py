@@ -125,22 +125,28 @@ def _parse_egress_service(name: str, raw: Any) -> EgressService:
     return EgressService(name, ip, fqdn, tuple(ports), hep)
 
 
+def _load_object(text: str | None, what: str, shape: str) -> dict | None:
+    """The file's JSON object; None for a missing, empty or null file (no services)."""
+    if text is None or not text.strip():
+        return None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what} is not valid JSON: {e}") from None
+    if doc is not None and not isinstance(doc, dict):
+        raise ConfigError(f"{what} must be a JSON object of {shape}")
+    return doc
+
+
 def parse_egress_services(text: str | None) -> EgressConfig:
     """Parse the egress-services file. A missing or empty file means no services.
 
     Raises ConfigError when the file as a whole is unusable; a bad service is only listed in `problems`.
     Services come out sorted by name, so that which of two conflicting services wins does not depend on
     the order of keys in the file."""
-    if text is None or not text.strip():
-        return EgressConfig()
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"egress-services is not valid JSON: {e}") from None
+    doc = _load_object(text, "egress-services", "service name -> config")
     if doc is None:
         return EgressConfig()
-    if not isinstance(doc, dict):
-        raise ConfigError("egress-services must be a JSON object of service name -> config")
     services: list[EgressService] = []
     problems: list[tuple[str, str]] = []
     taken: dict[tuple[str, int], str] = {}
@@ -235,16 +241,9 @@ def _parse_mapping(name: str, key: str, raw: Any, version: int) -> IngressMappin
 
 def parse_ingress_config(text: str | None) -> IngressConfig:
     """Parse the ingress services file ({name: {IPv4Mapping, IPv6Mapping}}); missing or empty means none."""
-    if text is None or not text.strip():
-        return IngressConfig()
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"ingress config is not valid JSON: {e}") from None
+    doc = _load_object(text, "ingress config", "Tailscale Service name -> mappings")
     if doc is None:
         return IngressConfig()
-    if not isinstance(doc, dict):
-        raise ConfigError("ingress config must be a JSON object of Tailscale Service name -> mappings")
     services: list[IngressService] = []
     problems: list[tuple[str, str]] = []
     vips: dict[IP, str] = {}
