@@ -56,24 +56,7 @@ def kube(lab, request):
             return a
 
     yield K()
-    problems = []
-    for a in agents:
-        try:
-            a.stop(timeout=30)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"stop agent: {e}")
-    if lab.wait_ns_empty("proxy", 10):
-        problems.append(f"killed leftovers in proxy: {lab.kill_ns_leftovers('proxy')}")
-    try:
-        lab.flush_firewall("proxy")
-        for key in ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"):
-            lab.exec("proxy", ["sh", "-c", f"echo 0 > /proc/sys/{key}"], timeout=10)
-    except Exception as e:  # noqa: BLE001
-        problems.append(f"reset proxy: {e}")
-    try:
-        lab.delete_node("proxy")
-    except Exception as e:  # noqa: BLE001
-        problems.append(f"delete node: {e}")
+    problems = kubelab.reset_proxy(lab, agents)
     for a in apis:
         a.stop()
     if problems:

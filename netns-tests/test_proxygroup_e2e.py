@@ -384,24 +384,7 @@ def proxygroup(lab, lab_backend, client_target, name: str, mode: str, agent_cmd=
         yield PG(lab, mode, api, agent, egress_dir, ingress_dir, client_target, lab_backend, client_v4, client_v6,
                  fqdn, proxy_v4, proxy_v6, ecfg, icfg)
     finally:
-        problems = []
-        if agent is not None:
-            try:
-                agent.stop(timeout=30)
-            except Exception as e:  # noqa: BLE001
-                problems.append(f"stop agent: {e}")
-        if lab.wait_ns_empty("proxy", 10):
-            problems.append(f"killed leftovers in proxy: {lab.kill_ns_leftovers('proxy')}")
-        try:
-            lab.flush_firewall("proxy")
-            for key in ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"):
-                lab.exec("proxy", ["sh", "-c", f"echo 0 > /proc/sys/{key}"], timeout=10)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"reset proxy: {e}")
-        try:
-            lab.delete_node("proxy")
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"delete node: {e}")
+        problems = kubelab.reset_proxy(lab, [agent] if agent is not None else [])
         api.stop()
         if problems:
             print("test_proxygroup_e2e teardown:", "; ".join(problems))
