@@ -245,8 +245,8 @@ class Agent:
             if s.local_server_enabled:
                 await self.endpoints.start(s.local_addr_port)
                 if s.egress_proxies_config_path:
-                    log.info("Running egress preshutdown hook at %s/internal-egress-services-preshutdown",
-                             s.local_addr_port)
+                    from .proxyservices import PRESHUTDOWN_PATH
+                    log.info("Running egress preshutdown hook at %s%s", s.local_addr_port, PRESHUTDOWN_PATH)
             if s.healthcheck_addr_port:
                 await self.endpoints.start(s.healthcheck_addr_port, healthz_only=True)
         except (OSError, ValueError) as e:
