@@ -123,6 +123,10 @@ class AgentStatus:
             reasons.append(f"tailscaled backend state is {self.backend_state}, not Running")
         elif not self.tailnet_ips:
             reasons.append("node has no tailnet IPs yet")
+        elif self.last_reconcile_at is None:
+            # The node can be Running before the first pass has computed any target: no known target is "not
+            # computed yet", never "nothing to wait for".
+            reasons.append("the first reconcile has not finished yet")
         if not self.live(now, max_stall):
             reasons.append(f"agent loop stalled for {self.stall_s(now):.0f}s")
         for t in self.targets:

@@ -87,14 +87,19 @@ def test_readyz_follows_whether_traffic_can_flow(lab, lab_backend, start_agent):
                          "TS_LOCAL_ADDR_PORT": LOCAL, "TS_DEBUG_FIREWALL_MODE": "nftables"})
     seen_503_before = False
     deadline = time.monotonic() + 90
-    while "Startup complete" not in agent.log_text():
+    while True:
         code, _ = local_get(lab, "/readyz")
-        if code == 503:
-            seen_503_before = True
-        assert code != 200, "/readyz said ready before the rules were installed"
-        assert time.monotonic() < deadline and agent.running()
+        if code == 200:
+            break
+        seen_503_before = seen_503_before or code == 503
+        assert time.monotonic() < deadline and agent.running(), f"/readyz never said ready (last {code})"
         time.sleep(0.1)
+    # At the first 200 the DNAT to the backend must already be in the kernel. (The "Startup complete" log
+    # line is not the reference: it may reach the log a moment after /readyz answers.)
+    rules = lab.exec("proxy", ["nft", "list", "table", "ip", "containerboot"], timeout=10).stdout
+    assert f"dnat to {lab.backend_ipv4}" in rules, f"/readyz said ready before the rules were installed:\n{rules}"
     assert seen_503_before, "/readyz never answered 503 while the agent was starting"
+    agent.wait_for_log("Startup complete, waiting for shutdown signal", timeout=30)
     code, body = local_get(lab, "/readyz")
     assert code == 200, body
     v4, _ = agent.tailnet_ips()

@@ -41,6 +41,14 @@ def test_not_ready_reasons() -> None:
     assert st.ready(NOW) == (True, [])
 
 
+def test_not_ready_before_the_first_reconcile_even_without_targets() -> None:
+    # The bus can report Running with IPs before the reconciler has computed any target: an empty target list
+    # then means "not known yet", and /readyz must not say 200 (the CI failure of session 2).
+    st = running(last_reconcile_at=None)
+    assert st.ready(NOW) == (False, ["the first reconcile has not finished yet"])
+    assert running().ready(NOW) == (True, [])
+
+
 def test_netmap_age_does_not_gate_readiness() -> None:
     st = running(netmap_seen_at=NOW - 3600)
     assert st.ready(NOW)[0]
