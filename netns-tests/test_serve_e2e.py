@@ -94,8 +94,8 @@ def test_readyz_follows_whether_traffic_can_flow(lab, lab_backend, start_agent):
         seen_503_before = seen_503_before or code == 503
         assert time.monotonic() < deadline and agent.running(), f"/readyz never said ready (last {code})"
         time.sleep(0.1)
-    # At the first 200 the DNAT to the backend must already be in the kernel. (The "Startup complete" log
-    # line is not the reference: it may reach the log a moment after /readyz answers.)
+    # At the first 200 the DNAT to the backend must already be in the kernel: the kernel, not the agent's own
+    # log, is the reference (a 200 once came before the first reconcile had computed any target).
     rules = lab.exec("proxy", ["nft", "list", "table", "ip", "containerboot"], timeout=10).stdout
     assert f"dnat to {lab.backend_ipv4}" in rules, f"/readyz said ready before the rules were installed:\n{rules}"
     assert seen_503_before, "/readyz never answered 503 while the agent was starting"
