@@ -72,6 +72,8 @@ class Agent:
         self.kube_store = False  # the agent manages the Secret's keys (patch allowed, in Kubernetes)
         self.config_authkey = ""
         self._config_loaded: str | None = None   # one-step mode: the config text tailscaled has in force
+        self._stopping = False
+        self._self_node_known = asyncio.Event()   # the bus has delivered the node's own identity
         for secret in (settings.authkey, settings.client_secret, settings.id_token):
             register(secret)
 
@@ -255,21 +257,28 @@ class Agent:
 
     def status(self) -> "AgentStatus":
         """A snapshot of everything the probes, /status and /metrics report."""
-        from .status import AgentStatus
+        from .status import AgentStatus, ServeStatus
 
         rec = self.reconciler
         node = rec.node if rec is not None else NodeState(backend_state=self._boot_state)
+        serve = self.serve_status
+        if serve is None and self.s.serve_config:
+            # Configured but not applied once yet: that is "not ready", not "no serve config".
+            serve = ServeStatus(applied=False, last_error="waiting for the first apply")
+        done = rec.reconciled_node if rec is not None else None
         return AgentStatus(
             backend_state=node.backend_state or self._boot_state,
             tailnet_ips=tuple(str(ip) for ip in node.tailnet_ips),
             targets=rec.target_statuses() if rec is not None else (),
-            serve=self.serve_status,
+            serve=serve,
             netmap_seen_at=node.netmap_seen_at,
             started_at=self.started_at,
             last_reconcile_at=rec.last_reconcile_at if rec is not None else None,
             loop_heartbeat_at=rec.heartbeat if rec is not None else time.time(),
             counters={**(rec.counters() if rec is not None else {}), **self._serve_counters},
             startup_complete=self.startup_complete.is_set(),
+            stopping=self._stopping,
+            reconciled_ips=tuple(str(ip) for ip in done.tailnet_ips) if done is not None else None,
         )
 
     async def _tailscale_up(self) -> None:
@@ -357,6 +366,10 @@ class Agent:
         assert self.api is not None
         async for text in watch_file(self.s.tailscaled_config_path, 5.0, label="tailscaled config watch"):
             if text is None or text == self._config_loaded:
+                continue
+            if not text.strip():
+                # A writer that truncates before writing (not kubelet's atomic swap) shows an empty file for
+                # a moment; reloading that would only fail. The full text comes with the next event.
                 continue
             log.info("tailscaled config watch: ensuring that config is up to date")
             try:
@@ -483,6 +496,8 @@ class Agent:
                     self.reconciler.set_node(node)
                     if self.serve_loop is not None:
                         self.serve_loop.set_cert_domain(node.cert_domain)
+                    if node.self_node is not None:
+                        self._self_node_known.set()
         except LocalAPIError as e:
             reason = f"failed to read from tailscaled: {e}"
         else:
@@ -501,6 +516,8 @@ class Agent:
         from serveconfig.apply import CertManager, ServeApplier, ServeLoop
 
         assert self.api is not None and self.reconciler is not None
+        # The cert domain comes with the self node; starting earlier would apply (and publish) "no-https".
+        await self._self_node_known.wait()
         certs = CertManager(self.api, on_change=lambda: self.serve_loop and self.serve_loop.poke(),
                             counters=self._serve_counters)
         self.serve_applier = ServeApplier(self.api, auto_advertise=self.s.service_auto_advertisement,
@@ -565,6 +582,7 @@ class Agent:
 
     # -- shutdown --------------------------------------------------------------------------------------
     async def _shutdown(self) -> None:
+        self._stopping = True   # /readyz says no from here on: rules and tailscaled are about to go
         if self._firewall_task is not None and not self._firewall_task.done():
             try:  # let an unfinished detection end, so that cleanup sees the backend it may have touched
                 await self._firewall_task

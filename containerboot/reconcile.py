@@ -29,6 +29,10 @@ log = logging.getLogger("containerboot")
 #: our table) and to retry failures. Applying an unchanged rule set is cheap and changes nothing.
 RESYNC_INTERVAL = 30.0
 
+#: How often an idle loop proves it is alive. Well below the liveness limit (30 s), so that a late timer at a
+#: resync boundary cannot make /livez fail; a pass that hangs stops the beat and does fail it.
+HEARTBEAT_INTERVAL = 5.0
+
 
 @dataclass(frozen=True)
 class PartResult:
@@ -75,6 +79,8 @@ class Reconciler:
         self.dns = DNSAnswer()
         self.services = ServicesInput()
         self.desired: Desired | None = None
+        self.reconciled_node: NodeState | None = None   # the node snapshot of the last finished pass
+        self._in_pass = False
         self.applied = Applied()
         self.stats = ReconcileStats()
         self.heartbeat = clock()
@@ -119,6 +125,7 @@ class Reconciler:
     # -- the loop --------------------------------------------------------------------------------------
     async def run(self) -> None:
         ticker = asyncio.create_task(self._tick())
+        beat = asyncio.create_task(self._beat())
         try:
             while True:
                 await self._dirty.wait()
@@ -127,14 +134,27 @@ class Reconciler:
                 await self.reconcile_once(force=force)
         finally:
             ticker.cancel()
+            beat.cancel()
 
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(RESYNC_INTERVAL)
-            self.heartbeat = self.clock()
             self.poke(force=True)
 
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+            if not self._in_pass:   # a pass beats when it starts and ends; one stuck in between must show
+                self.heartbeat = self.clock()
+
     async def reconcile_once(self, *, force: bool = False) -> Desired:
+        self._in_pass = True
+        try:
+            return await self._reconcile_once(force)
+        finally:
+            self._in_pass = False
+
+    async def _reconcile_once(self, force: bool) -> Desired:
         start = time.monotonic()
         self.heartbeat = self.clock()
         # One snapshot for the whole pass: events arriving meanwhile mark the state dirty for the next pass.
@@ -153,6 +173,7 @@ class Reconciler:
             await self.on_converged(self, want, node)
         self.stats.last_duration = time.monotonic() - start
         self.stats.total_duration += self.stats.last_duration
+        self.reconciled_node = node
         self.last_reconcile_at = self.heartbeat = self.clock()
         return want
 

@@ -91,12 +91,16 @@ class AgentStatus:
     loop_heartbeat_at: float | None = None
     counters: Mapping[str, float] = field(default_factory=dict)
     startup_complete: bool = False
+    stopping: bool = False                    # shutdown has begun: rules and tailscaled are going away
+    reconciled_ips: tuple[str, ...] | None = None   # the tailnet IPs the last finished pass made rules for
 
     def __post_init__(self) -> None:
         # Copy and freeze so that the agent mutating its own counters dict later cannot change a snapshot.
         object.__setattr__(self, "counters", MappingProxyType(dict(self.counters)))
         object.__setattr__(self, "targets", tuple(self.targets))
         object.__setattr__(self, "tailnet_ips", tuple(str(ip) for ip in self.tailnet_ips))
+        if self.reconciled_ips is not None:
+            object.__setattr__(self, "reconciled_ips", tuple(str(ip) for ip in self.reconciled_ips))
 
     def netmap_age_s(self, now: float) -> float | None:
         """Seconds since the last netmap; None if none was seen yet."""
@@ -119,6 +123,8 @@ class AgentStatus:
     def ready(self, now: float, max_stall: float = 30.0) -> tuple[bool, list[str]]:
         """(ready, reasons it is not). Reasons are short human-readable lines, one per problem."""
         reasons: list[str] = []
+        if self.stopping:
+            reasons.append("the agent is shutting down")
         if self.backend_state != "Running":
             reasons.append(f"tailscaled backend state is {self.backend_state}, not Running")
         elif not self.tailnet_ips:
@@ -127,6 +133,10 @@ class AgentStatus:
             # The node can be Running before the first pass has computed any target: no known target is "not
             # computed yet", never "nothing to wait for".
             reasons.append("the first reconcile has not finished yet")
+        elif self.reconciled_ips is not None and set(self.reconciled_ips) != set(self.tailnet_ips) \
+                and any(t.gates_readiness for t in self.targets):
+            # The bus reported new addresses; the rules still match the old ones until the next pass ends.
+            reasons.append("the node's tailnet addresses changed; forwarding rules are being updated")
         if not self.live(now, max_stall):
             reasons.append(f"agent loop stalled for {self.stall_s(now):.0f}s")
         for t in self.targets:
@@ -150,6 +160,7 @@ class AgentStatus:
             "healthy": self.healthy(),
             "live": self.live(now),
             "startup_complete": self.startup_complete,
+            "stopping": self.stopping,
             "backend_state": self.backend_state,
             "tailnet_ips": list(self.tailnet_ips),
             "netmap_age_s": _num(self.netmap_age_s(now)),

@@ -114,3 +114,60 @@ async def test_services_follow_the_config_and_use_only_the_firewalls_families():
     rec.set_services(ps.ServicesInput(egress=ps.EgressConfig()))
     await rec.reconcile_once()
     assert fw.applied[-1].port_maps == ()
+
+
+async def test_the_idle_loop_beats_but_a_stuck_pass_does_not(monkeypatch):
+    """Liveness: an idle loop beats every few seconds (so a late 30 s resync timer cannot fail /livez), while
+    a pass stuck in the firewall adapter stops the beat so that /livez reports the stall."""
+    import asyncio
+    import threading
+
+    import containerboot.reconcile as reconcile_mod
+
+    monkeypatch.setattr(reconcile_mod, "HEARTBEAT_INTERVAL", 0.01)
+    now = [1000.0]
+    release = threading.Event()
+
+    class StuckFirewall(FakeFirewall):
+        stuck = False
+
+        def apply(self, rules):
+            if self.stuck:
+                release.wait(5)
+            super().apply(rules)
+
+    fw = StuckFirewall()
+    rec = Reconciler(load({"TS_USERSPACE": "false", "TS_DEST_IP": "10.0.0.7"}), fw, clock=lambda: now[0])
+    task = asyncio.create_task(rec.run())
+    try:
+        rec.set_node(node("100.64.0.5"))
+        now[0] = 1100.0
+        await asyncio.sleep(0.1)
+        assert rec.heartbeat == 1100.0 and rec.reconciled_node is not None
+        now[0] = 1150.0                    # idle: no pass runs, only the beat can move the heartbeat
+        await asyncio.sleep(0.1)
+        assert rec.heartbeat == 1150.0
+        fw.stuck = True
+        rec.poke(force=True)
+        await asyncio.sleep(0.05)          # the pass is now blocked in apply
+        started = rec.heartbeat
+        now[0] = 1200.0
+        await asyncio.sleep(0.1)
+        assert rec.heartbeat == started, "a stuck pass must not look alive"
+        release.set()
+        await asyncio.sleep(0.1)
+        assert rec.heartbeat == 1200.0
+    finally:
+        release.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_node_snapshot_of_the_last_pass_is_kept():
+    rec = Reconciler(load({"TS_USERSPACE": "false", "TS_DEST_IP": "10.0.0.7"}), FakeFirewall())
+    assert rec.reconciled_node is None
+    first = node("100.64.0.5")
+    rec.set_node(first)
+    await rec.reconcile_once()
+    rec.set_node(node("100.64.0.6"))       # the bus moved on; the rules still match the first snapshot
+    assert rec.reconciled_node == first

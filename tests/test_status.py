@@ -49,6 +49,22 @@ def test_not_ready_before_the_first_reconcile_even_without_targets() -> None:
     assert running().ready(NOW) == (True, [])
 
 
+def test_not_ready_while_shutting_down() -> None:
+    st = running(stopping=True)
+    assert st.ready(NOW) == (False, ["the agent is shutting down"])
+    assert st.to_json(NOW)["stopping"] is True
+
+
+def test_not_ready_while_the_rules_still_match_old_tailnet_addresses() -> None:
+    dest = TargetStatus("dest", "dest-ip", ("10.0.0.1",), True, "", NOW)
+    st = running(targets=(dest,), reconciled_ips=("100.64.0.9",))
+    assert st.ready(NOW) == (False, ["the node's tailnet addresses changed; forwarding rules are being updated"])
+    # Same addresses in another order: nothing to wait for.
+    assert running(targets=(dest,), reconciled_ips=("fd7a:115c:a1e0::1", "100.64.0.1")).ready(NOW) == (True, [])
+    # No target has rules that depend on the addresses: a change does not matter.
+    assert running(reconciled_ips=("100.64.0.9",)).ready(NOW) == (True, [])
+
+
 def test_netmap_age_does_not_gate_readiness() -> None:
     st = running(netmap_seen_at=NOW - 3600)
     assert st.ready(NOW)[0]

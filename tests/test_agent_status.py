@@ -1,0 +1,92 @@
+"""What the agent reports while its parts come up and go down (the inputs of /readyz and /status).
+
+Each case is a moment the IPN bus, the reconciler and the serve loop are out of step; /readyz must answer from
+the slowest of them, never from a default that looks like "nothing to wait for"."""
+from __future__ import annotations
+
+import asyncio
+
+from containerboot.agent import Agent
+from containerboot.reconcile import Reconciler
+from containerboot.settings import load
+from containerboot.state import NodeState, apply_notify
+from containerboot.status import ServeStatus
+
+
+def running_node(*ips: str, cert_domain: str = "p.tailnet.test") -> NodeState:
+    init = {"BackendState": "Running", "CertDomains": [cert_domain],
+            "Self": {"ID": "n1", "NodeID": 1, "DNSName": "p.tailnet.test.", "TailscaleIPs": list(ips)}}
+    return apply_notify(NodeState(), {"InitialStatus": init}, 1.0)
+
+
+def agent_with(env: dict[str, str]) -> Agent:
+    a = Agent(load(env), env)
+    a.reconciler = Reconciler(a.s, None)
+    return a
+
+
+async def test_not_ready_before_the_first_serve_apply(tmp_path):
+    env = {"TS_SERVE_CONFIG": str(tmp_path / "serve.json")}
+    a = agent_with(env)
+    a.reconciler.set_node(running_node("100.64.0.5"))
+    await a.reconciler.reconcile_once()
+    ok, reasons = a.status().ready(a.status().started_at + 1)
+    assert not ok and reasons == ["serve config not applied: waiting for the first apply"]
+    a.serve_status = ServeStatus(applied=True)
+    st = a.status()
+    assert st.ready(st.started_at + 1) == (True, [])
+
+
+async def test_without_serve_config_nothing_waits_for_serve():
+    a = agent_with({})
+    a.reconciler.set_node(running_node("100.64.0.5"))
+    await a.reconciler.reconcile_once()
+    st = a.status()
+    assert st.serve is None and st.ready(st.started_at + 1) == (True, [])
+
+
+async def test_not_ready_once_shutdown_begins():
+    a = agent_with({})
+    a.reconciler.set_node(running_node("100.64.0.5"))
+    await a.reconciler.reconcile_once()
+    await a._shutdown()
+    st = a.status()
+    assert st.ready(st.started_at + 1) == (False, ["the agent is shutting down"])
+
+
+async def test_the_serve_loop_starts_with_the_cert_domain_of_the_self_node(tmp_path, monkeypatch):
+    """The serve loop must not start before the bus has told the agent who it is: its first apply would use
+    "no-https" (and publish it as https_endpoint) instead of the node's cert domain."""
+    import serveconfig.apply as apply_mod
+
+    started: list[str] = []
+
+    class RecordingLoop:
+        def __init__(self, path, applier, *, cert_domain, on_result):
+            started.append(cert_domain)
+
+        async def run(self):
+            await asyncio.sleep(3600)
+
+    class NoCerts:
+        def __init__(self, *a, **kw):
+            pass
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(apply_mod, "ServeLoop", RecordingLoop)
+    monkeypatch.setattr(apply_mod, "CertManager", NoCerts)
+    a = agent_with({"TS_SERVE_CONFIG": str(tmp_path / "serve.json")})
+    a.api = object()
+    task = asyncio.create_task(a._start_serve())
+    try:
+        await asyncio.sleep(0.05)
+        assert started == [], "the serve loop started before the self node was known"
+        a.reconciler.set_node(running_node("100.64.0.5"))
+        a._self_node_known.set()     # what _watch_bus does once a notification carries the self node
+        await asyncio.sleep(0.05)
+        assert started == ["p.tailnet.test"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
