@@ -455,8 +455,10 @@ def _udp_nat_targets(proxy: NS, v: int) -> list[str]:
 
 
 def _flow(client: NS, proxy: NS, v: int) -> list[str]:
-    """Send from UDP port 40123 until conntrack shows the flow (fresh links need a moment for ND/DAD)."""
-    deadline = time.monotonic() + 5
+    """Send from UDP port 40123 until conntrack shows the flow (fresh links need a moment for ND/DAD).
+
+    Each try spawns two processes (sender, conntrack dump): on a loaded machine that alone can take seconds."""
+    deadline = time.monotonic() + 20
     while True:
         _send_udp(client, v, 40123)
         time.sleep(0.2)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from labtools.lab import wait_until
 from tests.support.prometheus import parse_prometheus, sample
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -64,22 +65,39 @@ def test_serve_config_routes_reroutes_and_survives_a_broken_file(lab, lab_backen
 
     wait_body(lab_backend.marker, 45)
     write_atomically(path, serve_doc(host, "http://10.98.0.2:8081"))
-    took = wait_body(second.marker, 15)
+    took = wait_body(second.marker, 30)
     print(f"rerouted {took:.2f}s after the edit")
 
+    def invalid_applies() -> float:
+        code, metrics = local_get(lab, "/metrics")
+        assert code == 200, metrics
+        try:
+            return sample(parse_prometheus(metrics), "containerboot_serve_config_applies_total", result="invalid")
+        except KeyError:
+            return 0.0   # never counted yet
+
+    def serve_error() -> str:
+        code, status = local_get(lab, "/status")
+        assert code == 200, status
+        return (json.loads(status).get("serve") or {}).get("last_error") or ""
+
+    invalid_before = invalid_applies()
+    seen = len(agent.log_text())
     with open(path, "w") as f:
         f.write('{"TCP": {"80": ')  # a half-written, broken file
-    agent.wait_for_log("serve", timeout=10)
-    time.sleep(2)
+    # Assert only once the agent has processed the broken file: it logs the parse error, and /status carries
+    # it once that round (which re-applies the last good config) has finished.
+    wait_until(lambda: "serve proxy: invalid serve config" in agent.log_text()[seen:] or not agent.running(),
+               30, 0.1, "the agent to log the invalid serve config")
+    assert agent.running(), "a broken serve config file must not stop the agent"
+    wait_until(lambda: "invalid serve config" in serve_error(), 30, 0.2, "/status to report the invalid serve config")
     assert second.marker in get(), "the last good route must stay in force"
     assert agent.running()
+    assert invalid_applies() > invalid_before
     code, metrics = local_get(lab, "/metrics")
     assert code == 200
-    fams = parse_prometheus(metrics)
-    assert sample(fams, "containerboot_serve_config_applies_total", result="invalid") >= 1
+    parse_prometheus(metrics)   # valid exposition text
     assert "tailscaled_" in metrics  # tailscaled's own user metrics are served too
-    code, status = local_get(lab, "/status")
-    assert code == 200 and json.loads(status)["serve"]["last_error"]
 
 
 def test_readyz_follows_whether_traffic_can_flow(lab, lab_backend, start_agent):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -15,19 +16,33 @@ from containerboot.localapi import FIRST_WATCH_MASK, LocalAPI, LocalAPIError
 HERE = os.path.dirname(__file__)
 
 
+def _accepts(sock: str) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(sock)
+        except OSError:
+            return False
+    return True
+
+
 @pytest.fixture
 def fake(tmp_path):
     sock = str(tmp_path / "ts.sock")
     env = dict(os.environ, FAKE_TS_DIR=str(tmp_path), FAKE_TS_INITIAL="NeedsLogin")
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "support", "fake_tailscaled.py"),
                              f"--socket={sock}"], env=env)
-    for _ in range(100):
-        if os.path.exists(sock):
-            break
-        time.sleep(0.05)
-    yield sock, tmp_path
-    proc.terminate()
-    proc.wait(5)
+    try:
+        # Ready when the socket accepts connections (it exists a moment before the server listens on it).
+        # A bare connect sends no request, so it leaves no line in requests.log.
+        end = time.monotonic() + 20
+        while not _accepts(sock):
+            assert proc.poll() is None, f"the fake tailscaled exited with status {proc.returncode}"
+            assert time.monotonic() < end, "the fake tailscaled's socket never accepted connections"
+            time.sleep(0.05)
+        yield sock, tmp_path
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def requests(tmp_path):
@@ -52,22 +67,32 @@ async def test_watch_ipn_bus_streams_notifies(fake):
     sock, _ = fake
     api = LocalAPI(sock)
     seen = []
+    watching = asyncio.Event()
 
-    async def login_later():
-        await asyncio.sleep(0.2)
+    async def login_once_watching():
+        # Log in only after the watch has delivered its first notification: from then on the fake streams
+        # every state change to it, so the login below is observed, however slow the machine.
+        await watching.wait()
         r, w = await asyncio.open_unix_connection(sock)
         w.write(b"POST /localapi/v0/fake/login HTTP/1.1\r\nHost: local-tailscaled.sock\r\nContent-Length: 0\r\n\r\n")
         await w.drain()
-        await r.readline()
+        assert (await r.readline()).startswith(b"HTTP/1.1 200")
         w.close()
+        await w.wait_closed()
 
-    task = asyncio.create_task(login_later())
-    async with asyncio.timeout(10):
-        async for n in api.watch_ipn_bus(FIRST_WATCH_MASK):
-            seen.append(n)
-            if n.get("SelfChange"):
-                break
-    await task
+    task = asyncio.create_task(login_once_watching())
+    try:
+        async with asyncio.timeout(20):
+            async for n in api.watch_ipn_bus(FIRST_WATCH_MASK):
+                seen.append(n)
+                watching.set()
+                if n.get("SelfChange"):
+                    break
+            await task
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
     assert seen[0]["InitialStatus"]["BackendState"] == "NeedsLogin"
     assert {"State": 6} in seen
     assert seen[-1]["SelfChange"]["Addresses"][0] == "100.64.0.5/32"

@@ -10,11 +10,15 @@ Knobs (environment):
   FAKE_TS_DIR        directory for records (required)
   FAKE_TS_INITIAL    initial backend state name
   FAKE_TS_IPS        comma-separated tailnet IPs of the self node (default 100.64.0.5,fd7a:115c:a1e0::5)
-  FAKE_TS_DIE_AFTER  exit with status 3 this many seconds after reaching Running
-  FAKE_TS_LOGOUT_AFTER  go to NeedsLogin this many seconds after starting
   FAKE_TS_NO_SOCKET  never create the socket (to test the boot timeout)
   FAKE_TS_CONFIG_REWRITE  write this text to the --config file right after start (an operator's rewrite
-                     landing while the agent boots, after tailscaled has read the old text)
+                     landing while the agent boots, after tailscaled has read the old text); written to a
+                     temporary file and renamed into place, as kubelet does
+
+Triggers (signals, sent by the test when it is ready for them, never on a timer; the pid is in
+FAKE_TS_DIR/tailscaled.pid, written after the handlers are installed):
+  SIGUSR1            the backend goes to NeedsLogin (a logout)
+  SIGUSR2            exit with status 3 (a crash)
 """
 from __future__ import annotations
 
@@ -60,8 +64,6 @@ class Backend:
                     "ID": 1, "StableID": "nStable1", "Name": "proxy.tailnet.test.", "Key": "nodekey:01",
                     "Addresses": [f"{ip}/{128 if ':' in ip else 32}" for ip in self.ips]}})
             self.lock.notify_all()
-        if state == "Running" and os.environ.get("FAKE_TS_DIE_AFTER"):
-            threading.Timer(float(os.environ["FAKE_TS_DIE_AFTER"]), lambda: os._exit(3)).start()
 
 
 BACKEND: Backend
@@ -190,18 +192,23 @@ def main() -> None:
     with open(os.path.join(record_dir, "tailscaled.argv"), "w") as f:
         json.dump(sys.argv[1:], f)
     sock = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--socket="))
-    with open(os.path.join(record_dir, "tailscaled.pid"), "w") as f:
-        f.write(str(os.getpid()))
     BACKEND = Backend(record_dir)
+    # Test-driven triggers. The handler runs in the main thread (inside serve_forever's select); the state
+    # change takes the backend lock, so it is handed to a thread of its own.
+    signal.signal(signal.SIGUSR1,
+                  lambda *_: threading.Thread(target=BACKEND.set_state, args=("NeedsLogin",)).start())
+    signal.signal(signal.SIGUSR2, lambda *_: os._exit(3))
+    pid_tmp = os.path.join(record_dir, ".tailscaled.pid.tmp")
+    with open(pid_tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(pid_tmp, os.path.join(record_dir, "tailscaled.pid"))  # never seen empty or half-written
     rewrite = os.environ.get("FAKE_TS_CONFIG_REWRITE")
     config = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--config=")), None)
     if rewrite and config:
-        with open(config, "w") as f:
+        tmp = os.path.join(os.path.dirname(config), ".fake-tailscaled-rewrite.tmp")
+        with open(tmp, "w") as f:
             f.write(rewrite)
-    if BACKEND.state == "Running" and os.environ.get("FAKE_TS_DIE_AFTER"):
-        threading.Timer(float(os.environ["FAKE_TS_DIE_AFTER"]), lambda: os._exit(3)).start()
-    if os.environ.get("FAKE_TS_LOGOUT_AFTER"):
-        threading.Timer(float(os.environ["FAKE_TS_LOGOUT_AFTER"]), lambda: BACKEND.set_state("NeedsLogin")).start()
+        os.replace(tmp, config)
     if os.environ.get("FAKE_TS_NO_SOCKET"):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         while True:
