@@ -30,6 +30,10 @@ log = logging.getLogger("containerboot")
 #: Time allowed for the whole shutdown; Kubernetes' default grace period is 30 s.
 SHUTDOWN_BUDGET = 25.0
 
+#: ProxyGroup: how long the first reconcile waits for the services files' first read (a local file: normally
+#: milliseconds; the bound keeps a stuck mount from holding back the node's own rules).
+INPUTS_FIRST_READ_WAIT = 10.0
+
 T = TypeVar("T")
 
 
@@ -384,8 +388,10 @@ class Agent:
                 log.error("tailscaled config watch: tailscaled did not reload its config: %s "
                           "(the previous config stays in force)", doc.get("Err") or "no reason given")
 
-    async def _watch_services(self, which: str) -> None:
-        """Follow one ProxyGroup services file; a broken file is reported and the last good config stays."""
+    async def _watch_services(self, which: str, first_read: asyncio.Event | None = None) -> None:
+        """Follow one ProxyGroup services file; a broken file is reported and the last good config stays.
+
+        `first_read` is set once the file's first content (or its absence) has been handed to the reconciler."""
         from dataclasses import replace
 
         from serveconfig.watch import watch_file
@@ -405,6 +411,8 @@ class Agent:
             except ps.ConfigError as e:
                 log.error("%s services: %s; the last good configuration stays in force", which, e)
                 rec.set_services(replace(rec.services, **{f"{which}_error": str(e)}))
+                if first_read is not None:
+                    first_read.set()
                 continue
             for _name, problem in cfg.problems:
                 if problem not in reported:
@@ -412,6 +420,22 @@ class Agent:
             reported = tuple(p for _n, p in cfg.problems)
             log.info("%s services: %d configured", which, len(cfg.services))
             rec.set_services(replace(rec.services, **{which: cfg, f"{which}_error": ""}))
+            if first_read is not None:
+                first_read.set()
+
+    async def _run_reconciler(self, first_reads: list[asyncio.Event]) -> None:
+        """Start the reconcile loop once every input file has been read once (bounded), so that the first pass,
+        "Startup complete" and the Secret's device keys already account for the ProxyGroup services."""
+        assert self.reconciler is not None
+        if first_reads:
+            try:
+                async with asyncio.timeout(INPUTS_FIRST_READ_WAIT):
+                    for ev in first_reads:
+                        await ev.wait()
+            except TimeoutError:
+                log.warning("the services config files were not read within %gs; starting without them, they "
+                            "are applied as soon as they are read", INPUTS_FIRST_READ_WAIT)
+        await self.reconciler.run()
 
     async def _after_login(self) -> None:
         if self.s.auth_once_mode:
@@ -441,9 +465,12 @@ class Agent:
                                      on_converged=self._on_converged,
                                      before_rules=self._before_rules)
         fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        first_reads = {which: asyncio.Event() for which, path in (("egress", self.s.egress_proxies_config_path),
+                                                                   ("ingress", self.s.ingress_proxies_config_path))
+                       if path}
         self._tasks = [
             asyncio.create_task(self._watch_bus(fatal), name="ipn-bus"),
-            asyncio.create_task(self.reconciler.run(), name="reconcile"),
+            asyncio.create_task(self._run_reconciler(list(first_reads.values())), name="reconcile"),
             asyncio.create_task(self._watch_tailscaled(fatal), name="tailscaled-exit"),
         ]
         if self.s.serve_config:
@@ -452,10 +479,12 @@ class Agent:
             self._tasks.append(asyncio.create_task(self._watch_config_file(), name="tailscaled-config"))
         if self.s.egress_proxies_config_path:
             log.info("configuring egress proxy using configuration file at %s", self.s.egress_proxies_config_path)
-            self._tasks.append(asyncio.create_task(self._watch_services("egress"), name="egress-services"))
+            self._tasks.append(asyncio.create_task(self._watch_services("egress", first_reads["egress"]),
+                                                   name="egress-services"))
         if self.s.ingress_proxies_config_path:
             log.info("configuring ingress proxy using configuration file at %s", self.s.ingress_proxies_config_path)
-            self._tasks.append(asyncio.create_task(self._watch_services("ingress"), name="ingress-services"))
+            self._tasks.append(asyncio.create_task(self._watch_services("ingress", first_reads["ingress"]),
+                                                   name="ingress-services"))
         if self.s.dest_dns_name:
             from .dns import Resolver, watch_name
             self._tasks.append(asyncio.create_task(

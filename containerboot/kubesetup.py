@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from containerboot import secretstate
+from containerboot.aio import wait_event
 from containerboot.kube import KubeClient, KubeError, rbac_hint
 from containerboot.redact import redact
 
@@ -138,10 +139,7 @@ async def await_reissued_authkey(read_authkey: Callable[[], str], old_key: str, 
             await asyncio.sleep(wait)
             log.info("Waiting for new auth key from operator (%s elapsed)", _fmt_duration(time.monotonic() - start))
         else:
-            try:
-                await asyncio.wait_for(changed.wait(), wait)
-            except (asyncio.TimeoutError, TimeoutError):
-                pass
+            await wait_event(changed, wait)
             changed.clear()
 
 

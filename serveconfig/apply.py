@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from containerboot.aio import wait_event
 from containerboot.redact import redact
 from containerboot.status import ServeStatus
 from serveconfig.model import (
@@ -534,10 +535,7 @@ class ServeLoop:
                     if asyncio.iscoroutine(out):
                         await out
                 timeout = self._error_retry if (res.error and not res.invalid) else self._resync
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
+                await wait_event(self._wake, timeout)
         finally:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)

@@ -22,9 +22,14 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
+from containerboot.aio import wait_event
+
 log = logging.getLogger("containerboot")
 
 __all__ = ["watch_file", "read_text"]
+
+#: inotify events that cannot change content (watchdog reports opens and read-only closes too).
+_READ_ONLY_EVENTS = frozenset({"opened", "closed_no_write"})
 
 
 def read_text(path: str) -> str | None:
@@ -62,6 +67,8 @@ class _DirWatch:
 
         class _Handler(FileSystemEventHandler):
             def on_any_event(self, event) -> None:   # runs in the observer thread
+                if event.event_type in _READ_ONLY_EVENTS:
+                    return   # our own re-read opens and closes the file: waking on that would loop forever
                 try:
                     loop.call_soon_threadsafe(wake.set)
                 except RuntimeError:   # loop closed during shutdown
@@ -145,12 +152,8 @@ async def watch_file(path: str, poll_interval: float = 5.0, *, resync_interval: 
         yield last
         while True:
             interval = resync_interval if (watch is not None and watch.running) else poll_interval
-            try:
-                await asyncio.wait_for(wake.wait(), interval)
-                if debounce > 0:
-                    await asyncio.sleep(debounce)
-            except asyncio.TimeoutError:
-                pass
+            if await wait_event(wake, interval) and debounce > 0:
+                await asyncio.sleep(debounce)
             wake.clear()
             await asyncio.to_thread(ensure_watch)
             cur = await asyncio.to_thread(read_text, path)

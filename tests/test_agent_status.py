@@ -90,3 +90,54 @@ async def test_the_serve_loop_starts_with_the_cert_domain_of_the_self_node(tmp_p
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def _pg_agent(tmp_path) -> Agent:
+    d = tmp_path / "egress"
+    d.mkdir()
+    return agent_with({"TS_USERSPACE": "false", "TS_EGRESS_PROXIES_CONFIG_PATH": str(d),
+                       "KUBERNETES_SERVICE_HOST": "10.96.0.1", "TS_KUBE_SECRET": "proxy-0"})
+
+
+async def test_the_first_pass_waits_for_the_services_files_first_read(tmp_path, monkeypatch):
+    """ProxyGroup: the reconcile loop starts only once the services files were read, so the first pass (and
+    "Startup complete") already includes the services; a file that is never read only delays it a bounded time."""
+    import containerboot.agent as agent_mod
+
+    a = _pg_agent(tmp_path)
+    runs: list[bool] = []
+
+    async def fake_run():
+        runs.append(True)
+
+    monkeypatch.setattr(a.reconciler, "run", fake_run)
+    ev = asyncio.Event()
+    task = asyncio.create_task(a._run_reconciler([ev]))
+    await asyncio.sleep(0.05)
+    assert runs == [], "the reconcile loop started before the services file was read"
+    ev.set()
+    await asyncio.wait_for(task, 1)
+    assert runs == [True]
+
+    monkeypatch.setattr(agent_mod, "INPUTS_FIRST_READ_WAIT", 0.05)
+    await asyncio.wait_for(a._run_reconciler([asyncio.Event()]), 1)   # never read: starts anyway
+    assert runs == [True, True]
+
+
+async def test_the_services_watcher_reports_its_first_read_whatever_the_file_holds(tmp_path):
+    a = _pg_agent(tmp_path)
+    for content in (None, "{not json", '{"svc": {"tailnetTarget": {"ip": "100.64.0.9"}, '
+                                         '"ports": [{"protocol": "TCP", "matchPort": 80, "targetPort": 80}]}}'):
+        path = tmp_path / "egress" / "egress-services"
+        if content is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(content)
+        ev = asyncio.Event()
+        task = asyncio.create_task(a._watch_services("egress", ev))
+        try:
+            await asyncio.wait_for(ev.wait(), 10)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert a.reconciler.services.egress is not None and [s.name for s in a.reconciler.services.egress.services] == ["svc"]

@@ -199,3 +199,44 @@ async def test_close_stops_observer_thread(tmp_path: Path) -> None:
             break
         await asyncio.sleep(0.05)
     assert len(watchdog_threads()) <= before
+
+
+async def test_reading_the_file_does_not_wake_the_watcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening and closing the file without writing (the watcher's own re-read, or anyone else's) is no change:
+    before this was filtered, every re-read caused the next one and the watcher read the file 20 times a second
+    for the life of the agent. Other readers' opens count the same."""
+    reads = [0]
+    real = watchmod.read_text
+
+    def counting(path: str):
+        reads[0] += 1
+        return real(path)
+
+    monkeypatch.setattr(watchmod, "read_text", counting)
+    p = tmp_path / "f"
+    p.write_text("x")
+    seen: list[str | None] = []
+
+    async def consume() -> None:
+        async for text in watch_file(str(p), resync_interval=NO_RESYNC):
+            seen.append(text)
+
+    async def until(pred, timeout: float = 5.0) -> None:
+        end = asyncio.get_running_loop().time() + timeout
+        while not pred():
+            assert asyncio.get_running_loop().time() < end, f"timed out; seen {seen}"
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(consume())
+    try:
+        await until(lambda: seen == ["x"])
+        for _ in range(3):
+            p.read_text()                      # someone else reads it
+        await asyncio.sleep(1.0)
+        assert reads[0] <= 2, f"the watcher re-read an unchanged file {reads[0]} times in 1 s"
+        assert seen == ["x"]
+        p.write_text("y")                      # a real change still wakes it
+        await until(lambda: seen[-1] == "y")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
