@@ -631,6 +631,31 @@ logtail:
                 count += 1
         return count
 
+    def reset_proxy(self, agents: Iterable["AgentProcess"], hostnames: Iterable[str]) -> list[str]:
+        """Test teardown: stop the agents, empty the proxy namespace, drop its firewall and forwarding, delete
+        the nodes ``hostnames`` from headscale. Returns the problems met (each step is tried whatever the
+        previous one did)."""
+        problems = []
+        for a in agents:
+            try:
+                a.stop(signal.SIGTERM, 30)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"stop agent: {e}")
+        if self.wait_ns_empty("proxy", 10):
+            problems.append(f"killed leftovers in proxy: {self.kill_ns_leftovers('proxy')}")
+        try:
+            self.flush_firewall("proxy")
+            for key in ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"):
+                self.exec("proxy", ["sh", "-c", f"echo 0 > /proc/sys/{key}"], timeout=10)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"reset proxy: {e}")
+        for hostname in dict.fromkeys(hostnames):
+            try:
+                self.delete_node(hostname)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"delete node {hostname}: {e}")
+        return problems
+
     def approve_routes(self, hostname: str, routes: Iterable[str], timeout: float = 30.0) -> dict:
         """Approve ``routes`` for the node ``hostname`` (waits for it to register first)."""
         node = wait_until(lambda: self.hs_node(hostname), timeout, 0.3, f"node {hostname} in headscale")

@@ -51,7 +51,6 @@ def proxy_lab(topology) -> nettopo.ProxyLab:
 # packet-level fixtures above (a test module's own `lab`/`backend` fixtures override these, as usual).
 # ==========================================================================================================
 import shutil as _lt_shutil  # noqa: E402
-import signal as _lt_signal  # noqa: E402
 import subprocess as _lt_subprocess  # noqa: E402
 import time as _lt_time  # noqa: E402
 from pathlib import Path as _LtPath  # noqa: E402
@@ -138,26 +137,7 @@ def start_agent(lab, request):
         return a
 
     yield make
-    problems = []
-    for a in started:
-        try:
-            a.stop(_lt_signal.SIGTERM, 30)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"stop: {e}")
-    left = lab.wait_ns_empty("proxy", 10)
-    if left:
-        problems.append(f"killed leftover pids in proxy ns: {lab.kill_ns_leftovers('proxy')}")
-    try:
-        lab.flush_firewall("proxy")
-        for key in ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"):
-            lab.exec("proxy", ["sh", "-c", f"echo 0 > /proc/sys/{key}"], timeout=10)
-    except Exception as e:  # noqa: BLE001
-        problems.append(f"reset proxy ns: {e}")
-    for a in started:
-        try:
-            lab.delete_node(a.hostname)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"delete node {a.hostname}: {e}")
+    problems = lab.reset_proxy(started, [a.hostname for a in started])
     if problems:
         print("labtools start_agent teardown:", "; ".join(problems))
 

@@ -218,27 +218,3 @@ def start_pod_agent(lab: Lab, api: KubeAPI, env: Mapping[str, str], agent_cmd: S
 
 def hs_nodes_named(lab: Lab, hostname: str) -> list[dict]:
     return [n for n in lab.hs_nodes() if n.get("name") == hostname or n.get("given_name") == hostname]
-
-
-def reset_proxy(lab: Lab, agents: Sequence[AgentProcess]) -> list[str]:
-    """Test teardown: stop the agents, empty the proxy namespace, drop its firewall and forwarding, delete the
-    proxy node from headscale. Returns the problems met (each step is tried whatever the previous did)."""
-    problems = []
-    for a in agents:
-        try:
-            a.stop(timeout=30)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"stop agent: {e}")
-    if lab.wait_ns_empty("proxy", 10):
-        problems.append(f"killed leftovers in proxy: {lab.kill_ns_leftovers('proxy')}")
-    try:
-        lab.flush_firewall("proxy")
-        for key in ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"):
-            lab.exec("proxy", ["sh", "-c", f"echo 0 > /proc/sys/{key}"], timeout=10)
-    except Exception as e:  # noqa: BLE001
-        problems.append(f"reset proxy: {e}")
-    try:
-        lab.delete_node("proxy")
-    except Exception as e:  # noqa: BLE001
-        problems.append(f"delete node: {e}")
-    return problems

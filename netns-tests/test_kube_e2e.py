@@ -56,7 +56,7 @@ def kube(lab, request):
             return a
 
     yield K()
-    problems = kubelab.reset_proxy(lab, agents)
+    problems = lab.reset_proxy(agents, ["proxy"])
     for a in apis:
         a.stop()
     if problems:

@@ -384,7 +384,7 @@ def proxygroup(lab, lab_backend, client_target, name: str, mode: str, agent_cmd=
         yield PG(lab, mode, api, agent, egress_dir, ingress_dir, client_target, lab_backend, client_v4, client_v6,
                  fqdn, proxy_v4, proxy_v6, ecfg, icfg)
     finally:
-        problems = kubelab.reset_proxy(lab, [agent] if agent is not None else [])
+        problems = lab.reset_proxy([agent] if agent is not None else [], ["proxy"])
         api.stop()
         if problems:
             print("test_proxygroup_e2e teardown:", "; ".join(problems))
