@@ -32,11 +32,9 @@ def boot_once(lab: Lab, agent_cmd: list[str] | None, env: dict[str, str], marker
         lab.wait_curl("client", lab.url(proxy_v4, 8080, "/?bench"), marker, timeout=30)
         return elapsed
     finally:
-        agent.stop()
-        lab.wait_ns_empty("proxy", 15)
-        lab.kill_ns_leftovers("proxy")
-        lab.flush_firewall("proxy")
-        lab.delete_node(agent.hostname)
+        problems = lab.reset_proxy([agent], [agent.hostname])
+        if problems:
+            print("teardown:", "; ".join(problems), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
