@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from .redact import redact
+from tscommon.redact import redact
 
 
 class _RedactingFormatter(logging.Formatter):

@@ -18,7 +18,7 @@ from . import tailscaled as ts
 from .desired import Desired
 from .localapi import FIRST_WATCH_MASK, WATCH_MASK, LocalAPI, LocalAPIError
 from .reconcile import Reconciler
-from .redact import redact, register
+from tscommon.redact import redact, register
 from .settings import Settings
 from .state import NodeState, apply_notify, carries_netmap, notify_backend_state, with_dns_config
 
@@ -173,8 +173,8 @@ class Agent:
             return
         from dataclasses import replace
 
-        from .kube import KubeClient, KubeError
-        from .kubestate import KubeSetupError, SecretState
+        from .kube.client import KubeClient, KubeError
+        from .kube.state import KubeSetupError, SecretState
         try:
             client = KubeClient.from_environment(self.env, root=s.root, url=s.kube_api_url)
         except KubeError as e:
@@ -349,7 +349,7 @@ class Agent:
     async def _reissue(self, reason: str) -> None:
         """Ask the operator for a new auth key and wait for it; the agent then exits 0 to restart with it."""
         from .conffile import authkey_from_config
-        from .kubesetup import reissue_flow
+        from .kube.setup import reissue_flow
 
         assert self.secret is not None and self.api is not None
         log.info("%s", reason)
@@ -448,7 +448,7 @@ class Agent:
             except RuntimeError as e:
                 raise AgentError(f"failed to auth tailscale: tailscale set failed: {e}") from None
         if self.s.auth_once_mode and self.kube_store and self.secret is not None:
-            from .kubestate import KubeSetupError
+            from .kube.state import KubeSetupError
             try:
                 await self.secret.delete_authkey(time.monotonic() + 30)
             except KubeSetupError as e:
@@ -562,7 +562,7 @@ class Agent:
     async def _on_serve_result(self, res) -> None:
         self.serve_status = res.status()
         if self.kube_store and self.secret is not None and res.https_endpoint is not None:
-            from . import secretstate as ss
+            from .kube import secretstate as ss
             await self.secret.sync(ss.https_endpoint_patch(res.https_endpoint))
 
     async def _watch_tailscaled(self, fatal: asyncio.Future) -> None:
@@ -575,7 +575,7 @@ class Agent:
         """The device ID goes to the Secret before any rule, so the operator can always clean the device up."""
         me = node.self_node
         if self.kube_store and self.secret is not None and me is not None and me.stable_id:
-            from . import secretstate as ss
+            from .kube import secretstate as ss
             # A login that got this far worked: the reissue rate limit starts over.
             await self.secret.sync({**ss.device_id_patch(me), **ss.reissue_reset_patch()})
 
@@ -583,7 +583,7 @@ class Agent:
         me = node.self_node
         routed = me is not None and bool(node.tailnet_ips) and (self.firewall is None or rec.ready_to_serve(want))
         if self.kube_store and self.secret is not None and routed:
-            from . import secretstate as ss
+            from .kube import secretstate as ss
             # FQDN and IPs only once traffic can flow: the operator reads them as "this proxy works".
             want_keys = {**ss.device_endpoints_patch(me.name, me.ips)}
             if self.api is not None and self.api.capver:
@@ -591,7 +591,7 @@ class Agent:
             await self.secret.sync(want_keys)
         svc = want.services
         if self.kube_store and self.secret is not None and svc is not None and rec.rules_installed_for(want):
-            from . import secretstate as ss
+            from .kube import secretstate as ss
             # Per-service records only once their rules are in: the operator routes a service to this Pod
             # when the record matches what it asked for.
             status = {}

@@ -30,7 +30,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-from containerboot.redact import redact
+from tscommon.redact import redact
 from containerboot.status import AgentStatus, escape_label_value
 
 __all__ = ["EndpointServer", "render_agent_metrics", "parse_addr_port", "Response"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from .redact import redact
+from tscommon.redact import redact
 
 HOST = "local-tailscaled.sock"
 BASE = f"http://{HOST}/localapi/v0"

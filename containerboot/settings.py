@@ -31,7 +31,7 @@ from fractions import Fraction
 from typing import Any
 
 from containerboot import conffile
-from containerboot.redact import redact
+from tscommon.redact import redact
 
 __all__ = [
     "CAPABILITY_VERSION",

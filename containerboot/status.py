@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from serveconfig.status import ServeStatus
+
 __all__ = ["TargetStatus", "ServeStatus", "AgentStatus", "sample_key", "escape_label_value"]
 
 
@@ -58,23 +60,6 @@ class TargetStatus:
         return {"name": self.name, "kind": self.kind, "resolved": list(self.resolved),
                 "rules_installed": self.rules_installed, "last_error": self.last_error,
                 "updated_at": _num(self.updated_at), "gates_readiness": self.gates_readiness}
-
-
-@dataclass(frozen=True)
-class ServeStatus:
-    """State of the serve config path (only present when TS_SERVE_CONFIG is set)."""
-
-    applied: bool = False              # the desired (or last good) config is in force in tailscaled
-    last_error: str = ""               # e.g. the validation error of a bad file; the last good config stays
-    cert_required: bool = False        # the config has HTTPS / TerminateTLS endpoints
-    cert_ready: bool = False           # every needed certificate has been obtained
-    https_endpoint: str = ""           # cert domain or "no-https" ("" before the first config)
-    advertised: tuple[str, ...] = ()   # Tailscale Services currently advertised by the agent
-
-    def to_json(self) -> dict[str, Any]:
-        return {"applied": self.applied, "last_error": self.last_error, "cert_required": self.cert_required,
-                "cert_ready": self.cert_ready, "https_endpoint": self.https_endpoint,
-                "advertised": list(self.advertised)}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .redact import redact
+from tscommon.redact import redact
 from .settings import Settings
 
 log = logging.getLogger("containerboot")

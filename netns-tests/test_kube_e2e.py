@@ -25,7 +25,7 @@ import re
 import pytest
 
 import kubelab
-from containerboot import secretstate
+from containerboot.kube import secretstate
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(300)]
 

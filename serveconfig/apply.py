@@ -39,9 +39,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from containerboot.aio import wait_event
-from containerboot.redact import redact
-from containerboot.status import ServeStatus
+from tscommon.aio import wait_event
+from tscommon.redact import redact
+from serveconfig.status import ServeStatus
 from serveconfig.model import (
     NO_HTTPS, ServeConfig, ServeConfigError, cert_domains_needed, needs_https, parse, service_cert_domains,
     service_names,

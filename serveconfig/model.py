@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
-from containerboot.redact import redact
+from tscommon.redact import redact
 
 __all__ = [
     "NO_HTTPS", "CERT_DOMAIN_TOKEN", "ServeConfigError", "FrozenDict", "TCPPortHandler", "HTTPHandler",

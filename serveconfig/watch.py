@@ -22,7 +22,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
-from containerboot.aio import wait_event
+from tscommon.aio import wait_event
 
 log = logging.getLogger("containerboot")
 

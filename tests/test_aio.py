@@ -1,11 +1,11 @@
-"""containerboot.aio.wait_event: a timed wait on an event that never swallows a cancellation."""
+"""tscommon.aio.wait_event: a timed wait on an event that never swallows a cancellation."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from containerboot.aio import wait_event
+from tscommon.aio import wait_event
 
 
 async def test_returns_whether_the_event_was_set():

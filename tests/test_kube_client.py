@@ -12,8 +12,8 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # for tests.support without pythonpath
 
-from containerboot import kube  # noqa: E402
-from containerboot.kube import KubeClient, KubeError, api_url_from_env  # noqa: E402
+from containerboot.kube import client as kube  # noqa: E402
+from containerboot.kube.client import KubeClient, KubeError, api_url_from_env  # noqa: E402
 from tests.support.kubeapi import SA_SUBDIR  # noqa: E402
 
 SECRET = "ts-state"
@@ -292,7 +292,7 @@ def test_rbac_hint():
 
 
 async def test_credentials_read_from_secret_are_registered_for_redaction(kube_api):
-    from containerboot.redact import redact
+    from tscommon.redact import redact
     hexkey = "0123456789abcdef0123456789abcdef0123456789abcdef"     # headscale-style: no tskey- prefix
     kube_api.put_secret(SECRET, {"authkey": hexkey.encode()})
     async with client(kube_api) as kc:

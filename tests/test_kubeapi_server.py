@@ -20,7 +20,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.support without pythonpath
 
-from containerboot import secretstate  # noqa: E402
+from containerboot.kube import secretstate  # noqa: E402
 from tests.support.kubeapi import (KubeAPIServer, apply_json_patch, merge_patch,  # noqa: E402
                                    PatchError, pod_mount_namespace_argv)
 

@@ -12,36 +12,17 @@ Differences from upstream, on purpose:
 """
 from __future__ import annotations
 
-import ipaddress
-import json
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
-# Keys written by the agent.
-KEY_CAPVER = "tailscale_capver"
-KEY_POD_UID = "pod_uid"
-KEY_HTTPS_ENDPOINT = "https_endpoint"
-KEY_EGRESS_SERVICES = "egress-services"
-KEY_INGRESS_CONFIG = "ingress-config.json"
-KEY_DEVICE_ID = "device_id"
-KEY_DEVICE_FQDN = "device_fqdn"
-KEY_DEVICE_IPS = "device_ips"
-KEY_REISSUE_AUTHKEY = "reissue_authkey"
-# Ours (the operator ignores them): when the agent last asked for a new key, and how many times in a row it has
-# asked without a successful login since. They rate-limit the requests across restarts.
-KEY_REISSUE_REQUESTED_AT = "reissue_requested_at"
-KEY_REISSUE_ATTEMPTS = "reissue_attempts"
+from tscommon.secretcontract import (  # noqa: F401  (re-exported: the agent's callers use ss.KEY_*)
+    KEY_AUTHKEY, KEY_CAPVER, KEY_CURRENT_PROFILE, KEY_DEVICE_FQDN, KEY_DEVICE_ID, KEY_DEVICE_IPS,
+    KEY_EGRESS_SERVICES, KEY_HTTPS_ENDPOINT, KEY_INGRESS_CONFIG, KEY_MACHINE_KEY, KEY_POD_UID, KEY_PROFILES,
+    KEY_REISSUE_ATTEMPTS, KEY_REISSUE_AUTHKEY, KEY_REISSUE_REQUESTED_AT, NO_HTTPS, PROFILE_PREFIX,
+    format_device_fqdn, format_device_ips)
+
 #: The wait before the second request in a row; it doubles with each further one, up to REISSUE_MAX_DELAY.
 REISSUE_BASE_DELAY = 30.0
 REISSUE_MAX_DELAY = 600.0
-# Written by the user or the operator, read (and in AuthOnce mode deleted) by the agent.
-KEY_AUTHKEY = "authkey"
-# Written by tailscaled's kube state store.
-KEY_MACHINE_KEY = "_machinekey"
-KEY_PROFILES = "_profiles"
-KEY_CURRENT_PROFILE = "_current-profile"
-PROFILE_PREFIX = "profile-"
-
-NO_HTTPS = "no-https"
 
 Patch = dict[str, "bytes | None"]
 
@@ -81,30 +62,6 @@ def _stable_id(node: Any) -> str:
 def device_id_patch(node: Any) -> Patch:
     """device_id = the node's StableID. node is a state.Node (or anything with stable_id) or the ID string."""
     return {KEY_DEVICE_ID: _stable_id(node).encode()}
-
-
-def _bare_ip(a: Any) -> str:
-    if isinstance(a, (ipaddress.IPv4Address, ipaddress.IPv6Address)):
-        return str(a)
-    if isinstance(a, (ipaddress.IPv4Network, ipaddress.IPv6Network)):
-        return str(a.network_address)
-    if isinstance(a, (ipaddress.IPv4Interface, ipaddress.IPv6Interface)):
-        return str(a.ip)
-    return str(ipaddress.ip_interface(str(a)).ip)
-
-
-def format_device_ips(ips: Iterable[Any] | None) -> bytes:
-    """JSON array of addresses without prefix length, in the given order; null when there are none (as upstream)."""
-    out = [_bare_ip(a) for a in (ips or ())]
-    return json.dumps(out if out else None, separators=(",", ":")).encode()
-
-
-def format_device_fqdn(fqdn: str) -> bytes:
-    """The MagicDNS name with exactly one trailing dot ("" stays "")."""
-    fqdn = fqdn.strip()
-    if fqdn and not fqdn.endswith("."):
-        fqdn += "."
-    return fqdn.encode()
 
 
 def device_endpoints_patch(fqdn: str, ips: Iterable[Any] | None) -> Patch:

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
-from containerboot.redact import redact, register
+from tscommon.redact import redact, register
 
 log = logging.getLogger("containerboot")
 

@@ -1,7 +1,7 @@
 """Kubernetes steps of the agent that need the API: permission checks, the shutdown consistency wait and the
 auth-key reissue flow (adapter glue around ``kube.KubeClient`` and the pure ``secretstate``).
 
-Deadlines are absolute ``time.monotonic()`` values, like in ``containerboot.kube``.
+Deadlines are absolute ``time.monotonic()`` values, like in ``containerboot.kube.client``.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from containerboot import secretstate
-from containerboot.aio import wait_event
-from containerboot.kube import KubeClient, KubeError, rbac_hint
-from containerboot.redact import redact
+from containerboot.kube import secretstate
+from containerboot.kube.client import KubeClient, KubeError, rbac_hint
+from tscommon.aio import wait_event
+from tscommon.redact import redact
 
 log = logging.getLogger("containerboot")
 

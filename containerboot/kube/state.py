@@ -14,11 +14,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from containerboot.settings import CAPABILITY_VERSION, Settings
+from tscommon.redact import redact
+
 from . import secretstate as ss
-from .kube import KubeClient, KubeError
-from .kubesetup import Permissions, check_permissions, wait_for_consistent_state
-from .redact import redact
-from .settings import CAPABILITY_VERSION, Settings
+from .client import KubeClient, KubeError
+from .setup import Permissions, check_permissions, wait_for_consistent_state
 
 log = logging.getLogger("containerboot")
 
@@ -127,6 +128,6 @@ class SecretState:
 
 
 def ss_rbac(verb: str, name: str) -> str:
-    from .kube import rbac_hint
+    from .client import rbac_hint
 
     return rbac_hint(verb, "secrets", name)
