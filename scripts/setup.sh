@@ -31,7 +31,7 @@ stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -f "$stamp" ]; then
   log "installing Python packages into .venv"
   .venv/bin/pip install -q --upgrade pip >&2
-  .venv/bin/pip install -q -e '.[test]' >&2
+  .venv/bin/pip install -q -e '.[test,controller]' >&2
   rm -f .venv/.installed-*; touch "$stamp"
 fi
 

@@ -56,3 +56,41 @@ def format_device_fqdn(fqdn: str) -> bytes:
     if fqdn and not fqdn.endswith("."):
         fqdn += "."
     return fqdn.encode()
+
+
+# Keys the controller writes into the same Secret (the proxy's config; upstream's names).
+KEY_SERVE_CONFIG = "serve-config"
+#: tailscaled config files (`cap-<N>.hujson`): the agent runs the highest N not above its capability version.
+CONFIG_CAPVERS = (95, 107)
+
+
+def config_key(capver: int) -> str:
+    return f"cap-{capver}.hujson"
+
+
+def parse_device_ips(raw: bytes | None) -> tuple[str, ...]:
+    """device_ips back to addresses; () for absent, null or malformed (the proxy has not finished yet)."""
+    try:
+        v = json.loads(raw) if raw else None
+    except ValueError:
+        return ()
+    if not isinstance(v, list):
+        return ()
+    out = []
+    for a in v:
+        try:
+            out.append(str(ipaddress.ip_address(str(a))))
+        except ValueError:
+            continue
+    return tuple(out)
+
+
+def parse_device_fqdn(raw: bytes | None) -> str:
+    """device_fqdn without its trailing dot ("" when absent)."""
+    return (raw or b"").decode(errors="replace").strip().rstrip(".")
+
+
+def parse_https_endpoint(raw: bytes | None) -> str:
+    """https_endpoint as a host name: trailing dot trimmed, "no-https" and absent → ""."""
+    v = (raw or b"").decode(errors="replace").strip().rstrip(".")
+    return "" if v == NO_HTTPS else v

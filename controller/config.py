@@ -1,0 +1,140 @@
+"""The controller's own settings, from its Deployment's environment (pure: parse and validate).
+
+Names follow upstream's operator where it has one (OPERATOR_NAMESPACE, PROXY_IMAGE, PROXY_TAGS,
+PROXY_FIREWALL_MODE, OPERATOR_LOGIN_SERVER, OPERATOR_DEFAULT_LOAD_BALANCER, OPERATOR_INGRESS_CLASS_NAME);
+the control plane provider and the proxy defaults (the "default ProxyClass": image, firewall mode,
+resources) are ours. A bad value is one error naming the variable, the value and the fix; secrets (API keys,
+OAuth client secrets) are read from files, never from the environment or a log line.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .validation import tag_problems
+
+
+class ConfigError(Exception):
+    """str(e) is the one user-facing message."""
+
+
+PROVIDERS = ("headscale", "tailscale", "static")
+FIREWALL_MODES = ("", "auto", "iptables", "nftables")
+DEFAULT_RESOURCES = {"requests": {"cpu": "1m", "memory": "1Mi"}}
+TAILSCALE_LOGIN_SERVER = "https://controlplane.tailscale.com"
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    namespace: str = "tailscale"                   # where every proxy object lives
+    proxy_image: str = "tailscale/tailscale:latest"
+    proxy_tags: tuple[str, ...] = ("tag:k8s",)
+    firewall_mode: str = ""                        # -> TS_DEBUG_FIREWALL_MODE
+    proxy_resources: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_RESOURCES)),
+                                  hash=False)
+    image_pull_policy: str = "Always"
+    login_server: str = ""                         # written into each proxy's config as ServerURL
+    default_load_balancer: bool = False
+    ingress_class: str = "tailscale"
+    cluster_domain: str = "cluster.local"
+    magicdns_suffix: str = ""                      # headscale's base_domain; "" = Tailscale's *.ts.net
+    provider: str = "static"
+    headscale_url: str = ""                        # API base (defaults to the login server)
+    headscale_api_key_file: str = "/etc/headscale-api/key"
+    headscale_user: str = ""                       # numeric user ID for pre-auth keys; "" = tags only
+    tailscale_api_url: str = "https://api.tailscale.com"
+    tailnet: str = "-"
+    oauth_client_id_file: str = "/oauth/client_id"
+    oauth_client_secret_file: str = "/oauth/client_secret"
+    static_key_secret: str = "tailscale-auth"      # Secret in `namespace` with key `authkey`
+
+    @property
+    def server_url(self) -> str:
+        """The proxies' ServerURL: the login server, Tailscale's by default."""
+        return self.login_server or TAILSCALE_LOGIN_SERVER
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip()
+    if raw == "":
+        return default
+    if raw.lower() in ("1", "t", "true"):
+        return True
+    if raw.lower() in ("0", "f", "false"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean; use true or false")
+
+
+def resolv_conf_cluster_domain(text: str) -> str:
+    """The cluster domain from a Pod's resolv.conf search list (`svc.<domain>`), as upstream; default cluster.local."""
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] == "search":
+            for d in parts[1:]:
+                if d.startswith("svc."):
+                    return d[len("svc."):].rstrip(".")
+    return "cluster.local"
+
+
+def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
+    """Parse the controller's environment; raises ConfigError naming the variable."""
+    def get(name: str, default: str = "") -> str:
+        return env.get(name, "").strip() or default
+
+    kw: dict = {}
+    kw["namespace"] = get("OPERATOR_NAMESPACE", "tailscale")
+    kw["proxy_image"] = get("PROXY_IMAGE", ControllerConfig.proxy_image)
+    tags = tuple(t.strip() for t in get("PROXY_TAGS", "tag:k8s").split(",") if t.strip())
+    bad = tag_problems(tags)
+    if bad:
+        raise ConfigError(f"PROXY_TAGS={get('PROXY_TAGS')!r}: {bad}")
+    kw["proxy_tags"] = tags
+    fw = get("PROXY_FIREWALL_MODE")
+    if fw not in FIREWALL_MODES:
+        raise ConfigError(f"PROXY_FIREWALL_MODE={fw!r} is not a firewall mode; use auto, iptables or nftables")
+    kw["firewall_mode"] = fw
+    raw_res = get("PROXY_RESOURCES")
+    if raw_res:
+        try:
+            res = json.loads(raw_res)
+        except ValueError as e:
+            raise ConfigError(f"PROXY_RESOURCES is not JSON ({e}); use e.g. "
+                              '{"requests":{"cpu":"10m","memory":"32Mi"}}') from None
+        if not isinstance(res, dict) or set(res) - {"requests", "limits"}:
+            raise ConfigError("PROXY_RESOURCES must be a JSON object with only 'requests' and 'limits'")
+        kw["proxy_resources"] = res
+    pull = get("PROXY_IMAGE_PULL_POLICY", "Always")
+    if pull not in ("Always", "IfNotPresent", "Never"):
+        raise ConfigError(f"PROXY_IMAGE_PULL_POLICY={pull!r}; use Always, IfNotPresent or Never")
+    kw["image_pull_policy"] = pull
+    login = get("OPERATOR_LOGIN_SERVER").rstrip("/")
+    if login and not login.startswith(("http://", "https://")):
+        raise ConfigError(f"OPERATOR_LOGIN_SERVER={login!r} is not a URL; use e.g. https://headscale.example.com")
+    kw["login_server"] = login
+    kw["default_load_balancer"] = _bool(env, "OPERATOR_DEFAULT_LOAD_BALANCER", False)
+    kw["ingress_class"] = get("OPERATOR_INGRESS_CLASS_NAME", "tailscale")
+    kw["cluster_domain"] = get("CLUSTER_DOMAIN") or resolv_conf_cluster_domain(resolv_conf)
+    kw["magicdns_suffix"] = get("TS_MAGICDNS_SUFFIX").strip(".")
+    provider = get("CONTROL_PLANE", "static")
+    if provider not in PROVIDERS:
+        raise ConfigError(f"CONTROL_PLANE={provider!r} is not a provider; use headscale, tailscale or static")
+    kw["provider"] = provider
+    kw["headscale_url"] = get("HEADSCALE_URL", login).rstrip("/")
+    if provider == "headscale":
+        if not kw["headscale_url"]:
+            raise ConfigError("CONTROL_PLANE=headscale needs HEADSCALE_URL or OPERATOR_LOGIN_SERVER "
+                              "(the headscale server's URL)")
+        if not login:
+            kw["login_server"] = kw["headscale_url"]
+    kw["headscale_api_key_file"] = get("HEADSCALE_API_KEY_FILE", ControllerConfig.headscale_api_key_file)
+    user = get("HEADSCALE_USER")
+    if user and not user.isdigit():
+        raise ConfigError(f"HEADSCALE_USER={user!r} must be the numeric user ID (headscale users list)")
+    kw["headscale_user"] = user
+    kw["tailscale_api_url"] = get("TAILSCALE_API_URL", ControllerConfig.tailscale_api_url).rstrip("/")
+    kw["tailnet"] = get("TAILSCALE_TAILNET", "-")
+    kw["oauth_client_id_file"] = get("CLIENT_ID_FILE", ControllerConfig.oauth_client_id_file)
+    kw["oauth_client_secret_file"] = get("CLIENT_SECRET_FILE", ControllerConfig.oauth_client_secret_file)
+    kw["static_key_secret"] = get("AUTH_KEY_SECRET", ControllerConfig.static_key_secret)
+    return ControllerConfig(**kw)

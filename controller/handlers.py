@@ -1,0 +1,84 @@
+"""The kopf shell: watches turn into work-queue keys; everything else is in `reconcile`.
+
+Two kopf operators run in one event loop: one watches the parents cluster-wide (Services, Ingresses,
+Connectors), the other watches the proxies' StatefulSets and Secrets in the controller's namespace only,
+filtered by the `tailscale.com/managed` label on the server, so the controller's RBAC needs no cluster-wide
+Secret access. Event handlers only compute the parent's key and poke the queue: kopf's watches, reconnects,
+peering and liveness are used; its per-handler progress records are not (they would be a write to every
+parent on every change, and a pass that changes nothing must write nothing). Kopf's posting of its own log
+lines as Kubernetes events is off: the reconciler writes the events users should see.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from .config import ControllerConfig
+from .kinds import connector
+from .model import CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, SVC
+from .queue import WorkQueue
+from .reconcile import Reconciler, handled
+
+log = logging.getLogger("controller")
+
+
+@dataclass
+class State:
+    cfg: ControllerConfig
+    reconciler: Reconciler
+    queue: WorkQueue
+
+
+def parent_key(kind: str, body: Any, cfg: ControllerConfig) -> tuple[str, str, str] | None:
+    """The queue key for a parent event, or None when the object is none of the controller's business."""
+    meta = body.get("metadata") or {}
+    if handled(kind, body, cfg) or FINALIZER in (meta.get("finalizers") or []):
+        return (kind, meta.get("namespace") or "", meta.get("name") or "")
+    return None
+
+
+def child_key(body: Any) -> tuple[str, str, str] | None:
+    """The parent's key from a child's labels (upstream's managedResourceHandlerForType)."""
+    labels = (body.get("metadata") or {}).get("labels") or {}
+    kind = labels.get(LABEL_PARENT_TYPE)
+    if labels.get(LABEL_MANAGED) != "true" or kind not in (SVC, INGRESS, CONNECTOR):
+        return None
+    return (kind, labels.get(LABEL_PARENT_NS, ""), labels.get(LABEL_PARENT_NAME, ""))
+
+
+def registries(state: State) -> tuple[kopf.OperatorRegistry, kopf.OperatorRegistry]:
+    parents, children = kopf.OperatorRegistry(), kopf.OperatorRegistry()
+
+    def on_parent(kind: str):
+        def handler(body: Any, **_: Any) -> None:
+            key = parent_key(kind, body, state.cfg)
+            if key is not None:
+                state.queue.poke(key)
+        return handler
+
+    kopf.on.event("v1", "services", registry=parents)(on_parent(SVC))
+    kopf.on.event("networking.k8s.io", "v1", "ingresses", registry=parents)(on_parent(INGRESS))
+    kopf.on.event(connector.GROUP, connector.VERSION, connector.PLURAL, registry=parents)(on_parent(CONNECTOR))
+
+    def on_child(body: Any, **_: Any) -> None:
+        key = child_key(body)
+        if key is not None:
+            state.queue.poke(key)
+
+    kopf.on.event("v1", "secrets", labels={LABEL_MANAGED: "true"}, registry=children)(on_child)
+    kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_MANAGED: "true"}, registry=children)(on_child)
+    return parents, children
+
+
+def settings(child_watch: bool) -> kopf.OperatorSettings:
+    s = kopf.OperatorSettings()
+    s.posting.enabled = False
+    s.watching.server_timeout = 300
+    s.watching.client_timeout = 330
+    if child_watch:
+        for plural in ("secrets", "statefulsets"):
+            s.watching.label_selectors[plural] = f"{LABEL_MANAGED}=true"
+    return s

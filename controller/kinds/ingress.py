@@ -1,0 +1,129 @@
+"""L7 Ingresses with `ingressClassName: tailscale`: a serve config in the proxy's Secret (upstream's rules for
+hosts, paths, backends, Funnel and the HTTP redirect)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import ControllerConfig
+from ..model import (ANN_FORWARD_CLUSTER_TRAFFIC, ANN_FUNNEL, ANN_PROXY_GROUP, ANN_TAGS, INGRESS, Decision,
+                     Invalid, Parent, ProxySpec)
+from ..validation import hostname_problem, parse_tags, tag_problems
+from . import annotations, meta
+
+APP = "k8s-operator-ingress-resource"
+CERT_443 = "${TS_CERT_DOMAIN}:443"
+CERT_80 = "${TS_CERT_DOMAIN}:80"
+ANN_HTTP_REDIRECT = "tailscale.com/http-redirect"
+
+
+def handled(ing: Mapping[str, Any], cfg: ControllerConfig) -> bool:
+    spec = ing.get("spec") or {}
+    return spec.get("ingressClassName") == cfg.ingress_class and not annotations(ing).get(ANN_PROXY_GROUP)
+
+
+def backend_services(ing: Mapping[str, Any]) -> tuple[str, ...]:
+    """Names of the Services (in the Ingress's namespace) the Ingress routes to: what `decide` needs looked up."""
+    spec = ing.get("spec") or {}
+    names = []
+    for b in [spec.get("defaultBackend")] + [p.get("backend") for r in spec.get("rules") or []
+                                             for p in ((r.get("http") or {}).get("paths") or [])]:
+        if b and (b.get("service") or {}).get("name"):
+            names.append(b["service"]["name"])
+    return tuple(sorted(set(names)))
+
+
+def _tls_host(spec: Mapping[str, Any]) -> str:
+    tls = spec.get("tls") or []
+    hosts = (tls[0].get("hosts") or []) if tls else []
+    return hosts[0] if hosts else ""
+
+
+def _proxy_url(backend: Mapping[str, Any], path: str, services: Mapping[str, Mapping[str, Any]]) -> str:
+    """http[s+insecure]://<clusterIP>:<port><path> for one backend; raises ValueError with the reason."""
+    ref = backend.get("service") or {}
+    name = ref.get("name", "")
+    svc = services.get(name)
+    if svc is None:
+        raise ValueError(f"backend Service {name!r} not found")
+    sspec = svc.get("spec") or {}
+    ip = sspec.get("clusterIP") or ""
+    if ip in ("", "None"):
+        raise ValueError(f"backend Service {name!r} has no ClusterIP (headless or ExternalName)")
+    port = ref.get("port") or {}
+    number, pname = port.get("number"), port.get("name", "")
+    if not number:
+        match = [p for p in sspec.get("ports") or [] if p.get("name") == pname and pname]
+        if not match:
+            raise ValueError(f"backend Service {name!r} has no port named {pname!r}")
+        number = match[0].get("port")
+    scheme = "https+insecure" if number == 443 or pname == "https" else "http"
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"{scheme}://{host}:{number}{path}"
+
+
+def serve_config(ing: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]]
+                 ) -> tuple[dict, tuple[str, ...]]:
+    """The ServeConfig for the Ingress and warnings about what was skipped; Invalid if nothing is left."""
+    spec, ann = ing.get("spec") or {}, annotations(ing)
+    tls_host = _tls_host(spec)
+    warnings: list[str] = []
+    handlers: dict[str, dict] = {}
+    if spec.get("defaultBackend"):
+        try:
+            handlers["/"] = {"Proxy": _proxy_url(spec["defaultBackend"], "/", services)}
+        except ValueError as e:
+            warnings.append(f"spec.defaultBackend skipped: {e}")
+    for i, rule in enumerate(spec.get("rules") or []):
+        host = rule.get("host") or ""
+        if host and host != tls_host:
+            warnings.append(f"spec.rules[{i}] skipped: host {host!r} is not the TLS host {tls_host!r} "
+                            "(one proxy serves one host)")
+            continue
+        for j, p in enumerate((rule.get("http") or {}).get("paths") or []):
+            path = p.get("path") or ""
+            if not path:
+                warnings.append(f"spec.rules[{i}].http.paths[{j}] has no path; served at /")
+                path = "/"
+            if p.get("pathType") == "Exact":
+                warnings.append(f"spec.rules[{i}].http.paths[{j}]: pathType Exact is served as a prefix")
+            try:
+                handlers[path] = {"Proxy": _proxy_url(p.get("backend") or {}, path, services)}
+            except ValueError as e:
+                warnings.append(f"spec.rules[{i}].http.paths[{j}] skipped: {e}")
+    if not handlers:
+        raise Invalid("no valid backends: " + ("; ".join(warnings) if warnings else
+                      "the Ingress has neither spec.defaultBackend nor rules with paths") +
+                      "; point the Ingress at a Service with a ClusterIP in the same namespace")
+    cfg: dict = {"TCP": {"443": {"HTTPS": True}}, "Web": {CERT_443: {"Handlers": handlers}}}
+    funnel = ann.get(ANN_FUNNEL) == "true"
+    if funnel:
+        cfg["AllowFunnel"] = {CERT_443: True}
+    if ann.get(ANN_HTTP_REDIRECT) == "true":
+        cfg["TCP"]["80"] = {"HTTP": True}
+        cfg["Web"][CERT_80] = {"Handlers": {m: {"Redirect": "301:https://${HOST}${REQUEST_URI}"}
+                                            for m in handlers}}
+        if funnel:
+            cfg["AllowFunnel"][CERT_80] = True
+    return cfg, tuple(warnings)
+
+
+def decide(ing: Mapping[str, Any], cfg: ControllerConfig, services: Mapping[str, Mapping[str, Any]]) -> Decision:
+    m, ann, spec = meta(ing), annotations(ing), ing.get("spec") or {}
+    ns, name = m.get("namespace", ""), m.get("name", "")
+    problems = []
+    tls_host = _tls_host(spec)
+    hostname = tls_host.split(".")[0] if tls_host else f"{ns}-{name}-ingress"
+    if tls_host and (p := hostname_problem(hostname)):
+        problems.append(f"spec.tls[0].hosts[0]: the first label {p}")
+    tags = parse_tags(ann[ANN_TAGS]) if ann.get(ANN_TAGS, "").strip() else cfg.proxy_tags
+    if p := tag_problems(tags):
+        problems.append(f"annotation {ANN_TAGS}: {p}")
+    if problems:
+        raise Invalid("; ".join(problems))
+    sc, warnings = serve_config(ing, services)
+    forward = ann.get(ANN_FORWARD_CLUSTER_TRAFFIC) == "true"
+    return Decision(ProxySpec(Parent(INGRESS, name, ns, m.get("uid", "")), hostname, tags, APP,
+                              (("TS_SERVE_CONFIG", "/etc/tailscaled/$(POD_NAME)/serve-config"),),
+                              userspace=not forward, serve_config=sc, forward_cluster_traffic=forward),
+                    warnings)

@@ -1,0 +1,131 @@
+"""A small Kubernetes API client for the controller's writes (adapter, httpx).
+
+kopf watches; this client reads and writes: get, list by label selector, create, JSON merge patch (the
+rendered object is the whole truth for the fields it names, lists included) and delete, for the handful of
+resources the controller touches. In a Pod it uses the ServiceAccount's token (re-read when kubelet rotates
+it) and CA. Errors are `KubeError` with the HTTP status and the API's reason; messages are redacted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import ssl
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import httpx
+
+from tscommon.redact import redact, register
+
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+@dataclass(frozen=True)
+class Resource:
+    prefix: str        # "/api/v1" or "/apis/<group>/<version>"
+    plural: str
+    namespaced: bool = True
+
+
+SERVICES = Resource("/api/v1", "services")
+SECRETS = Resource("/api/v1", "secrets")
+EVENTS = Resource("/api/v1", "events")
+PODS = Resource("/api/v1", "pods")
+STATEFULSETS = Resource("/apis/apps/v1", "statefulsets")
+INGRESSES = Resource("/apis/networking.k8s.io/v1", "ingresses")
+CONNECTORS = Resource("/apis/tailscale.com/v1alpha1", "connectors", namespaced=False)
+
+
+class KubeError(Exception):
+    def __init__(self, message: str, *, status: int = 0, reason: str = "") -> None:
+        super().__init__(redact(message))
+        self.status, self.reason = status, reason
+
+
+def path(res: Resource, namespace: str = "", name: str = "", subresource: str = "") -> str:
+    p = res.prefix
+    if res.namespaced:
+        p += f"/namespaces/{namespace}"
+    p += f"/{res.plural}"
+    if name:
+        p += f"/{name}"
+    if subresource:
+        p += f"/{subresource}"
+    return p
+
+
+class Kube:
+    """The controller's API client. `transport` and explicit credentials are for tests."""
+
+    def __init__(self, url: str, *, token: str = "", token_file: str = "", ca_file: str = "",
+                 verify: ssl.SSLContext | bool | None = None, timeout: float = 15.0) -> None:
+        self._token, self._token_file = token, token_file
+        if verify is None:
+            verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
+        self._client = httpx.AsyncClient(base_url=url.rstrip("/"), verify=verify, timeout=timeout)
+        self.requests: list[tuple[str, str]] = []    # (method, path): for the request-count figures
+
+    @classmethod
+    def in_cluster(cls, env: Mapping[str, str] = os.environ) -> "Kube":
+        host = env.get("KUBERNETES_SERVICE_HOST", "")
+        port = env.get("KUBERNETES_SERVICE_PORT_HTTPS") or env.get("KUBERNETES_SERVICE_PORT") or "443"
+        if not host:
+            raise KubeError("KUBERNETES_SERVICE_HOST is not set: the controller runs in a Pod (or set "
+                            "CONTROLLER_KUBE_URL)")
+        if ":" in host:
+            host = f"[{host}]"
+        url = env.get("CONTROLLER_KUBE_URL") or f"https://{host}:{port}"
+        return cls(url, token_file=f"{SA_DIR}/token", ca_file=f"{SA_DIR}/ca.crt")
+
+    def _headers(self, ctype: str = "") -> dict[str, str]:
+        token = self._token
+        if self._token_file:
+            with open(self._token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        register(token)
+        h = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+        if ctype:
+            h["Content-Type"] = ctype
+        return h
+
+    async def _call(self, method: str, p: str, *, body: Any = None, ctype: str = "application/json",
+                    params: Mapping[str, str] | None = None, ok404: bool = False) -> Any:
+        self.requests.append((method, p))
+        try:
+            r = await self._client.request(method, p, params=params, headers=self._headers(ctype if body is not None else ""),
+                                           content=None if body is None else json.dumps(body).encode())
+        except httpx.HTTPError as e:
+            raise KubeError(f"{method} {p}: API server unreachable ({type(e).__name__}: {e})") from None
+        if r.status_code == 404 and ok404:
+            return None
+        if r.status_code >= 400:
+            try:
+                st = r.json()
+            except ValueError:
+                st = {}
+            raise KubeError(f"{method} {p}: {r.status_code} {st.get('message') or r.text[:200]}",
+                            status=r.status_code, reason=str(st.get("reason") or ""))
+        return r.json() if r.content else {}
+
+    async def get(self, res: Resource, name: str, namespace: str = "") -> dict | None:
+        return await self._call("GET", path(res, namespace, name), ok404=True)
+
+    async def list(self, res: Resource, namespace: str = "", selector: str = "") -> list[dict]:
+        out = await self._call("GET", path(res, namespace), params={"labelSelector": selector} if selector else None)
+        return list(out.get("items") or [])
+
+    async def create(self, res: Resource, obj: Mapping[str, Any], namespace: str = "") -> dict:
+        return await self._call("POST", path(res, namespace), body=obj)
+
+    async def patch(self, res: Resource, name: str, patch: Mapping[str, Any], namespace: str = "",
+                    subresource: str = "") -> dict:
+        return await self._call("PATCH", path(res, namespace, name, subresource), body=patch,
+                                ctype="application/merge-patch+json")
+
+    async def delete(self, res: Resource, name: str, namespace: str = "", *, propagation: str = "") -> bool:
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation} if propagation else None
+        out = await self._call("DELETE", path(res, namespace, name), body=body, ok404=True)
+        return out is not None
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

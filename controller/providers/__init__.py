@@ -1,0 +1,58 @@
+"""Control plane providers: where auth keys come from and where devices are deleted.
+
+One small interface, three adapters: `headscale` (its REST API with an API key), `tailscale` (Tailscale's API
+with OAuth client credentials) and `static` (a key a user put in a Secret, for anything else). Every error is a
+`ProviderError` whose message is already redacted: keys, tokens and client secrets never reach a log line,
+an event or a status.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import httpx
+
+from tscommon.redact import redact
+
+
+class ProviderError(Exception):
+    """The control plane refused or could not be reached. `transient` errors are retried with backoff."""
+
+    def __init__(self, message: str, *, transient: bool = True) -> None:
+        super().__init__(redact(message))
+        self.transient = transient
+
+
+class Provider(Protocol):
+    name: str
+
+    async def create_auth_key(self, tags: tuple[str, ...], *, description: str = "") -> str:
+        """A single-use, pre-authorised auth key carrying `tags`."""
+
+    async def delete_device(self, device_id: str) -> bool:
+        """Delete the device with this stable ID; False when it was already gone."""
+
+    async def aclose(self) -> None: ...
+
+
+def http_error(what: str, e: Exception) -> ProviderError:
+    """A transport failure or an error answer, as a redacted ProviderError."""
+    if isinstance(e, httpx.HTTPStatusError):
+        code = e.response.status_code
+        body = e.response.text[:200].strip()
+        return ProviderError(f"{what}: HTTP {code}{': ' + body if body else ''}",
+                             transient=code >= 500 or code == 429)
+    return ProviderError(f"{what}: control plane unreachable ({type(e).__name__}: {e})")
+
+
+def read_secret_file(path: str, what: str) -> str:
+    """A credential from a mounted file; registered for redaction."""
+    from tscommon.redact import register
+    try:
+        with open(path, encoding="utf-8") as f:
+            v = f.read().strip()
+    except OSError as e:
+        raise ProviderError(f"cannot read {what} from {path}: {e.strerror or e}; mount it there", transient=True)
+    if not v:
+        raise ProviderError(f"{what} file {path} is empty", transient=True)
+    register(v)
+    return v

@@ -1,0 +1,67 @@
+"""headscale as the control plane: its REST API (`/api/v1`) with an API key.
+
+Auth keys are single-use pre-auth keys carrying the proxy's tags (tags-only keys need no user since
+headscale 0.28; HEADSCALE_USER names one when a deployment wants user-owned keys), valid for one hour: a
+proxy logs in within seconds, and a key that leaked from a Secret expires soon. Devices are deleted by node
+ID; headscale's StableID, which the proxy writes as `device_id`, is that ID in decimal.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+
+import httpx
+
+from . import ProviderError, http_error, read_secret_file
+
+KEY_TTL = 3600.0
+
+
+class HeadscaleProvider:
+    name = "headscale"
+
+    def __init__(self, url: str, *, api_key: str | None = None, api_key_file: str = "", user: str = "",
+                 transport: httpx.AsyncBaseTransport | None = None, timeout: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self._api_key, self._api_key_file, self.user = api_key, api_key_file, user
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout, transport=transport)
+
+    def _headers(self) -> dict[str, str]:
+        key = self._api_key if self._api_key is not None else read_secret_file(self._api_key_file,
+                                                                               "the headscale API key")
+        from tscommon.redact import register
+        register(key)
+        return {"Authorization": f"Bearer {key}"}
+
+    async def create_auth_key(self, tags: tuple[str, ...], *, description: str = "") -> str:
+        exp = datetime.datetime.fromtimestamp(time.time() + KEY_TTL, datetime.timezone.utc)
+        body: dict = {"reusable": False, "ephemeral": False, "aclTags": list(tags),
+                      "expiration": exp.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        if self.user:
+            body["user"] = self.user
+        try:
+            r = await self._client.post("/api/v1/preauthkey", json=body, headers=self._headers())
+            r.raise_for_status()
+            key = (r.json().get("preAuthKey") or {}).get("key", "")
+        except (httpx.HTTPError, ValueError) as e:
+            raise http_error("headscale: creating a pre-auth key", e) from None
+        if not key:
+            raise ProviderError("headscale: the pre-auth key answer has no key")
+        from tscommon.redact import register
+        register(key)
+        return key
+
+    async def delete_device(self, device_id: str) -> bool:
+        if not device_id.isdigit():
+            raise ProviderError(f"headscale: device_id {device_id!r} is not a headscale node ID", transient=False)
+        try:
+            r = await self._client.delete(f"/api/v1/node/{device_id}", headers=self._headers())
+            if r.status_code == 404:
+                return False
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise http_error(f"headscale: deleting node {device_id}", e) from None
+        return True
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

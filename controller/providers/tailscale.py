@@ -1,0 +1,83 @@
+"""Tailscale's hosted control plane: its public API v2 with OAuth client credentials.
+
+The OAuth client (scopes `auth_keys` and `devices:core`, tagged like the proxies) gets a short-lived access
+token (`POST /api/v2/oauth/token`, client_credentials grant), renewed a minute before it expires; auth keys
+are single-use, pre-authorised and tagged (`POST /api/v2/tailnet/{tailnet}/keys`), devices are deleted by
+their stable node ID (`DELETE /api/v2/device/{id}`, 404 = already gone).
+"""
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from . import ProviderError, http_error, read_secret_file
+
+KEY_EXPIRY_S = 3600
+
+
+class TailscaleProvider:
+    name = "tailscale"
+
+    def __init__(self, api_url: str = "https://api.tailscale.com", *, tailnet: str = "-",
+                 client_id: str | None = None, client_secret: str | None = None, client_id_file: str = "",
+                 client_secret_file: str = "", transport: httpx.AsyncBaseTransport | None = None,
+                 timeout: float = 10.0, clock=time.monotonic) -> None:
+        self.tailnet = tailnet
+        self._id, self._secret = client_id, client_secret
+        self._id_file, self._secret_file = client_id_file, client_secret_file
+        self._client = httpx.AsyncClient(base_url=api_url.rstrip("/"), timeout=timeout, transport=transport)
+        self._token, self._token_expiry, self._clock = "", 0.0, clock
+
+    async def _bearer(self) -> dict[str, str]:
+        if not self._token or self._clock() > self._token_expiry - 60:
+            cid = self._id if self._id is not None else read_secret_file(self._id_file, "the OAuth client ID")
+            secret = self._secret if self._secret is not None else read_secret_file(
+                self._secret_file, "the OAuth client secret")
+            from tscommon.redact import register
+            register(secret)
+            try:
+                r = await self._client.post("/api/v2/oauth/token", data={
+                    "client_id": cid, "client_secret": secret, "grant_type": "client_credentials"})
+                r.raise_for_status()
+                body = r.json()
+            except (httpx.HTTPError, ValueError) as e:
+                raise http_error("tailscale: OAuth token", e) from None
+            self._token = str(body.get("access_token") or "")
+            if not self._token:
+                raise ProviderError("tailscale: the OAuth answer has no access_token")
+            register(self._token)
+            self._token_expiry = self._clock() + float(body.get("expires_in") or 3600)
+        return {"Authorization": f"Bearer {self._token}"}
+
+    async def create_auth_key(self, tags: tuple[str, ...], *, description: str = "") -> str:
+        body = {"capabilities": {"devices": {"create": {"reusable": False, "ephemeral": False,
+                                                        "preauthorized": True, "tags": list(tags)}}},
+                "expirySeconds": KEY_EXPIRY_S, "description": description[:50]}
+        try:
+            r = await self._client.post(f"/api/v2/tailnet/{self.tailnet}/keys", json=body,
+                                        headers=await self._bearer())
+            if r.status_code == 401:
+                self._token = ""
+            r.raise_for_status()
+            key = str(r.json().get("key") or "")
+        except (httpx.HTTPError, ValueError) as e:
+            raise http_error("tailscale: creating an auth key", e) from None
+        if not key:
+            raise ProviderError("tailscale: the auth key answer has no key")
+        from tscommon.redact import register
+        register(key)
+        return key
+
+    async def delete_device(self, device_id: str) -> bool:
+        try:
+            r = await self._client.delete(f"/api/v2/device/{device_id}", headers=await self._bearer())
+            if r.status_code == 404:
+                return False
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise http_error(f"tailscale: deleting device {device_id}", e) from None
+        return True
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

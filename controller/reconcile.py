@@ -1,0 +1,286 @@
+"""One level-triggered pass for one parent: decide, mint keys, apply what differs, report (the shell's core).
+
+Every pass starts from what is in the API server now, so a pass after a crash, a missed event or a restart
+converges the same way. A pass that finds everything as rendered sends no write at all: objects carry the
+hash of their rendering, Secrets are compared key by key, statuses field by field, and Warning events are
+sent once per distinct problem. Nothing is half-created: an auth key is minted before the first object is
+written, and a parent whose key cannot be minted gets a status that says so and nothing else.
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from tscommon.redact import redact
+
+from . import render, status as st
+from .config import ControllerConfig
+from .kinds import annotations, connector, ingress, meta, service
+from .kubeapi import CONNECTORS, EVENTS, INGRESSES, SECRETS, SERVICES, STATEFULSETS, Kube, KubeError, Resource
+from .model import CONNECTOR, FINALIZER, INGRESS, SVC, Decision, Invalid, Parent, Pending, ProxySpec
+from .providers import Provider, ProviderError
+
+log = logging.getLogger("controller")
+
+RESOURCES: dict[str, Resource] = {SVC: SERVICES, INGRESS: INGRESSES, CONNECTOR: CONNECTORS}
+#: Re-check a parent whose proxy is not ready yet (Secret events usually come first), and a ready one.
+PENDING_RECHECK = 10.0
+READY_RECHECK = 300.0
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _decode(secret: Mapping[str, Any] | None) -> dict[str, bytes] | None:
+    if secret is None:
+        return None
+    return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+
+
+def handled(kind: str, obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
+    return {SVC: service.handled, INGRESS: ingress.handled, CONNECTOR: connector.handled}[kind](obj, cfg)
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, provider: Provider, cfg: ControllerConfig, *,
+                 now: Callable[[], str] = _now) -> None:
+        self.kube, self.provider, self.cfg, self.now = kube, provider, cfg, now
+        self._warned: dict[str, set[str]] = {}     # parent UID -> problems already sent as Warning events
+
+    # ---- entry point
+
+    async def reconcile(self, kind: str, namespace: str, name: str) -> float | None:
+        """One pass; returns seconds until the next check (None: wait for an event). Raises on API or control
+        plane errors (the caller retries with backoff)."""
+        obj = await self.kube.get(RESOURCES[kind], name, namespace)
+        if obj is None:
+            return None
+        m = meta(obj)
+        if m.get("deletionTimestamp") or not handled(kind, obj, self.cfg):
+            if FINALIZER in (m.get("finalizers") or []):
+                if not await self.cleanup(kind, obj):
+                    return 2.0
+                await self._remove_finalizer(kind, obj)
+            return None
+        try:
+            decision = await self._decide(kind, obj)
+        except Invalid as e:
+            await self._report_invalid(kind, obj, e.message)
+            return None
+        except Pending as e:
+            await self._write_status(kind, obj, None, [], st.Readiness(False, "ProxyPending", str(e)))
+            return PENDING_RECHECK
+        if not decision.warnings:
+            self._warned.pop(m.get("uid", ""), None)    # a problem that comes back is reported again
+        for w in decision.warnings:
+            await self._warn(obj, kind, "InvalidBackend", w)
+        await self._ensure_finalizer(kind, obj)
+        return await self._provision(kind, obj, decision.spec)
+
+    async def _decide(self, kind: str, obj: Mapping[str, Any]) -> Decision:
+        if kind == SVC:
+            return service.decide(obj, self.cfg)
+        if kind == CONNECTOR:
+            return connector.decide(obj, self.cfg)
+        ns = meta(obj).get("namespace", "")
+        services = {}
+        for n in ingress.backend_services(obj):
+            svc = await self.kube.get(SERVICES, n, ns)
+            if svc is not None:
+                services[n] = svc
+        return ingress.decide(obj, self.cfg, services)
+
+    # ---- provisioning
+
+    async def _provision(self, kind: str, obj: Mapping[str, Any], spec: ProxySpec) -> float | None:
+        cfg, p = self.cfg, spec.parent
+        existing = {s["metadata"]["name"]: s for s in
+                    await self.kube.list(SECRETS, cfg.namespace, render.child_selector(p))}
+        datas = [_decode(existing.get(render.secret_name(p, i))) for i in range(spec.replicas)]
+        keys: list[str] = []
+        try:
+            for i, data in enumerate(datas):
+                action = st.authkey_action(data)
+                if action in ("new", "reissue"):
+                    if action == "reissue":
+                        old = (data or {}).get("device_id", b"").decode()
+                        if old:
+                            await self.provider.delete_device(old)
+                        log.info("%s %s/%s replica %d asked for a new auth key; issuing one", kind,
+                                 p.namespace, p.name, i)
+                    keys.append(await self.provider.create_auth_key(
+                        spec.tags, description=f"{kind} {p.namespace}/{p.name}".strip()))
+                else:
+                    keys.append(st.config_authkey(data) if action == "keep" else "")
+        except ProviderError as e:
+            msg = f"no auth key: {e}" if "no auth key" not in str(e) else str(e)
+            await self._write_status(kind, obj, spec, [], st.Readiness(False, _failed(kind), msg))
+            raise
+        rendered = render.render(spec, cfg, tuple(keys))
+        await self._apply(SERVICES, rendered.service)
+        for s in rendered.secrets:
+            await self._apply_secret(s, existing.get(s["metadata"]["name"]))
+        sts = await self._apply(STATEFULSETS, rendered.statefulset)
+        # Replicas scaled away: their devices and Secrets go too (as upstream).
+        wanted = {s["metadata"]["name"] for s in rendered.secrets}
+        for n, s in sorted(existing.items()):
+            if n not in wanted:
+                await self._delete_device_of(_decode(s))
+                await self.kube.delete(SECRETS, n, cfg.namespace)
+        if spec.egress_rewrite:
+            patch = service.egress_rewrite_patch(obj, render.base_name(p), cfg)
+            if patch is not None:
+                await self.kube.patch(SERVICES, p.name, patch, p.namespace)
+        devices = [st.device_info(render.secret_name(p, i), datas[i]) for i in range(spec.replicas)]
+        ready_replicas = int(((sts or {}).get("status") or {}).get("readyReplicas") or 0)
+        r = st.readiness(kind, devices, replicas=spec.replicas, ready_replicas=ready_replicas)
+        await self._write_status(kind, obj, spec, devices, r)
+        return READY_RECHECK if r.ok else PENDING_RECHECK
+
+    async def _apply(self, res: Resource, desired: dict) -> dict | None:
+        """Create, or merge-patch when the rendering's hash differs; nothing when it is equal."""
+        md = desired["metadata"]
+        cur = await self.kube.get(res, md["name"], md["namespace"])
+        if cur is None:
+            return await self.kube.create(res, desired, md["namespace"])
+        want = md["annotations"][render.SPEC_HASH]
+        if (cur["metadata"].get("annotations") or {}).get(render.SPEC_HASH) == want:
+            return cur
+        return await self.kube.patch(res, md["name"], desired, md["namespace"])
+
+    async def _apply_secret(self, desired: dict, cur: Mapping[str, Any] | None) -> None:
+        md = desired["metadata"]
+        data = {k: base64.b64encode(v.encode()).decode() for k, v in desired["stringData"].items()}
+        if cur is None:
+            body = {k: v for k, v in desired.items() if k != "stringData"}
+            await self.kube.create(SECRETS, {**body, "data": data}, md["namespace"])
+            return
+        have = cur.get("data") or {}
+        changed = {k: v for k, v in data.items() if have.get(k) != v}
+        labels_ok = all((cur["metadata"].get("labels") or {}).get(k) == v for k, v in md["labels"].items())
+        if changed or not labels_ok:
+            await self.kube.patch(SECRETS, md["name"], {"metadata": {"labels": md["labels"]}, "data": changed},
+                                  md["namespace"])
+
+    async def _delete_device_of(self, data: Mapping[str, bytes] | None) -> None:
+        dev = (data or {}).get("device_id", b"").decode(errors="replace").strip()
+        if dev:
+            await self.provider.delete_device(dev)
+
+    # ---- cleanup
+
+    async def cleanup(self, kind: str, obj: Mapping[str, Any]) -> bool:
+        """StatefulSet (foreground), then each device, the Secrets, the headless Service. True when done."""
+        m = meta(obj)
+        p = Parent(kind, m.get("name", ""), m.get("namespace", "") if kind != CONNECTOR else "", m.get("uid", ""))
+        sel, ns = render.child_selector(p), self.cfg.namespace
+        stss = await self.kube.list(STATEFULSETS, ns, sel)
+        if stss:
+            for s in stss:
+                if not s["metadata"].get("deletionTimestamp"):
+                    await self.kube.delete(STATEFULSETS, s["metadata"]["name"], ns, propagation="Foreground")
+            return False
+        for s in await self.kube.list(SECRETS, ns, sel):
+            await self._delete_device_of(_decode(s))
+            await self.kube.delete(SECRETS, s["metadata"]["name"], ns)
+        for s in await self.kube.list(SERVICES, ns, sel):
+            await self.kube.delete(SERVICES, s["metadata"]["name"], ns)
+        log.info("%s %s: proxy removed", kind, _ref(p))
+        return True
+
+    async def _ensure_finalizer(self, kind: str, obj: Mapping[str, Any]) -> None:
+        m = meta(obj)
+        fins = list(m.get("finalizers") or [])
+        if FINALIZER not in fins:
+            await self.kube.patch(RESOURCES[kind], m["name"], {"metadata": {
+                "finalizers": fins + [FINALIZER], "resourceVersion": m.get("resourceVersion")}},
+                m.get("namespace", ""))
+
+    async def _remove_finalizer(self, kind: str, obj: Mapping[str, Any]) -> None:
+        m = meta(obj)
+        ctype = st.condition_type(kind)
+        conds = (obj.get("status") or {}).get("conditions") or []
+        if kind == SVC and any(c.get("type") == ctype for c in conds) and not m.get("deletionTimestamp"):
+            rest = [c for c in conds if c.get("type") != ctype]
+            await self.kube.patch(SERVICES, m["name"], {"status": {"conditions": rest or None,
+                                                                   "loadBalancer": {"ingress": None}}},
+                                  m.get("namespace", ""), subresource="status")
+        fins = [f for f in m.get("finalizers") or [] if f != FINALIZER]
+        await self.kube.patch(RESOURCES[kind], m["name"], {"metadata": {
+            "finalizers": fins or None, "resourceVersion": m.get("resourceVersion")}}, m.get("namespace", ""))
+        self._warned.pop(m.get("uid", ""), None)
+
+    # ---- status and events
+
+    async def _report_invalid(self, kind: str, obj: Mapping[str, Any], message: str) -> None:
+        await self._warn(obj, kind, "ConnectorInvalid" if kind == CONNECTOR else "ProxyInvalid", message)
+        await self._write_status(kind, obj, None, [], st.Readiness(False, "", message), invalid=True)
+
+    async def _write_status(self, kind: str, obj: Mapping[str, Any], spec: ProxySpec | None,
+                            devices: list[st.DeviceInfo], r: st.Readiness, *, invalid: bool = False) -> None:
+        m, cur = meta(obj), obj.get("status") or {}
+        if invalid:
+            r = st.readiness(kind, devices, replicas=1, ready_replicas=0, invalid=r.message)
+        elif kind == CONNECTOR and r.reason == "ProxyPending":
+            r = st.Readiness(False, "ConnectorCreating", r.message)
+        want: dict[str, Any] = {}
+        ctype = st.condition_type(kind)
+        if ctype:
+            cond = st.condition(ctype, r.ok, r.reason, r.message, generation=m.get("generation"),
+                                previous=cur.get("conditions"), now=self.now())
+            conds = st.with_condition(cur.get("conditions"), cond)
+            if conds != list(cur.get("conditions") or []):
+                want["conditions"] = conds
+        if kind == SVC and service.is_load_balancer(obj) and not service.is_egress(obj):
+            lb = st.service_load_balancer(devices, st.service_families(obj))
+            if (cur.get("loadBalancer") or {}).get("ingress") != lb.get("ingress"):
+                want["loadBalancer"] = {"ingress": lb.get("ingress")}
+        elif kind == INGRESS and spec is not None:
+            lb = st.ingress_load_balancer(devices, spec)
+            if (cur.get("loadBalancer") or {}).get("ingress") != lb.get("ingress"):
+                want["loadBalancer"] = {"ingress": lb.get("ingress")}
+        elif kind == CONNECTOR:
+            body = st.connector_status(spec, devices)
+            for k in ("subnetRoutes", "isExitNode", "isAppConnector", "devices", "hostname", "tailnetIPs"):
+                if cur.get(k) != body.get(k):
+                    want[k] = body.get(k)
+        if want:
+            await self.kube.patch(RESOURCES[kind], m["name"], {"status": want}, m.get("namespace", ""),
+                                  subresource="status")
+
+    async def _warn(self, obj: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        """A Warning event, once per distinct problem of a parent (a pass every few seconds must not flood)."""
+        m = meta(obj)
+        uid = m.get("uid", "")
+        key = f"{reason}:{message}"
+        if key in self._warned.get(uid, set()):
+            return
+        self._warned.setdefault(uid, set()).add(key)
+        ns = m.get("namespace") or "default"
+        now = self.now()
+        api = {SVC: "v1", INGRESS: "networking.k8s.io/v1", CONNECTOR: "tailscale.com/v1alpha1"}[kind]
+        k8s_kind = {SVC: "Service", INGRESS: "Ingress", CONNECTOR: "Connector"}[kind]
+        ev = {"apiVersion": "v1", "kind": "Event",
+              "metadata": {"generateName": f"{m.get('name', 'x')}.", "namespace": ns},
+              "involvedObject": {"apiVersion": api, "kind": k8s_kind, "name": m.get("name", ""),
+                                 "namespace": m.get("namespace", ""), "uid": uid},
+              "reason": reason, "message": redact(message), "type": "Warning",
+              "source": {"component": "tailscale-controller"}, "reportingComponent": "tailscale-controller",
+              "firstTimestamp": now, "lastTimestamp": now, "count": 1}
+        log.warning("%s %s/%s: %s", k8s_kind, m.get("namespace", ""), m.get("name", ""), redact(message))
+        try:
+            await self.kube.create(EVENTS, ev, ns)
+        except KubeError as e:
+            log.warning("could not record an event: %s", e)
+
+
+def _failed(kind: str) -> str:
+    return "ConnectorCreationFailed" if kind == CONNECTOR else "ProxyFailed"
+
+
+def _ref(p: Parent) -> str:
+    return f"{p.namespace}/{p.name}" if p.namespace else p.name

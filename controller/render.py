@@ -1,0 +1,177 @@
+"""ProxySpec → the Kubernetes objects of one proxy (pure, deterministic).
+
+What upstream's operator renders for a single proxy (its `proxy.yaml` / `userspace-proxy.yaml` skeletons and
+`reconcileSTS`): a headless Service, one config+state Secret per replica named like its Pod, and a StatefulSet
+whose Pods mount every replica's Secret and pick their own through `$(POD_NAME)`. Same labels, env, mounts and
+Secret keys, so stock upstream proxy images run these Pods too. Env names are the agent's settings table's
+(a test checks every rendered name against it), plus two that tailscaled itself reads.
+
+Differences, on purpose: object names are derived from the parent's UID (`ts-<parent>-<5 chars>`) instead of
+the API server's random `generateName` suffix, so rendering is a pure function and a retried create cannot
+leave a second orphan set; each rendered object carries a hash of itself (`SPEC_HASH`) so that a pass that
+changes nothing writes nothing, whatever defaults the API server added.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tscommon.secretcontract import CONFIG_CAPVERS, KEY_SERVE_CONFIG, config_key
+
+from .config import ControllerConfig
+from .model import (CONNECTOR, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, Parent,
+                    ProxySpec)
+
+SPEC_HASH = "tailscale.com/controller-spec-hash"
+SERVICE_ACCOUNT = "proxies"
+SYSCTL_SCRIPT = ("echo 1 > /proc/sys/net/ipv4/ip_forward && if [ -e /proc/sys/net/ipv6/conf/all/forwarding ]; "
+                 "then echo 1 > /proc/sys/net/ipv6/conf/all/forwarding; fi")
+#: Env read by tailscaled itself (envknobs), not by the agent's settings table.
+TAILSCALED_ENV = ("TS_INTERNAL_APP", "TS_DEBUG_ACME_FORCE_RENEWAL")
+_NAME_MAX = 52   # a StatefulSet's Pods get a controller-revision-hash label of name + 11 chars, max 63
+
+
+def child_labels(parent: Parent) -> dict[str, str]:
+    return {LABEL_MANAGED: "true", LABEL_PARENT_NAME: parent.name, LABEL_PARENT_NS: parent.namespace,
+            LABEL_PARENT_TYPE: parent.kind}
+
+
+def child_selector(parent: Parent) -> str:
+    """The label selector that finds a parent's children."""
+    return ",".join(f"{k}={v}" for k, v in child_labels(parent).items())
+
+
+def base_name(parent: Parent) -> str:
+    """ts-<parent name>-<5 chars of the UID's hash>: the headless Service's and the StatefulSet's name."""
+    digest = base64.b32encode(hashlib.sha256(parent.uid.encode()).digest()).decode().lower()[:5]
+    stem = parent.name[: _NAME_MAX - len("ts--") - 5].rstrip("-.")
+    return f"ts-{stem}-{digest}"
+
+
+def secret_name(parent: Parent, i: int) -> str:
+    return f"{base_name(parent)}-{i}"
+
+
+def tailscaled_config(spec: ProxySpec, cfg: ControllerConfig, i: int, authkey: str, capver: int) -> dict:
+    """The `cap-<N>.hujson` content (ipn.ConfigVAlpha as upstream's operator fills it)."""
+    conf: dict[str, Any] = {"Version": "alpha0", "Locked": False, "ServerURL": cfg.server_url,
+                            "Hostname": spec.replica_hostname(i), "acceptDNS": False, "acceptRoutes": False,
+                            "NoStatefulFiltering": True}
+    if authkey:
+        conf["AuthKey"] = authkey
+    if spec.parent.kind == CONNECTOR:
+        conf["AdvertiseRoutes"] = list(spec.advertise_routes)
+    if capver >= 107:
+        conf["AppConnector"] = {"Advertise": False}
+    return conf
+
+
+def dumps(obj: Any) -> str:
+    """Deterministic JSON: sorted keys, no spaces, so an unchanged config is byte-identical."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def secret_string_data(spec: ProxySpec, cfg: ControllerConfig, i: int, authkey: str) -> dict[str, str]:
+    """The keys the controller owns in replica i's Secret (tailscaled's and the agent's are left alone)."""
+    out = {config_key(c): dumps(tailscaled_config(spec, cfg, i, authkey, c)) for c in CONFIG_CAPVERS}
+    if spec.serve_config is not None:
+        out[KEY_SERVE_CONFIG] = dumps(spec.serve_config)
+    return out
+
+
+def _hashed(obj: dict) -> dict:
+    h = hashlib.sha256(dumps(obj).encode()).hexdigest()[:16]
+    obj["metadata"].setdefault("annotations", {})[SPEC_HASH] = h
+    return obj
+
+
+def headless_service(spec: ProxySpec, cfg: ControllerConfig) -> dict:
+    p = spec.parent
+    return _hashed({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": base_name(p), "namespace": cfg.namespace, "labels": child_labels(p)},
+        "spec": {"clusterIP": "None", "selector": {"app": p.uid}, "ipFamilyPolicy": "PreferDualStack"},
+    })
+
+
+def secret(spec: ProxySpec, cfg: ControllerConfig, i: int, authkey: str) -> dict:
+    p = spec.parent
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": secret_name(p, i), "namespace": cfg.namespace, "labels": child_labels(p)},
+            "stringData": secret_string_data(spec, cfg, i, authkey)}
+
+
+def _env(spec: ProxySpec, cfg: ControllerConfig) -> list[dict]:
+    def field(path: str) -> dict:
+        return {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+    env: list[dict] = [
+        {"name": "TS_USERSPACE", "value": "true" if spec.userspace else "false"},
+        {"name": "POD_IP", **field("status.podIP")},
+        {"name": "POD_NAME", **field("metadata.name")},
+        {"name": "POD_UID", **field("metadata.uid")},
+        {"name": "TS_KUBE_SECRET", "value": "$(POD_NAME)"},
+        {"name": "TS_EXPERIMENTAL_SERVICE_AUTO_ADVERTISEMENT", "value": "false"},
+        {"name": "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR", "value": "/etc/tsconfig/$(POD_NAME)"},
+        {"name": "TS_DEBUG_ACME_FORCE_RENEWAL", "value": "true"},
+    ]
+    if spec.forward_cluster_traffic:
+        env.append({"name": "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS", "value": "true"})
+    if cfg.firewall_mode:
+        env.append({"name": "TS_DEBUG_FIREWALL_MODE", "value": cfg.firewall_mode})
+    env += [{"name": k, "value": v} for k, v in spec.target_env]
+    env.append({"name": "TS_INTERNAL_APP", "value": spec.app})
+    return env
+
+
+def statefulset(spec: ProxySpec, cfg: ControllerConfig) -> dict:
+    p = spec.parent
+    name = base_name(p)
+    volumes: list[dict] = []
+    mounts: list[dict] = []
+    for i in range(spec.replicas):
+        sname = secret_name(p, i)
+        volumes.append({"name": f"tailscaledconfig-{i}", "secret": {"secretName": sname}})
+        mounts.append({"name": f"tailscaledconfig-{i}", "mountPath": f"/etc/tsconfig/{sname}", "readOnly": True})
+        if spec.serve_config is not None:
+            volumes.append({"name": f"serve-config-{i}", "secret": {
+                "secretName": sname, "items": [{"key": KEY_SERVE_CONFIG, "path": KEY_SERVE_CONFIG}]}})
+            mounts.append({"name": f"serve-config-{i}", "mountPath": f"/etc/tailscaled/{sname}", "readOnly": True})
+    container: dict[str, Any] = {"name": "tailscale", "image": cfg.proxy_image,
+                                 "imagePullPolicy": cfg.image_pull_policy, "env": _env(spec, cfg),
+                                 "resources": cfg.proxy_resources, "volumeMounts": mounts}
+    pod_spec: dict[str, Any] = {"serviceAccountName": SERVICE_ACCOUNT}
+    if not spec.userspace:
+        container["securityContext"] = {"privileged": True}
+        pod_spec["initContainers"] = [{"name": "sysctler", "image": cfg.proxy_image,
+                                       "securityContext": {"privileged": True},
+                                       "command": ["/bin/sh", "-c", SYSCTL_SCRIPT]}]
+    pod_spec["containers"] = [container]
+    pod_spec["volumes"] = volumes
+    template_meta: dict[str, Any] = {"deletionGracePeriodSeconds": 10,
+                                     "labels": {**child_labels(p), "app": p.uid}}
+    if spec.pod_annotations:
+        template_meta["annotations"] = dict(spec.pod_annotations)
+    return _hashed({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": name, "namespace": cfg.namespace, "labels": child_labels(p)},
+        "spec": {"replicas": spec.replicas, "serviceName": name, "selector": {"matchLabels": {"app": p.uid}},
+                 "template": {"metadata": template_meta, "spec": pod_spec}},
+    })
+
+
+@dataclass(frozen=True)
+class Rendered:
+    service: dict
+    secrets: tuple[dict, ...]
+    statefulset: dict
+
+
+def render(spec: ProxySpec, cfg: ControllerConfig, authkeys: tuple[str, ...]) -> Rendered:
+    """Every object of the proxy; authkeys[i] is replica i's key to put in its config ("" = none)."""
+    return Rendered(headless_service(spec, cfg),
+                    tuple(secret(spec, cfg, i, authkeys[i] if i < len(authkeys) else "")
+                          for i in range(spec.replicas)),
+                    statefulset(spec, cfg))
