@@ -134,7 +134,8 @@ class Reconciler:
         if spec.egress_rewrite:
             patch = service.egress_rewrite_patch(obj, render.base_name(p), cfg)
             if patch is not None:
-                await self.kube.patch(SERVICES, p.name, patch, p.namespace)
+                # The answer carries the new generation, which the condition's observedGeneration must match.
+                obj = await self.kube.patch(SERVICES, p.name, patch, p.namespace)
         devices = [st.device_info(render.secret_name(p, i), datas[i]) for i in range(spec.replicas)]
         ready_replicas = int(((sts or {}).get("status") or {}).get("readyReplicas") or 0)
         r = st.readiness(kind, devices, replicas=spec.replicas, ready_replicas=ready_replicas)
@@ -206,9 +207,10 @@ class Reconciler:
         conds = (obj.get("status") or {}).get("conditions") or []
         if kind == SVC and any(c.get("type") == ctype for c in conds) and not m.get("deletionTimestamp"):
             rest = [c for c in conds if c.get("type") != ctype]
-            await self.kube.patch(SERVICES, m["name"], {"status": {"conditions": rest or None,
-                                                                   "loadBalancer": {"ingress": None}}},
-                                  m.get("namespace", ""), subresource="status")
+            obj = await self.kube.patch(SERVICES, m["name"], {"status": {"conditions": rest or None,
+                                                                         "loadBalancer": {"ingress": None}}},
+                                        m.get("namespace", ""), subresource="status")
+            m = meta(obj)
         fins = [f for f in m.get("finalizers") or [] if f != FINALIZER]
         await self.kube.patch(RESOURCES[kind], m["name"], {"metadata": {
             "finalizers": fins or None, "resourceVersion": m.get("resourceVersion")}}, m.get("namespace", ""))

@@ -1,0 +1,159 @@
+"""An in-memory Kubernetes API with the controller client's interface (`controller.kubeapi.Kube`), for the
+reconciler's tests: merge patches (RFC 7386, lists replaced), the status subresource, finalizers that hold a
+deletion, foreground deletion that completes only when the test says so, resourceVersion preconditions,
+generateName, and a log of every call so tests can count writes and check their order."""
+from __future__ import annotations
+
+import copy
+import itertools
+import uuid
+from typing import Any, Mapping
+
+from controller.kubeapi import KubeError, Resource
+from tests.support.kubeapi import merge_patch
+
+WRITES = ("POST", "PATCH", "DELETE")
+
+
+class FakeKube:
+    def __init__(self, log: list | None = None) -> None:
+        self.objects: dict[tuple[str, str, str], dict] = {}
+        self.calls: list[tuple[str, str, str, str]] = []      # (method, plural, namespace, name[/sub])
+        self.log = log if log is not None else []             # shared with a fake provider: order of effects
+        self._rv = itertools.count(1)
+        self.fail_next: list[KubeError] = []
+
+    # ---- helpers for tests
+
+    def writes(self) -> list[tuple[str, str, str, str]]:
+        return [c for c in self.calls if c[0] in WRITES]
+
+    def put(self, res: Resource, obj: dict) -> dict:
+        obj = copy.deepcopy(obj)
+        m = obj.setdefault("metadata", {})
+        m.setdefault("uid", str(uuid.uuid4()))
+        m["resourceVersion"] = str(next(self._rv))
+        m.setdefault("generation", 1)
+        self.objects[(res.plural, m.get("namespace", "") if res.namespaced else "", m["name"])] = obj
+        return obj
+
+    def obj(self, res: Resource, name: str, namespace: str = "") -> dict | None:
+        return self.objects.get((res.plural, namespace if res.namespaced else "", name))
+
+    def of(self, res: Resource) -> list[dict]:
+        return [o for (p, _, _), o in sorted(self.objects.items()) if p == res.plural]
+
+    def finish_deletions(self) -> None:
+        """The garbage collector finished: objects marked for deletion without finalizers disappear."""
+        for k, o in list(self.objects.items()):
+            if o["metadata"].get("deletionTimestamp") and not o["metadata"].get("finalizers"):
+                del self.objects[k]
+
+    # ---- the client interface
+
+    def _key(self, res: Resource, name: str, namespace: str) -> tuple[str, str, str]:
+        return (res.plural, namespace if res.namespaced else "", name)
+
+    def _call(self, method: str, res: Resource, namespace: str, name: str) -> None:
+        self.calls.append((method, res.plural, namespace, name))
+        if method in WRITES:
+            self.log.append((method, res.plural, name))
+        if self.fail_next:
+            raise self.fail_next.pop(0)
+
+    async def get(self, res: Resource, name: str, namespace: str = "") -> dict | None:
+        self._call("GET", res, namespace, name)
+        o = self.objects.get(self._key(res, name, namespace))
+        return copy.deepcopy(o) if o else None
+
+    async def list(self, res: Resource, namespace: str = "", selector: str = "") -> list[dict]:
+        self._call("LIST", res, namespace, "")
+        want = dict(kv.split("=", 1) for kv in selector.split(",") if kv)
+        out = []
+        for (p, ns, _), o in sorted(self.objects.items()):
+            labels = o["metadata"].get("labels") or {}
+            if p == res.plural and (not res.namespaced or ns == namespace) and \
+                    all(labels.get(k) == v for k, v in want.items()):
+                out.append(copy.deepcopy(o))
+        return out
+
+    async def create(self, res: Resource, obj: Mapping[str, Any], namespace: str = "") -> dict:
+        obj = copy.deepcopy(dict(obj))
+        m = obj.setdefault("metadata", {})
+        if not m.get("name") and m.get("generateName"):
+            m["name"] = m["generateName"] + uuid.uuid4().hex[:5]
+        self._call("POST", res, namespace, m["name"])
+        if self._key(res, m["name"], namespace) in self.objects:
+            raise KubeError(f"{res.plural} {m['name']!r} already exists", status=409, reason="AlreadyExists")
+        m["namespace"] = namespace
+        if res.plural == "secrets" and "stringData" in obj:
+            raise AssertionError("the controller writes data, not stringData")
+        return copy.deepcopy(self.put(res, obj))
+
+    async def patch(self, res: Resource, name: str, patch: Mapping[str, Any], namespace: str = "",
+                    subresource: str = "") -> dict:
+        self._call("PATCH", res, namespace, name + (f"/{subresource}" if subresource else ""))
+        key = self._key(res, name, namespace)
+        cur = self.objects.get(key)
+        if cur is None:
+            raise KubeError(f"{res.plural} {name!r} not found", status=404, reason="NotFound")
+        patch = copy.deepcopy(dict(patch))
+        rv = (patch.get("metadata") or {}).pop("resourceVersion", None)
+        if rv is not None and rv != cur["metadata"]["resourceVersion"]:
+            raise KubeError("the object has been modified", status=409, reason="Conflict")
+        if subresource == "status":
+            patch = {"status": patch.get("status")}
+        else:
+            patch.pop("status", None)
+        new = merge_patch(cur, patch)
+        new["metadata"]["resourceVersion"] = str(next(self._rv))
+        if new.get("spec") != cur.get("spec"):
+            new["metadata"]["generation"] = cur["metadata"].get("generation", 1) + 1
+        self.objects[key] = new
+        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+            del self.objects[key]
+        return copy.deepcopy(new)
+
+    async def delete(self, res: Resource, name: str, namespace: str = "", *, propagation: str = "") -> bool:
+        self._call("DELETE", res, namespace, name)
+        key = self._key(res, name, namespace)
+        cur = self.objects.get(key)
+        if cur is None:
+            return False
+        if cur["metadata"].get("finalizers") or propagation == "Foreground":
+            cur["metadata"].setdefault("deletionTimestamp", "2026-01-01T00:00:00Z")
+        else:
+            del self.objects[key]
+        return True
+
+
+class FakeProvider:
+    """A control plane: numbered keys, a set of devices, an on/off switch for outages."""
+
+    name = "fake"
+
+    def __init__(self, log: list | None = None) -> None:
+        self.log = log if log is not None else []
+        self.keys: list[tuple[str, tuple[str, ...]]] = []
+        self.deleted: list[str] = []
+        self.down = False
+
+    async def create_auth_key(self, tags: tuple[str, ...], *, description: str = "") -> str:
+        from controller.providers import ProviderError
+        if self.down:
+            raise ProviderError("fake: creating an auth key: control plane unreachable (ConnectError)")
+        key = f"tskey-auth-k{len(self.keys) + 1}-SECRETPART"
+        self.keys.append((key, tuple(tags)))
+        self.log.append(("mint", tuple(tags)))
+        return key
+
+    async def delete_device(self, device_id: str) -> bool:
+        from controller.providers import ProviderError
+        if self.down:
+            raise ProviderError("fake: deleting a device: control plane unreachable")
+        self.deleted.append(device_id)
+        self.log.append(("delete-device", device_id))
+        return True
+
+    async def aclose(self) -> None:
+        return None
