@@ -1,0 +1,77 @@
+"""The controller's headscale provider against a real headscale (the lab's), with a real proxy logging in.
+
+The provider runs where a controller Pod would: on the island (in the `client` namespace, which reaches
+headscale at 10.99.0.1:8080), with an API key made by headscale's CLI. It mints a single-use tagged pre-auth
+key over the REST API; our agent logs in with it; the node carries the tags, the key is used up, and the
+`device_id` the agent would write (the node's StableID) is what the provider deletes the node by.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+from labtools.lab import wait_until
+
+pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(240)]
+
+REPO = str(pathlib.Path(__file__).resolve().parents[1])
+SCRIPT = r"""
+import asyncio, json, os, sys
+from controller.providers.headscale import HeadscaleProvider
+from controller.providers import ProviderError
+req = json.loads(sys.stdin.read())
+async def main():
+    p = HeadscaleProvider(req["url"], api_key=os.environ["HS_API_KEY"])
+    try:
+        if req["op"] == "create":
+            return {"key": await p.create_auth_key(tuple(req["tags"]))}
+        return {"deleted": await p.delete_device(req["id"])}
+    except ProviderError as e:
+        return {"error": str(e)}
+    finally:
+        await p.aclose()
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def provider(lab, api_key: str, **req) -> dict:
+    cp = lab.exec("client", [sys.executable, "-c", SCRIPT], timeout=30, input=json.dumps({"url": lab.login_server, **req}),
+                  env={"PYTHONPATH": REPO, "HS_API_KEY": api_key})
+    assert cp.returncode == 0, cp.stderr
+    return json.loads(cp.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def api_key(lab) -> str:
+    out = lab.hs("apikeys", "create", "--expiration", "1h")
+    return out if isinstance(out, str) else str(out.get("key") or out)
+
+
+def test_tagged_single_use_key_login_and_device_deletion(lab, start_agent, api_key):
+    got = provider(lab, api_key, op="create", tags=["tag:k8s", "tag:ctl"])
+    assert "key" in got, got
+    key = got["key"]
+    keys = [k for k in lab.hs("preauthkeys", "list") or [] if k.get("key", "").endswith(key[-6:])
+            or k.get("key") == key]
+    agent = start_agent({"TS_AUTHKEY": key, "TS_HOSTNAME": "ctl-proxy"})
+    st = agent.wait_running(90)
+    stable_id = st["Self"]["ID"]
+    node = wait_until(lambda: lab.hs_node("ctl-proxy"), 30, 0.5, "node in headscale")
+    assert str(node["id"]) == stable_id, (node["id"], stable_id)   # device_id is the node ID: deletable by it
+    tags = set(node.get("tags") or node.get("forced_tags") or node.get("valid_tags") or [])
+    assert {"tag:k8s", "tag:ctl"} <= tags, node
+    used = [k for k in lab.hs("preauthkeys", "list") or [] if not k.get("reusable")]
+    assert any(k.get("used") for k in used), used or keys
+    assert "error" in provider(lab, api_key, op="delete", id="abc")            # not a headscale node ID
+    assert provider(lab, api_key, op="delete", id=stable_id) == {"deleted": True}
+    assert lab.hs_node("ctl-proxy") is None
+    assert provider(lab, api_key, op="delete", id=stable_id) == {"deleted": False}   # already gone: fine
+
+
+def test_bad_api_key_is_an_error_without_the_key(lab):
+    got = provider(lab, "hskey-api-notreal-SECRETVALUE", op="create", tags=["tag:k8s"])
+    assert "error" in got and "HTTP 401" in got["error"], got
+    assert "SECRETVALUE" not in got["error"]
