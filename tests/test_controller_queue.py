@@ -1,0 +1,89 @@
+"""controller.queue and the kopf shell's event mapping: events coalesce, failures back off, children map to
+their parent by upstream's labels."""
+from __future__ import annotations
+
+import asyncio
+
+from controller.config import ControllerConfig
+from controller.handlers import State, child_key, parent_key, registries, settings
+from controller.queue import WorkQueue
+
+
+async def test_events_during_a_pass_coalesce_into_one_more_pass():
+    runs, gate = [], asyncio.Event()
+
+    async def work(key):
+        runs.append(key)
+        if len(runs) == 1:
+            await gate.wait()
+        return None
+    q = WorkQueue(work)
+    q.poke("a")
+    await asyncio.sleep(0.01)
+    for _ in range(5):
+        q.poke("a")
+    gate.set()
+    await asyncio.sleep(0.05)
+    assert runs == ["a", "a"]
+    await q.aclose()
+
+
+async def test_failures_retry_with_growing_delay_then_recover():
+    times = []
+    loop = asyncio.get_running_loop()
+
+    async def work(key):
+        times.append(loop.time())
+        if len(times) < 4:
+            raise RuntimeError("api down")
+        return None
+    q = WorkQueue(work, base_delay=0.02, max_delay=1.0)
+    q.poke("k")
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if len(times) >= 4:
+            break
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert len(times) == 4 and gaps[0] >= 0.02 and gaps[1] >= 0.04 and gaps[2] >= 0.08
+    await asyncio.sleep(0.01)
+    assert q.failures == {}
+    await q.aclose()
+
+
+async def test_a_returned_delay_schedules_a_recheck():
+    runs = []
+
+    async def work(key):
+        runs.append(key)
+        return 0.03 if len(runs) < 3 else None
+    q = WorkQueue(work)
+    q.poke("k")
+    await asyncio.sleep(0.2)
+    assert runs == ["k", "k", "k"]
+    await q.aclose()
+
+
+def test_event_mapping():
+    cfg = ControllerConfig()
+    svc = {"metadata": {"name": "web", "namespace": "apps", "annotations": {"tailscale.com/expose": "true"}}}
+    assert parent_key("svc", svc, cfg) == ("svc", "apps", "web")
+    plain = {"metadata": {"name": "x", "namespace": "apps"}}
+    assert parent_key("svc", plain, cfg) is None
+    # No longer selected but still holding our finalizer: its proxy must be cleaned up.
+    plain["metadata"]["finalizers"] = ["tailscale.com/finalizer"]
+    assert parent_key("svc", plain, cfg) == ("svc", "apps", "x")
+    child = {"metadata": {"labels": {"tailscale.com/managed": "true", "tailscale.com/parent-resource": "office",
+                                     "tailscale.com/parent-resource-ns": "",
+                                     "tailscale.com/parent-resource-type": "connector"}}}
+    assert child_key(child) == ("connector", "", "office")
+    assert child_key({"metadata": {"labels": {"tailscale.com/parent-resource-type": "proxygroup",
+                                              "tailscale.com/managed": "true"}}}) is None
+
+
+def test_kopf_registries_and_server_side_child_filter():
+    parents, children = registries(State(ControllerConfig(), None, None))
+    assert len(list(parents._watching.get_all_handlers())) == 3
+    assert len(list(children._watching.get_all_handlers())) == 2
+    s = settings(True)
+    assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/managed=true"] * 2
+    assert not settings(False).posting.enabled
