@@ -1,0 +1,70 @@
+"""deploy/: the manifests parse, the Connector CRD refuses router + exit node with the fix in its message, RBAC
+covers every call the controller makes, and the Deployment sets only settings the controller reads."""
+from __future__ import annotations
+
+import inspect
+import pathlib
+
+import yaml
+
+from controller import config as cconfig, kubeapi
+
+DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "deploy"
+
+
+def docs():
+    out = []
+    for f in sorted(DEPLOY.rglob("*.yaml")):
+        out += [d for d in yaml.safe_load_all(f.read_text()) if d]
+    return out
+
+
+def by_kind(kind):
+    return [d for d in docs() if d["kind"] == kind]
+
+
+def test_connector_crd_matches_upstream_names_and_refuses_both():
+    (crd,) = by_kind("CustomResourceDefinition")
+    assert crd["metadata"]["name"] == "connectors.tailscale.com" and crd["spec"]["scope"] == "Cluster"
+    (v,) = crd["spec"]["versions"]
+    assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
+    spec = v["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert {"subnetRouter", "exitNode", "hostname", "tags", "hostnamePrefix", "replicas"} <= set(spec["properties"])
+    assert spec["properties"]["subnetRouter"]["properties"]["advertiseRoutes"]["items"]["format"] == "cidr"
+    both = [r for r in spec["x-kubernetes-validations"] if "exitNode" in r["rule"] and "subnetRouter" in r["rule"]
+            and r["rule"].startswith("!(")]
+    assert len(both) == 1 and "create two Connectors" in both[0]["message"]
+
+
+def _covered(rules, group, resource, verb):
+    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules)
+
+
+def test_rbac_covers_the_controllers_calls():
+    (cr,) = [d for d in by_kind("ClusterRole") if d["metadata"]["name"] == "tailscale-controller"]
+    (role,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "tailscale-controller"]
+    group = lambda res: res.prefix.split("/")[2] if res.prefix.startswith("/apis/") else ""  # noqa: E731
+    for res in (kubeapi.SERVICES, kubeapi.INGRESSES, kubeapi.CONNECTORS):
+        for verb in ("get", "list", "watch", "patch"):
+            assert _covered(cr["rules"], group(res), res.plural, verb), (res.plural, verb)
+        assert _covered(cr["rules"], group(res), res.plural + "/status", "patch")
+    for res in (kubeapi.SECRETS, kubeapi.SERVICES, kubeapi.STATEFULSETS):
+        for verb in ("get", "list", "watch", "create", "patch", "delete"):
+            assert _covered(role["rules"], group(res), res.plural, verb), (res.plural, verb)
+    assert _covered(cr["rules"], "", "events", "create")
+    assert not _covered(cr["rules"], "", "secrets", "list"), "no cluster-wide Secret access"
+    (proxies,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "proxies"]
+    assert _covered(proxies["rules"], "", "secrets", "get") and _covered(proxies["rules"], "", "secrets", "update")
+
+
+def test_deployment_env_is_read_by_the_controller():
+    (dep,) = by_kind("Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    src = inspect.getsource(cconfig.load)
+    for e in c["env"]:
+        assert f'"{e["name"]}"' in src, e["name"]
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "tailscale-controller"
+    (ns,) = by_kind("Namespace")
+    assert ns["metadata"]["name"] == "tailscale"
+    (ic,) = by_kind("IngressClass")
+    assert ic["spec"]["controller"] == "tailscale.com/ts-ingress"
