@@ -71,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("controller").info(
         "controller: provider %s, proxies in namespace %s, image %s, login server %s", cfg.provider,
         cfg.namespace, cfg.proxy_image, cfg.server_url)
-    asyncio.run(run(cfg))
+    from .kubeapi import KubeError
+    try:
+        asyncio.run(run(cfg))
+    except KubeError as e:
+        print(f"tailscale-controller: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

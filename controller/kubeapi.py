@@ -69,13 +69,14 @@ class Kube:
     def in_cluster(cls, env: Mapping[str, str] = os.environ) -> "Kube":
         host = env.get("KUBERNETES_SERVICE_HOST", "")
         port = env.get("KUBERNETES_SERVICE_PORT_HTTPS") or env.get("KUBERNETES_SERVICE_PORT") or "443"
-        if not host:
-            raise KubeError("KUBERNETES_SERVICE_HOST is not set: the controller runs in a Pod (or set "
-                            "CONTROLLER_KUBE_URL)")
+        url = env.get("CONTROLLER_KUBE_URL", "")
+        if not url and not host:
+            raise KubeError("KUBERNETES_SERVICE_HOST is not set: the controller runs in a Pod with a "
+                            "ServiceAccount (or set CONTROLLER_KUBE_URL)")
         if ":" in host:
             host = f"[{host}]"
-        url = env.get("CONTROLLER_KUBE_URL") or f"https://{host}:{port}"
-        return cls(url, token_file=f"{SA_DIR}/token", ca_file=f"{SA_DIR}/ca.crt")
+        return cls(url or f"https://{host}:{port}", token_file=env.get("CONTROLLER_KUBE_TOKEN_FILE", f"{SA_DIR}/token"),
+                   ca_file=env.get("CONTROLLER_KUBE_CA_FILE", f"{SA_DIR}/ca.crt"))
 
     def _headers(self, ctype: str = "") -> dict[str, str]:
         token = self._token
