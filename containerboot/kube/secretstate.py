@@ -12,7 +12,7 @@ Differences from upstream, on purpose:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from tscommon.secretcontract import (  # noqa: F401  (re-exported: the agent's callers use ss.KEY_*)
     KEY_AUTHKEY, KEY_CAPVER, KEY_CURRENT_PROFILE, KEY_DEVICE_FQDN, KEY_DEVICE_ID, KEY_DEVICE_IPS,

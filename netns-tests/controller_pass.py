@@ -1,0 +1,85 @@
+"""One controller pass, run inside a lab namespace (where headscale and the test API server are reachable).
+
+The parents (Services), StatefulSets and Events live in an in-memory API persisted to a JSON file between
+passes (tests/support/fakekube.py); the proxies' Secrets live in the real test API server (HTTPS, the same one
+the agent's Pod uses), and auth keys and device deletion go to the real headscale. Usage:
+
+    python controller_pass.py <state.json> <kind> <namespace> <name>      (env: see main())
+
+prints one JSON line: {"requeue": <seconds or null>, "error": "..."}.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import ssl
+import sys
+
+from controller.config import ControllerConfig
+from controller.kubeapi import Kube
+from controller.providers.headscale import HeadscaleProvider
+from controller.reconcile import Reconciler
+from tests.support.fakekube import FakeKube
+
+
+class Split:
+    """Secrets over HTTP to the real test API server, everything else in memory."""
+
+    def __init__(self, http: Kube, fake: FakeKube) -> None:
+        self.http, self.fake = http, fake
+
+    def _c(self, res):
+        return self.http if res.plural == "secrets" else self.fake
+
+    async def get(self, res, *a, **k):
+        return await self._c(res).get(res, *a, **k)
+
+    async def list(self, res, *a, **k):
+        return await self._c(res).list(res, *a, **k)
+
+    async def create(self, res, *a, **k):
+        return await self._c(res).create(res, *a, **k)
+
+    async def patch(self, res, *a, **k):
+        return await self._c(res).patch(res, *a, **k)
+
+    async def delete(self, res, *a, **k):
+        return await self._c(res).delete(res, *a, **k)
+
+
+def load(path: str) -> FakeKube:
+    fk = FakeKube()
+    if os.path.exists(path):
+        for k, v in json.load(open(path)):
+            fk.objects[tuple(k)] = v
+    return fk
+
+
+def save(path: str, fk: FakeKube) -> None:
+    json.dump([[list(k), v] for k, v in fk.objects.items()], open(path, "w"))
+
+
+async def main() -> dict:
+    state, kind, ns, name = sys.argv[1:5]
+    fk = load(state)
+    sa = os.environ["SA_DIR"]
+    http = Kube(open(f"{sa}/url").read().strip(), token_file=f"{sa}/token",
+                verify=ssl.create_default_context(cafile=f"{sa}/ca.crt"))
+    cfg = ControllerConfig(namespace=os.environ["PROXY_NS"], proxy_image="localhost/containerboot-py:latest",
+                           login_server=os.environ["HS_URL"], provider="headscale", headscale_url=os.environ["HS_URL"])
+    prov = HeadscaleProvider(os.environ["HS_URL"], api_key=os.environ["HS_API_KEY"])
+    out: dict = {"requeue": None}
+    try:
+        out["requeue"] = await Reconciler(Split(http, fk), prov, cfg).reconcile(kind, ns, name)
+    except Exception as e:  # reported to the test, which decides
+        out["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        await prov.aclose()
+        await http.aclose()
+        save(state, fk)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main())))
