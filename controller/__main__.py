@@ -45,11 +45,15 @@ async def run(cfg: ControllerConfig) -> None:
     async def work(key) -> float | None:
         return await rec.reconcile(*key)
     state = State(cfg, rec, WorkQueue(work))
-    parents, children = registries(state)
+
+    def login() -> kopf.ConnectionInfo:
+        return kopf.ConnectionInfo(server=kube.url, token=kube.token(), ca_path=kube.ca_file or None,
+                                   default_namespace=cfg.namespace)
+    parents, children = registries(state, login)
     try:
         await asyncio.gather(
             kopf.operator(registry=parents, settings=settings(False), clusterwide=True, standalone=True,
-                          liveness_endpoint="http://0.0.0.0:8080/healthz"),
+                          liveness_endpoint=f"http://{os.environ.get('CONTROLLER_HEALTH_ADDR', '0.0.0.0:8080')}/healthz"),
             kopf.operator(registry=children, settings=settings(True), namespaces=[cfg.namespace], standalone=True))
     finally:
         await state.queue.aclose()
@@ -59,6 +63,9 @@ async def run(cfg: ControllerConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # kopf logs every handler call at INFO; the reconciler logs what users need.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         resolv = open("/etc/resolv.conf", encoding="utf-8").read()
     except OSError:

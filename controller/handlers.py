@@ -49,11 +49,16 @@ def child_key(body: Any) -> tuple[str, str, str] | None:
     return (kind, labels.get(LABEL_PARENT_NS, ""), labels.get(LABEL_PARENT_NAME, ""))
 
 
-def registries(state: State) -> tuple[kopf.OperatorRegistry, kopf.OperatorRegistry]:
+def registries(state: State, login=None) -> tuple[kopf.OperatorRegistry, kopf.OperatorRegistry]:
+    """The two operators' handlers. `login` (kopf's ConnectionInfo factory) makes kopf use the controller's own
+    credentials instead of guessing them."""
     parents, children = kopf.OperatorRegistry(), kopf.OperatorRegistry()
+    if login is not None:
+        for r in (parents, children):
+            kopf.on.login(registry=r)(lambda **_: login())
 
     def on_parent(kind: str):
-        def handler(body: Any, **_: Any) -> None:
+        async def handler(body: Any, **_: Any) -> None:     # async: kopf runs sync handlers in threads
             key = parent_key(kind, body, state.cfg)
             if key is not None:
                 state.queue.poke(key)
@@ -63,7 +68,7 @@ def registries(state: State) -> tuple[kopf.OperatorRegistry, kopf.OperatorRegist
     kopf.on.event("networking.k8s.io", "v1", "ingresses", registry=parents)(on_parent(INGRESS))
     kopf.on.event(connector.GROUP, connector.VERSION, connector.PLURAL, registry=parents)(on_parent(CONNECTOR))
 
-    def on_child(body: Any, **_: Any) -> None:
+    async def on_child(body: Any, **_: Any) -> None:
         key = child_key(body)
         if key is not None:
             state.queue.poke(key)

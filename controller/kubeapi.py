@@ -59,11 +59,22 @@ class Kube:
 
     def __init__(self, url: str, *, token: str = "", token_file: str = "", ca_file: str = "",
                  verify: ssl.SSLContext | bool | None = None, timeout: float = 15.0) -> None:
-        self._token, self._token_file = token, token_file
+        self._token, self._token_file, self.ca_file = token, token_file, ca_file
         if verify is None:
             verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
         self._client = httpx.AsyncClient(base_url=url.rstrip("/"), verify=verify, timeout=timeout)
         self.requests: list[tuple[str, str]] = []    # (method, path): for the request-count figures
+
+    @property
+    def url(self) -> str:
+        return str(self._client.base_url).rstrip("/")
+
+    def token(self) -> str:
+        """The current bearer token (re-read from its file): kopf's login uses the same credentials."""
+        if self._token_file:
+            with open(self._token_file, encoding="utf-8") as f:
+                return f.read().strip()
+        return self._token
 
     @classmethod
     def in_cluster(cls, env: Mapping[str, str] = os.environ) -> "Kube":
@@ -75,8 +86,9 @@ class Kube:
                             "ServiceAccount (or set CONTROLLER_KUBE_URL)")
         if ":" in host:
             host = f"[{host}]"
-        return cls(url or f"https://{host}:{port}", token_file=env.get("CONTROLLER_KUBE_TOKEN_FILE", f"{SA_DIR}/token"),
+        kube = cls(url or f"https://{host}:{port}", token_file=env.get("CONTROLLER_KUBE_TOKEN_FILE", f"{SA_DIR}/token"),
                    ca_file=env.get("CONTROLLER_KUBE_CA_FILE", f"{SA_DIR}/ca.crt"))
+        return kube
 
     def _headers(self, ctype: str = "") -> dict[str, str]:
         token = self._token

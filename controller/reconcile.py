@@ -41,6 +41,16 @@ def _decode(secret: Mapping[str, Any] | None) -> dict[str, bytes] | None:
     return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
 
 
+def same(cur: Any, want: Any) -> bool:
+    """`cur` (from the API server) says what `want` says; fields the server added by default (e.g. a
+    LoadBalancer ingress's `ipMode: VIP`) do not count, or every pass would write the status again."""
+    if isinstance(want, dict):
+        return isinstance(cur, dict) and all(same(cur.get(k), v) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(cur, list) and len(cur) == len(want) and all(same(c, w) for c, w in zip(cur, want))
+    return cur == want
+
+
 def handled(kind: str, obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
     return {SVC: service.handled, INGRESS: ingress.handled, CONNECTOR: connector.handled}[kind](obj, cfg)
 
@@ -235,20 +245,20 @@ class Reconciler:
             cond = st.condition(ctype, r.ok, r.reason, r.message, generation=m.get("generation"),
                                 previous=cur.get("conditions"), now=self.now())
             conds = st.with_condition(cur.get("conditions"), cond)
-            if conds != list(cur.get("conditions") or []):
+            if not same(list(cur.get("conditions") or []), conds):
                 want["conditions"] = conds
         if kind == SVC and service.is_load_balancer(obj) and not service.is_egress(obj):
             lb = st.service_load_balancer(devices, st.service_families(obj))
-            if (cur.get("loadBalancer") or {}).get("ingress") != lb.get("ingress"):
+            if not same((cur.get("loadBalancer") or {}).get("ingress"), lb.get("ingress")):
                 want["loadBalancer"] = {"ingress": lb.get("ingress")}
         elif kind == INGRESS and spec is not None:
             lb = st.ingress_load_balancer(devices, spec)
-            if (cur.get("loadBalancer") or {}).get("ingress") != lb.get("ingress"):
+            if not same((cur.get("loadBalancer") or {}).get("ingress"), lb.get("ingress")):
                 want["loadBalancer"] = {"ingress": lb.get("ingress")}
         elif kind == CONNECTOR:
             body = st.connector_status(spec, devices)
             for k in ("subnetRoutes", "isExitNode", "isAppConnector", "devices", "hostname", "tailnetIPs"):
-                if cur.get(k) != body.get(k):
+                if not same(cur.get(k), body.get(k)):
                     want[k] = body.get(k)
         if want:
             await self.kube.patch(RESOURCES[kind], m["name"], {"status": want}, m.get("namespace", ""),

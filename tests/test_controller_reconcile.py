@@ -115,6 +115,12 @@ async def test_load_balancer_status_dual_stack(env):
     await rec.reconcile("svc", "apps", "web")
     assert kube.obj(SERVICES, "web", "apps")["status"]["loadBalancer"] == {
         "ingress": [{"hostname": "apps-web.tail.test"}, {"ip": "100.64.0.9"}, {"ip": "fd7a::9"}]}
+    # The API server defaults ipMode on each IP (seen with kube-apiserver 1.34): still the same status, no write.
+    for entry in kube.objects[("services", "apps", "web")]["status"]["loadBalancer"]["ingress"][1:]:
+        entry["ipMode"] = "VIP"
+    kube.calls.clear()
+    await rec.reconcile("svc", "apps", "web")
+    assert kube.writes() == []
 
 
 async def test_reissue_request_gets_a_new_key_and_the_old_device_goes(env):
