@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 from tscommon.redact import redact
@@ -50,11 +51,24 @@ async def run(cfg: ControllerConfig) -> None:
         return kopf.ConnectionInfo(server=kube.url, token=kube.token(), ca_path=kube.ca_file or None,
                                    default_namespace=cfg.namespace)
     parents, children = registries(state, login)
+    # One stop flag for both operators: each kopf operator installs its own SIGTERM handler, and the second
+    # would replace the first's (that operator then never stops). Ours is installed once both are up.
+    stop = asyncio.Event()
+    ready = (asyncio.Event(), asyncio.Event())
+    health = os.environ.get("CONTROLLER_HEALTH_ADDR", "0.0.0.0:8080")
+
+    async def signals() -> None:
+        await asyncio.gather(*(r.wait() for r in ready))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     try:
         await asyncio.gather(
             kopf.operator(registry=parents, settings=settings(False), clusterwide=True, standalone=True,
-                          liveness_endpoint=f"http://{os.environ.get('CONTROLLER_HEALTH_ADDR', '0.0.0.0:8080')}/healthz"),
-            kopf.operator(registry=children, settings=settings(True), namespaces=[cfg.namespace], standalone=True))
+                          liveness_endpoint=f"http://{health}/healthz", stop_flag=stop, ready_flag=ready[0]),
+            kopf.operator(registry=children, settings=settings(True), namespaces=[cfg.namespace], standalone=True,
+                          stop_flag=stop, ready_flag=ready[1]),
+            signals())
     finally:
         await state.queue.aclose()
         await provider.aclose()

@@ -26,9 +26,10 @@ from .providers import Provider, ProviderError
 log = logging.getLogger("controller")
 
 RESOURCES: dict[str, Resource] = {SVC: SERVICES, INGRESS: INGRESSES, CONNECTOR: CONNECTORS}
-#: Re-check a parent whose proxy is not ready yet (Secret events usually come first), and a ready one.
-PENDING_RECHECK = 10.0
-READY_RECHECK = 300.0
+#: Safety-net re-checks of a parent whose proxy is not ready yet and of a ready one: the watches on the proxies'
+#: Secrets and StatefulSets bring changes at once, so polling 500 parents must not cost much.
+PENDING_RECHECK = 60.0
+READY_RECHECK = 600.0
 
 
 def _now() -> str:

@@ -48,15 +48,33 @@ class LocalKube:
     admin_token: str = "admin-token-0123456789"
     controller_token: str = "controller-token-0123456789"
     procs: list = field(default_factory=list)
+    audit: bool = False            # log every request of the controller's user (Metadata level) for counting
 
     @classmethod
-    def start(cls, directory: Path, timeout: float = 90.0) -> "LocalKube":
+    def start(cls, directory: Path, timeout: float = 90.0, *, audit: bool = False) -> "LocalKube":
         bins = bin_dir()
         if bins is None:
             raise RuntimeError("etcd/kube-apiserver not built (scripts/install-kubernetes.sh)")
-        k = cls(Path(directory), bins)
+        k = cls(Path(directory), bins, audit=audit)
         k._start(timeout)
         return k
+
+    @property
+    def audit_log(self) -> Path:
+        return self.dir / "audit.log"
+
+    def audit_events(self) -> list[dict]:
+        """The controller's requests so far: one event per completed request (verb, objectRef, ...)."""
+        import json
+        if not self.audit_log.exists():
+            return []
+        out = []
+        for line in self.audit_log.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue           # a line being written
+        return out
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.dir / f"{name}.log", "w")
@@ -84,7 +102,7 @@ class LocalKube:
             f"--service-account-key-file={d / 'sa.key'}", f"--service-account-signing-key-file={d / 'sa.key'}",
             "--service-account-issuer=https://kubernetes.default.svc", "--authorization-mode=RBAC",
             "--service-cluster-ip-range=10.96.0.0/16,fd00:10:96::/108", "--allow-privileged=true",
-            "--disable-admission-plugins=ServiceAccount", "--profiling=false", "--v=1"])
+            "--disable-admission-plugins=ServiceAccount", "--profiling=false", "--v=1", *self._audit_flags()])
         self.url = f"https://127.0.0.1:{ap}"
         self.ca = certs.ca_path
         deadline = time.monotonic() + timeout
@@ -109,6 +127,21 @@ current-context: local
         self._spawn("kube-controller-manager", [
             str(self.bins / "kube-controller-manager"), f"--kubeconfig={kc}", "--secure-port=0",
             "--leader-elect=false", "--controllers=garbagecollector", "--v=1"])
+
+    def _audit_flags(self) -> list[str]:
+        if not self.audit:
+            return []
+        policy = self.dir / "audit-policy.yaml"
+        policy.write_text(f"""apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived, ResponseStarted]
+rules:
+  - level: Metadata
+    users: ["{CONTROLLER_USER}"]
+  - level: None
+""")
+        return [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-format=json",
+                "--audit-log-mode=blocking", "--audit-log-maxsize=0"]
 
     def client(self, token: str | None = None) -> httpx.Client:
         return httpx.Client(base_url=self.url, verify=ssl.create_default_context(cafile=self.ca), timeout=10,

@@ -22,6 +22,7 @@ import uuid
 import pytest
 
 import kubelab
+from controller.reconcile import PENDING_RECHECK, READY_RECHECK
 from controller.render import base_name
 from controller.model import Parent
 
@@ -71,7 +72,7 @@ def test_expose_service_through_controller_agent_and_headscale(lab, lab_backend,
     secret = f"{name}-0"
     agent = None
     try:
-        assert ctl.pass_()["requeue"] == 10.0
+        assert ctl.pass_()["requeue"] == PENDING_RECHECK
         data = api.secret_data(secret)
         conf = json.loads(data["cap-107.hujson"])
         assert conf["ServerURL"] == lab.login_server and conf["Hostname"] == "apps-web" and conf["AuthKey"]
@@ -101,7 +102,7 @@ def test_expose_service_through_controller_agent_and_headscale(lab, lab_backend,
         objs = ctl.objects()
         objs[("statefulsets", "tailscale", name)]["status"] = {"readyReplicas": 1}
         ctl.write(objs)
-        assert ctl.pass_()["requeue"] == 300.0
+        assert ctl.pass_()["requeue"] == READY_RECHECK
         svc = ctl.objects()[("services", "apps", "web")]
         cond = svc["status"]["conditions"][0]
         assert (cond["type"], cond["status"], cond["reason"]) == ("TailscaleProxyReady", "True", "ProxyCreated")
