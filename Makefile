@@ -30,6 +30,7 @@ test-netns: setup-bin
 bench: setup-bin
 	$(PY) -m bench.boot
 	$(PY) -m bench.rules
+	$(PY) -m bench.controller
 
 ## clean-lab: remove namespaces left by an interrupted lab run (only ones this project created).
 clean-lab:

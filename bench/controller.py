@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     p.kill()
         k.stop()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":
