@@ -6,15 +6,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import ControllerConfig
-from ..model import (ANN_FORWARD_CLUSTER_TRAFFIC, ANN_FUNNEL, ANN_PROXY_GROUP, ANN_TAGS, INGRESS, Decision,
-                     Invalid, Parent, ProxySpec)
+from ..model import (ANN_FORWARD_CLUSTER_TRAFFIC, ANN_FUNNEL, ANN_HTTP_REDIRECT, ANN_PROXY_GROUP, ANN_TAGS, INGRESS,
+                     Decision, Invalid, Parent, ProxySpec)
 from ..validation import hostname_problem, parse_tags, tag_problems
 from . import annotations, meta
 
 APP = "k8s-operator-ingress-resource"
 CERT_443 = "${TS_CERT_DOMAIN}:443"
 CERT_80 = "${TS_CERT_DOMAIN}:80"
-ANN_HTTP_REDIRECT = "tailscale.com/http-redirect"
 
 
 def handled(ing: Mapping[str, Any], cfg: ControllerConfig) -> bool:
