@@ -111,6 +111,12 @@ class Reconciler:
         cfg, p = self.cfg, spec.parent
         existing = {s["metadata"]["name"]: s for s in
                     await self.kube.list(SECRETS, cfg.namespace, render.child_selector(p))}
+        for i in range(spec.replicas):
+            # A Secret of the expected name without our labels (made by hand, or its labels lost) holds the
+            # proxy's state: adopt it (the apply below restores the labels) rather than fail on create.
+            n = render.secret_name(p, i)
+            if n not in existing and (found := await self.kube.get(SECRETS, n, cfg.namespace)) is not None:
+                existing[n] = found
         datas = [_decode(existing.get(render.secret_name(p, i))) for i in range(spec.replicas)]
         keys: list[str] = []
         try:

@@ -139,3 +139,77 @@ def test_expose_service_through_controller_agent_and_headscale(lab, lab_backend,
         problems = lab.reset_proxy([agent] if agent else [], ["apps-web"])
         api.stop()
         assert not problems, problems
+
+
+def _mount(root: pathlib.Path, secret: str, data: dict) -> None:
+    """kubelet: the Secret's cap files in the mounted directory (rewritten whole, as an atomic update)."""
+    d = root / secret
+    d.mkdir(parents=True, exist_ok=True)
+    for k, v in data.items():
+        if k.startswith("cap-"):
+            tmp = d / f".{k}.tmp"
+            tmp.write_bytes(v)
+            tmp.replace(d / k)
+
+
+def _pod_env(sts: dict, secret: str, root: pathlib.Path, uid: str) -> dict:
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    env = {}
+    for e in c["env"]:
+        if "value" in e:
+            env[e["name"]] = e["value"].replace("$(POD_NAME)", secret).replace("/etc/tsconfig/", f"{root}/")
+        elif e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name":
+            env[e["name"]] = secret
+        elif e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid":
+            env[e["name"]] = "pod-" + uid[:8]
+    return env
+
+
+def test_rejected_key_is_reissued_and_the_proxy_logs_in(lab, lab_backend, api_key):
+    """Beyond upstream (which reissues only for ProxyGroups): the agent reports its key failed
+    (`reissue_authkey`), the controller mints a new one into the config, the restarted Pod logs in."""
+    api = kubelab.KubeAPI.start(lab, f"ctl-{uuid.uuid4().hex[:6]}")
+    ctl = Controller(lab, api, api_key, lab.run_dir / f"ctl-{uuid.uuid4().hex[:6]}.json")
+    uid = str(uuid.uuid4())
+    ctl.write({("services", "apps", "web"): {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "web", "namespace": "apps", "uid": uid, "resourceVersion": "1", "generation": 1,
+                     "annotations": {"tailscale.com/expose": "true"}},
+        "spec": {"type": "ClusterIP", "clusterIP": lab.backend_ipv4, "clusterIPs": [lab.backend_ipv4],
+                 "ports": [{"port": 8080}]}}})
+    name = base_name(Parent("svc", "web", "apps", uid))
+    secret = f"{name}-0"
+    root = lab.run_dir / f"tsconfig-{uid[:8]}"
+    agents = []
+    try:
+        ctl.pass_()
+        # The key in the config no longer works (expired, used up, revoked): here, one headscale never issued.
+        data = api.secret_data(secret)
+        bad = {k: json.dumps({**json.loads(v), "AuthKey": "hskey-auth-notissued-0123456789abcdef"},
+                             sort_keys=True, separators=(",", ":")) for k, v in data.items() if k.startswith("cap-")}
+        api.put_secret(secret, bad)
+        _mount(root, secret, api.secret_data(secret))
+        env = _pod_env(ctl.objects()[("statefulsets", "tailscale", name)], secret, root, uid)
+        drop = ("TS_STATE_DIR", "TS_AUTHKEY", "TS_EXTRA_ARGS", "TS_HOSTNAME")
+        agents.append(kubelab.start_pod_agent(lab, api, env, drop=drop))
+        from labtools.lab import wait_until
+        wait_until(lambda: "reissue_authkey" in (api.secret_data(secret) or {}), 90, 0.5, "the reissue request")
+        ctl.pass_()
+        new = json.loads(api.secret_data(secret)["cap-107.hujson"])["AuthKey"]
+        assert new and new != "hskey-auth-notissued-0123456789abcdef"
+        _mount(root, secret, api.secret_data(secret))
+        assert agents[0].wait_exit(60) == 0, agents[0].log_text()[-3000:]     # "restarting to apply"
+        assert "Successfully received new auth key" in agents[0].log_text()
+        agents.append(kubelab.start_pod_agent(lab, api, env, drop=drop))     # the container restarts
+        kubelab.wait_log(agents[1], STARTUP)
+        assert "reissue_authkey" not in api.secret_data(secret)
+        objs = ctl.objects()
+        objs[("statefulsets", "tailscale", name)]["status"] = {"readyReplicas": 1}
+        ctl.write(objs)
+        ctl.pass_()
+        cond = ctl.objects()[("services", "apps", "web")]["status"]["conditions"][0]
+        assert (cond["status"], cond["reason"]) == ("True", "ProxyCreated"), cond
+    finally:
+        problems = lab.reset_proxy(agents, ["apps-web"])
+        api.stop()
+        assert not problems, problems
