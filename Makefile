@@ -19,6 +19,7 @@ image: setup-bin
 
 ## demo: a local tailnet in network namespaces with the agent exposing a backend (root).
 demo: setup-bin
+	$(if $(findstring --image,$(DEMO_ARGS)),bash scripts/setup.sh --image && bash images/build.sh)
 	$(PY) -m labtools.demo $(DEMO_ARGS)
 
 ## test: unit tests (no root, no network), then the namespace and end-to-end tests (root).
