@@ -6,6 +6,8 @@
 #   bash images/build.sh --dockerfile images/controller/Dockerfile --name localhost/containerboot-py-controller:latest
 #   bash images/build.sh --print-archive       # the archive's path (for `ctr -n k8s.io images import`)
 #   bash images/build.sh --print-name          # the image name
+#   bash images/build.sh --iidfile FILE        # also write the built image's ID to FILE (the name is shared
+#                                              # by every checkout on the machine; the ID is what was built)
 #
 # The Dockerfile is built unchanged, as Docker would build it elsewhere; only its ARGs differ: BASE is a local
 # Debian base made by images/base.sh and TAILSCALE_IMAGE a local image of the Go-built binaries
@@ -23,6 +25,7 @@ NAME=localhost/containerboot-py:latest
 DOCKERFILE=$repo/Dockerfile
 CONTEXT=$repo
 print=
+iidfile=
 while [ $# -gt 0 ]; do
   case "$1" in
     --name) NAME=$2; shift 2 ;;
@@ -30,6 +33,7 @@ while [ $# -gt 0 ]; do
     --context) CONTEXT=$2; shift 2 ;;
     --print-archive) print=archive; shift ;;
     --print-name) print=name; shift ;;
+    --iidfile) iidfile=$2; shift 2 ;;
     *) log "unknown argument $1 (see the header of $0)"; exit 2 ;;
   esac
 done
@@ -49,25 +53,29 @@ secret=()
 for ca in "${SSL_CERT_FILE:-}" /etc/ssl/certs/ca-certificates.crt; do
   if [ -n "$ca" ] && [ -s "$ca" ]; then secret=(--secret "id=ca,src=$ca"); break; fi
 done
+tmpid=$(mktemp)
+trap 'rm -f "$tmpid"' EXIT
 old=$(podman image inspect --format '{{.Id}}' "$NAME" 2>/dev/null || true)
 log "building $NAME from $DOCKERFILE (BASE=$base, TAILSCALE_IMAGE=$tsimg, runtime $(oci_runtime))"
 pod build --layers --pull=never -q -f "$DOCKERFILE" -t "$NAME" \
   --build-arg "BASE=$base" --build-arg "TAILSCALE_IMAGE=$tsimg" \
   --build-arg "VERSION=$version" --build-arg "TAILSCALE_VERSION=${ts_version:-unknown}" \
-  "${secret[@]}" "$CONTEXT" >/dev/null
-id=$(podman image inspect --format '{{.Id}}' "$NAME")
+  --iidfile "$tmpid" "${secret[@]}" "$CONTEXT" >/dev/null
+id=$(cat "$tmpid"); id=${id#sha256:}
+[ -z "$iidfile" ] || echo "$id" > "$iidfile"
 # The image this one replaces is now untagged; remove it (only it: other dangling images are not ours).
 if [ -n "$old" ] && [ "$old" != "$id" ]; then podman rmi "$old" >/dev/null 2>&1 || true; fi
 
 mkdir -p "$IMAGES_CACHE"
 if [ ! -s "$ARCHIVE" ] || [ "$(cat "$ARCHIVE.id" 2>/dev/null)" != "$id" ]; then
   rm -f "$ARCHIVE.id"
-  podman save -q --format oci-archive -o "$ARCHIVE.tmp" "$NAME" >/dev/null
+  podman save -q --format oci-archive -o "$ARCHIVE.tmp" "$NAME" >/dev/null  # (a concurrent build elsewhere
+  # may retag the name meanwhile; the .id file then differs from the archive at worst until the next build)
   mv -f "$ARCHIVE.tmp" "$ARCHIVE"
   echo "$id" > "$ARCHIVE.id"
   log "exported $ARCHIVE"
 fi
-size=$(podman image inspect --format '{{.Size}}' "$NAME")
+size=$(podman image inspect --format '{{.Size}}' "$id")
 asize=$(stat -c %s "$ARCHIVE")
 printf '%s %s: %d MB (%.1f MiB) uncompressed; archive %s %.1f MiB; %.1fs\n' "$NAME" "${id:0:12}" \
   $(( size / 1000000 )) "$(echo "$size / 1048576" | bc -l)" "$ARCHIVE" "$(echo "$asize / 1048576" | bc -l)" \
