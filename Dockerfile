@@ -8,7 +8,8 @@
 # BASE is any Debian bookworm (or later) image with Python 3.11+; the default is the official slim one. The
 # offline build passes a base made with mmdebstrap from the machine's apt sources (images/base.sh).
 # TAILSCALE_IMAGE is any image with tailscaled and tailscale in /usr/local/bin; the default is upstream's
-# release, the offline build passes a local image holding the binaries built from source with Go.
+# release, the offline build passes a local image holding a tailscaled built from source with Go (with the
+# CLI included, see images/tailscale.sh).
 ARG BASE=docker.io/library/python:3.11-slim-bookworm
 ARG TAILSCALE_IMAGE=docker.io/tailscale/tailscale:v1.102.3
 
@@ -65,8 +66,12 @@ RUN set -e; need=; \
       apt-get clean; rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log; \
     fi
 COPY --from=build /opt/venv /opt/venv
-COPY --from=tailscale /usr/local/bin/tailscaled /usr/local/bin/tailscale /usr/local/bin/
-RUN ln -s /opt/venv/bin/containerboot /usr/local/bin/containerboot
+# tailscaled and tailscale; a tailscaled built with ts_include_cli (the offline build's) is the CLI too when
+# called as `tailscale`, and then comes alone: the link below stands for the CLI.
+COPY --from=tailscale /usr/local/bin/tailscale* /usr/local/bin/
+RUN ln -s /opt/venv/bin/containerboot /usr/local/bin/containerboot \
+    && { [ -e /usr/local/bin/tailscale ] || ln -s tailscaled /usr/local/bin/tailscale; } \
+    && /usr/local/bin/tailscale version >/dev/null
 
 ARG VERSION=0.1.0
 ARG TAILSCALE_VERSION=1.102.3
