@@ -55,15 +55,22 @@ for ca in "${SSL_CERT_FILE:-}" /etc/ssl/certs/ca-certificates.crt; do
 done
 tmpid=$(mktemp)
 trap 'rm -f "$tmpid"' EXIT
-old=$(podman image inspect --format '{{.Id}}' "$NAME" 2>/dev/null || true)
+# The image this build replaces, if this checkout made it (several checkouts share the machine's storage and
+# this name; another checkout's image may be in use by its tests, by ID).
+old=$(podman image inspect --format '{{.Id}} {{index .Labels "io.containerboot-py.checkout"}}' "$NAME" 2>/dev/null || true)
+case "$old" in
+  *" $repo") old=${old%% *} ;;
+  *) old= ;;
+esac
 log "building $NAME from $DOCKERFILE (BASE=$base, TAILSCALE_IMAGE=$tsimg, runtime $(oci_runtime))"
 pod build --layers --pull=never -q -f "$DOCKERFILE" -t "$NAME" \
   --build-arg "BASE=$base" --build-arg "TAILSCALE_IMAGE=$tsimg" \
   --build-arg "VERSION=$version" --build-arg "TAILSCALE_VERSION=${ts_version:-unknown}" \
-  --iidfile "$tmpid" "${secret[@]}" "$CONTEXT" >/dev/null
+  --label "io.containerboot-py.checkout=$repo" --iidfile "$tmpid" "${secret[@]}" "$CONTEXT" >/dev/null
 id=$(cat "$tmpid"); id=${id#sha256:}
 [ -z "$iidfile" ] || echo "$id" > "$iidfile"
-# The image this one replaces is now untagged; remove it (only it: other dangling images are not ours).
+# The image this one replaces is now untagged; remove it (only it: other dangling images are not ours). It
+# stays if a container uses it.
 if [ -n "$old" ] && [ "$old" != "$id" ]; then podman rmi "$old" >/dev/null 2>&1 || true; fi
 
 mkdir -p "$IMAGES_CACHE"
