@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin demo test test-unit test-netns bench clean-lab readme
+.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme
 
 setup:
 	@bash scripts/setup.sh
@@ -11,19 +11,32 @@ setup:
 setup-bin:
 	@bash scripts/setup.sh --binaries
 
+# The netns tests run the proxy image (netns-tests/test_image_e2e.py): build it first (idempotent). Without
+# podman they are skipped, except under CI, where that is a failure.
+MAKE_IMAGE = bash scripts/setup.sh --image && bash images/build.sh || [ -z "$$CI" ]
+
+## image: the proxy image localhost/containerboot-py:latest from the Dockerfile, offline, plus its OCI archive
+## (path: bash images/build.sh --print-archive). Cached: nothing changed, nothing rebuilt. See images/README.md.
+image: setup-bin
+	@bash scripts/setup.sh --image
+	@bash images/build.sh
+
 ## demo: a local tailnet in network namespaces with the agent exposing a backend (root).
 demo: setup-bin
+	$(if $(findstring --image,$(DEMO_ARGS)),bash scripts/setup.sh --image && bash images/build.sh)
 	$(PY) -m labtools.demo $(DEMO_ARGS)
 
 ## test: unit tests (no root, no network), then the namespace and end-to-end tests (root).
 test: setup-bin
 	$(PY) -m pytest -q tests
+	@$(MAKE_IMAGE)
 	$(PY) -m pytest -q -p no:cacheprovider netns-tests
 
 test-unit: setup
 	$(PY) -m pytest -q tests
 
 test-netns: setup-bin
+	@$(MAKE_IMAGE)
 	$(PY) -m pytest -q netns-tests
 
 ## bench: boot time and rule programming against upstream containerboot, measured in the same run (root).

@@ -147,10 +147,13 @@ class Agent:
         for warning in ts.routing_warnings(s):
             log.warning("[warning] %s", warning)
         if not s.userspace:
+            from .privileges import missing_net_admin, tun_hint
+            if (problem := missing_net_admin(s.root)):
+                raise AgentError(problem)
             try:
                 ts.ensure_tun(s.root)
             except OSError as e:
-                raise AgentError(f"unable to create tuntap device file: {e}") from None
+                raise AgentError(tun_hint(e)) from None
             if any(s.forwarding_families):
                 from netfilter.sysctl import ForwardingError, ensure_forwarding
                 try:

@@ -1,6 +1,7 @@
 """Demo: a proxy Pod's agent exposing a backend to the tailnet, in an island of network namespaces.
 
     sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
+                                           [--image [IMAGE]]
 
 Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
 namespace with TS_DEST_IP=<backend IPv4>[,<backend IPv6>] (--dest; dual-stack by default for our agent), prints
@@ -45,8 +46,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="TS_DEST_IP: the backend's IPv4 only, or its IPv4 and IPv6 (our agent's dual-stack form; "
                          "upstream takes one address). Default: dual for --agent python, v4 for upstream")
     ap.add_argument("--timeout", type=float, default=90, help="seconds to wait for the agent to be Running")
+    ap.add_argument("--image", nargs="?", const="localhost/containerboot-py:latest", default=None,
+                    help="run our agent from this container image (default localhost/containerboot-py:latest, "
+                         "built by `make image`) with podman in the proxy namespace")
     ap.add_argument("--diagnostics", action="store_true", help="print lab diagnostics at the end")
     a = ap.parse_args(argv)
+    if a.image and a.agent != "python":
+        ap.error("--image runs our agent; it cannot be combined with --agent upstream")
+    if a.image:
+        from labtools.image import unavailable
+        if (why := unavailable(a.image)):
+            _say(f"cannot run the image: {why}")
+            return 2
     if a.dest is None:
         a.dest = "dual" if a.agent == "python" else "v4"
 
@@ -78,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             dest = lab.backend_ipv4 + (f",{lab.backend_ipv6}" if a.dest == "dual" and lab.backend_ipv6 else "")
             env = {"TS_DEST_IP": dest, "TS_DEBUG_FIREWALL_MODE": a.firewall}
             t0 = time.monotonic()
-            agent = lab.start_agent(env, cmd)
-            _say(f"agent ({a.agent}, firewall {a.firewall}, TS_DEST_IP={dest}) started: pid {agent.pid}, "
+            agent = lab.start_agent(env, cmd, image=a.image)
+            _say(f"agent ({a.agent}{', image ' + a.image if a.image else ''}, firewall {a.firewall}, TS_DEST_IP={dest}) started: pid {agent.pid}, "
                  f"log {agent.log_path}")
             try:
                 agent.wait_running(a.timeout)

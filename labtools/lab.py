@@ -222,6 +222,7 @@ class AgentProcess:
         self.dir = dir
         self.started = started
         self.hostname = env.get("TS_HOSTNAME", "proxy")
+        self.container: str | None = None  # the podman container's name when run from an image
 
     def log_text(self) -> str:
         try:
@@ -473,7 +474,7 @@ class Lab:
         return BACKEND_V6 if self.ipv6 else None
 
     # ---------------------------------------------------------------- processes
-    def _popen(self, kind: str, name: str, ns: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path,
+    def _popen(self, kind: str, name: str, ns: str | None, argv: Sequence[str], env: Mapping[str, str], log_path: Path,
                ) -> subprocess.Popen:
         """Start ``argv`` in namespace ``ns`` under ``env -i`` + ``env``, output to ``log_path``.
 
@@ -481,7 +482,9 @@ class Lab:
         a Ctrl-C in the terminal reaches only us and teardown can stop things in order."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         logf = open(log_path, "ab", buffering=0)
-        full = ["ip", "netns", "exec", self.netns(ns), "env", "-i", *[f"{k}={v}" for k, v in env.items()], *argv]
+        # ns None: a process of the root namespace (podman, which puts the container in a lab namespace itself)
+        full = ([] if ns is None else ["ip", "netns", "exec", self.netns(ns)]) + \
+            ["env", "-i", *[f"{k}={v}" for k, v in env.items()], *argv]
         p = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                              start_new_session=True, cwd=str(self.run_dir))
         self._procs.append(_Proc(kind, name, p, logf))
@@ -766,11 +769,14 @@ logtail:
         return e
 
     def start_agent(self, env: Mapping[str, str] | None = None, agent_cmd: Sequence[str] | None = None, *,
-                    ns: str = "proxy") -> AgentProcess:
+                    ns: str = "proxy", image: str | None = None,
+                    container: Mapping[str, Any] | None = None) -> AgentProcess:
         """Start the agent in ``ns`` (default proxy) with ``env -i`` + agent_env(env); output to a log file.
 
         Each start gets a fresh directory (state, logs) under run_dir/proxy/agent-N, so scenarios do not
-        inherit node keys. ``agent_cmd`` defaults to the Python agent (this venv's python -m containerboot)."""
+        inherit node keys. ``agent_cmd`` defaults to the Python agent (this venv's python -m containerboot).
+        With ``image`` the agent runs from that container image instead (labtools.image.run_argv; keyword
+        options for it in ``container``, e.g. ``{"net_admin": False}``); ``agent.container`` names it."""
         if agent_cmd is None:
             agent_cmd = [sys.executable, "-m", "containerboot"]
         self._agent_seq += 1
@@ -785,9 +791,21 @@ logtail:
             except OSError:
                 pass
         log = d / "agent.log"
+        cname = None
+        proc_env: Mapping[str, str] = e
+        if image:
+            from labtools import image as img
+            cname = f"{self.prefix}-agent-{self._agent_seq}"
+            agent_cmd = img.run_argv(cname, self.netns(ns), e, d / "agent.env",
+                                     [str(self.run_dir / ns), os.path.dirname(sock)], image=image,
+                                     **dict(container or {}))
+            proc_env = {"PATH": os.environ.get("PATH") or SYS_PATH}
         started = time.monotonic()
-        p = self._popen("agent", f"agent-{self._agent_seq}", ns, list(agent_cmd), e, log)
+        # podman runs in the root namespace: runc refuses --sysctl when it runs inside the container's netns
+        # ("not allowed in host network namespace").
+        p = self._popen("agent", f"agent-{self._agent_seq}", None if image else ns, list(agent_cmd), proc_env, log)
         a = AgentProcess(self, p, log, sock, e.get("TS_STATE_DIR", ""), e, list(agent_cmd), d, started)
+        a.container = cname
         self.agents.append(a)
         self._sockets[ns] = sock
         self._sockets[a.hostname] = sock

@@ -15,12 +15,23 @@ class ForwardingError(Exception):
     """IP forwarding is off and cannot be turned on; str(e) explains why it is needed and how to fix it."""
 
 
-def _fix_hint(in_kubernetes: bool) -> str:
+def _sysctl_name(rel: str) -> str:
+    """proc/sys/net/ipv4/ip_forward -> net.ipv4.ip_forward"""
+    return rel.removeprefix("proc/sys/").replace("/", ".")
+
+
+def _fix_hint(sysctl: str, in_kubernetes: bool) -> str:
+    # Both ways to set a namespaced sysctl from outside an unprivileged container; a read-only /proc/sys is
+    # the normal state of such a container, so the fix is never "make /proc/sys writable".
+    init = (f"a privileged initContainer that runs `sysctl -w {sysctl}=1` (as the Tailscale operator renders "
+            f"its proxy Pods)")
     if in_kubernetes:
-        return ("you can either set the sysctls as a privileged initContainer, or run the tailscale container "
-                "with privileged=true.")
-    return ("you can fix this by running the container with privileged=true, or the equivalent in your "
-            "container runtime that permits access to sysctls.")
+        return (f"set {sysctl}=1 for the Pod with {init}, or in the Pod's securityContext.sysctls (the kubelet "
+                f"must allow it with --allowed-unsafe-sysctls), or run the tailscale container with "
+                f"privileged=true.")
+    return (f"set {sysctl}=1 for the container's network namespace with {init}, or with your container "
+            f"runtime's sysctl option (podman or docker: --sysctl {sysctl}=1), or run the container with "
+            f"privileged=true.")
 
 
 def _ensure_one(path: str) -> None:
@@ -41,9 +52,11 @@ def ensure_forwarding(v4: bool, v6: bool, *, root: str = "/", in_kubernetes: boo
         try:
             _ensure_one(path)
         except OSError as e:
+            name = _sysctl_name(rel)
             raise ForwardingError(
-                f"Failed to enable IP forwarding: {path}: {e.strerror or e}. To run tailscale as a proxy or "
-                f"router container, IP forwarding must be enabled; {_fix_hint(in_kubernetes)}") from e
+                f"Failed to enable IP forwarding: {name} is off and {path} cannot be written "
+                f"({e.strerror or e}). To run tailscale as a proxy or router container, IP forwarding must be "
+                f"enabled; {_fix_hint(name, in_kubernetes)}") from e
 
 
 def forwarding_enabled(version: int, *, root: str = "/") -> bool:

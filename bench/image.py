@@ -1,0 +1,155 @@
+"""The proxy image: size and where the bytes go, boot inside the container vs outside, `make image` times.
+
+Run as root: `python -m bench.image [--runs 5] [--firewall nftables] [--cold]`.
+
+* size: the image's uncompressed size (podman's figure), its OCI archive, each layer, and `du` of the top
+  directories inside it;
+* boot: process start to "Startup complete" for the agent run directly (this venv, the regular tailscaled)
+  and from the image (podman run in the same lab namespace), interleaved, one warm-up each, median of
+  `--runs`; the ratio is inside/outside;
+* build: warm `make image` (nothing changed), and with `--cold` a build from nothing: an empty podman storage
+  and image cache in a temporary directory (the base made by mmdebstrap, the Python packages downloaded, the
+  slim tailscaled built with a warm Go build cache, as after `make setup-bin`). The machine's own storage and
+  caches are not touched.
+No asserts: figures are for people to read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from labtools import image as img
+from labtools.lab import Lab, ensure_binaries
+
+REPO = Path(__file__).resolve().parent.parent
+MARK = "Startup complete, waiting for shutdown signal"
+TOP_DIRS = ("/usr/lib/python3.11", "/usr/lib/x86_64-linux-gnu", "/usr/bin", "/usr/sbin", "/usr/share",
+            "/usr/local/bin", "/opt/venv", "/var", "/etc")
+
+
+def _run(argv: list[str], env: dict | None = None, timeout: float = 3600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env, check=True)
+
+
+def build(env: dict | None = None, target: str = "image") -> tuple[float, str]:
+    t0 = time.monotonic()
+    cp = _run(["make", "-s", target], env=env)
+    return time.monotonic() - t0, cp.stdout.strip().splitlines()[-1] if cp.stdout.strip() else ""
+
+
+def cold_build() -> tuple[float, str]:
+    """`make image` with an empty podman storage and image cache (a temporary directory, removed after)."""
+    tmp = Path(tempfile.mkdtemp(prefix="cbpy-cold-"))
+    try:
+        conf = tmp / "storage.conf"
+        conf.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{tmp}/graph"\nrunroot = "{tmp}/run"\n')
+        bin_dir = Path(_run(["bash", "scripts/install-binaries.sh", "--print-dir"]).stdout.strip())
+        cache = tmp / "cache"
+        cold_bin = cache / "bin" / bin_dir.name
+        cold_bin.mkdir(parents=True)
+        for b in ("tailscaled", "tailscale", "containerboot", "headscale"):  # setup-bin's, not the image's
+            os.symlink(bin_dir / b, cold_bin / b)
+        env = {**os.environ, "CONTAINERS_STORAGE_CONF": str(conf), "CB_CACHE": str(cache)}
+        took, line = build(env)
+        subprocess.run(["podman", "rmi", "-a", "-f"], env=env, capture_output=True, timeout=300)
+        return took, line
+    finally:
+        subprocess.run(["umount", "-R", str(tmp / "graph" / "overlay")], capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sizes(image: str) -> None:
+    info = json.loads(_run(["podman", "image", "inspect", image]).stdout)[0]
+    archive = Path(_run(["bash", "images/build.sh", "--print-archive"]).stdout.strip())
+    print(f"image {image}: {info['Size'] / 1e6:.1f} MB uncompressed ({info['Size'] / 2**20:.1f} MiB); "
+          f"OCI archive {archive.stat().st_size / 2**20:.1f} MiB")
+    hist = json.loads(_run(["podman", "history", "--format", "json", image]).stdout)
+    print("layers (bytes added, newest first):")
+    for h in hist:
+        if h.get("size", 0) > 0:
+            what = (h.get("CreatedBy") or h.get("createdBy") or "").replace("/bin/sh -c ", "")[:90]
+            print(f"  {h['size'] / 1e6:7.1f} MB  {what}")
+    rt, ul = img.host_args()
+    du = _run(["podman", *rt, "run", "--rm", *ul, "--entrypoint", "/bin/sh", image, "-c",
+               f"du -sk {' '.join(TOP_DIRS)}; du -sk /usr/local/bin/* /opt/venv/lib/python3.11/site-packages/* "
+               "| sort -rn | head -6"]).stdout
+    print("where the bytes go (du inside the image):")
+    for line in du.splitlines():
+        kb, path = line.split(maxsplit=1)
+        print(f"  {int(kb) / 1024:7.1f} MiB  {path}")
+
+
+def boot_once(lab: Lab, env: dict, marker: str, image: str | None) -> float:
+    agent = lab.start_agent(env, image=image)
+    try:
+        deadline = time.monotonic() + 120
+        while MARK not in agent.log_text():
+            if not agent.running():
+                raise RuntimeError(f"agent exited early:\n{agent.log_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("no startup within 120 s")
+            time.sleep(0.01)
+        elapsed = time.monotonic() - agent.started
+        v4, _ = agent.tailnet_ips()
+        lab.wait_curl("client", lab.url(v4, 8080, "/?bench"), marker, timeout=30)
+        return elapsed
+    finally:
+        problems = lab.reset_proxy([agent], [agent.hostname])
+        if problems:
+            print("teardown:", "; ".join(problems), file=sys.stderr)
+
+
+def boot(image: str, runs: int, firewall: str) -> None:
+    bin_dir = ensure_binaries()
+    kinds = {"outside": None, "inside": image}
+    samples: dict[str, list[float]] = {k: [] for k in kinds}
+    with Lab.create(bin_dir=bin_dir) as lab:
+        srv = lab.start_http_server("backend", None, 8080, f"bench-{lab.prefix}")
+        env = {"TS_DEST_IP": lab.backend_ipv4, "TS_DEBUG_FIREWALL_MODE": firewall}
+        for name, im in kinds.items():
+            boot_once(lab, env, srv.marker, im)
+        for i in range(runs):
+            for name, im in kinds.items():
+                t = boot_once(lab, env, srv.marker, im)
+                samples[name].append(t)
+                print(f"run {i + 1}: {name:8s} {t:6.2f} s", flush=True)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    print(f"boot to 'Startup complete' ({firewall}, median of {runs}): outside {med['outside']:.2f} s, "
+          f"inside the container {med['inside']:.2f} s, ratio inside/outside {med['inside'] / med['outside']:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--firewall", default="nftables", choices=("nftables", "iptables"))
+    p.add_argument("--cold", action="store_true", help="also time a build from an empty storage (minutes)")
+    p.add_argument("--no-boot", action="store_true")
+    a = p.parse_args(argv)
+    iid = Path(tempfile.mkstemp(prefix="cbpy-iid-")[1])
+    try:
+        build()                                           # make sure it is built and current
+        took, line = build()
+        print(f"warm make image (nothing changed): {took:.1f} s  [{line}]")
+        _run(["bash", "images/build.sh", "--iidfile", str(iid)])
+        image = iid.read_text().strip()
+    finally:
+        iid.unlink(missing_ok=True)
+    if a.cold:
+        took, line = cold_build()
+        print(f"cold make image (empty storage and image cache): {took:.1f} s  [{line}]")
+    sizes(image)
+    if not a.no_boot:
+        boot(image, a.runs, a.firewall)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
