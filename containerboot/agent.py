@@ -157,10 +157,11 @@ class Agent:
                     ensure_forwarding(*s.forwarding_families, root=s.root)
                 except ForwardingError as e:
                     raise AgentError(str(e)) from None
-            if s.is_l3_proxy:
-                # Detecting the firewall mode probes the kernel (about 0.3 s); it runs while tailscaled starts
-                # and logs in, since rules are needed only once the node has addresses.
-                self._firewall_task = asyncio.create_task(self._open_firewall())
+        if s.is_l3_proxy and (not s.userspace or s.test_fake_netfilter):
+            # Detecting the firewall mode probes the kernel (about 0.3 s); it runs while tailscaled starts
+            # and logs in, since rules are needed only once the node has addresses. The test hook's
+            # in-memory firewall stands in for a kernel one in either networking mode, as upstream's does.
+            self._firewall_task = asyncio.create_task(self._open_firewall())
 
     async def _kube_setup(self) -> None:
         """RBAC, the auth key from the Secret, and the reset of the previous run's keys, before tailscaled."""
@@ -190,6 +191,13 @@ class Agent:
             self.s = replace(self.s, authkey=setup.authkey_from_secret)
 
     async def _open_firewall(self) -> None:
+        if self.s.test_fake_netfilter:
+            # No detection: it runs iptables and probes netlink, which the hook promises never to touch.
+            from netfilter.fake import FakeBackend, state_path
+            self.firewall = FakeBackend(ipv6=self.s.test_fake_netfilter_6, state_file=state_path(self.s.socket))
+            log.info("Using the in-memory firewall of TS_TEST_FAKE_NETFILTER (IPv6 %s); the real firewall is "
+                     "not touched", "supported" if self.s.test_fake_netfilter_6 else "not supported")
+            return
         from netfilter.backend import open_backend
         try:
             self.firewall = await asyncio.to_thread(open_backend, self.s.firewall_mode)
@@ -283,7 +291,20 @@ class Agent:
             startup_complete=self.startup_complete.is_set(),
             stopping=self._stopping,
             reconciled_ips=tuple(str(ip) for ip in done.tailnet_ips) if done is not None else None,
+            firewall=self._firewall_status(),
         )
+
+    def _firewall_status(self) -> dict | None:
+        fw = self.firewall
+        if fw is None:
+            return None
+        # The in-memory firewall of the test hook holds its rules itself; a kernel one is described by the last
+        # rule set applied to it (reading the kernel back on every /status request would cost too much).
+        rules = getattr(fw, "rules", None)
+        if rules is None and self.reconciler is not None:
+            rules = self.reconciler.applied.rules
+        return {"backend": fw.name, "ipv6": bool(getattr(fw, "ipv6", False)),
+                "rules": rules.to_dict() if rules is not None else None}
 
     async def _tailscale_up(self) -> None:
         try:

@@ -48,6 +48,11 @@ class IptablesBackend:
     def _families(self) -> tuple[int, ...]:
         return (4, 6) if self.ipv6 else (4,)
 
+    @property
+    def families(self) -> tuple[int, ...]:
+        """The IP versions this backend can translate: the agent leaves rules of any other family out."""
+        return self._families()
+
     def _exec(self, argv: list[str], stdin: str | None = None) -> str:
         if shutil.which(argv[0]) is None:
             raise FirewallError(f"{argv[0]} not found in $PATH; install iptables or set "
