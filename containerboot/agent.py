@@ -34,6 +34,9 @@ SHUTDOWN_BUDGET = 25.0
 #: milliseconds; the bound keeps a stuck mount from holding back the node's own rules).
 INPUTS_FIRST_READ_WAIT = 10.0
 
+#: Auth key reissue: how often the config file is re-read when no change event arrives (upstream's 5 s ticker).
+REISSUE_POLL_INTERVAL = 5.0
+
 T = TypeVar("T")
 
 
@@ -374,14 +377,34 @@ class Agent:
 
         assert self.secret is not None and self.api is not None
         log.info("%s", reason)
+        # The operator writes the new key into the mounted Secret: kubelet swaps the directory's `..data` link.
+        # A watch on the directory notices within milliseconds; the poll stays as the fallback.
+        from serveconfig.watch import DirWatch
+
+        directory = os.path.dirname(os.path.abspath(self.s.tailscaled_config_path))
+        changed: asyncio.Event | None = asyncio.Event()
+        watch: DirWatch | None = DirWatch(directory, asyncio.get_running_loop(), changed)
+        try:
+            await asyncio.to_thread(watch.start)
+            log.info("Config directory %s (kubelet's ..data swap included): auth key reissue: watching for "
+                     "config changes via fsnotify", directory)
+        except Exception as e:   # noqa: BLE001 -- no inotify instance left, watchdog unusable, ...
+            await asyncio.to_thread(watch.stop)
+            watch = changed = None
+            log.warning("auth key reissue: cannot watch %s for config changes (%s), using polling every %gs",
+                        directory, e, REISSUE_POLL_INTERVAL)
         try:
             await reissue_flow(self.secret.client, self.secret.name, self.config_authkey,
                                lambda: authkey_from_config(self.s.tailscaled_config_path),
-                               disconnect=self.api.disconnect_control)
+                               disconnect=self.api.disconnect_control, changed=changed,
+                               poll_interval=REISSUE_POLL_INTERVAL)
         except TimeoutError as e:
             raise AgentError(f"failed to get a reissued authkey: {e}") from None
         except Exception as e:
             raise AgentError(f"failed to get a reissued authkey: {e}") from None
+        finally:
+            if watch is not None:
+                await asyncio.to_thread(watch.stop)
         log.info("Successfully received new auth key, restarting to apply configuration")
 
     async def _watch_config_file(self) -> None:
