@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         log.error("invalid configuration: %s", e)
         return 1
+    from . import memtrim
+    memtrim.limit_arenas()   # before the first thread: one malloc arena for all of them
     from .agent import Agent
     return asyncio.run(Agent(settings, os.environ).run())
 

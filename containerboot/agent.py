@@ -81,6 +81,7 @@ class Agent:
         self._config_loaded: str | None = None   # one-step mode: the config text tailscaled has in force
         self._stopping = False
         self._self_node_known = asyncio.Event()   # the bus has delivered the node's own identity
+        self._trimmed_at_applies = 0              # rule applies seen at the last malloc_trim
         for secret in (settings.authkey, settings.client_secret, settings.id_token):
             register(secret)
 
@@ -644,6 +645,12 @@ class Agent:
             if svc.ingress_status is not None:
                 status[ss.KEY_INGRESS_CONFIG] = svc.ingress_status
             await self.secret.sync(status)
+        if rec.stats.rule_applies != self._trimmed_at_applies and self.startup_complete.is_set():
+            # A rule change parsed the kernel's answers (netlink dumps, libnftables' cache): give the freed
+            # memory back instead of keeping the peak for the agent's whole life.
+            from . import memtrim
+            self._trimmed_at_applies = rec.stats.rule_applies
+            memtrim.trim()
         if self.startup_complete.is_set() or not routed:
             return
         if self.kube_store and self.secret is not None and not self.secret.has_written("device_id", "device_fqdn"):
@@ -652,6 +659,9 @@ class Agent:
         ips = ", ".join(map(str, node.tailnet_ips))
         log.info("Tailnet addresses: %s", ips)
         log.info("Startup complete, waiting for shutdown signal")
+        from . import memtrim
+        self._trimmed_at_applies = rec.stats.rule_applies
+        memtrim.trim()     # the boot's peak (imports, login, first apply) is over
 
     # -- shutdown --------------------------------------------------------------------------------------
     async def _shutdown(self) -> None:
