@@ -53,8 +53,9 @@ class _NeedsReissue(Exception):
 
 
 class Agent:
-    def __init__(self, settings: Settings, env: Mapping[str, str]):
+    def __init__(self, settings: Settings, env: Mapping[str, str], *, early=None):
         self.s = settings
+        self._early = early   # __main__.EarlyStart: tailscaled already started, before the imports
         self.env = dict(env)
         self.child_env = ts.child_env(settings, env)
         self.tailscaled: ts.Tailscaled | None = None
@@ -117,6 +118,11 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        if self._early is not None:
+            # Ours from now on: whatever happens next, the shutdown path stops it.
+            self.tailscaled = ts.Tailscaled.adopt(self._early.popen, self.s.socket)
+            if self._early.pending_signal:
+                self._on_signal(self._early.pending_signal)
         self._boot_started = time.monotonic()
         code = 0
         try:
@@ -217,7 +223,8 @@ class Agent:
             # first read, so that a rewrite landing between here and the watcher's start is not missed.
             self._config_loaded = await asyncio.to_thread(read_text, self.s.tailscaled_config_path)
         try:
-            self.tailscaled = await ts.Tailscaled.start(argv, self.child_env, self.s.socket)
+            if self.tailscaled is None:   # not started early (see __main__)
+                self.tailscaled = await ts.Tailscaled.start(argv, self.child_env, self.s.socket)
         except OSError as e:
             raise AgentError(f"failed to bring up tailscale: starting tailscaled failed: {e}") from None
         try:
