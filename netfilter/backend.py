@@ -95,6 +95,26 @@ def flush_stale_conntrack(rules: RuleSet, previous: RuleSet | None = None) -> in
     return removed
 
 
+def conntrack_after_apply(backend, rules: RuleSet, previous: RuleSet | None) -> None:
+    """What a backend's apply() does about conntrack once its rules are in: clean up now, or, when the caller
+    set `backend.defer_conntrack`, leave it for `flush_pending_conntrack` (the agent first reports the rules
+    as installed, so the clean-up, a conntrack dump, is off the path to "Startup complete")."""
+    if not getattr(backend, "defer_conntrack", False):
+        flush_stale_conntrack(rules, previous)
+        return
+    pending = getattr(backend, "pending_conntrack", None)
+    # Two applies before one flush: bindings may still come from the older rule set.
+    backend.pending_conntrack = (rules, pending[1] if pending is not None else previous)
+
+
+def flush_pending_conntrack(backend) -> int:
+    pending = getattr(backend, "pending_conntrack", None)
+    if pending is None:
+        return 0
+    backend.pending_conntrack = None
+    return flush_stale_conntrack(*pending)
+
+
 def _conntrack_class():
     """pyroute2's Conntrack, without the rest of pyroute2.
 

@@ -13,7 +13,7 @@ import logging
 import shutil
 import subprocess
 
-from .backend import FirewallError, flush_stale_conntrack
+from .backend import FirewallError, conntrack_after_apply
 from .model import RuleSet
 from .plan import (IPT_CHAINS, IPT_TABLES, IptState, canonical_iptables, filter_iptables_save,
                    plan_iptables, render_iptables)
@@ -121,7 +121,7 @@ class IptablesBackend:
             except FirewallError as e:
                 log.debug("ip6tables cleanup skipped: %s", e)
         if changed:
-            flush_stale_conntrack(rules, self.previous)
+            conntrack_after_apply(self, rules, self.previous)
         self.previous = rules
 
     def _converged(self, rules: RuleSet, fam: int, save: str) -> bool:
