@@ -39,11 +39,12 @@ test-netns: setup-bin
 	@$(MAKE_IMAGE)
 	$(PY) -m pytest -q netns-tests
 
-## bench: boot time and rule programming against upstream containerboot, measured in the same run (root).
+## bench: boot time, rule programming and footprint against upstream containerboot, measured in the same run (root).
 bench: setup-bin
 	$(PY) -m bench.boot
 	$(PY) -m bench.rules
 	$(PY) -m bench.controller
+	$(PY) -m bench.footprint
 
 ## clean-lab: remove namespaces left by an interrupted lab run (only ones this project created).
 clean-lab:

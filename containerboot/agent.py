@@ -34,6 +34,9 @@ SHUTDOWN_BUDGET = 25.0
 #: milliseconds; the bound keeps a stuck mount from holding back the node's own rules).
 INPUTS_FIRST_READ_WAIT = 10.0
 
+#: Auth key reissue: how often the config file is re-read when no change event arrives (upstream's 5 s ticker).
+REISSUE_POLL_INTERVAL = 5.0
+
 T = TypeVar("T")
 
 
@@ -50,8 +53,9 @@ class _NeedsReissue(Exception):
 
 
 class Agent:
-    def __init__(self, settings: Settings, env: Mapping[str, str]):
+    def __init__(self, settings: Settings, env: Mapping[str, str], *, early=None):
         self.s = settings
+        self._early = early   # __main__.EarlyStart: tailscaled already started, before the imports
         self.env = dict(env)
         self.child_env = ts.child_env(settings, env)
         self.tailscaled: ts.Tailscaled | None = None
@@ -78,6 +82,7 @@ class Agent:
         self._config_loaded: str | None = None   # one-step mode: the config text tailscaled has in force
         self._stopping = False
         self._self_node_known = asyncio.Event()   # the bus has delivered the node's own identity
+        self._trimmed_at_applies = 0              # rule applies seen at the last malloc_trim
         for secret in (settings.authkey, settings.client_secret, settings.id_token):
             register(secret)
 
@@ -113,6 +118,11 @@ class Agent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        if self._early is not None:
+            # Ours from now on: whatever happens next, the shutdown path stops it.
+            self.tailscaled = ts.Tailscaled.adopt(self._early.popen, self.s.socket)
+            if self._early.pending_signal:
+                self._on_signal(self._early.pending_signal)
         self._boot_started = time.monotonic()
         code = 0
         try:
@@ -160,10 +170,11 @@ class Agent:
                     ensure_forwarding(*s.forwarding_families, root=s.root)
                 except ForwardingError as e:
                     raise AgentError(str(e)) from None
-            if s.is_l3_proxy:
-                # Detecting the firewall mode probes the kernel (about 0.3 s); it runs while tailscaled starts
-                # and logs in, since rules are needed only once the node has addresses.
-                self._firewall_task = asyncio.create_task(self._open_firewall())
+        if s.is_l3_proxy and (not s.userspace or s.test_fake_netfilter):
+            # Detecting the firewall mode probes the kernel (about 0.3 s); it runs while tailscaled starts
+            # and logs in, since rules are needed only once the node has addresses. The test hook's
+            # in-memory firewall stands in for a kernel one in either networking mode, as upstream's does.
+            self._firewall_task = asyncio.create_task(self._open_firewall())
 
     async def _kube_setup(self) -> None:
         """RBAC, the auth key from the Secret, and the reset of the previous run's keys, before tailscaled."""
@@ -193,6 +204,13 @@ class Agent:
             self.s = replace(self.s, authkey=setup.authkey_from_secret)
 
     async def _open_firewall(self) -> None:
+        if self.s.test_fake_netfilter:
+            # No detection: it runs iptables and probes netlink, which the hook promises never to touch.
+            from netfilter.fake import FakeBackend, state_path
+            self.firewall = FakeBackend(ipv6=self.s.test_fake_netfilter_6, state_file=state_path(self.s.socket))
+            log.info("Using the in-memory firewall of TS_TEST_FAKE_NETFILTER (IPv6 %s); the real firewall is "
+                     "not touched", "supported" if self.s.test_fake_netfilter_6 else "not supported")
+            return
         from netfilter.backend import open_backend
         try:
             self.firewall = await asyncio.to_thread(open_backend, self.s.firewall_mode)
@@ -208,7 +226,8 @@ class Agent:
             # first read, so that a rewrite landing between here and the watcher's start is not missed.
             self._config_loaded = await asyncio.to_thread(read_text, self.s.tailscaled_config_path)
         try:
-            self.tailscaled = await ts.Tailscaled.start(argv, self.child_env, self.s.socket)
+            if self.tailscaled is None:   # not started early (see __main__)
+                self.tailscaled = await ts.Tailscaled.start(argv, self.child_env, self.s.socket)
         except OSError as e:
             raise AgentError(f"failed to bring up tailscale: starting tailscaled failed: {e}") from None
         try:
@@ -286,7 +305,20 @@ class Agent:
             startup_complete=self.startup_complete.is_set(),
             stopping=self._stopping,
             reconciled_ips=tuple(str(ip) for ip in done.tailnet_ips) if done is not None else None,
+            firewall=self._firewall_status(),
         )
+
+    def _firewall_status(self) -> dict | None:
+        fw = self.firewall
+        if fw is None:
+            return None
+        # The in-memory firewall of the test hook holds its rules itself; a kernel one is described by the last
+        # rule set applied to it (reading the kernel back on every /status request would cost too much).
+        rules = getattr(fw, "rules", None)
+        if rules is None and self.reconciler is not None:
+            rules = self.reconciler.applied.rules
+        return {"backend": fw.name, "ipv6": bool(getattr(fw, "ipv6", False)),
+                "rules": rules.to_dict() if rules is not None else None}
 
     async def _tailscale_up(self) -> None:
         try:
@@ -356,14 +388,34 @@ class Agent:
 
         assert self.secret is not None and self.api is not None
         log.info("%s", reason)
+        # The operator writes the new key into the mounted Secret: kubelet swaps the directory's `..data` link.
+        # A watch on the directory notices within milliseconds; the poll stays as the fallback.
+        from serveconfig.watch import DirWatch
+
+        directory = os.path.dirname(os.path.abspath(self.s.tailscaled_config_path))
+        changed: asyncio.Event | None = asyncio.Event()
+        watch: DirWatch | None = DirWatch(directory, asyncio.get_running_loop(), changed)
+        try:
+            await asyncio.to_thread(watch.start)
+            log.info("Config directory %s (kubelet's ..data swap included): auth key reissue: watching for "
+                     "config changes via fsnotify", directory)
+        except Exception as e:   # noqa: BLE001 -- no inotify instance left, watchdog unusable, ...
+            await asyncio.to_thread(watch.stop)
+            watch = changed = None
+            log.warning("auth key reissue: cannot watch %s for config changes (%s), using polling every %gs",
+                        directory, e, REISSUE_POLL_INTERVAL)
         try:
             await reissue_flow(self.secret.client, self.secret.name, self.config_authkey,
                                lambda: authkey_from_config(self.s.tailscaled_config_path),
-                               disconnect=self.api.disconnect_control)
+                               disconnect=self.api.disconnect_control, changed=changed,
+                               poll_interval=REISSUE_POLL_INTERVAL)
         except TimeoutError as e:
             raise AgentError(f"failed to get a reissued authkey: {e}") from None
         except Exception as e:
             raise AgentError(f"failed to get a reissued authkey: {e}") from None
+        finally:
+            if watch is not None:
+                await asyncio.to_thread(watch.stop)
         log.info("Successfully received new auth key, restarting to apply configuration")
 
     async def _watch_config_file(self) -> None:
@@ -603,6 +655,12 @@ class Agent:
             if svc.ingress_status is not None:
                 status[ss.KEY_INGRESS_CONFIG] = svc.ingress_status
             await self.secret.sync(status)
+        if rec.stats.rule_applies != self._trimmed_at_applies and self.startup_complete.is_set():
+            # A rule change parsed the kernel's answers (netlink dumps, libnftables' cache): give the freed
+            # memory back instead of keeping the peak for the agent's whole life.
+            from . import memtrim
+            self._trimmed_at_applies = rec.stats.rule_applies
+            memtrim.trim()
         if self.startup_complete.is_set() or not routed:
             return
         if self.kube_store and self.secret is not None and not self.secret.has_written("device_id", "device_fqdn"):
@@ -611,6 +669,9 @@ class Agent:
         ips = ", ".join(map(str, node.tailnet_ips))
         log.info("Tailnet addresses: %s", ips)
         log.info("Startup complete, waiting for shutdown signal")
+        from . import memtrim
+        self._trimmed_at_applies = rec.stats.rule_applies
+        memtrim.trim()     # the boot's peak (imports, login, first apply) is over
 
     # -- shutdown --------------------------------------------------------------------------------------
     async def _shutdown(self) -> None:

@@ -34,6 +34,10 @@ class ConfigFileError(Exception):
     """The config file (or the directory holding it) is unusable. The message never holds the file's values."""
 
 
+class NoConfigFileError(ConfigFileError):
+    """The directory holds no config file for this capability version (or an older one)."""
+
+
 # What tailscaled's "alpha0" schema accepts at the top level, by JSON name, with the JSON type each takes.
 # "optbool" is tailscaled's opt.Bool, which decodes from a boolean, null or a string.
 _STR, _OPTBOOL, _LIST, _OBJECT, _PORT = "string", "optbool", "list", "object", "port"
@@ -234,7 +238,7 @@ def pick_config_file(directory: str, capver: int) -> str:
             best = (v, name)
     if best is None:
         names = ", ".join(sorted(n for n, d in entries if not d)) or "no files"
-        raise ConfigFileError(
+        raise NoConfigFileError(
             f"no tailscaled config file for capability version {capver} or older in {directory} "
             f"(found: {names})")
     return os.path.join(directory, best[1])

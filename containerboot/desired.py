@@ -82,6 +82,12 @@ def local_ports(s: Settings) -> tuple[int, ...]:
     return tuple(ports)
 
 
+#: Why ProxyGroup services get no rules in userspace mode (upstream starts there too; its rules could not carry
+#: traffic, since there is no tailscale0 to forward through).
+USERSPACE_NO_RULES = ("userspace networking (TS_USERSPACE=true) has no kernel data path, so no forwarding rules "
+                      "are installed; set TS_USERSPACE=false")
+
+
 def _same_family(ips: tuple[IP, ...], version: int) -> IP | None:
     return next((ip for ip in ips if ip.version == version), None)
 
@@ -170,7 +176,9 @@ def compute(s: Settings, node: NodeState, dns: DNSAnswer | None = None, *,
     svc: ServicesDesired | None = None
     if services is not None and (services.egress is not None or services.ingress is not None):
         svc = compute_services(services, node, families=families, pod_ipv4=s.pod_ipv4, pod_ipv6=s.pod_ipv6,
-                               reserved=frozenset(d.original_dst for d in dnats))
+                               reserved=frozenset(d.original_dst for d in dnats),
+                               no_data_path=USERSPACE_NO_RULES if s.userspace and not s.test_fake_netfilter
+                               else "")
         for r in svc.results:
             targets.append(Target(r.name, r.kind, r.value, r.resolved, r.error, r.installed, gates_readiness=False))
         v4 = v4 or (4 in svc.families and not s.userspace)

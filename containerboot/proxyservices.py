@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from netfilter.model import ServiceDnat, ServicePortMap
@@ -43,9 +43,14 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PortMap:
-    protocol: str        # "TCP" | "UDP", as Kubernetes spells it
+    protocol: str        # as configured ("TCP" as Kubernetes spells it, or "tcp"): the status echoes it exactly
     match_port: int      # the Pod port the operator's ClusterIP Service targets
     target_port: int     # the port on the tailnet target
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """What the rule matches on: the protocol in any spelling, and the Pod port."""
+        return self.protocol.upper(), self.match_port
 
     def to_json(self) -> dict[str, Any]:
         return {"protocol": self.protocol, "matchPort": self.match_port, "targetPort": self.target_port}
@@ -117,8 +122,14 @@ def _parse_egress_service(name: str, raw: Any) -> EgressService:
         proto = p.get("protocol")
         if not isinstance(proto, str) or proto.upper() not in ("TCP", "UDP"):
             raise ConfigError(f"{where}: ports[{i}].protocol must be TCP or UDP, not {json.dumps(proto)}")
-        ports.setdefault(PortMap(proto.upper(), _parse_port(p.get("matchPort"), f"{where}: ports[{i}].matchPort"),
-                                 _parse_port(p.get("targetPort"), f"{where}: ports[{i}].targetPort")))
+        # The protocol is kept as written: the operator compares the status with what it wrote, byte for byte.
+        pm = PortMap(proto, _parse_port(p.get("matchPort"), f"{where}: ports[{i}].matchPort"),
+                     _parse_port(p.get("targetPort"), f"{where}: ports[{i}].targetPort"))
+        other = next((q for q in ports if q.key == pm.key), None)
+        if other is not None and other.target_port != pm.target_port:
+            raise ConfigError(f"{where}: {pm.key[0]} port {pm.match_port} is mapped twice (to target ports "
+                              f"{other.target_port} and {pm.target_port}); map each matchPort once")
+        ports.setdefault(pm)
     hep = raw.get("healthCheckEndpoint") or ""
     if not isinstance(hep, str):
         raise ConfigError(f"{where}: healthCheckEndpoint must be a string URL")
@@ -156,15 +167,14 @@ def parse_egress_services(text: str | None) -> EgressConfig:
         except ConfigError as e:
             problems.append((name, str(e)))
             continue
-        clash = next(((pm, taken[(pm.protocol, pm.match_port)]) for pm in svc.ports
-                      if (pm.protocol, pm.match_port) in taken), None)
+        clash = next(((pm, taken[pm.key]) for pm in svc.ports if pm.key in taken), None)
         if clash is not None:
             pm, other = clash
-            problems.append((name, f"{_where(name)}: {pm.protocol} port {pm.match_port} is already mapped by "
+            problems.append((name, f"{_where(name)}: {pm.key[0]} port {pm.match_port} is already mapped by "
                                    f"service {other!r}; each matchPort can serve one service"))
             continue
         for pm in svc.ports:
-            taken[(pm.protocol, pm.match_port)] = name
+            taken[pm.key] = name
         services.append(svc)
     return EgressConfig(tuple(services), tuple(problems))
 
@@ -314,11 +324,13 @@ def _pod_ips(pod_ipv4: IP | None, pod_ipv6: IP | None) -> dict[str, str]:
 
 def compute_services(inp: ServicesInput, node: NodeState, *, families: tuple[int, ...] = (4, 6),
                      pod_ipv4: IP | None = None, pod_ipv6: IP | None = None,
-                     reserved: frozenset[IP] = frozenset()) -> ServicesDesired:
+                     reserved: frozenset[IP] = frozenset(), no_data_path: str = "") -> ServicesDesired:
     """Rules and Secret status for every configured service, from the whole current state.
 
     `families`: IP versions the firewall can translate. `reserved`: addresses the agent already DNATs for
-    another purpose (the node's own tailnet IPs under TS_DEST_IP); a VIP among them is refused."""
+    another purpose (the node's own tailnet IPs under TS_DEST_IP); a VIP among them is refused.
+    `no_data_path`: when set, the reason no service can have rules (userspace networking): each service
+    reports it and none is recorded."""
     own = node.tailnet_ips
     port_maps: list[ServicePortMap] = []
     dnats: list[ServiceDnat] = []
@@ -337,6 +349,8 @@ def compute_services(inp: ServicesInput, node: NodeState, *, families: tuple[int
             results.append(ServiceResult(name, "egress-service", "", error=problem))
         for svc in inp.egress.services:
             r = _egress_service(svc, node, own, families)
+            if no_data_path:
+                r = (replace(r[0], installed=False, error=no_data_path), [])
             results.append(r[0])
             if r[0].installed:
                 port_maps.extend(r[1])
@@ -359,6 +373,9 @@ def compute_services(inp: ServicesInput, node: NodeState, *, families: tuple[int
             missing = [m for m in svc.mappings if m.vip.version not in families]
             if not svc.mappings:
                 results.append(ServiceResult(svc.name, "ingress-service", vips, error="no address mapping"))
+                continue
+            if no_data_path:
+                results.append(ServiceResult(svc.name, "ingress-service", vips, error=no_data_path))
                 continue
             clash = next((m.vip for m in svc.mappings if m.vip in reserved), None)
             if clash is not None:
@@ -398,8 +415,6 @@ def _egress_service(svc: EgressService, node: NodeState, own: tuple[IP, ...],
             targets = resolve_tailnet_fqdn(node, svc.target_fqdn)
         except ResolveError as e:
             return ServiceResult(svc.name, "egress-service", svc.target, error=str(e)), []
-    if not svc.ports:
-        return ServiceResult(svc.name, "egress-service", svc.target, targets, error="no ports configured"), []
     chosen: list[IP] = []
     skipped: list[str] = []
     for version in (4, 6):
@@ -415,9 +430,12 @@ def _egress_service(svc: EgressService, node: NodeState, own: tuple[IP, ...],
     if not chosen:
         return ServiceResult(svc.name, "egress-service", svc.target, targets,
                              error="; ".join(skipped) or "no usable target address"), []
+    # A service without ports (`"ports": []`) has no rules, and is recorded with its targets all the same, as
+    # upstream does: the operator waits for that record.
     maps = []
     for target in chosen:
         src = next(ip for ip in own if ip.version == target.version)
+        # ServicePortMap lower-cases the protocol: "tcp" and "TCP" make one rule (de-duplicated below).
         maps.extend(ServicePortMap(svc.name, pm.protocol, pm.match_port, pm.target_port, target, src)
                     for pm in svc.ports)
-    return ServiceResult(base.name, base.kind, base.value, tuple(chosen), installed=True), maps
+    return ServiceResult(base.name, base.kind, base.value, tuple(chosen), installed=True), list(dict.fromkeys(maps))

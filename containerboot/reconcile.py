@@ -70,6 +70,8 @@ class Reconciler:
                  clock: Callable[[], float] = time.time):
         self.settings = settings
         self.firewall = firewall
+        if firewall is not None and hasattr(firewall, "previous"):
+            firewall.defer_conntrack = True    # see _reconcile_once: cleaned up at the end of the pass
         self.rules_file = rules_file
         self.ensure_forwarding = ensure_forwarding
         self.on_converged = on_converged
@@ -171,6 +173,12 @@ class Reconciler:
             self.stats.failures += 1
         if self.on_converged is not None:
             await self.on_converged(self, want, node)
+        if self.firewall is not None and getattr(self.firewall, "pending_conntrack", None) is not None:
+            from netfilter.backend import flush_pending_conntrack
+            try:   # after the Secret and start-up bookkeeping: a conntrack dump takes tens of milliseconds
+                await asyncio.to_thread(flush_pending_conntrack, self.firewall)
+            except Exception as e:   # noqa: BLE001 -- best effort, like the clean-up itself
+                log.info("conntrack clean-up failed: %s", e)
         self.stats.last_duration = time.monotonic() - start
         self.stats.total_duration += self.stats.last_duration
         self.reconciled_node = node

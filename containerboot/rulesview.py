@@ -18,10 +18,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mode", default=os.environ.get("TS_DEBUG_FIREWALL_MODE", ""),
                    help="firewall backend: nftables, iptables or auto (default: as the agent detects)")
     args = p.parse_args(argv)
-    from netfilter.backend import open_backend
     from netfilter.model import RuleSet
 
-    backend = open_backend(args.mode)
+    if _env_bool("TS_TEST_FAKE_NETFILTER", False):
+        # The agent's test hook: its rules live in its in-memory firewall, published next to the socket. The
+        # real firewall is neither probed nor read.
+        from netfilter.fake import read_state, state_path
+        backend = read_state(state_path(args.socket), ipv6=_env_bool("TS_TEST_FAKE_NETFILTER_6", True))
+    else:
+        from netfilter.backend import open_backend
+        backend = open_backend(args.mode)
     path = os.path.join(os.path.dirname(args.socket) or ".", "containerboot-rules.json")
     print(f"# backend: {backend.name}")
     try:
@@ -34,6 +40,14 @@ def main(argv: list[str]) -> int:
     print("# installed:")
     print(backend.installed().rstrip() or "(nothing)")
     return 0
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    from .settings import parse_go_bool
+    try:
+        return parse_go_bool(os.environ.get(name) or str(default).lower())
+    except ValueError:
+        return default
 
 
 if __name__ == "__main__":

@@ -383,12 +383,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TS_EGRESS_PROXIES_CONFIG_PATH", Kind.PATH,
             "ProxyGroup egress services: directory with the operator's `egress-services` and `hep-pings` files; "
             "watched, status in the Secret key `egress-services`, preStop hook on TS_LOCAL_ADDR_PORT (Kubernetes "
-            "with a state Secret and kernel networking only).",
-            "egress_proxies_config_path"),
+            "with a state Secret only). Rules need kernel networking.",
+            "egress_proxies_config_path",
+            differs="With TS_USERSPACE=true the agent starts, as upstream does, but installs no rules and records no "
+                    "service (there is no tailscale0 to forward through; upstream programs rules that cannot carry "
+                    "traffic)."),
     Setting("TS_INGRESS_PROXIES_CONFIG_PATH", Kind.PATH,
             "ProxyGroup ingress services: file mapping Tailscale Service VIPs to ClusterIPs; watched, status in the "
-            "Secret key `ingress-config.json` (Kubernetes with a state Secret and kernel networking only).",
-            "ingress_proxies_config_path"),
+            "Secret key `ingress-config.json` (Kubernetes with a state Secret only). Rules need kernel networking.",
+            "ingress_proxies_config_path",
+            differs="With TS_USERSPACE=true the agent starts, as upstream does, but installs no rules and records no "
+                    "service."),
     Setting("TS_EXPERIMENTAL_ENABLE_FORWARDING_OPTIMIZATIONS", Kind.BOOL,
             "Turn on UDP GRO forwarding at start (kernel networking only).", "forwarding_optimizations",
             default="false", differs=_STRICT_BOOL),
@@ -424,7 +429,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TS_TEST_ONLY_ROOT", Kind.PATH,
             "Tests only: file system root for /dev/net/tun, /proc/sys and the service account files; other than "
             "`/` also reads the API server address from the environment.", "root", default="/"),
-    Setting("TS_TEST_FAKE_NETFILTER", Kind.BOOL, "Tests only: use an in-memory firewall.", "test_fake_netfilter",
+    Setting("TS_TEST_FAKE_NETFILTER", Kind.BOOL, "Tests only: use an in-memory firewall. No firewall tool runs "
+            "and no netlink call is made; the rules show in `containerboot rules` and `/status`.",
+            "test_fake_netfilter",
             default="false", differs=_STRICT_BOOL),
     Setting("TS_TEST_FAKE_NETFILTER_6", Kind.BOOL, "Tests only: whether the in-memory firewall has IPv6.",
             "test_fake_netfilter_6", default="true", differs=_STRICT_BOOL),
@@ -440,6 +447,61 @@ SETTINGS: tuple[Setting, ...] = (
 )
 
 _BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Upstream's words.
+
+#: For each invalid configuration that upstream refuses too, upstream's sentence for it (from the reference
+#: specification, validation section). Every message for that condition CONTAINS these words, so that
+#: runbooks and log alerts written against upstream's messages still match; ours adds the value, the reason
+#: and the fix around them. `{placeholders}` are filled from the configuration (`"{value}"` is Go's %q of a
+#: plain value). None: the reference names the condition but not upstream's words, so we invent none (the
+#: message follows the pattern of its neighbours). Where the reference elides the start of a sentence
+#: ("... is set but POD_IP is not set"), the table holds the part it gives.
+UPSTREAM_WORDS: Mapping[str, str | None] = {
+    "pod_ips_too_many": "POD_IPs can contain at most 2 IPs, got {count}",
+    "pod_ips_bad_ip": "error parsing IP address {ip}",
+    "config_file_none": 'no tailscaled config file found in "{dir}" for current capability version {capver}',
+    "config_dir_unreadable": None,
+    "config_file_contents": "error validating tailscaled configfile contents",
+    "dest_ip_userspace": "TS_DEST_IP is not supported with TS_USERSPACE",
+    "dest_dns_name_userspace": "is not supported with TS_USERSPACE",
+    "dest_dns_name_and_dest_ip": "TS_EXPERIMENTAL_DEST_DNS_NAME and TS_DEST_IP cannot both be set",
+    "tailnet_target_ip_userspace": None,
+    "tailnet_target_fqdn_userspace": None,
+    "tailnet_target_ip_and_fqdn": "Both TS_TAILNET_TARGET_IP and TS_TAILNET_FQDN cannot be set",
+    "config_dir_combination": "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR cannot be set in combination with TS_HOSTNAME, "
+                              "TS_EXTRA_ARGS, TS_AUTHKEY, TS_ROUTES, TS_ACCEPT_DNS, TS_CLIENT_ID, TS_CLIENT_SECRET, "
+                              "TS_ID_TOKEN, TS_AUDIENCE.",
+    "id_token_without_client_id": "TS_ID_TOKEN is set but TS_CLIENT_ID is not set",
+    "audience_without_client_id": "TS_AUDIENCE is set but TS_CLIENT_ID is not set",
+    "id_token_and_client_secret": "TS_ID_TOKEN and TS_CLIENT_SECRET cannot both be set",
+    "id_token_and_audience": "TS_ID_TOKEN and TS_AUDIENCE cannot both be set",
+    "audience_and_client_secret": "TS_AUDIENCE and TS_CLIENT_SECRET cannot both be set",
+    "authkey_and_oauth": "TS_AUTHKEY cannot be used with TS_CLIENT_ID, TS_CLIENT_SECRET, TS_ID_TOKEN, or "
+                         "TS_AUDIENCE.",
+    "allow_proxying_userspace": None,
+    "allow_proxying_without_serve": "is set but this is not a cluster ingress proxy",
+    "allow_proxying_without_pod_ip": "is set but POD_IP is not set",
+    "forwarding_optimizations_userspace": None,
+    "healthcheck_addr_port": "error parsing TS_HEALTHCHECK_ADDR_PORT value",
+    "local_addr_port": 'error parsing TS_LOCAL_ADDR_PORT value "{value}"',
+    "debug_addr_port": None,
+    "healthcheck_and_health_check": "TS_HEALTHCHECK_ADDR_PORT is deprecated and will be removed in 1.82.0, use "
+                                    "TS_ENABLE_HEALTH_CHECK and optionally TS_LOCAL_ADDR_PORT",
+    "egress_outside_kubernetes": "TS_EGRESS_PROXIES_CONFIG_PATH is only supported for Tailscale running on "
+                                 "Kubernetes",
+    "ingress_outside_kubernetes": "TS_INGRESS_PROXIES_CONFIG_PATH is only supported for Tailscale running on "
+                                  "Kubernetes",
+    "boot_timeout": 'error parsing TS_BOOT_TIMEOUT value "{value}"',
+}
+
+
+def _upstream(condition: str, **values: Any) -> str:
+    """Upstream's words for `condition`, filled in; "" where the reference gives none."""
+    words = UPSTREAM_WORDS[condition]
+    return words.format(**values) if words else ""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -669,16 +731,16 @@ def _pod_ips(env: Mapping[str, str]) -> tuple[IP | None, IP | None, str]:
         return None, None, ""
     entries = raw.split(",")
     if len(entries) > 2:
-        raise _fail(f"POD_IPS={_quote(raw)} has {len(entries)} entries: it can hold at most 2 (one IPv4, one IPv6); "
-                    "set it from the Pod's status.podIPs", "POD_IPS")
+        raise _fail(f"{_upstream('pod_ips_too_many', count=len(entries))} (POD_IPS={_quote(raw)}): one IPv4 and "
+                    "one IPv6 address at most; set it from the Pod's status.podIPs", "POD_IPS")
     v4 = v6 = None
     v6_text = ""
     for entry in entries:
         try:
             ip = parse_addr(entry)
         except ValueError:
-            raise _fail(f"POD_IPS={_quote(raw)}: {_quote(entry)} is not an IP address; give IP literals separated "
-                        "by a comma without spaces", "POD_IPS") from None
+            raise _fail(f"{_upstream('pod_ips_bad_ip', ip=entry)} (POD_IPS={_quote(raw)}): {_quote(entry)} is not "
+                        "an IP address; give IP literals separated by a comma without spaces", "POD_IPS") from None
         if ip.version == 4:
             v4 = ip
         else:  # as upstream, a later entry of the same family wins
@@ -693,9 +755,11 @@ def _config_file(directory: str, capver: int) -> tuple[str, str]:
     try:
         path = conffile.pick_config_file(directory, capver)
     except conffile.ConfigFileError as e:
-        raise _fail(f"TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR={_quote(directory)}: {e}. Mount the operator's config "
-                    f"Secret there, with a cap-<N>.hujson for N <= {capver}; ensure that the operator is not "
-                    "older than the proxy", "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR") from None
+        words = _upstream("config_file_none", dir=directory, capver=capver) \
+            if isinstance(e, conffile.NoConfigFileError) else _upstream("config_dir_unreadable")
+        raise _fail(f"{words + ': ' if words else ''}TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR={_quote(directory)}: {e}. "
+                    f"Mount the operator's config Secret there, with a cap-<N>.hujson for N <= {capver}; ensure "
+                    "that the operator is not older than the proxy", "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR") from None
     return path, f"Using tailscaled config file {path!r} to match current capability version {capver}"
 
 
@@ -821,12 +885,15 @@ def _userspace(env: Mapping[str, str]) -> str:
     return "TS_USERSPACE (unset, default true)"
 
 
-def _check_addr_port(name: str, value: str, why: str = "") -> None:
+def _check_addr_port(name: str, value: str, condition: str, why: str = "") -> None:
     try:
         parse_addr_port(value)
     except ValueError as e:
-        raise _fail(f"{name}={_quote(value)} is not a literal IP:port{why}: {e}. Write e.g. \"[::]:9002\" or "
-                    "\"0.0.0.0:9002\" (host names are not accepted)", name) from None
+        words = _upstream(condition, value=value)
+        if words and not words.endswith('"'):
+            words += f" {_quote(value)}"    # the reference gives upstream's words up to the value
+        raise _fail(f"{words + ': ' if words else ''}{name}={_quote(value)} is not a literal IP:port{why}: {e}. "
+                    "Write e.g. \"[::]:9002\" or \"0.0.0.0:9002\" (host names are not accepted)", name) from None
 
 
 def _validate(s: Settings, env: Mapping[str, str]) -> None:
@@ -839,17 +906,22 @@ def _validate(s: Settings, env: Mapping[str, str]) -> None:
         try:
             conffile.load(s.tailscaled_config_path)
         except conffile.ConfigFileError as e:
-            raise _fail(f"TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR={_quote(s.versioned_config_dir)}: the tailscaled "
-                        f"config file is not valid: {e}. Fix the file, and ensure that the operator is not older "
-                        "than the proxy", "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR") from None
+            raise _fail(f"{_upstream('config_file_contents')}: TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR="
+                        f"{_quote(s.versioned_config_dir)}: the tailscaled config file is not valid: {e}. Fix the "
+                        "file, and ensure that the operator is not older than the proxy",
+                        "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR") from None
 
     # 2-7. Proxy targets need kernel networking, and one target of each kind.
+    def needs_kernel(name: str) -> SettingsError:
+        # "<NAME> is not supported with TS_USERSPACE" (upstream's sentence where the reference gives it).
+        return _fail(f"{name} is not supported with TS_USERSPACE ({_shown(name, env)}, {userspace}): {kernel_fix}",
+                     name, "TS_USERSPACE")
+
     for name, value in (("TS_DEST_IP", s.dest_ip), ("TS_EXPERIMENTAL_DEST_DNS_NAME", s.dest_dns_name)):
         if value and s.userspace:
-            raise _fail(f"{_shown(name, env)} is not supported with {userspace}: {kernel_fix}",
-                        name, "TS_USERSPACE")
+            raise needs_kernel(name)
     if s.dest_dns_name and s.dest_ip:
-        raise _fail(f"TS_EXPERIMENTAL_DEST_DNS_NAME and TS_DEST_IP cannot both be set "
+        raise _fail(f"{_upstream('dest_dns_name_and_dest_ip')} "
                     f"({_shown('TS_EXPERIMENTAL_DEST_DNS_NAME', env)}, {_shown('TS_DEST_IP', env)}): unset one",
                     "TS_EXPERIMENTAL_DEST_DNS_NAME", "TS_DEST_IP")
     # Ours: DNAT of all tailnet traffic takes it away from serve, so serve would never see a connection.
@@ -860,11 +932,11 @@ def _validate(s: Settings, env: Mapping[str, str]) -> None:
     for name, value in (("TS_TAILNET_TARGET_IP", s.tailnet_target_ip), ("TS_TAILNET_TARGET_FQDN",
                                                                          s.tailnet_target_fqdn)):
         if value and s.userspace:
-            raise _fail(f"{_shown(name, env)} is not supported with {userspace}: {kernel_fix}",
-                        name, "TS_USERSPACE")
+            raise needs_kernel(name)
     if s.tailnet_target_fqdn and s.tailnet_target_ip:
-        raise _fail(f"TS_TAILNET_TARGET_IP and TS_TAILNET_TARGET_FQDN cannot both be set "
-                    f"({_shown('TS_TAILNET_TARGET_IP', env)}, {_shown('TS_TAILNET_TARGET_FQDN', env)}): unset one",
+        raise _fail(f"{_upstream('tailnet_target_ip_and_fqdn')}: TS_TAILNET_TARGET_IP and TS_TAILNET_TARGET_FQDN "
+                    f"cannot both be set ({_shown('TS_TAILNET_TARGET_IP', env)}, "
+                    f"{_shown('TS_TAILNET_TARGET_FQDN', env)}): unset one",
                     "TS_TAILNET_TARGET_IP", "TS_TAILNET_TARGET_FQDN")
 
     # 8. One-step mode takes login and prefs from the config file, not from variables.
@@ -891,7 +963,8 @@ def _validate(s: Settings, env: Mapping[str, str]) -> None:
                     shown.append("TS_ACCEPT_DNS (from --accept-dns in TS_EXTRA_ARGS)")
                 else:
                     shown.append(_shown(name, env))
-            raise _fail(f"{_shown('TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR', env)} cannot be combined with "
+            raise _fail(f"{_upstream('config_dir_combination')} Here "
+                        f"{_shown('TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR', env)} is combined with "
                         f"{', '.join(shown)}: with a config directory tailscaled takes login and settings from "
                         "the config file. Unset them, or put them in the config file",
                         "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR", *names)
@@ -899,77 +972,79 @@ def _validate(s: Settings, env: Mapping[str, str]) -> None:
     # 9-14. Login methods: an auth key, or OAuth / workload identity federation, never both.
     wif = "workload identity federation needs TS_CLIENT_ID: set it to the OAuth client's ID"
     if s.id_token and not s.client_id:
-        raise _fail(f"TS_ID_TOKEN is set but TS_CLIENT_ID is not ({_shown_all(env, 'TS_ID_TOKEN', 'TS_CLIENT_ID')}): "
-                    f"{wif}", "TS_ID_TOKEN", "TS_CLIENT_ID")
+        raise _fail(f"{_upstream('id_token_without_client_id')} "
+                    f"({_shown_all(env, 'TS_ID_TOKEN', 'TS_CLIENT_ID')}): {wif}", "TS_ID_TOKEN", "TS_CLIENT_ID")
     if s.audience and not s.client_id:
-        raise _fail(f"TS_AUDIENCE is set but TS_CLIENT_ID is not ({_shown_all(env, 'TS_AUDIENCE', 'TS_CLIENT_ID')}): "
-                    f"{wif}", "TS_AUDIENCE", "TS_CLIENT_ID")
-    for a, b, a_on, b_on in (("TS_ID_TOKEN", "TS_CLIENT_SECRET", s.id_token, s.client_secret),
-                             ("TS_ID_TOKEN", "TS_AUDIENCE", s.id_token, s.audience),
-                             ("TS_AUDIENCE", "TS_CLIENT_SECRET", s.audience, s.client_secret)):
+        raise _fail(f"{_upstream('audience_without_client_id')} "
+                    f"({_shown_all(env, 'TS_AUDIENCE', 'TS_CLIENT_ID')}): {wif}", "TS_AUDIENCE", "TS_CLIENT_ID")
+    for a, b, a_on, b_on, cond in (
+            ("TS_ID_TOKEN", "TS_CLIENT_SECRET", s.id_token, s.client_secret, "id_token_and_client_secret"),
+            ("TS_ID_TOKEN", "TS_AUDIENCE", s.id_token, s.audience, "id_token_and_audience"),
+            ("TS_AUDIENCE", "TS_CLIENT_SECRET", s.audience, s.client_secret, "audience_and_client_secret")):
         if a_on and b_on:
-            raise _fail(f"{a} and {b} cannot both be set ({_shown_all(env, a, b)}): they are different login "
-                        "methods; unset one", a, b)
+            raise _fail(f"{_upstream(cond)} ({_shown_all(env, a, b)}): they are different login methods; unset "
+                        "one", a, b)
     if s.authkey:
         authkey_var = "TS_AUTHKEY" if env.get("TS_AUTHKEY") else "TS_AUTH_KEY"
         others = [n for n, v in (("TS_CLIENT_ID", s.client_id), ("TS_CLIENT_SECRET", s.client_secret),
                                  ("TS_ID_TOKEN", s.id_token), ("TS_AUDIENCE", s.audience)) if v]
         if others:
             values = _shown_all(env, authkey_var, *others)
-            raise _fail(f"{authkey_var} cannot be used with {', '.join(others)} ({values}): "
-                        "log in with either an auth key or OAuth/workload identity (TS_CLIENT_ID with "
-                        "TS_CLIENT_SECRET, TS_ID_TOKEN or TS_AUDIENCE); unset the other", authkey_var, *others)
+            raise _fail(f"{_upstream('authkey_and_oauth')} Here {authkey_var} cannot be used with "
+                        f"{', '.join(others)} ({values}): log in with either an auth key or OAuth/workload identity "
+                        "(TS_CLIENT_ID with TS_CLIENT_SECRET, TS_ID_TOKEN or TS_AUDIENCE); unset the other",
+                        authkey_var, *others)
 
     # 15-18. Features that need kernel networking or an ingress setup.
     allow = "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS"
     if s.allow_proxying_cluster_traffic_via_ingress:
         if s.userspace:
-            raise _fail(f"{_shown(allow, env)} is not supported with {userspace}: {kernel_fix}",
-                        allow, "TS_USERSPACE")
+            raise needs_kernel(allow)
         if not s.serve_config:
-            raise _fail(f"{_shown(allow, env)} is set but this is not a cluster ingress proxy: it needs "
+            raise _fail(f"{allow} {_upstream('allow_proxying_without_serve')} ({_shown(allow, env)}): it needs "
                         "TS_SERVE_CONFIG; unset it or set TS_SERVE_CONFIG", allow, "TS_SERVE_CONFIG")
         if not s.pod_ip:
-            raise _fail(f"{_shown(allow, env)} is set but POD_IP is not: set POD_IP from the Pod's status.podIP",
-                        allow, "POD_IP")
+            raise _fail(f"{allow} {_upstream('allow_proxying_without_pod_ip')} ({_shown(allow, env)}): set POD_IP "
+                        "from the Pod's status.podIP", allow, "POD_IP")
     if s.forwarding_optimizations and s.userspace:
-        name = "TS_EXPERIMENTAL_ENABLE_FORWARDING_OPTIMIZATIONS"
-        raise _fail(f"{_shown(name, env)} is not supported with {userspace}: {kernel_fix}", name, "TS_USERSPACE")
+        raise needs_kernel("TS_EXPERIMENTAL_ENABLE_FORWARDING_OPTIMIZATIONS")
 
     # 19-22. Listener addresses. TS_LOCAL_ADDR_PORT is checked only when something listens on it, as upstream
     # does: the operator always sets it, and an unused bad value must not stop a proxy that worked before.
     if s.healthcheck_addr_port:
-        _check_addr_port("TS_HEALTHCHECK_ADDR_PORT", s.healthcheck_addr_port)
+        _check_addr_port("TS_HEALTHCHECK_ADDR_PORT", s.healthcheck_addr_port, "healthcheck_addr_port")
     if s.local_server_enabled:
         users = [n for n, on in (("TS_ENABLE_METRICS", s.enable_metrics), ("TS_ENABLE_HEALTH_CHECK",
                  s.enable_health_check), ("TS_EGRESS_PROXIES_CONFIG_PATH", bool(s.egress_proxies_config_path)))
                  if on]
-        _check_addr_port("TS_LOCAL_ADDR_PORT", s.local_addr_port, f" (needed by {', '.join(users)})")
+        _check_addr_port("TS_LOCAL_ADDR_PORT", s.local_addr_port, "local_addr_port",
+                         f" (needed by {', '.join(users)})")
     if s.debug_addr_port:
-        _check_addr_port("TS_DEBUG_ADDR_PORT", s.debug_addr_port)
+        _check_addr_port("TS_DEBUG_ADDR_PORT", s.debug_addr_port, "debug_addr_port")
     if s.enable_health_check and s.healthcheck_addr_port:
-        raise _fail(f"{_shown('TS_HEALTHCHECK_ADDR_PORT', env)} is deprecated and cannot be combined with "
-                    "TS_ENABLE_HEALTH_CHECK: unset TS_HEALTHCHECK_ADDR_PORT and, if needed, set TS_LOCAL_ADDR_PORT",
-                    "TS_HEALTHCHECK_ADDR_PORT", "TS_ENABLE_HEALTH_CHECK")
+        raise _fail(f"{_upstream('healthcheck_and_health_check')} ({_shown('TS_HEALTHCHECK_ADDR_PORT', env)} "
+                    "cannot be combined with TS_ENABLE_HEALTH_CHECK): unset TS_HEALTHCHECK_ADDR_PORT and, if needed, "
+                    "set TS_LOCAL_ADDR_PORT", "TS_HEALTHCHECK_ADDR_PORT", "TS_ENABLE_HEALTH_CHECK")
 
     # 23-24. The services configs are written by the operator and reported through the state Secret.
-    for name, value in (("TS_EGRESS_PROXIES_CONFIG_PATH", s.egress_proxies_config_path),
-                        ("TS_INGRESS_PROXIES_CONFIG_PATH", s.ingress_proxies_config_path)):
+    # In userspace mode they start, as upstream does (with no kernel data path the services get no rules; each
+    # says so in /status).
+    for name, value, cond in (
+            ("TS_EGRESS_PROXIES_CONFIG_PATH", s.egress_proxies_config_path, "egress_outside_kubernetes"),
+            ("TS_INGRESS_PROXIES_CONFIG_PATH", s.ingress_proxies_config_path, "ingress_outside_kubernetes")):
         if value and not s.has_kube_secret:
             missing = "KUBERNETES_SERVICE_HOST is empty" if not s.in_kubernetes else 'TS_KUBE_SECRET is ""'
-            raise _fail(f"{_shown(name, env)} is only supported for Tailscale running on Kubernetes with a state "
-                        f"Secret, but {missing}: unset {name}, or run in Kubernetes with TS_KUBE_SECRET set",
+            raise _fail(f"{_upstream(cond)} with a state Secret ({_shown(name, env)}), but {missing}: unset {name}, "
+                        "or run in Kubernetes with TS_KUBE_SECRET set",
                         name, "KUBERNETES_SERVICE_HOST" if not s.in_kubernetes else "TS_KUBE_SECRET")
-        if value and s.userspace:
-            raise _fail(f"{_shown(name, env)} is not supported with {userspace}: {kernel_fix}", name, "TS_USERSPACE")
 
     # 25. The boot deadline.
     text = cmp_or(env.get("TS_BOOT_TIMEOUT", ""), _BY_NAME["TS_BOOT_TIMEOUT"].default)
     try:
         seconds = parse_go_duration(text)
     except ValueError as e:
-        raise _fail(f"TS_BOOT_TIMEOUT={_quote(text)} is not a Go duration ({e}): write a number with a unit, "
-                    "e.g. 90s, 3m or 1m30s", "TS_BOOT_TIMEOUT") from None
+        raise _fail(f"{_upstream('boot_timeout', value=text)}: TS_BOOT_TIMEOUT={_quote(text)} is not a Go duration "
+                    f"({e}): write a number with a unit, e.g. 90s, 3m or 1m30s", "TS_BOOT_TIMEOUT") from None
     if seconds <= 0:
         raise _fail(f"TS_BOOT_TIMEOUT={_quote(text)} must be positive: boot could never finish in time; "
                     "use e.g. 90s or 3m", "TS_BOOT_TIMEOUT")

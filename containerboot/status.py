@@ -78,6 +78,9 @@ class AgentStatus:
     startup_complete: bool = False
     stopping: bool = False                    # shutdown has begun: rules and tailscaled are going away
     reconciled_ips: tuple[str, ...] | None = None   # the tailnet IPs the last finished pass made rules for
+    # The firewall the agent programs, when it programs one: {"backend", "ipv6", "rules"} (the rule set last
+    # applied, RuleSet.to_dict()). With TS_TEST_FAKE_NETFILTER this is the in-memory firewall's whole content.
+    firewall: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Copy and freeze so that the agent mutating its own counters dict later cannot change a snapshot.
@@ -155,6 +158,7 @@ class AgentStatus:
             "targets": [t.to_json() for t in self.targets],
             "serve": self.serve.to_json() if self.serve is not None else None,
             "counters": {k: _num(v) for k, v in sorted(self.counters.items())},
+            "firewall": dict(self.firewall) if self.firewall is not None else None,
         }
 
 

@@ -7,7 +7,6 @@ previous run passes at once).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
@@ -15,6 +14,11 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
+    import subprocess
 
 from tscommon.redact import redact
 from .settings import Settings
@@ -182,6 +186,64 @@ def unlink_socket(path: str, link: str) -> None:
         pass
 
 
+def _remove_stale_socket(socket_path: str) -> None:
+    """A stale socket from an earlier run must not count as readiness."""
+    if os.path.exists(socket_path) and not socket_accepts(socket_path):
+        try:
+            os.unlink(socket_path)
+        except OSError:
+            pass
+
+
+def spawn(argv: Sequence[str], env: Mapping[str, str], socket_path: str) -> "subprocess.Popen":
+    """Start tailscaled without an event loop: the agent does this before importing the rest of itself, so
+    that tailscaled's own start-up overlaps the agent's imports (see __main__)."""
+    import subprocess
+    log.info("Starting tailscaled: %s", redact(" ".join(argv)))
+    _remove_stale_socket(socket_path)
+    return subprocess.Popen(list(argv), env=dict(env), process_group=0)
+
+
+class _AdoptedProcess:
+    """The part of asyncio.subprocess.Process the agent uses, for a subprocess.Popen: its exit is noticed
+    through a pidfd on the event loop (no polling), or a waiting thread where pidfds do not exist."""
+
+    def __init__(self, popen: "subprocess.Popen") -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self._exited = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll() if self._popen.returncode is None else self._popen.returncode
+
+    def send_signal(self, sig: int) -> None:
+        self._popen.send_signal(sig)
+
+    async def wait(self) -> int:
+        import asyncio
+        if self.returncode is not None:
+            return self._popen.returncode
+        loop = asyncio.get_running_loop()
+        if self._exited is None:
+            self._exited = loop.create_future()
+            try:
+                fd = os.pidfd_open(self.pid)
+            except (AttributeError, OSError):
+                fut = self._exited
+                loop.run_in_executor(None, self._popen.wait).add_done_callback(
+                    lambda _: fut.done() or fut.set_result(None))
+            else:
+                def exited(fut=self._exited) -> None:
+                    loop.remove_reader(fd)
+                    os.close(fd)
+                    if not fut.done():
+                        fut.set_result(None)
+                loop.add_reader(fd, exited)
+        await asyncio.shield(self._exited)
+        return self._popen.wait()
+
+
 class TailscaledExited(Exception):
     pass
 
@@ -195,15 +257,16 @@ class Tailscaled:
 
     @classmethod
     async def start(cls, argv: Sequence[str], env: Mapping[str, str], socket_path: str) -> "Tailscaled":
+        import asyncio
         log.info("Starting tailscaled: %s", redact(" ".join(argv)))
-        # A stale socket from an earlier run must not count as readiness.
-        if os.path.exists(socket_path) and not socket_accepts(socket_path):
-            try:
-                os.unlink(socket_path)
-            except OSError:
-                pass
+        _remove_stale_socket(socket_path)
         proc = await asyncio.create_subprocess_exec(*argv, env=dict(env), process_group=0)
         return cls(proc, socket_path)
+
+    @classmethod
+    def adopt(cls, popen: "subprocess.Popen", socket_path: str) -> "Tailscaled":
+        """A tailscaled started by `spawn` before the event loop existed."""
+        return cls(_AdoptedProcess(popen), socket_path)
 
     @property
     def pid(self) -> int:
@@ -214,6 +277,7 @@ class Tailscaled:
 
     async def wait_ready(self, deadline: float) -> None:
         """Wait until the LocalAPI socket accepts connections; fail if tailscaled exits or time runs out."""
+        import asyncio
         while True:
             if not self.alive():
                 raise TailscaledExited(f"tailscaled exited with status {self.proc.returncode} before its "
@@ -226,6 +290,7 @@ class Tailscaled:
 
     async def stop(self, timeout: float) -> int | None:
         """SIGTERM tailscaled and wait for it; SIGKILL its group if it does not exit in time."""
+        import asyncio
         if self.alive():
             log.info("Sending SIGTERM to tailscaled")
             try:
@@ -245,6 +310,7 @@ class Tailscaled:
 
 async def run_cli(argv: Sequence[str], env: Mapping[str, str], deadline: float | None) -> None:
     """Run a `tailscale` CLI command; SIGKILL it when the deadline passes. Raises on failure."""
+    import asyncio
     shown = redact(" ".join(argv))
     log.info("Running %s", shown)
     proc = await asyncio.create_subprocess_exec(*argv, env=dict(env))

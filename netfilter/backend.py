@@ -68,8 +68,7 @@ def flush_stale_conntrack(rules: RuleSet, previous: RuleSet | None = None) -> in
         oracle = NatOracle(rules, version)
         old = NatOracle(previous, version) if previous is not None else None
         try:
-            from pyroute2 import Conntrack
-            ct = Conntrack(nfgen_family=family)
+            ct = _conntrack_class()(nfgen_family=family)
         except Exception as e:
             log.debug("conntrack unavailable (IPv%d): %s", version, e)
             continue
@@ -94,6 +93,60 @@ def flush_stale_conntrack(rules: RuleSet, previous: RuleSet | None = None) -> in
     if removed:
         log.info("removed %d UDP conntrack entries that pointed at targets no longer wanted", removed)
     return removed
+
+
+def conntrack_after_apply(backend, rules: RuleSet, previous: RuleSet | None) -> None:
+    """What a backend's apply() does about conntrack once its rules are in: clean up now, or, when the caller
+    set `backend.defer_conntrack`, leave it for `flush_pending_conntrack` (the agent first reports the rules
+    as installed, so the clean-up, a conntrack dump, is off the path to "Startup complete")."""
+    if not getattr(backend, "defer_conntrack", False):
+        flush_stale_conntrack(rules, previous)
+        return
+    pending = getattr(backend, "pending_conntrack", None)
+    # Two applies before one flush: bindings may still come from the older rule set.
+    backend.pending_conntrack = (rules, pending[1] if pending is not None else previous)
+
+
+def flush_pending_conntrack(backend) -> int:
+    pending = getattr(backend, "pending_conntrack", None)
+    if pending is None:
+        return 0
+    backend.pending_conntrack = None
+    return flush_stale_conntrack(*pending)
+
+
+def _conntrack_class():
+    """pyroute2's Conntrack, without the rest of pyroute2.
+
+    `import pyroute2` runs a package __init__ that imports every part of the library (IPDB, NDB, IPVS, iw,
+    ethtool, ...): about 10 MB of resident memory for the agent's whole life. The conntrack module needs none
+    of it, so the package is registered without running its __init__ (its submodules import each other by
+    full name, never through the package's namespace). The first use of a name from the package itself
+    (`from pyroute2 import IPRoute`, anywhere later) runs the real __init__ then, so nothing else changes.
+    """
+    import sys
+    if "pyroute2" not in sys.modules:
+        import importlib
+        import importlib.util
+        spec = importlib.util.find_spec("pyroute2")
+        if spec is None or spec.loader is None:
+            raise ImportError("pyroute2 is not installed")
+        pkg = importlib.util.module_from_spec(spec)
+        loaded = []
+
+        def complete(name: str):   # PEP 562: called only for names the bare package lacks
+            if not loaded and importlib.util.find_spec(f"pyroute2.{name}") is not None:
+                return importlib.import_module(f"pyroute2.{name}")   # a submodule: `from pyroute2 import config`
+            if not loaded:
+                loaded.append(True)
+                del pkg.__getattr__
+                spec.loader.exec_module(pkg)
+            return pkg.__dict__[name] if name in pkg.__dict__ else getattr(pkg, name)
+
+        pkg.__getattr__ = complete
+        sys.modules["pyroute2"] = pkg
+    from pyroute2.conntrack import Conntrack
+    return Conntrack
 
 
 def open_backend(mode: str = "", *, env: Mapping[str, str] | None = None) -> Backend:

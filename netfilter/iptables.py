@@ -13,7 +13,7 @@ import logging
 import shutil
 import subprocess
 
-from .backend import FirewallError, flush_stale_conntrack
+from .backend import FirewallError, conntrack_after_apply
 from .model import RuleSet
 from .plan import (IPT_CHAINS, IPT_TABLES, IptState, canonical_iptables, filter_iptables_save,
                    plan_iptables, render_iptables)
@@ -47,6 +47,11 @@ class IptablesBackend:
 
     def _families(self) -> tuple[int, ...]:
         return (4, 6) if self.ipv6 else (4,)
+
+    @property
+    def families(self) -> tuple[int, ...]:
+        """The IP versions this backend can translate: the agent leaves rules of any other family out."""
+        return self._families()
 
     def _exec(self, argv: list[str], stdin: str | None = None) -> str:
         if shutil.which(argv[0]) is None:
@@ -116,7 +121,7 @@ class IptablesBackend:
             except FirewallError as e:
                 log.debug("ip6tables cleanup skipped: %s", e)
         if changed:
-            flush_stale_conntrack(rules, self.previous)
+            conntrack_after_apply(self, rules, self.previous)
         self.previous = rules
 
     def _converged(self, rules: RuleSet, fam: int, save: str) -> bool:

@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 
-from .backend import FirewallError, flush_stale_conntrack
+from .backend import FirewallError, conntrack_after_apply
 from .model import RuleSet
 from .plan import NFT_FAMILY, TABLE, normalize_nft_text, plan_nft, render_nft
 
@@ -77,7 +77,7 @@ class NftBackend:
         if 6 not in families and f"table {NFT_FAMILY[6]} {TABLE} " in current:
             families = (4, 6)     # IPv6 became unusable: still remove our stale ip6 table
         self._run(plan_nft(rules, families), "replacing the containerboot tables")
-        flush_stale_conntrack(rules, self.previous)
+        conntrack_after_apply(self, rules, self.previous)
         self.previous = rules
         if not log.isEnabledFor(logging.DEBUG):
             return      # listing big maps costs ~0.2 ms per element; only worth it when someone looks

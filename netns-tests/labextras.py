@@ -200,16 +200,17 @@ class Dnsmasq:
         self.proc.send_signal(signal.SIGHUP)
 
     def query(self, name: str, qtype: str = "A", timeout: float = 5.0) -> list[str]:
-        """Ask the server (from ``ns``) through the agent's own resolver code, for checks in tests."""
-        code = ("import asyncio,sys\n"
-                "from containerboot import dns\n"
-                "async def m():\n"
-                "    r = dns.Resolver()\n"
-                "    conf = dns.ResolvConf(nameservers=(sys.argv[1],), timeout=2.0, attempts=1)\n"
-                "    q = {'A': dns.QTYPE_A, 'AAAA': dns.QTYPE_AAAA}[sys.argv[3]]\n"
-                "    _, addrs, ttl = await r._query(conf, sys.argv[2].rstrip('.') + '.', q)\n"
-                "    print(' '.join(map(str, addrs)))\n"
-                "asyncio.run(m())\n")
+        """Ask the server (from ``ns``) with dnspython, the agent's resolver library, for checks in tests."""
+        code = ("import sys\n"
+                "import dns.resolver\n"
+                "r = dns.resolver.Resolver(configure=False)\n"
+                "r.nameservers = [sys.argv[1]]\n"
+                "r.lifetime = 2.0\n"
+                "try:\n"
+                "    a = r.resolve(sys.argv[2].rstrip('.') + '.', sys.argv[3])\n"
+                "    print(' '.join(rr.address for rr in a))\n"
+                "except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):\n"
+                "    print('')\n")
         cp = self.lab.exec(self.ns, [_python(), "-c", code, self.listen[0], name, qtype], timeout=timeout,
                            env={"PYTHONPATH": str(labmod.REPO_ROOT)})
         if cp.returncode != 0:

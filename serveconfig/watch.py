@@ -26,7 +26,7 @@ from tscommon.aio import wait_event
 
 log = logging.getLogger("containerboot")
 
-__all__ = ["watch_file", "read_text"]
+__all__ = ["watch_file", "read_text", "DirWatch"]
 
 #: inotify events that cannot change content (watchdog reports opens and read-only closes too).
 _READ_ONLY_EVENTS = frozenset({"opened", "closed_no_write"})
@@ -163,3 +163,8 @@ async def watch_file(path: str, poll_interval: float = 5.0, *, resync_interval: 
     finally:
         if watch is not None:
             await asyncio.to_thread(watch.stop)
+
+
+#: One directory's inotify watch, for callers that want the wake-ups rather than the file's content (the auth
+#: key reissue wait re-reads the key itself on each one).
+DirWatch = _DirWatch

@@ -1,56 +1,21 @@
-"""DNS resolution with TTLs: wire format, resolv.conf, the re-resolution schedule, and a real local server."""
+"""DNS resolution with TTLs (dnspython underneath): the re-resolution schedule, and real lookups against a
+small authoritative server on loopback (CNAME chains, search domains, truncation, TTLs)."""
 from __future__ import annotations
 
 import asyncio
 import ipaddress
 import struct
 
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
 import pytest
 
-from containerboot import dns
-from containerboot.dns import (Answer, DNSError, Resolver, candidate_names, decode_response, encode_query,
-                               next_delay, parse_resolv_conf, watch_name)
+from containerboot.dns import Answer, DNSError, Resolver, next_delay, watch_name
 
 ip = ipaddress.ip_address
-
-
-def _name(n: str) -> bytes:
-    return b"".join(bytes([len(p)]) + p.encode() for p in n.rstrip(".").split(".")) + b"\0"
-
-
-def build_response(qid: int, qname: str, qtype: int, answers: list[tuple[str, int, int, bytes]],
-                   rcode: int = 0) -> bytes:
-    """A DNS response; answers are (name, type, ttl, rdata); CNAME rdata is an encoded name."""
-    msg = struct.pack("!HHHHHH", qid, 0x8180 | rcode, 1, len(answers), 0, 0) + _name(qname) + struct.pack("!HH", qtype, 1)
-    for name, rtype, ttl, rdata in answers:
-        msg += _name(name) + struct.pack("!HHIH", rtype, 1, ttl, len(rdata)) + rdata
-    return msg
-
-
-def test_query_encoding_and_response_decoding_with_cname_chain():
-    q = encode_query("backend.example", dns.QTYPE_A, 0x1234)
-    assert q[:2] == b"\x12\x34" and _name("backend.example") in q
-    resp = build_response(0x1234, "backend.example.", 1, [
-        ("backend.example.", dns.QTYPE_CNAME, 300, _name("real.example.")),
-        ("real.example.", dns.QTYPE_A, 30, bytes([10, 0, 0, 1])),
-        ("real.example.", dns.QTYPE_A, 60, bytes([10, 0, 0, 2])),
-    ])
-    parsed = decode_response(resp, 0x1234)
-    addrs, ttl = dns.addresses_from(parsed, "backend.example", dns.QTYPE_A)
-    assert addrs == [ip("10.0.0.1"), ip("10.0.0.2")] and ttl == 30
-    with pytest.raises(DNSError):
-        decode_response(resp, 0x9999)
-
-
-def test_resolv_conf_and_search_order():
-    conf = parse_resolv_conf("# c\nnameserver 10.0.0.53\nnameserver fd00::53\nsearch a.svc b.local\n"
-                             "options ndots:5 timeout:1 attempts:3\n")
-    assert conf.nameservers == ("10.0.0.53", "fd00::53") and conf.ndots == 5
-    assert conf.timeout == 1 and conf.attempts == 3
-    assert candidate_names("db", conf) == ["db.a.svc.", "db.b.local.", "db."]
-    assert candidate_names("db.example.com.", conf) == ["db.example.com."]
-    conf1 = parse_resolv_conf("search x\noptions ndots:1")
-    assert candidate_names("db.example", conf1) == ["db.example.", "db.example.x."]
 
 
 def test_schedule_ttl_bounds_and_backoff():
@@ -91,38 +56,109 @@ async def test_watch_name_follows_ttl_and_keeps_last_good_on_failure():
     assert answers[0] == ((ip("10.0.0.1"),), "") and answers[1] == (None, "timeout")
 
 
-class _Server(asyncio.DatagramProtocol):
-    """A tiny authoritative server on loopback: A and AAAA for backend.test., NXDOMAIN otherwise."""
+# ---- a small authoritative server on loopback (UDP and TCP on one port), built with dnspython's message code
 
+ZONE = {
+    # (name, type): (ttl, [values])
+    ("backend.test.", "A"): (42, ["10.98.0.3", "10.98.0.2"]),
+    ("backend.test.", "AAAA"): (7, ["fd98::2"]),
+    ("web.a.svc.", "CNAME"): (30, ["real.test."]),
+    ("real.test.", "A"): (60, ["10.98.0.9"]),
+    ("v4only.test.", "A"): (300, ["10.98.0.4"]),
+    ("big.test.", "A"): (90, [f"10.98.1.{i}" for i in range(1, 40)]),
+}
+
+
+def answer_for(wire: bytes, *, udp: bool) -> bytes:
+    q = dns.message.from_wire(wire)
+    r = dns.message.make_response(q)
+    qname, qtype = q.question[0].name.to_text(), dns.rdatatype.to_text(q.question[0].rdtype)
+    name, found = qname, False
+    for _ in range(8):   # follow CNAMEs inside the zone, as an authoritative server does
+        if (name, "CNAME") in ZONE:
+            ttl, (target,) = ZONE[(name, "CNAME")]
+            r.answer.append(dns.rrset.from_text(name, ttl, "IN", "CNAME", target))
+            name, found = target, True
+            continue
+        if (name, qtype) in ZONE:
+            ttl, values = ZONE[(name, qtype)]
+            r.answer.append(dns.rrset.from_text(name, ttl, "IN", qtype, *values))
+            found = True
+        elif any(n == name for n, _ in ZONE):
+            found = True    # the name exists: NOERROR, no data
+        break
+    if not found:
+        r.set_rcode(dns.rcode.NXDOMAIN)
+    if udp and qname == "big.test.":
+        r.answer = []
+        r.flags |= dns.flags.TC    # too big for UDP: the client must retry over TCP
+    return r.to_wire()
+
+
+class _Udp(asyncio.DatagramProtocol):
     def connection_made(self, transport):
         self.t = transport
 
     def datagram_received(self, data, addr):
-        qid = struct.unpack("!H", data[:2])[0]
-        qname, off = dns._read_name(data, 12)
-        qtype = struct.unpack("!H", data[off:off + 2])[0]
-        if qname == "backend.test." and qtype == dns.QTYPE_A:
-            ans = [(qname, 1, 42, bytes([10, 98, 0, 2])), (qname, 1, 50, bytes([10, 98, 0, 3]))]
-        elif qname == "backend.test." and qtype == dns.QTYPE_AAAA:
-            ans = [(qname, 28, 7, ip("fd98::2").packed)]
-        else:
-            self.t.sendto(build_response(qid, qname, qtype, [], rcode=3), addr)
-            return
-        self.t.sendto(build_response(qid, qname, qtype, ans), addr)
+        self.t.sendto(answer_for(data, udp=True), addr)
 
 
-async def test_resolver_against_a_local_server(tmp_path):
-    loop = asyncio.get_running_loop()
-    transport, _ = await loop.create_datagram_endpoint(_Server, local_addr=("127.0.0.1", 0))
-    port = transport.get_extra_info("sockname")[1]
-    conf = tmp_path / "resolv.conf"
-    conf.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+async def _tcp(reader, writer):
     try:
-        ans = await Resolver(str(conf), port=port).resolve("backend.test")
-        assert ans.addresses == (ip("10.98.0.2"), ip("10.98.0.3"), ip("fd98::2"))
-        assert ans.ttl == 7
-        with pytest.raises(DNSError, match="no IPv4 or IPv6 addresses"):
-            await Resolver(str(conf), port=port).resolve("missing.test")
+        n = struct.unpack("!H", await reader.readexactly(2))[0]
+        out = answer_for(await reader.readexactly(n), udp=False)
+        writer.write(struct.pack("!H", len(out)) + out)
+        await writer.drain()
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+async def dns_server(tmp_path):
+    """(port, resolv.conf writer) of a server answering ZONE on 127.0.0.1, UDP and TCP."""
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(_Udp, local_addr=("127.0.0.1", 0))
+    port = transport.get_extra_info("sockname")[1]
+    tcp = await asyncio.start_server(_tcp, "127.0.0.1", port)
+
+    def conf(extra: str = "") -> str:
+        p = tmp_path / "resolv.conf"
+        p.write_text(f"nameserver 127.0.0.1\noptions timeout:1\n{extra}")
+        return str(p)
+    try:
+        yield port, conf
     finally:
         transport.close()
+        tcp.close()
 
+
+async def test_resolver_against_a_local_server(dns_server):
+    port, conf = dns_server
+    ans = await Resolver(conf(), port=port).resolve("backend.test")
+    assert ans.addresses == (ip("10.98.0.2"), ip("10.98.0.3"), ip("fd98::2"))
+    assert ans.ttl == 7      # the smallest TTL of both families
+    ans = await Resolver(conf(), port=port).resolve("v4only.test")
+    assert ans.addresses == (ip("10.98.0.4"),) and ans.ttl == 300
+    with pytest.raises(DNSError, match="no IPv4 or IPv6 addresses found for host: missing.test"):
+        await Resolver(conf(), port=port).resolve("missing.test")
+
+
+async def test_search_domains_and_the_cname_chains_smallest_ttl(dns_server):
+    port, conf = dns_server
+    ans = await Resolver(conf("search a.svc b.local\n"), port=port).resolve("web")
+    assert ans.addresses == (ip("10.98.0.9"),)
+    assert ans.ttl == 30     # the CNAME's TTL is smaller than the address record's
+
+
+async def test_a_truncated_answer_is_fetched_over_tcp(dns_server):
+    port, conf = dns_server
+    ans = await Resolver(conf(), port=port).resolve("big.test")
+    assert len(ans.addresses) == 39 and ans.ttl == 90
+
+
+async def test_an_unreachable_server_is_an_error_not_a_hang(tmp_path):
+    p = tmp_path / "resolv.conf"
+    p.write_text("nameserver 127.0.0.1\noptions timeout:1\n")
+    with pytest.raises(DNSError, match="no answer for backend.test"):
+        async with asyncio.timeout(30):
+            await Resolver(str(p), port=9).resolve("backend.test")    # discard port: nobody answers

@@ -100,9 +100,56 @@ def test_two_services_on_one_match_port_the_second_by_name_is_refused():
     assert len(cfg.services) == 2 and cfg.problems == ()
 
 
-def test_protocol_case_and_duplicate_ports_are_normalised():
-    cfg = ps.parse_egress_services(egress_doc(a=svc(ip_="100.64.0.9", ports=(("tcp", 1, 2), ("TCP", 1, 2)))))
-    assert cfg.services[0].ports == (ps.PortMap("TCP", 1, 2),)
+def test_protocol_is_kept_as_written_and_exact_duplicates_merge():
+    cfg = ps.parse_egress_services(egress_doc(a=svc(ip_="100.64.0.9",
+                                                    ports=(("tcp", 1, 2), ("tcp", 1, 2), ("TCP", 1, 2)))))
+    assert cfg.services[0].ports == (ps.PortMap("tcp", 1, 2), ps.PortMap("TCP", 1, 2))
+    out = ps.compute_services(ps.ServicesInput(egress=cfg), node(DB))
+    # one rule: "tcp" and "TCP" are the same match
+    assert [(p.protocol, p.match_port, p.target_port) for p in out.port_maps] == [("tcp", 1, 2)]
+    assert json.loads(out.egress_status)["services"]["a"]["ports"] == [
+        {"protocol": "tcp", "matchPort": 1, "targetPort": 2}, {"protocol": "TCP", "matchPort": 1, "targetPort": 2}]
+
+
+def test_one_match_port_to_two_target_ports_is_refused():
+    cfg = ps.parse_egress_services(egress_doc(a=svc(ip_="100.64.0.9", ports=(("tcp", 1, 2), ("TCP", 1, 3)))))
+    assert cfg.services == () and "TCP port 1 is mapped twice" in cfg.problems[0][1]
+
+
+def test_status_echoes_the_protocol_exactly_as_configured():
+    """The operator compares the record with what it wrote: "tcp" must stay "tcp", "Udp" stay "Udp"."""
+    out = ps.compute_services(egress_input(a=svc(ip_="100.64.0.9", ports=(("tcp", 10001, 5432),
+                                                                          ("Udp", 10002, 53)))), node(DB))
+    assert json.loads(out.egress_status)["services"]["a"]["ports"] == [
+        {"protocol": "tcp", "matchPort": 10001, "targetPort": 5432},
+        {"protocol": "Udp", "matchPort": 10002, "targetPort": 53}]
+    assert sorted((p.protocol, p.match_port) for p in out.port_maps) == [("tcp", 10001), ("udp", 10002)]
+
+
+def test_a_service_without_ports_is_recorded_with_its_targets_and_follows_them():
+    """Upstream records `"ports": []` with the target's IPs; the operator waits for that record."""
+    inp = egress_input(db=svc(fqdn="db.tailnet.test", ports=()))
+    moved = mk("nDB", "db.tailnet.test.", "100.64.0.19", id_=2)
+    seen = []
+    for n in (node(DB), node(moved), node()):
+        out = ps.compute_services(inp, n, pod_ipv4=ip("10.1.2.3"))
+        assert out.port_maps == ()
+        seen.append(json.loads(out.egress_status)["services"])
+    assert seen[0] == {"db": {"ports": [], "tailnetTargetIPs": ["100.64.0.9", "fd7a:115c:a1e0::9"],
+                              "tailnetTarget": {"ip": "", "fqdn": "db.tailnet.test"}}}
+    assert seen[1]["db"]["tailnetTargetIPs"] == ["100.64.0.19"] and seen[1]["db"]["ports"] == []
+    assert seen[2] is None      # the target is gone: not recorded (a deliberate difference, README)
+    # a missing "ports" field reads like an empty list
+    raw = ps.parse_egress_services(json.dumps({"x": {"tailnetTarget": {"ip": "100.64.0.9"}}}))
+    out = ps.compute_services(ps.ServicesInput(egress=raw), node(DB))
+    assert json.loads(out.egress_status)["services"]["x"]["ports"] == []
+
+
+def test_userspace_services_start_but_get_no_rules_and_no_record():
+    out = ps.compute_services(egress_input(db=svc(ip_="100.64.0.9")), node(DB), no_data_path="no kernel path")
+    assert out.port_maps == () and json.loads(out.egress_status)["services"] is None
+    (r,) = out.results
+    assert not r.installed and r.error == "no kernel path"
 
 
 @pytest.mark.parametrize("text, value", [(None, 0), ("", 0), ("4\n", 4), ("-3", 0)])

@@ -171,3 +171,39 @@ async def test_the_node_snapshot_of_the_last_pass_is_kept():
     await rec.reconcile_once()
     rec.set_node(node("100.64.0.6"))       # the bus moved on; the rules still match the first snapshot
     assert rec.reconciled_node == first
+
+
+async def test_the_conntrack_clean_up_runs_after_the_pass_reported_the_rules(monkeypatch):
+    """The UDP conntrack clean-up (a kernel dump) still runs in the same pass, but after on_converged, so that
+    the Secret and "Startup complete" do not wait for it; two applies before it keep the older rule set."""
+    import netfilter.backend as nb
+
+    events: list = []
+    monkeypatch.setattr(nb, "flush_stale_conntrack", lambda rules, previous: events.append(
+        ("flush", len(rules.dnats), previous is None)) or 0)
+
+    class KernelLike(FakeFirewall):
+        previous = None
+
+        def apply(self, rules):
+            super().apply(rules)
+            nb.conntrack_after_apply(self, rules, self.previous)
+            self.previous = rules
+
+    async def converged(rec, want, node_):
+        events.append(("converged", len(want.rules.dnats)))
+
+    fw = KernelLike()
+    rec = Reconciler(load({"TS_USERSPACE": "false", "TS_DEST_IP": "10.0.0.7"}), fw, on_converged=converged)
+    rec.set_node(node("100.64.0.5"))
+    await rec.reconcile_once()
+    assert events == [("converged", 1), ("flush", 1, True)]
+    # called directly (netfilter.cli, the netns tests), apply() cleans up at once, as before
+    direct = KernelLike()
+    direct.apply(fw.applied[-1])
+    assert events[-1] == ("flush", 1, True)
+    # two applies, one flush: the binding check sees the oldest rule set
+    fw.apply(fw.applied[-1])
+    fw.apply(fw.applied[-1])
+    nb.flush_pending_conntrack(fw)
+    assert events[-1] == ("flush", 1, False) and fw.pending_conntrack is None

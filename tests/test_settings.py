@@ -736,9 +736,6 @@ def rule_cases(confdir: str) -> list[tuple[str, dict, tuple[str, ...], list[str]
          ['TS_EGRESS_PROXIES_CONFIG_PATH="/etc/egress"', "KUBERNETES_SERVICE_HOST is empty", "unset"]),
         ("23b egress without secret", {**K8S, "TS_KUBE_SECRET": "", "TS_EGRESS_PROXIES_CONFIG_PATH": "/etc/egress"},
          ("TS_EGRESS_PROXIES_CONFIG_PATH", "TS_KUBE_SECRET"), ['TS_KUBE_SECRET is ""']),
-        ("23c egress in userspace", {**K8S, "TS_EGRESS_PROXIES_CONFIG_PATH": "/etc/egress"},
-         ("TS_EGRESS_PROXIES_CONFIG_PATH", "TS_USERSPACE"),
-         ['TS_EGRESS_PROXIES_CONFIG_PATH="/etc/egress"', "TS_USERSPACE=false"]),
         ("24 ingress outside kubernetes", {"TS_INGRESS_PROXIES_CONFIG_PATH": "/etc/ingress.json"},
          ("TS_INGRESS_PROXIES_CONFIG_PATH", "KUBERNETES_SERVICE_HOST"),
          ['TS_INGRESS_PROXIES_CONFIG_PATH="/etc/ingress.json"', "run in Kubernetes"]),
@@ -753,6 +750,88 @@ def test_each_rule(confdir):
         assert e.variables == variables, rule
         for fragment in fragments:
             assert fragment in str(e), (rule, fragment, str(e))
+
+
+def test_egress_and_ingress_services_start_in_userspace_as_upstream():
+    for name in ("TS_EGRESS_PROXIES_CONFIG_PATH", "TS_INGRESS_PROXIES_CONFIG_PATH"):
+        s = load({**K8S, name: "/etc/proxies"})
+        assert s.userspace and s.is_l3_proxy
+
+
+# ==============================================================================================================
+# Upstream's words: each message for a condition upstream refuses too contains upstream's sentence for it.
+
+def upstream_word_cases(tmp_path) -> list[tuple[str, dict, str]]:
+    """(condition, env, upstream's words as the reference specification gives them)."""
+    empty = tmp_path / "empty-config-dir"
+    empty.mkdir()
+    bad = tmp_path / "bad-config-dir"
+    bad.mkdir()
+    (bad / "cap-100.hujson").write_text('{"Version": "alpha0", "NoSuchField": 1}')
+    good = tmp_path / "good-config-dir"
+    good.mkdir()
+    (good / "cap-95.hujson").write_text('{"Version": "alpha0"}')
+    pxy = "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS"
+    return [
+        ("pod_ips_too_many", {"POD_IPS": "10.0.0.1,10.0.0.2,10.0.0.3"}, "POD_IPs can contain at most 2 IPs, got 3"),
+        ("pod_ips_bad_ip", {"POD_IPS": "10.0.0.1,nope"}, "error parsing IP address nope"),
+        ("config_file_none", {"TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR": str(empty)},
+         f'no tailscaled config file found in "{empty}" for current capability version 142'),
+        ("config_file_contents", {"TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR": str(bad)},
+         "error validating tailscaled configfile contents"),
+        ("dest_ip_userspace", {"TS_DEST_IP": "10.0.0.1"}, "TS_DEST_IP is not supported with TS_USERSPACE"),
+        ("dest_dns_name_userspace", {"TS_EXPERIMENTAL_DEST_DNS_NAME": "db.svc"},
+         "is not supported with TS_USERSPACE"),
+        ("dest_dns_name_and_dest_ip", {**KERNEL, "TS_EXPERIMENTAL_DEST_DNS_NAME": "db", "TS_DEST_IP": "10.0.0.1"},
+         "TS_EXPERIMENTAL_DEST_DNS_NAME and TS_DEST_IP cannot both be set"),
+        ("tailnet_target_ip_and_fqdn", {**KERNEL, "TS_TAILNET_TARGET_IP": "100.64.0.1",
+                                        "TS_TAILNET_TARGET_FQDN": "db.ts.net"},
+         "Both TS_TAILNET_TARGET_IP and TS_TAILNET_FQDN cannot be set"),
+        ("config_dir_combination", {"TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR": str(good), "TS_HOSTNAME": "h"},
+         "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR cannot be set in combination with TS_HOSTNAME, TS_EXTRA_ARGS, "
+         "TS_AUTHKEY, TS_ROUTES, TS_ACCEPT_DNS, TS_CLIENT_ID, TS_CLIENT_SECRET, TS_ID_TOKEN, TS_AUDIENCE."),
+        ("id_token_without_client_id", {"TS_ID_TOKEN": ID_TOKEN}, "TS_ID_TOKEN is set but TS_CLIENT_ID is not set"),
+        ("audience_without_client_id", {"TS_AUDIENCE": "a"}, "TS_AUDIENCE is set but TS_CLIENT_ID is not set"),
+        ("id_token_and_client_secret", {"TS_CLIENT_ID": "c", "TS_ID_TOKEN": ID_TOKEN,
+                                        "TS_CLIENT_SECRET": CLIENT_SECRET},
+         "TS_ID_TOKEN and TS_CLIENT_SECRET cannot both be set"),
+        ("id_token_and_audience", {"TS_CLIENT_ID": "c", "TS_ID_TOKEN": ID_TOKEN, "TS_AUDIENCE": "a"},
+         "TS_ID_TOKEN and TS_AUDIENCE cannot both be set"),
+        ("audience_and_client_secret", {"TS_CLIENT_ID": "c", "TS_AUDIENCE": "a", "TS_CLIENT_SECRET": CLIENT_SECRET},
+         "TS_AUDIENCE and TS_CLIENT_SECRET cannot both be set"),
+        ("authkey_and_oauth", {"TS_AUTH_KEY": ALIAS_KEY, "TS_CLIENT_ID": "c"},
+         "TS_AUTHKEY cannot be used with TS_CLIENT_ID, TS_CLIENT_SECRET, TS_ID_TOKEN, or TS_AUDIENCE."),
+        ("allow_proxying_without_serve", {**KERNEL, pxy: "true"}, "is set but this is not a cluster ingress proxy"),
+        ("allow_proxying_without_pod_ip", {**KERNEL, pxy: "true", "TS_SERVE_CONFIG": "/s"},
+         "is set but POD_IP is not set"),
+        ("healthcheck_addr_port", {"TS_HEALTHCHECK_ADDR_PORT": "localhost:8080"},
+         "error parsing TS_HEALTHCHECK_ADDR_PORT value"),
+        ("local_addr_port", {"TS_ENABLE_METRICS": "true", "TS_LOCAL_ADDR_PORT": "localhost:9002"},
+         'error parsing TS_LOCAL_ADDR_PORT value "localhost:9002"'),
+        ("healthcheck_and_health_check", {"TS_HEALTHCHECK_ADDR_PORT": "0.0.0.0:8080", "TS_ENABLE_HEALTH_CHECK": "1"},
+         "TS_HEALTHCHECK_ADDR_PORT is deprecated and will be removed in 1.82.0, use TS_ENABLE_HEALTH_CHECK and "
+         "optionally TS_LOCAL_ADDR_PORT"),
+        ("egress_outside_kubernetes", {"TS_EGRESS_PROXIES_CONFIG_PATH": "/e"},
+         "TS_EGRESS_PROXIES_CONFIG_PATH is only supported for Tailscale running on Kubernetes"),
+        ("ingress_outside_kubernetes", {"TS_INGRESS_PROXIES_CONFIG_PATH": "/i"},
+         "TS_INGRESS_PROXIES_CONFIG_PATH is only supported for Tailscale running on Kubernetes"),
+        ("boot_timeout", {"TS_BOOT_TIMEOUT": "90"}, 'error parsing TS_BOOT_TIMEOUT value "90"'),
+    ]
+
+
+def test_each_message_contains_upstreams_words_for_its_condition(tmp_path):
+    from containerboot.settings import UPSTREAM_WORDS
+
+    cases = upstream_word_cases(tmp_path)
+    # every condition with upstream's words in the table is exercised here, and nothing else is claimed
+    assert {c for c, _, _ in cases} == {c for c, w in UPSTREAM_WORDS.items() if w}
+    for condition, env, words in cases:
+        e = error(env)
+        assert words in str(e), (condition, words, str(e))
+        assert e.variables, condition             # our detail: the variables to fix ...
+        assert len(str(e)) > len(words) + 20, condition    # ... and more than upstream's sentence alone
+        table = UPSTREAM_WORDS[condition]
+        assert table.split("{")[0] in words, (condition, table)   # the table holds these very words
 
 
 ORDER_PAIRS = [

@@ -84,3 +84,22 @@ def test_child_env_brackets_an_ipv6_api_server_host():
     env = {"KUBERNETES_SERVICE_HOST": "fd99::1", "KUBERNETES_SERVICE_PORT_HTTPS": "6443"}
     assert child_env(s(), env)["KUBERNETES_SERVICE_HOST"] == "[fd99::1]"
     assert child_env(s(), {"KUBERNETES_SERVICE_HOST": "10.0.0.1"})["KUBERNETES_SERVICE_HOST"] == "10.0.0.1"
+
+
+async def test_a_tailscaled_started_before_the_event_loop_is_supervised_like_any_other(tmp_path):
+    """__main__ starts tailscaled before the agent's imports; the agent adopts it: exit noticed without
+    polling, signals delivered, status reported."""
+    import asyncio
+    import signal
+    import subprocess
+
+    from containerboot.tailscaled import Tailscaled
+
+    popen = subprocess.Popen(["sleep", "30"], process_group=0)
+    t = Tailscaled.adopt(popen, str(tmp_path / "ts.sock"))
+    assert t.alive() and t.pid == popen.pid
+    waiter = asyncio.create_task(t.proc.wait())
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    assert await t.stop(5) == -signal.SIGTERM
+    assert await asyncio.wait_for(waiter, 5) == -signal.SIGTERM and not t.alive()

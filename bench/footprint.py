@@ -1,0 +1,133 @@
+"""Footprint: memory and CPU of this agent against upstream containerboot, measured in the same lab run.
+
+Run as root: `python -m bench.footprint [--runs 5] [--idle-minutes 5] [--firewall nftables|iptables]`.
+
+For each agent (the same L3 ingress configuration as `bench.boot`: `TS_DEST_IP` pointing at the lab's
+backend, kernel networking, a fresh node each start):
+
+* boot: `--runs` interleaved starts (after one uncounted warm-up each); per start, the time from process start
+  to "Startup complete", the agent process's resident memory (VmRSS) at that moment and the CPU seconds it used
+  until then (user + system of the agent process itself; tailscaled and the `tailscale up` CLI are the same
+  binaries for both agents and are not counted);
+* idle: one more start per agent, left alone for `--idle-minutes`: RSS at the end and CPU seconds per idle
+  minute (from 5 s after start-up to the end).
+
+Prints both agents side by side with the ratios, and the issue's goals as MET / NOT MET. No asserts: figures
+are for people to read.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from labtools.lab import AgentProcess, Lab, ensure_binaries
+
+MARK = "Startup complete, waiting for shutdown signal"
+TICK = os.sysconf("SC_CLK_TCK")
+SETTLE = 5.0    # seconds after start-up before the idle window starts
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of the process itself (children not included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK   # utime, stime (fields 14 and 15 of stat)
+
+
+def start(lab: Lab, cmd: list[str] | None, env: dict[str, str], marker: str) -> tuple[AgentProcess, dict]:
+    """Start one agent, wait for start-up; returns it (still running) and its boot sample."""
+    agent = lab.start_agent(env, cmd)
+    deadline = time.monotonic() + 120
+    while MARK not in agent.log_text():
+        if not agent.running():
+            raise RuntimeError(f"agent exited early:\n{agent.log_text()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("no start-up within 120 s")
+        time.sleep(0.01)
+    sample = {"boot_s": time.monotonic() - agent.started, "rss_mb": rss_mb(agent.pid), "cpu_s": cpu_s(agent.pid)}
+    proxy_v4, _ = agent.tailnet_ips()
+    lab.wait_curl("client", lab.url(proxy_v4, 8080, "/?footprint"), marker, timeout=30)
+    return agent, sample
+
+
+def stop(lab: Lab, agent: AgentProcess) -> None:
+    problems = lab.reset_proxy([agent], [agent.hostname])
+    if problems:
+        print("teardown:", "; ".join(problems), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=5, help="boots per agent (median reported)")
+    p.add_argument("--idle-minutes", type=float, default=5.0, help="idle window per agent")
+    p.add_argument("--firewall", default="nftables", choices=("nftables", "iptables"))
+    args = p.parse_args(argv)
+    bin_dir = ensure_binaries()
+    agents = {"python": None, "upstream": [str(bin_dir / "containerboot")]}
+    boots: dict[str, list[dict]] = {k: [] for k in agents}
+    idle: dict[str, dict] = {}
+    with Lab.create(bin_dir=bin_dir) as lab:
+        srv = lab.start_http_server("backend", None, 8080, f"footprint-{lab.prefix}")
+        env = {"TS_DEST_IP": lab.backend_ipv4, "TS_DEBUG_FIREWALL_MODE": args.firewall}
+        for cmd in agents.values():   # warm-up, not counted: page cache, first Python byte-compilation
+            stop(lab, start(lab, cmd, env, srv.marker)[0])
+        for i in range(args.runs):
+            for name, cmd in agents.items():   # interleaved, so drift affects both alike
+                agent, sample = start(lab, cmd, env, srv.marker)
+                stop(lab, agent)
+                boots[name].append(sample)
+                print(f"boot {i + 1}: {name:8s} {sample['boot_s']:6.2f} s  RSS {sample['rss_mb']:5.1f} MB  "
+                      f"CPU {sample['cpu_s']:5.2f} s", flush=True)
+        for name, cmd in agents.items():
+            agent, _ = start(lab, cmd, env, srv.marker)
+            time.sleep(SETTLE)
+            rss0, cpu0, t0 = rss_mb(agent.pid), cpu_s(agent.pid), time.monotonic()
+            time.sleep(args.idle_minutes * 60)
+            minutes = (time.monotonic() - t0) / 60
+            idle[name] = {"rss0": rss0, "rss_mb": rss_mb(agent.pid),
+                          "cpu_per_min": (cpu_s(agent.pid) - cpu0) / minutes}
+            print(f"idle: {name:8s} RSS {rss0:5.1f} -> {idle[name]['rss_mb']:5.1f} MB over {minutes:.1f} min, "
+                  f"CPU {idle[name]['cpu_per_min']:.3f} s/min", flush=True)
+            stop(lab, agent)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(s[key] for s in boots[name])
+
+    rows = [
+        ("RSS after start-up (MB, median)", med("python", "rss_mb"), med("upstream", "rss_mb")),
+        (f"RSS after {args.idle_minutes:g} min idle (MB)", idle["python"]["rss_mb"], idle["upstream"]["rss_mb"]),
+        ("CPU during boot (s, median)", med("python", "cpu_s"), med("upstream", "cpu_s")),
+        ("CPU per idle minute (s)", idle["python"]["cpu_per_min"], idle["upstream"]["cpu_per_min"]),
+        (f"boot to 'Startup complete' (s, median of {args.runs})", med("python", "boot_s"),
+         med("upstream", "boot_s")),
+    ]
+    print(f"\nfootprint ({args.firewall}, L3 ingress):")
+    print(f"  {'':48s} {'python':>9s} {'upstream':>9s} {'ratio':>7s}")
+    for label, py, up in rows:
+        ratio = f"{py / up:7.2f}" if up > 0 else "      -"
+        print(f"  {label:48s} {py:9.3f} {up:9.3f} {ratio}")
+    rss = max(med("python", "rss_mb"), idle["python"]["rss_mb"])
+    idle_extra_per_hour = (idle["python"]["cpu_per_min"] - idle["upstream"]["cpu_per_min"]) * 60
+    boot_ratio = med("python", "boot_s") / med("upstream", "boot_s")
+    print("\ngoals (measured, not asserted):")
+    print(f"  RSS <= 35 MB:                         {rss:6.1f} MB   {'MET' if rss <= 35 else 'NOT MET'}")
+    print(f"  idle CPU <= upstream + 1 s per hour:  {idle_extra_per_hour:+6.2f} s/h  "
+          f"{'MET' if idle_extra_per_hour <= 1 else 'NOT MET'}")
+    print(f"  boot ratio <= 1.00:                   {boot_ratio:6.3f}      {'MET' if boot_ratio <= 1 else 'NOT MET'}"
+          " (boot times are read every 10 ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

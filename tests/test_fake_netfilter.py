@@ -1,0 +1,147 @@
+"""The test hook TS_TEST_FAKE_NETFILTER: an L3 proxy whose rules live in an in-memory firewall.
+
+A harness built like upstream's runs the agent with fake binaries on PATH on a developer's machine or in CI.
+With the hook set, no firewall tool may run and no netlink library may even be loaded: here every firewall
+tool on PATH is a recording fake, and `pyroute2` / `nftables` are shadowed by modules that record their
+import. The rules must still be visible, in `containerboot rules` and in `/status`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from tests.test_agent_boot import _free_port, _get
+
+FIREWALL_TOOLS = [
+    f"{base}{flavour}{tool}"
+    for base in ("iptables", "ip6tables")
+    for flavour in ("", "-legacy", "-nft")
+    for tool in ("", "-save", "-restore")
+] + ["nft", "conntrack", "modprobe", "ip", "ethtool", "sysctl", "xtables-legacy-multi", "xtables-nft-multi"]
+
+
+def recording_path(tmp_path: Path) -> tuple[str, str, Path]:
+    """(PATH prefix of recording fakes, PYTHONPATH prefix of recording netlink modules, the record file)."""
+    record = tmp_path / "firewall-calls.log"
+    bin_dir = tmp_path / "fwbin"
+    bin_dir.mkdir()
+    for tool in FIREWALL_TOOLS:
+        p = bin_dir / tool
+        # As upstream's test_tailscale.sh: record "$0 $@" and succeed.
+        p.write_text(f'#!/bin/sh\necho "$0 $*" >> {record}\nexit 0\n')
+        p.chmod(0o755)
+    mods = tmp_path / "netlink-stubs"
+    (mods / "pyroute2").mkdir(parents=True)
+    stub = textwrap.dedent(f"""\
+        with open({str(record)!r}, "a") as _f:
+            _f.write("import " + __name__ + "\\n")
+        raise ImportError(__name__ + " is blocked by the fake-netfilter test")
+        """)
+    (mods / "pyroute2" / "__init__.py").write_text(stub)
+    (mods / "nftables.py").write_text(stub)
+    return str(bin_dir), str(mods), record
+
+
+def kernel_root(tmp_path: Path) -> Path:
+    """A TS_TEST_ONLY_ROOT like upstream's harness builds: a regular file as the tun device, sysctls at 0."""
+    root = tmp_path / "root"
+    (root / "dev/net").mkdir(parents=True)
+    (root / "dev/net/tun").write_text("")
+    for rel in ("proc/sys/net/ipv4/ip_forward", "proc/sys/net/ipv6/conf/all/forwarding"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("0\n")
+    return root
+
+
+def hooked_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    from tests.conftest import FAKE_BIN, HERE
+    bin_dir, mods, _ = recording_path(tmp_path)
+    return {"PATH": f"{bin_dir}:{FAKE_BIN}:{os.environ['PATH']}", "PYTHONPATH": f"{mods}:{HERE.parent}",
+            "TS_TEST_ONLY_ROOT": str(kernel_root(tmp_path)), "TS_TEST_FAKE_NETFILTER": "true",
+            "TS_USERSPACE": "false", "FAKE_TS_INITIAL": "Running", **extra}
+
+
+def test_l3_proxy_with_the_hook_runs_no_firewall_tool_and_shows_its_rules(run_agent, tmp_path):
+    port = _free_port()
+    env = hooked_env(tmp_path, TS_DEST_IP="10.0.0.7,fd00::7", TS_ENABLE_METRICS="true",
+                     TS_LOCAL_ADDR_PORT=f"127.0.0.1:{port}")
+    a = run_agent(**env)
+    a.wait_for("Startup complete")
+    # /status: the in-memory firewall and what it holds
+    code, body = _get(f"http://127.0.0.1:{port}/status")
+    assert code == 200, body
+    fw = json.loads(body)["firewall"]
+    assert fw["backend"].startswith("fake") and fw["ipv6"] is True
+    assert {(d["original_dst"], tuple(d["targets"])) for d in fw["rules"]["dnats"]} == {
+        ("100.64.0.5", ("10.0.0.7",)), ("fd7a:115c:a1e0::5", ("fd00::7",))}
+    # `containerboot rules`, another process with the same hook: the same rules, as installed
+    rules = subprocess.run([sys.executable, "-m", "containerboot", "rules"],
+                           env={**os.environ, **env, "TS_SOCKET": str(tmp_path / "tailscaled.sock")},
+                           capture_output=True, text=True, timeout=60)
+    assert rules.returncode == 0, rules.stderr
+    installed = rules.stdout.split("# installed:")[1]
+    assert "--to-destination 10.0.0.7" in installed and "--to-destination fd00::7" in installed
+    # forwarding was turned on in the test root, as upstream's harness expects
+    assert (tmp_path / "root/proc/sys/net/ipv4/ip_forward").read_text().strip() == "1"
+    assert a.stop() == 0
+    record = tmp_path / "firewall-calls.log"
+    calls = record.read_text() if record.exists() else ""
+    assert calls == "", f"the hook touched the firewall:\n{calls}"
+    assert "Removed the agent's firewall rules" in a.log()
+
+
+def test_the_hook_without_ipv6_leaves_ipv6_rules_out_and_says_why(run_agent, tmp_path):
+    port = _free_port()
+    a = run_agent(**hooked_env(tmp_path, TS_TEST_FAKE_NETFILTER_6="false", TS_DEST_IP="10.0.0.7,fd00::7",
+                               TS_ENABLE_METRICS="true", TS_LOCAL_ADDR_PORT=f"127.0.0.1:{port}"))
+    a.wait_for("Startup complete")
+    st = json.loads(_get(f"http://127.0.0.1:{port}/status")[1])
+    assert st["firewall"]["ipv6"] is False
+    assert [d["original_dst"] for d in st["firewall"]["rules"]["dnats"]] == ["100.64.0.5"]
+    (target,) = st["targets"]
+    assert "IPv6 NAT is not available" in target["last_error"]
+    assert a.stop() == 0
+    assert not (tmp_path / "firewall-calls.log").exists()
+
+
+def test_egress_services_in_userspace_start_and_record_with_the_hook(run_agent, tmp_path, kube_api):
+    """Upstream's harness runs its egress-services case in userspace mode with the fake firewall: the agent
+    starts and records the service (without the hook, userspace gets no rules; see test_proxyservices)."""
+    from tests.test_agent_kube import data, kube_env
+    cfg = tmp_path / "egress"
+    cfg.mkdir()
+    (cfg / "egress-services").write_text(json.dumps({"svc": {
+        "tailnetTarget": {"ip": "100.64.0.9", "fqdn": ""},
+        "ports": [{"protocol": "tcp", "matchPort": 10001, "targetPort": 5432}]}}))
+    env = hooked_env(tmp_path)
+    env.update(kube_env(kube_api, TS_AUTHKEY="tskey-auth-X", TS_EGRESS_PROXIES_CONFIG_PATH=str(cfg),
+                        POD_IPS="10.1.2.3", TS_LOCAL_ADDR_PORT=f"127.0.0.1:{_free_port()}"))
+    env["TS_USERSPACE"] = "true"
+    env["TS_TEST_ONLY_ROOT"] = kube_api.root
+    a = run_agent(**env)
+    a.wait_for("Startup complete")
+    end = time.monotonic() + 20
+    while "egress-services" not in data(kube_api) and time.monotonic() < end:
+        time.sleep(0.1)
+    status = json.loads(data(kube_api)["egress-services"])
+    assert status["services"]["svc"] == {"ports": [{"protocol": "tcp", "matchPort": 10001, "targetPort": 5432}],
+                                         "tailnetTargetIPs": ["100.64.0.9"],
+                                         "tailnetTarget": {"ip": "100.64.0.9", "fqdn": ""}}
+    assert a.stop() == 0
+    assert not (tmp_path / "firewall-calls.log").exists()
+
+
+def test_every_backend_tells_the_agent_which_families_it_translates():
+    """The reconciler leaves out rules of a family the firewall lacks (and the target says why) only if the
+    backend says which families it has; an iptables backend without IPv6 NAT used to fail the whole apply."""
+    from netfilter.fake import FakeBackend
+    from netfilter.iptables import IptablesBackend
+
+    assert IptablesBackend(ipv6=False, variant="").families == (4,)
+    assert IptablesBackend(ipv6=True, variant="").families == (4, 6)
+    assert FakeBackend(ipv6=False).families == (4,)
