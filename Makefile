@@ -3,13 +3,19 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin demo test test-unit test-netns bench clean-lab readme
+.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme
 
 setup:
 	@bash scripts/setup.sh
 
 setup-bin:
 	@bash scripts/setup.sh --binaries
+
+## image: the proxy image localhost/containerboot-py:latest from the Dockerfile, offline, plus its OCI archive
+## (path: bash images/build.sh --print-archive). Cached: nothing changed, nothing rebuilt. See images/README.md.
+image: setup-bin
+	@bash scripts/setup.sh --image
+	@bash images/build.sh
 
 ## demo: a local tailnet in network namespaces with the agent exposing a backend (root).
 demo: setup-bin

@@ -5,13 +5,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { echo "[setup] $*" >&2; }
 
-want_binaries=0
-[ "${1:-}" = "--binaries" ] && want_binaries=1
+want_binaries=0 want_image=0
+for a in "$@"; do
+  case "$a" in
+    --binaries) want_binaries=1 ;;
+    --image) want_image=1 ;;  # podman, runc and mmdebstrap for images/build.sh (make image)
+  esac
+done
 
 # 1. Debian packages the agent and the lab use.
 pkgs=(iproute2 nftables iptables libnftables1 curl dnsmasq-base openssl python3-venv procps)
 # the real Kubernetes node of the lab (labtools/kubecluster.py): container runtime, OCI runtime, CNI plugins
 pkgs+=(containerd runc containernetworking-plugins)
+[ $want_image = 1 ] && pkgs+=(podman runc mmdebstrap bc)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

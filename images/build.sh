@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Builds an image of this repository offline (no registry) into local podman storage, and exports it as an
+# OCI archive that containerd can import. `make image` runs it for the proxy image.
+#
+#   bash images/build.sh                       # the proxy image: Dockerfile -> localhost/containerboot-py:latest
+#   bash images/build.sh --dockerfile images/controller/Dockerfile --name localhost/containerboot-py-controller:latest
+#   bash images/build.sh --print-archive       # the archive's path (for `ctr -n k8s.io images import`)
+#   bash images/build.sh --print-name          # the image name
+#
+# The Dockerfile is built unchanged, as Docker would build it elsewhere; only its ARGs differ: BASE is a local
+# Debian base made by images/base.sh and TAILSCALE_IMAGE a local image of the Go-built binaries
+# (images/tailscale.sh). The host's CA bundle is passed as the optional `ca` build secret (a TLS-intercepting
+# proxy between the build and PyPI needs it; it never enters a layer).
+#
+# Cached at every level: the base and the tailscale image are tagged with their recipe's hash and reused;
+# podman's layer cache skips unchanged steps; the archive is re-exported only when the image ID changes.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/.." && pwd)
+. "$here/common.sh"
+
+NAME=localhost/containerboot-py:latest
+DOCKERFILE=$repo/Dockerfile
+CONTEXT=$repo
+print=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --name) NAME=$2; shift 2 ;;
+    --dockerfile) DOCKERFILE=$2; shift 2 ;;
+    --context) CONTEXT=$2; shift 2 ;;
+    --print-archive) print=archive; shift ;;
+    --print-name) print=name; shift ;;
+    *) log "unknown argument $1 (see the header of $0)"; exit 2 ;;
+  esac
+done
+ARCHIVE=$(archive_path "$NAME")
+case "$print" in
+  archive) echo "$ARCHIVE"; exit 0 ;;
+  name) echo "$NAME"; exit 0 ;;
+esac
+command -v podman >/dev/null || { log "podman is missing: run scripts/setup.sh --image"; exit 1; }
+
+start=$(date +%s.%N)
+base=$(bash "$here/base.sh")
+tsimg=$(bash "$here/tailscale.sh")
+version=$(python3 -c 'import tomllib,sys; print(tomllib.load(open(sys.argv[1],"rb"))["project"]["version"])' "$repo/pyproject.toml")
+ts_version=$(echo "$tsimg" | sed -n 's/.*:v\([0-9.]*\)-.*/\1/p')
+secret=()
+for ca in "${SSL_CERT_FILE:-}" /etc/ssl/certs/ca-certificates.crt; do
+  if [ -n "$ca" ] && [ -s "$ca" ]; then secret=(--secret "id=ca,src=$ca"); break; fi
+done
+old=$(podman image inspect --format '{{.Id}}' "$NAME" 2>/dev/null || true)
+log "building $NAME from $DOCKERFILE (BASE=$base, TAILSCALE_IMAGE=$tsimg, runtime $(oci_runtime))"
+pod build --layers --pull=never -q -f "$DOCKERFILE" -t "$NAME" \
+  --build-arg "BASE=$base" --build-arg "TAILSCALE_IMAGE=$tsimg" \
+  --build-arg "VERSION=$version" --build-arg "TAILSCALE_VERSION=${ts_version:-unknown}" \
+  "${secret[@]}" "$CONTEXT" >/dev/null
+id=$(podman image inspect --format '{{.Id}}' "$NAME")
+# The image this one replaces is now untagged; remove it (only it: other dangling images are not ours).
+if [ -n "$old" ] && [ "$old" != "$id" ]; then podman rmi "$old" >/dev/null 2>&1 || true; fi
+
+mkdir -p "$IMAGES_CACHE"
+if [ ! -s "$ARCHIVE" ] || [ "$(cat "$ARCHIVE.id" 2>/dev/null)" != "$id" ]; then
+  rm -f "$ARCHIVE.id"
+  podman save -q --format oci-archive -o "$ARCHIVE.tmp" "$NAME" >/dev/null
+  mv -f "$ARCHIVE.tmp" "$ARCHIVE"
+  echo "$id" > "$ARCHIVE.id"
+  log "exported $ARCHIVE"
+fi
+size=$(podman image inspect --format '{{.Size}}' "$NAME")
+asize=$(stat -c %s "$ARCHIVE")
+printf '%s %s: %d MB (%.1f MiB) uncompressed; archive %s %.1f MiB; %.1fs\n' "$NAME" "${id:0:12}" \
+  $(( size / 1000000 )) "$(echo "$size / 1048576" | bc -l)" "$ARCHIVE" "$(echo "$asize / 1048576" | bc -l)" \
+  "$(echo "$(date +%s.%N) - $start" | bc -l)"
