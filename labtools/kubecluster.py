@@ -400,8 +400,6 @@ def _wait(pred, timeout: float, what: str, interval: float = 0.2, procs: Sequenc
             v = pred()
             if v:
                 return v
-        except ClusterError:
-            raise
         except Exception as e:  # noqa: BLE001 - "not yet" looks like anything
             last = e
         if time.monotonic() > deadline:

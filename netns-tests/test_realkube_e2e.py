@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from labtools import kubecluster, kubemanifests
+from labtools.lab import wait_until
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -111,7 +112,9 @@ def test_node_ready_and_a_clusterip_through_kube_proxy(lab, cluster):
     cip = svc["spec"]["clusterIP"]
     pod = json.loads(kc.kubectl("-n", ns, "get", "pods", "-l", "app=echo", "-o", "json").stdout)["items"][0]
     assert pod["status"]["podIP"].startswith(kc.pod_cidr.rsplit(".", 2)[0])
-    out = kc.run(["curl", "-sS", "-m", "5", f"http://{cip}:8080/via-clusterip"]).stdout
+    # kube-proxy programs the Service once it sees the ready endpoint (its sync is rate-limited to 1/s)
+    out = wait_until(lambda: kc.run(["curl", "-sS", "-m", "5", f"http://{cip}:8080/via-clusterip"]).stdout, 30, 0.5,
+                     "the ClusterIP answering from the node")
     assert out.startswith("echo-ok\n") and f"host={pod['metadata']['name']}" in out
     # from the island: the proxy namespace routes the service range through the node, as a Pod would not
     # need to; kube-proxy DNATs it to the Pod
