@@ -207,9 +207,12 @@ def test_role_without_patch_gives_the_message_users_see(lab, kube):
     assert f'authkey found in Secret "{name}-0"' in text
     assert "resourceNames" in text or "patch" in text
     assert lab.authkey not in text
-    p = kc.get("pod", f"{name}-0", ns)
-    st = p["status"]["containerStatuses"][0]
-    assert st["restartCount"] >= 1 or (st.get("state", {}).get("terminated") or {}).get("exitCode") == 1, st
+
+    def exit_code() -> int | None:     # the container's exit, as the kubelet recorded it
+        st = kc.get("pod", f"{name}-0", ns)["status"]["containerStatuses"][0]
+        term = (st.get("state") or {}).get("terminated") or (st.get("lastState") or {}).get("terminated") or {}
+        return term.get("exitCode")
+    assert wait_until(exit_code, 60, 1, "the agent container's exit") == 1
     kc.kubectl("-n", ns, "delete", "statefulset", name, "--wait=true", timeout=90)
 
 
