@@ -230,7 +230,15 @@ def apiserver_argv(cfg: ClusterConfig) -> list[str]:
             f"--service-cluster-ip-range={cfg.service_cidr}", "--allow-privileged=true",
             f"--kubelet-client-certificate={p / 'apiserver-kubelet-client.crt'}",
             f"--kubelet-client-key={p / 'apiserver-kubelet-client.key'}",
-            "--kubelet-preferred-address-types=InternalIP", "--profiling=false", "--v=1"]
+            "--kubelet-preferred-address-types=InternalIP", "--profiling=false", "--v=1",
+            # every request on Secrets, with its response code, for the tests (KubeCluster.audit)
+            f"--audit-policy-file={p / 'audit-policy.json'}", f"--audit-log-path={cfg.run_dir / 'logs' / 'audit.jsonl'}",
+            "--audit-log-mode=blocking"]
+
+
+AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+                "rules": [{"level": "Metadata", "resources": [{"group": "", "resources": ["secrets"]}]},
+                          {"level": "None"}]}
 
 
 def controller_manager_argv(cfg: ClusterConfig) -> list[str]:
@@ -605,6 +613,7 @@ class KubeCluster:
                           "-out", str(p / f"{spec.name}.crt"), "-days", "30", "-subj", subj,
                           "-CA", str(p / "ca.crt"), "-CAkey", str(p / "ca.key"))
         self._openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(p / "sa.key"))
+        (p / "audit-policy.json").write_text(json.dumps(AUDIT_POLICY))
         (p / "tokens.csv").write_text(f'{cfg.token},lab-admin,lab-admin,"system:masters"\n')
         for f in p.iterdir():
             f.chmod(0o600)
@@ -759,6 +768,25 @@ class KubeCluster:
         except ClusterError as e:
             desc = self.kubectl("describe", "pod", name, "-n", namespace, check=False)
             raise ClusterError(f"{e}\n{desc.stdout[-3000:]}{desc.stderr[-500:]}") from None
+
+    def audit(self, *, user: str | None = None, name: str | None = None) -> list[dict]:
+        """The API server's audit events on Secrets (``verb``, ``objectRef``, ``responseStatus.code``, ``user``)."""
+        out = []
+        try:
+            lines = (self.cfg.run_dir / "logs" / "audit.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        for ln in lines:
+            try:
+                ev = json.loads(ln)
+            except json.JSONDecodeError:
+                continue
+            if user and ev.get("user", {}).get("username") != user:
+                continue
+            if name and (ev.get("objectRef") or {}).get("name") != name:
+                continue
+            out.append(ev)
+        return out
 
     def rss_mb(self) -> dict[str, float]:
         """Resident memory of each component (MiB), read from /proc."""

@@ -241,3 +241,51 @@ def test_config_secret_reloaded_on_data_swap(lab, kube):
     assert p["status"]["containerStatuses"][0]["restartCount"] == 0
     kc.kubectl("-n", ns, "delete", "statefulset", name, "--wait=true", timeout=90)
     lab.delete_node(hostname)
+
+
+def test_conflicting_secret_writes_409(lab, kube):
+    """Another writer keeps changing the state Secret while the proxy boots, with a Role without ``patch``
+    (tailscaled's kube store then writes with GET + PUT and a resourceVersion): the API server answers some of
+    those writes 409 Conflict (seen in its audit log), and the proxy still comes up with its state in the
+    Secret and proxies."""
+    import threading
+    kc, ns, name = kube, "tsconflict", "cx"
+    hostname = f"{name}-{kc.firewall[:3]}"
+    lab.delete_node(hostname)
+    stop = threading.Event()
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            kc.request("PATCH", f"/api/v1/namespaces/{ns}/secrets/{name}-0",
+                       {"metadata": {"annotations": {"lab/other-writer": str(i)}}},
+                       content_type="application/strategic-merge-patch+json")
+    kc.apply([kubemanifests.namespace(ns), kubemanifests.secret(ns, f"{name}-0")])
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    try:
+        _deploy_proxy(lab, kc, ns, name, verbs=("get", "update"))
+        kc.wait_pod_ready(ns, f"{name}-0", 120)
+
+        def conflicts() -> list[dict]:
+            return [e for e in kc.audit(user=f"system:serviceaccount:{ns}:{name}", name=f"{name}-0")
+                    if e.get("verb") == "update" and e.get("responseStatus", {}).get("code") == 409]
+        wait_until(lambda: conflicts() or None, 90, 1, "a 409 Conflict on the proxy's Secret write")
+    finally:
+        stop.set()
+        t.join(30)
+    updates = [e for e in kc.audit(user=f"system:serviceaccount:{ns}:{name}", name=f"{name}-0")
+               if e.get("verb") == "update" and e.get("responseStatus", {}).get("code") == 200]
+    assert updates, "no successful write after the conflicts"
+
+    def state() -> dict | None:
+        d = _secret(kc, ns, f"{name}-0") or {}
+        return d if all(d.get(k) for k in ("_machinekey", "_profiles", "_current-profile")) else None
+    wait_until(state, 60, 1, "tailscaled's state in the Secret")
+    ip = wait_until(lambda: next((next(i for i in n["ip_addresses"] if ":" not in i) for n in lab.hs_nodes()
+                                  if n.get("name") == hostname and n.get("online")), None), 60, 1, "the proxy online")
+    lab.wait_peer("client", hostname, 60)
+    assert kc.marker in _curl(lab, ip, kc.marker, "after-conflicts", 60)
+    kc.kubectl("-n", ns, "delete", "statefulset", name, "--wait=true", timeout=90)
+    lab.delete_node(hostname)
