@@ -550,6 +550,10 @@ class KubeCluster:
         """Run a command in the cluster's network namespace (``in_node``: also in the node's mount namespace)."""
         return _run(self._wrap(argv, self._env(), in_node=in_node), timeout=timeout, check=check, input=input)
 
+    def popen(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
+        """Start a background command in the cluster's network namespace (the caller stops it)."""
+        return subprocess.Popen(self._wrap(argv, {**self._env(), **kw.pop("env", {})}, in_node=False), **kw)
+
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
                 timeout: float = 60.0) -> subprocess.CompletedProcess:
         """kubectl as the admin, in the cluster's network namespace."""

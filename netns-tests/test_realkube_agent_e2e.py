@@ -243,49 +243,68 @@ def test_config_secret_reloaded_on_data_swap(lab, kube):
     lab.delete_node(hostname)
 
 
-def test_conflicting_secret_writes_409(lab, kube):
-    """Another writer keeps changing the state Secret while the proxy boots, with a Role without ``patch``
-    (tailscaled's kube store then writes with GET + PUT and a resourceVersion): the API server answers some of
-    those writes 409 Conflict (seen in its audit log), and the proxy still comes up with its state in the
-    Secret and proxies."""
-    import threading
-    kc, ns, name = kube, "tsconflict", "cx"
+WRITER = r"""
+import http.client, json, ssl, sys, time
+host, port, token, ca, path, seconds = sys.argv[1:7]
+ctx = ssl.create_default_context(cafile=ca)
+conn = http.client.HTTPSConnection(host, int(port), context=ctx, timeout=10)
+n, codes, end = 0, {}, time.monotonic() + float(seconds)
+while time.monotonic() < end:
+    n += 1
+    body = json.dumps({"metadata": {"annotations": {"lab/other-writer": str(n)}},
+                       "stringData": {"operator-key": str(n)}})
+    conn.request("PATCH", path, body, {"Authorization": "Bearer " + token,
+                                       "Content-Type": "application/strategic-merge-patch+json"})
+    r = conn.getresponse(); r.read()
+    codes[r.status] = codes.get(r.status, 0) + 1
+    time.sleep(0.005)
+print(json.dumps({"writes": n, "codes": codes}))
+"""
+
+
+def test_concurrent_writer_no_conflict_nothing_lost(lab, kube):
+    """Another writer (as an operator would) patches the state Secret about 100 times a second while the proxy
+    boots, logs in and writes its keys. A real API server answers 409 Conflict to a write based on a stale
+    resourceVersion (test_realkube_e2e checks that); the agent's and tailscaled's writes carry none
+    (strategic-merge and JSON patches), so none of them conflicts, none is retried, and no key of either
+    writer is lost. The audit log is the API server's own record of every request and its status."""
+    import sys
+    kc, ns, name = kube, "tsconcur", "cc"
     hostname = f"{name}-{kc.firewall[:3]}"
     lab.delete_node(hostname)
-    stop = threading.Event()
-
-    def writer() -> None:
-        i = 0
-        while not stop.is_set():
-            i += 1
-            kc.request("PATCH", f"/api/v1/namespaces/{ns}/secrets/{name}-0",
-                       {"metadata": {"annotations": {"lab/other-writer": str(i)}}},
-                       content_type="application/strategic-merge-patch+json")
     kc.apply([kubemanifests.namespace(ns), kubemanifests.secret(ns, f"{name}-0")])
-    t = threading.Thread(target=writer, daemon=True)
-    t.start()
+    host, port = kc.cfg.api_host, str(kc.cfg.api_port)
+    w = kc.popen([sys.executable, "-c", WRITER, host, port, kc.token, str(kc.ca_cert),
+                  f"/api/v1/namespaces/{ns}/secrets/{name}-0", "40"], stdout=subprocess.PIPE, text=True)
     try:
-        _deploy_proxy(lab, kc, ns, name, verbs=("get", "update"))
+        _deploy_proxy(lab, kc, ns, name)
         kc.wait_pod_ready(ns, f"{name}-0", 120)
-
-        def conflicts() -> list[dict]:
-            return [e for e in kc.audit(user=f"system:serviceaccount:{ns}:{name}", name=f"{name}-0")
-                    if e.get("verb") == "update" and e.get("responseStatus", {}).get("code") == 409]
-        wait_until(lambda: conflicts() or None, 90, 1, "a 409 Conflict on the proxy's Secret write")
+        data = _wait_device(kc, ns, f"{name}-0")
+        out, _ = w.communicate(timeout=90)
     finally:
-        stop.set()
-        t.join(30)
-    updates = [e for e in kc.audit(user=f"system:serviceaccount:{ns}:{name}", name=f"{name}-0")
-               if e.get("verb") == "update" and e.get("responseStatus", {}).get("code") == 200]
-    assert updates, "no successful write after the conflicts"
-
-    def state() -> dict | None:
-        d = _secret(kc, ns, f"{name}-0") or {}
-        return d if all(d.get(k) for k in ("_machinekey", "_profiles", "_current-profile")) else None
-    wait_until(state, 60, 1, "tailscaled's state in the Secret")
-    ip = wait_until(lambda: next((next(i for i in n["ip_addresses"] if ":" not in i) for n in lab.hs_nodes()
-                                  if n.get("name") == hostname and n.get("online")), None), 60, 1, "the proxy online")
+        if w.poll() is None:
+            w.kill()
+            w.wait()
+    stats = json.loads(out)
+    assert stats["codes"] == {"200": stats["writes"]}, stats
+    assert stats["writes"] > 200, stats
+    proxy_writes = [e for e in kc.audit(user=f"system:serviceaccount:{ns}:{name}", name=f"{name}-0")
+                    if e.get("verb") in ("patch", "update", "create")]
+    assert proxy_writes, "the proxy wrote nothing?"
+    other = [(e["verb"], e.get("userAgent"), e["responseStatus"].get("code")) for e in proxy_writes
+             if e["responseStatus"].get("code") != 200]
+    print(f"proxy writes: {len(proxy_writes)}; not 200: {other}")
+    # the one expected non-200: TS_AUTH_ONCE's JSON-patch removal of an `authkey` key that is not there (the
+    # key came from TS_AUTHKEY), which the API server answers 422 and the agent counts as done
+    assert all(code == 422 and verb == "patch" for verb, _, code in other), other
+    assert len(other) <= 1, other
+    assert "Deleting authkey from Kubernetes Secret" in _logs(kc, ns, f"{name}-0") or not other
+    final = _secret(kc, ns, f"{name}-0")
+    for k in ("_machinekey", "_profiles", "_current-profile", "device_id", "device_ips", "pod_uid"):
+        assert final.get(k), f"{k} lost; keys {sorted(final)}"
+    assert final["operator-key"] == str(stats["writes"]).encode()
+    v4 = next(i for i in json.loads(data["device_ips"]) if ":" not in i)
     lab.wait_peer("client", hostname, 60)
-    assert kc.marker in _curl(lab, ip, kc.marker, "after-conflicts", 60)
+    assert kc.marker in _curl(lab, v4, kc.marker, "after-concurrent-writes", 60)
     kc.kubectl("-n", ns, "delete", "statefulset", name, "--wait=true", timeout=90)
     lab.delete_node(hostname)
