@@ -1,7 +1,8 @@
 """The agent as a real Pod: a StatefulSet in the lab's real Kubernetes (labtools.kubecluster, one node in the
 island), from the proxy image (``make image``, images/build.sh), privileged as upstream's operator runs proxies.
 
-Per firewall backend of the agent (iptables, nftables), one cluster per module:
+Per firewall backend of the agent (iptables, nftables; the node's kube-proxy runs in the same mode), one
+cluster each:
 1. state in the real Secret through real RBAC (SA token projected by the kubelet, SSARs answered by the real
    authorizer), tailscaled's kube store keys + the agent's device keys; a tailnet client reaches the backend
    Deployment through the Pod (L3 ingress DNATed to a real ClusterIP, then kube-proxy to the Pod);
@@ -55,7 +56,8 @@ def kube(request, lab, agent_image_archive):
         bdir = kubecluster.ensure_binaries()
     except kubecluster.ClusterError as e:
         pytest.skip(f"the Kubernetes binaries cannot be built here: {e}")
-    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir)
+    # the node's kube-proxy uses the same netfilter backend as the agent under test
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir, proxy_mode=request.param)
     try:
         kc.import_image(agent_image_archive)
         kc.apply([kubemanifests.namespace("backend"),

@@ -3,7 +3,8 @@
 1. The control plane alone, on 127.0.0.1 with free ports (what the controller's tests and benchmark use):
    real RBAC (a Role's resourceNames give 403, not 404), TokenRequest, 409 on a stale write; close() leaves
    no process and no file.
-2. A node in the island (containerd + kubelet + kube-proxy + CNI in the namespace <prefix>-k8s): Node Ready,
+2. A node in the island (containerd + kubelet + kube-proxy + CNI in the namespace <prefix>-k8s), with
+   kube-proxy in iptables and in nftables mode: Node Ready,
    a Deployment behind a ClusterIP Service answers through kube-proxy, from the node and from the island's
    proxy namespace routed through the node; close() leaves no namespace, cgroup, mount or process.
 The agent's own scenarios in this cluster are in test_realkube_agent_e2e.py.
@@ -30,6 +31,16 @@ def k8s_bin_dir(lab_bin_dir) -> Path:
         return kubecluster.ensure_binaries()
     except kubecluster.ClusterError as e:
         pytest.skip(f"the Kubernetes binaries cannot be built here: {e}")
+
+
+def _host_firewall() -> list[str]:
+    """KUBE-*/CNI-* chains or kube-proxy tables in the host's own firewall (there must never be any)."""
+    found = []
+    for tool in ("iptables-save", "ip6tables-save"):
+        cp = subprocess.run([tool], capture_output=True, text=True)
+        found += [ln for ln in cp.stdout.splitlines() if "KUBE-" in ln or "CNI-" in ln]
+    cp = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+    return found + [ln for ln in cp.stdout.splitlines() if "kube-proxy" in ln]
 
 
 def _leftovers(kc: kubecluster.KubeCluster) -> list[str]:
@@ -87,9 +98,10 @@ def test_control_plane_alone_real_rbac_and_clean_close(k8s_bin_dir):
     assert _leftovers(kc) == []
 
 
-@pytest.fixture(scope="module")
-def cluster(lab, k8s_bin_dir):
-    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin_dir)
+@pytest.fixture(scope="module", params=["iptables", "nftables"])
+def cluster(request, lab, k8s_bin_dir):
+    """A cluster with a node, per kube-proxy mode."""
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin_dir, proxy_mode=request.param)
     try:
         yield kc
     finally:
@@ -105,6 +117,8 @@ def test_node_ready_and_a_clusterip_through_kube_proxy(lab, cluster):
     node = kc.get("node", kubecluster.NODE_NAME)
     assert node["status"]["nodeInfo"]["kubeletVersion"] == kubecluster.K8S_VER
     assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://1.")
+    cm = kc.get("configmap", "kube-root-ca.crt", "default")
+    assert cm["data"]["ca.crt"] == kc.ca_cert.read_text()    # the controller-manager publishes the cluster CA
     ns = "echo"
     kc.apply([kubemanifests.namespace(ns), *kubemanifests.echo_backend(ns, "echo", "echo-ok", kubecluster.ECHO_IMAGE)])
     kc.kubectl("-n", ns, "rollout", "status", "deployment/echo", "--timeout=90s", timeout=100)
@@ -124,5 +138,11 @@ def test_node_ready_and_a_clusterip_through_kube_proxy(lab, cluster):
         assert "path=/from-island" in body
     finally:
         lab.exec("proxy", ["ip", "route", "del", kc.cfg.service_cidr], check=False)
-    # the Pod's logs and exec go through the kubelet with the API server's client certificate
+    # the Pod's logs go through the kubelet with the API server's client certificate
     assert kc.kubectl("-n", ns, "logs", pod["metadata"]["name"]).returncode == 0
+    assert _host_firewall() == []
+    # kube-proxy's own rules, in its mode, live in the cluster's namespace only
+    if kc.cfg.proxy_mode == "nftables":
+        assert "kube-proxy" in kc.run(["nft", "list", "tables"]).stdout
+    else:
+        assert "KUBE-SERVICES" in kc.run(["iptables-save", "-t", "nat"]).stdout
