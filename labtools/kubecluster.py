@@ -497,6 +497,7 @@ class KubeCluster:
             t0 = time.monotonic()
             rdir.mkdir(parents=True, exist_ok=False)
             (rdir / "owner").write_text(f"{os.getpid()}\n")
+            (rdir / "name").write_text(f"{name}\n")
             if lab is not None:
                 info = lab.add_namespace("k8s", host=NODE_HOST)
                 kc.netns = info.netns
@@ -940,6 +941,46 @@ def _pids_in_mount_ns(ino: int) -> list[int]:
     return out
 
 
+def reap_stale(run_root: str | Path = "/tmp") -> list[str]:
+    """Remove clusters whose owner process died without close() (a SIGKILLed test run): kill the processes
+    of their run directory and their cgroup tree (the Pods), remove the cgroups and the run directory. Only
+    clusters made by this module (an ``owner`` and a ``name`` file) are touched. Run before Lab's reap_stale,
+    which then removes the lab's namespaces (the node's among them). Returns the names reaped."""
+    reaped = []
+    for owner in [*Path(run_root).glob("cb*/k8s/owner"), *Path(run_root).glob("cbpy-*/owner")]:
+        run = owner.parent
+        try:
+            pid = int(owner.read_text().strip())
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[0] != "Z":     # a zombie owner is dead too
+                continue
+        except FileNotFoundError:
+            pass
+        except (ValueError, OSError, IndexError):
+            continue
+        try:
+            name = (run / "name").read_text().strip()
+        except OSError:
+            continue
+        kc = KubeCluster(ClusterConfig(name, run, run, "127.0.0.1"))
+        kc._closed = True
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    if str(run) + "/" in (d / "cmdline").read_bytes().decode(errors="replace"):
+                        os.kill(int(d.name), signal.SIGKILL)
+                except (OSError, ProcessLookupError):
+                    pass
+        kc._made_cgroups = [m / kc.cfg.cgroup_root.lstrip("/") for m in kc._cgroup_mounts()]
+        problems: list[str] = []
+        kc._kill_cgroup_tree(problems)
+        time.sleep(0.5)
+        kc._remove_cgroups(problems)
+        shutil.rmtree(run, ignore_errors=True)
+        reaped.append(name + (f" ({'; '.join(problems)})" if problems else ""))
+    return reaped
+
+
 def _close_all() -> None:
     for kc in list(_LIVE):
         try:
@@ -949,3 +990,11 @@ def _close_all() -> None:
 
 
 atexit.register(_close_all)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "reap-stale":
+        print("\n".join(reap_stale()) or "(none)")
+        sys.exit(0)
+    print("usage: python -m labtools.kubecluster reap-stale", file=sys.stderr)
+    sys.exit(2)

@@ -146,3 +146,25 @@ def test_node_ready_and_a_clusterip_through_kube_proxy(lab, cluster):
         assert "kube-proxy" in kc.run(["nft", "list", "tables"]).stdout
     else:
         assert "KUBE-SERVICES" in kc.run(["iptables-save", "-t", "nat"]).stdout
+
+
+def test_a_killed_owner_is_reaped(k8s_bin_dir, tmp_path):
+    """The test process SIGKILLed with its cluster running: `make clean-lab` (kubecluster.reap_stale) removes
+    the cluster's processes, cgroups and run directory."""
+    import signal
+    import sys
+    script = tmp_path / "owner.py"
+    script.write_text("import sys, time\nfrom labtools.kubecluster import KubeCluster\n"
+                      f"kc = KubeCluster.start(bin_dir={str(k8s_bin_dir)!r})\n"
+                      "print(kc.run_dir, kc.cfg.name, flush=True)\ntime.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                         cwd=str(Path(__file__).resolve().parent.parent))
+    try:
+        run_dir, name = p.stdout.readline().split()
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    kc = kubecluster.KubeCluster(kubecluster.ClusterConfig(name, Path(run_dir), k8s_bin_dir, "127.0.0.1"))
+    assert _leftovers(kc), "nothing was running?"
+    assert name in kubecluster.reap_stale()
+    assert _leftovers(kc) == []
