@@ -7,12 +7,18 @@ API (root only; binaries from scripts/install-kubernetes.sh, built on first use 
     with KubeCluster.start() as kc: ...
     # in a lab: namespace <prefix>-k8s on the island (10.99.0.50), API https://10.99.0.50:6443,
     # with node=True also containerd + kubelet + kube-proxy + CNI there (Pods get 10.244.0.0/24):
-    kc = KubeCluster.start(lab=lab, node=True)
+    kc = KubeCluster.start(lab=lab, node=True)      # node=False: the control plane alone, in that namespace
+    # (one cluster per lab at a time: the namespace is "k8s"; clusters without a lab can run side by side)
     kc.server, kc.token, kc.ca_cert, kc.kubeconfig   # admin (system:masters) by bearer token
     kc.kubectl("get", "pods", "-A")                  # runs in the cluster's network namespace
     kc.request("GET", "/api/v1/namespaces/default/secrets/x")  # -> (HTTP status, parsed JSON body)
     kc.apply(manifest_dict_or_list); kc.wait_node_ready(); kc.import_image(path_to_oci_archive)
-    kc.restart_apiserver(); kc.close()                # close(): nothing left (processes, mounts, cgroups, netns)
+    kc.service_account_token(ns, sa); kc.write_kubeconfig(path, token)   # a client with a ServiceAccount's RBAC
+    kc.popen(argv)                                   # a background process in the cluster's network namespace
+    kc.audit(user=..., name=...)                     # the API server's audit events on Secrets (with status)
+    kc.restart_apiserver(); kc.stop_component("kube-apiserver")
+    kc.close()                                       # nothing left (processes, mounts, cgroups, netns, files)
+    # a test process killed with a cluster running: `make clean-lab` (kubecluster.reap_stale) removes it
     kc.timings                                       # seconds: pki, etcd, apiserver, control_plane, node_ready...
 
 What runs, and why so:
@@ -580,6 +586,22 @@ class KubeCluster:
         except json.JSONDecodeError:
             parsed = text
         return int(code), parsed
+
+    def service_account_token(self, namespace: str, name: str, seconds: int = 3600) -> str:
+        """A token for the ServiceAccount (TokenRequest), e.g. to run a controller with its real RBAC."""
+        code, body = self.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
+                                  {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                                   "spec": {"expirationSeconds": seconds}})
+        if code != 201:
+            raise ClusterError(f"TokenRequest for {namespace}/{name}: HTTP {code}: {body}")
+        return body["status"]["token"]
+
+    def write_kubeconfig(self, path: str | Path, token: str, user: str = "user") -> Path:
+        """A kubeconfig file for ``token`` (this cluster's server and CA), for kubectl or a client library."""
+        p = Path(path)
+        p.write_text(json.dumps(kubeconfig(self.server, self.ca_cert, user, token=token), indent=1))
+        p.chmod(0o600)
+        return p
 
     def apply(self, objs: Mapping | Sequence[Mapping]) -> str:
         """``kubectl apply`` of one manifest or a list (server-side apply, field manager ``lab``)."""

@@ -75,10 +75,10 @@ def test_control_plane_alone_real_rbac_and_clean_close(k8s_bin_dir):
         ns = "rbac-check"
         kc.apply([kubemanifests.namespace(ns), *kubemanifests.proxy_rbac(ns, "px", "px-state", verbs=("get",)),
                   kubemanifests.secret(ns, "px-state"), kubemanifests.secret(ns, "other")])
-        code, tr = kc.request("POST", f"/api/v1/namespaces/{ns}/serviceaccounts/px/token",
-                              {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}})
-        assert code == 201, tr
-        sa_token = tr["status"]["token"]
+        sa_token = kc.service_account_token(ns, "px")
+        kcfg = kc.write_kubeconfig(kc.run_dir / "px.json", sa_token)
+        cp = kc.run([str(k8s_bin_dir / "kubectl"), f"--kubeconfig={kcfg}", "auth", "whoami", "-o", "json"])
+        assert json.loads(cp.stdout)["status"]["userInfo"]["username"] == f"system:serviceaccount:{ns}:px"
         assert kc.request("GET", f"/api/v1/namespaces/{ns}/secrets/px-state", token=sa_token)[0] == 200
         # outside the Role's resourceNames: 403 for the ServiceAccount (the admin gets 404 for a missing one)
         assert kc.request("GET", f"/api/v1/namespaces/{ns}/secrets/other", token=sa_token)[0] == 403
