@@ -9,7 +9,8 @@ cluster each:
 2. faults: the API server stops and restarts while the agent runs (the data path never stops; a device
    name change made while it was down reaches the Secret afterwards), the Pod deleted and re-created by the
    StatefulSet controller (same node: same ID, same tailnet IP, no new login), the Secret deleted under the
-   running Pod (data path kept; tailscaled's store writes it again on its next state change);
+   running Pod (data path kept; a device change meanwhile is reported as a failed write and retried, and
+   lands in the Secret once it is re-created, without a restart);
 3. a Role without ``patch`` with the auth key in the Secret: the Pod fails with the message naming the rule;
 4. one-step mode: the config Secret mounted by the kubelet is rewritten, the kubelet swaps ``..data``, the
    agent has tailscaled reload it (a new advertised route reaches headscale).
@@ -189,12 +190,21 @@ def test_agent_pod_state_ingress_and_faults(lab, kube):
     for i in range(3):
         assert kc.marker in _curl(lab, v4, kc.marker, f"secret-gone-{i}", 20)
         time.sleep(1)
+    # ... a change the agent must record meanwhile fails (reported, retried), and once the operator re-creates
+    # the Secret the agent writes it there, without restarting
+    lab.hs("nodes", "rename", "--identifier", str(nodes[0]["id"]), f"{hostname}-again")
+    wait_until(lambda: "failed to update Secret" in _logs(kc, ns, f"{name}-0"), 60, 1,
+               "the agent reporting the failed Secret write")
+    assert kc.marker in _curl(lab, v4, kc.marker, "secret-gone-after-change", 20)
+    kc.apply(kubemanifests.secret(ns, f"{name}-0"))
+    wait_until(lambda: (_secret(kc, ns, f"{name}-0") or {}).get("device_fqdn", b"").startswith(
+        f"{hostname}-again.".encode()), 90, 1, "the device's new FQDN in the re-created Secret")
     p = kc.get("pod", f"{name}-0", ns)
     assert p["metadata"]["uid"] == pod2["metadata"]["uid"]
-    print("after the Secret's deletion, Pod log tail:\n" + _logs(kc, ns, f"{name}-0")[-1500:])
+    assert p["status"]["containerStatuses"][0]["restartCount"] == 0
     kc.kubectl("-n", ns, "delete", "statefulset", name, "--wait=true", timeout=90)
-    lab.delete_node(hostname)
-    lab.delete_node(f"{hostname}-renamed")
+    for n in (hostname, f"{hostname}-renamed", f"{hostname}-again"):
+        lab.delete_node(n)
 
 
 def test_role_without_patch_gives_the_message_users_see(lab, kube):
