@@ -450,6 +450,7 @@ class KubeCluster:
         self._lock = threading.Lock()
         self._made_cgroups: list[Path] = []
         self.with_node = False
+        self._made_run_dir = False
 
     # ------------------------------------------------------------------ properties for clients
     @property
@@ -501,13 +502,21 @@ class KubeCluster:
         _LIVE.add(kc)
         try:
             t0 = time.monotonic()
-            rdir.mkdir(parents=True, exist_ok=False)
+            rdir.mkdir(parents=True, exist_ok=False)    # another live cluster's directory is never reused
+            kc._made_run_dir = True
             (rdir / "owner").write_text(f"{os.getpid()}\n")
             (rdir / "name").write_text(f"{name}\n")
             if lab is not None:
                 info = lab.add_namespace("k8s", host=NODE_HOST)
                 kc.netns = info.netns
                 lab._sysctl(info.netns, "net.ipv4.ip_forward", "1")
+                # a previous cluster of this lab had the same addresses on another MAC: a neighbour entry
+                # still REACHABLE elsewhere would black-hole new connections to the node for up to 45 s
+                for other in list(lab.namespaces.values()):
+                    if other.netns != info.netns:
+                        for addr in (info.ipv4, info.ipv6):
+                            if addr:
+                                _run(["ip", "-n", other.netns, "neigh", "flush", "to", addr], check=False)
             kc._write_pki()
             kc.timings["pki"] = time.monotonic() - t0
             kc._start_control_plane()
@@ -888,7 +897,7 @@ class KubeCluster:
                 problems.append(f"ip netns del {self.netns}: {cp.stderr.strip()}")
             shutil.rmtree(Path("/etc/netns") / self.netns, ignore_errors=True)
             self.lab.namespaces.pop("k8s", None)
-        if os.environ.get("CBPY_KEEP_RUN_DIR") != "1":
+        if self._made_run_dir and os.environ.get("CBPY_KEEP_RUN_DIR") != "1":
             shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
         _LIVE.discard(self)
         if problems:
