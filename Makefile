@@ -48,6 +48,7 @@ bench: setup-bin
 
 ## clean-lab: remove namespaces left by an interrupted lab run (only ones this project created).
 clean-lab:
+	$(PY) -m labtools.kubecluster reap-stale
 	$(PY) -m labtools.lab reap-stale
 
 ## readme: regenerate the README's variable reference from the settings table.

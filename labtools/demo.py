@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run our agent from this container image (default localhost/containerboot-py:latest, "
                          "built by `make image`) with podman in the proxy namespace")
     ap.add_argument("--diagnostics", action="store_true", help="print lab diagnostics at the end")
+    ap.add_argument("--kube", action="store_true", help="the agent as a StatefulSet Pod in a real Kubernetes "
+                    "exposing a backend Deployment's ClusterIP (labtools.kubedemo)")
     a = ap.parse_args(argv)
     if a.image and a.agent != "python":
         ap.error("--image runs our agent; it cannot be combined with --agent upstream")
@@ -67,6 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _term)
     # Ctrl-C must unwind even if we were started with SIGINT ignored (e.g. as a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    if a.kube:
+        from labtools import kubedemo
+        try:
+            return kubedemo.run(a.firewall, a.once)
+        except KeyboardInterrupt:
+            _say("\ninterrupted; lab and cluster torn down")
+            return 0
+        except LabError as e:
+            _say(f"lab error: {e}")
+            return 2
 
     ok = True
     t_all = time.monotonic()

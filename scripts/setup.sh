@@ -15,6 +15,8 @@ done
 
 # 1. Debian packages the agent and the lab use.
 pkgs=(iproute2 nftables iptables libnftables1 curl dnsmasq-base openssl python3-venv procps)
+# the real Kubernetes node of the lab (labtools/kubecluster.py): container runtime, OCI runtime, CNI plugins
+pkgs+=(containerd runc containernetworking-plugins)
 [ $want_image = 1 ] && pkgs+=(podman runc mmdebstrap bc)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
@@ -41,10 +43,13 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*; touch "$stamp"
 fi
 
-# 3. tailscaled, tailscale, upstream containerboot and headscale, built once into a cache outside the repo.
+# 3. tailscaled, tailscale, upstream containerboot, headscale and Kubernetes, built once into a cache outside
+#    the repo.
 if [ $want_binaries = 1 ]; then
   if command -v go >/dev/null 2>&1; then
     bash scripts/install-binaries.sh >/dev/null || log "building the binaries failed; the end-to-end tests will be skipped"
+    # Kubernetes v1.34.4 + etcd for the real-cluster tests and `make demo DEMO_ARGS=--kube` (about 9 min cold)
+    bash scripts/install-kubernetes.sh >/dev/null || log "building Kubernetes failed; the real-cluster tests will be skipped"
   else
     log "no Go toolchain: the end-to-end tests will be skipped"
   fi

@@ -1,0 +1,1031 @@
+"""A real Kubernetes (v1.34.4, built here) for the lab: control plane, and optionally one node with Pods.
+
+API (root only; binaries from scripts/install-kubernetes.sh, built on first use under an flock)::
+
+    from labtools.kubecluster import KubeCluster
+    # control plane only, on 127.0.0.1 of the calling namespace, free ports (no lab needed):
+    with KubeCluster.start() as kc: ...
+    # in a lab: namespace <prefix>-k8s on the island (10.99.0.50), API https://10.99.0.50:6443,
+    # with node=True also containerd + kubelet + kube-proxy + CNI there (Pods get 10.244.0.0/24):
+    kc = KubeCluster.start(lab=lab, node=True)      # node=False: the control plane alone, in that namespace
+    # (one cluster per lab at a time: the namespace is "k8s"; clusters without a lab can run side by side)
+    kc.server, kc.token, kc.ca_cert, kc.kubeconfig   # admin (system:masters) by bearer token
+    kc.kubectl("get", "pods", "-A")                  # runs in the cluster's network namespace
+    kc.request("GET", "/api/v1/namespaces/default/secrets/x")  # -> (HTTP status, parsed JSON body)
+    kc.apply(manifest_dict_or_list); kc.wait_node_ready(); kc.import_image(path_to_oci_archive)
+    kc.service_account_token(ns, sa); kc.write_kubeconfig(path, token)   # a client with a ServiceAccount's RBAC
+    kc.popen(argv)                                   # a background process in the cluster's network namespace
+    kc.audit(user=..., name=...)                     # the API server's audit events on Secrets (with status)
+    kc.restart_apiserver(); kc.stop_component("kube-apiserver")
+    kc.close()                                       # nothing left (processes, mounts, cgroups, netns, files)
+    # a test process killed with a cluster running: `make clean-lab` (kubecluster.reap_stale) removes it
+    kc.timings                                       # seconds: pki, etcd, apiserver, control_plane, node_ready...
+
+What runs, and why so:
+* etcd (``--unsafe-no-fsync``: a test cluster's data is thrown away) and kube-apiserver with TLS from the lab's
+  own CA (openssl), RBAC + Node authorization, NodeRestriction, an admin bearer token (token file), and the
+  service-account issuer ``https://kubernetes.default.svc`` with an EC key; kube-controller-manager (service
+  account credentials, node CIDR allocation) and kube-scheduler, each with its own client certificate, no
+  serving port (``--secure-port=0``) and no leader election, so several clusters can run side by side.
+* The node (``node=True``, lab only): every node process runs in the cluster's network namespace AND one
+  private mount namespace (a "holder" process made with ``unshare --mount``), with tmpfs on /run and
+  /var/lib and the run directory's ``varlog`` on /var/log: the kubelet's volume mounts are seen by
+  containerd (same mount namespace), the Pods' network namespaces (pinned under /run/netns), the shims'
+  sockets and /var/log/containers never appear on the host, and they all vanish with the holder.
+  containerd (Debian's 1.6) has its own config, root, state and socket in the run directory, cgroupfs, and
+  ``restrict_oom_score_adj = true`` (root here lacks CAP_SYS_RESOURCE: without it every sandbox fails with
+  ``can't get final child's PID from pipe: EOF``). The sandbox image is ``localhost/pause:lab``, an OCI
+  archive of the static ``pause`` program made by labtools.ociimage and imported with ``ctr``. The kubelet
+  puts Pods under the cgroup ``/cbpy-<name>`` (created here, removed at close), so clusters do not share
+  cgroups. CNI: bridge ``cni0`` + host-local IPAM + portmap, with ipMasq so Pods reach the island.
+  kube-proxy in ``iptables`` or ``nftables`` mode; its and the CNI's chains live in the cluster's namespace.
+* Nothing is reachable from the host's own network and nothing is added to the host's firewall.
+"""
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from labtools import ociimage
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+INSTALL_SCRIPT = REPO_ROOT / "scripts" / "install-kubernetes.sh"
+K8S_VER = os.environ.get("K8S_VER", "v1.34.4")
+ETCD_VER = os.environ.get("ETCD_VER", "v3.6.4")
+K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy", "kubectl",
+                "etcd", "pause", "lab-echo")
+SYS_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+CNI_BIN_DIR = "/usr/lib/cni"
+PAUSE_IMAGE = "localhost/pause:lab"
+ECHO_IMAGE = "localhost/lab-echo:lab"
+NODE_HOST = 50          # the cluster's namespace on the island: 10.99.0.50
+NODE_NAME = "knode"
+
+_LIVE: "weakref.WeakSet[KubeCluster]" = weakref.WeakSet()
+
+
+class ClusterError(RuntimeError):
+    """A component did not start or a command failed; the message says which, with its log's tail."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# binaries
+# --------------------------------------------------------------------------------------------------------
+
+def default_bin_dir() -> Path:
+    cache = Path(os.environ.get("CB_CACHE", str(Path.home() / ".cache" / "containerboot-py")))
+    return cache / "bin" / f"k8s-{K8S_VER}-etcd-{ETCD_VER}"
+
+
+def binaries_present(bin_dir: Path) -> bool:
+    return all(os.access(bin_dir / b, os.X_OK) for b in K8S_BINARIES)
+
+
+def ensure_binaries(timeout: float = 60 * 60) -> Path:
+    """The directory with the Kubernetes binaries, built by scripts/install-kubernetes.sh if missing (under an
+    flock, so two test sessions do not build twice). ``CBPY_K8S_BIN_DIR`` overrides it (no build then)."""
+    override = os.environ.get("CBPY_K8S_BIN_DIR")
+    if override:
+        if not binaries_present(Path(override)):
+            raise ClusterError(f"CBPY_K8S_BIN_DIR={override} lacks one of {K8S_BINARIES}")
+        return Path(override)
+    bdir = default_bin_dir()
+    if binaries_present(bdir):
+        return bdir
+    if shutil.which("go") is None:
+        raise ClusterError(f"Kubernetes binaries missing in {bdir} and no Go toolchain to build them")
+    import fcntl
+    lock_path = bdir.parent.parent / ".build-k8s.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if binaries_present(bdir):
+            return bdir
+        cp = subprocess.run(["bash", str(INSTALL_SCRIPT)], capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "K8S_VER": K8S_VER, "ETCD_VER": ETCD_VER})
+        if cp.returncode != 0 or not binaries_present(bdir):
+            raise ClusterError(f"install-kubernetes.sh failed (exit {cp.returncode}):\n{cp.stderr[-4000:]}")
+        return bdir
+
+
+# --------------------------------------------------------------------------------------------------------
+# the functional core: configuration in, argv / files out
+# --------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Everything that decides the cluster's files and command lines."""
+    name: str                    # unique per cluster (cgroup root, log names)
+    run_dir: Path
+    bin_dir: Path
+    api_host: str                # the API server's (and the node's) address
+    api_port: int = 6443
+    etcd_port: int = 2379
+    etcd_peer_port: int = 2380
+    service_cidr: str = "10.96.0.0/16"
+    cluster_cidr: str = "10.244.0.0/16"
+    node_cidr_mask: int = 24
+    node_name: str = NODE_NAME
+    proxy_mode: str = "iptables"
+    token: str = ""
+
+    @property
+    def server(self) -> str:
+        host = f"[{self.api_host}]" if ":" in self.api_host else self.api_host
+        return f"https://{host}:{self.api_port}"
+
+    @property
+    def kubernetes_service_ip(self) -> str:
+        return str(next(ipaddress.ip_network(self.service_cidr).hosts()))
+
+    @property
+    def pki(self) -> Path:
+        return self.run_dir / "pki"
+
+    @property
+    def cgroup_root(self) -> str:
+        return f"/cbpy-{self.name}"
+
+    @property
+    def containerd_socket(self) -> Path:
+        return self.run_dir / "containerd" / "containerd.sock"
+
+    def kubeconfig_path(self, who: str) -> Path:
+        return self.run_dir / "kubeconfig" / f"{who}.json"
+
+
+@dataclass(frozen=True)
+class CertSpec:
+    name: str
+    cn: str
+    org: str = ""
+    server: bool = False
+    client: bool = False
+    sans: tuple[str, ...] = ()
+
+
+def cert_plan(cfg: ClusterConfig) -> list[CertSpec]:
+    """The certificates of the cluster, each for one identity the default RBAC roles already know."""
+    api_sans = tuple(dict.fromkeys((
+        f"IP:{cfg.api_host}", "IP:127.0.0.1", f"IP:{cfg.kubernetes_service_ip}", "DNS:localhost", "DNS:kubernetes",
+        "DNS:kubernetes.default", "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local")))
+    return [
+        CertSpec("apiserver", "kube-apiserver", server=True, sans=api_sans),
+        CertSpec("apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters", client=True),
+        CertSpec("controller-manager", "system:kube-controller-manager", client=True),
+        CertSpec("scheduler", "system:kube-scheduler", client=True),
+        CertSpec("kubelet-client", f"system:node:{cfg.node_name}", "system:nodes", client=True),
+        CertSpec("kubelet-serving", cfg.node_name, server=True, sans=(f"IP:{cfg.api_host}", f"DNS:{cfg.node_name}")),
+        CertSpec("kube-proxy", "system:kube-proxy", client=True),
+    ]
+
+
+def openssl_ext(spec: CertSpec) -> str:
+    """An openssl config for one leaf certificate (no CA bit, the right key usages, the SANs)."""
+    eku = ",".join(u for u, on in (("serverAuth", spec.server), ("clientAuth", spec.client)) if on)
+    lines = ["[req]", "distinguished_name = dn", "x509_extensions = ext", "prompt = no", "[dn]", "CN = unused",
+             "[ext]", "basicConstraints = critical,CA:FALSE", "keyUsage = critical,digitalSignature,keyEncipherment",
+             f"extendedKeyUsage = {eku}", "subjectKeyIdentifier = hash", "authorityKeyIdentifier = keyid"]
+    if spec.sans:
+        lines.append("subjectAltName = " + ",".join(spec.sans))
+    return "\n".join(lines) + "\n"
+
+
+def kubeconfig(server: str, ca: Path, user: str, *, token: str = "", cert: Path | None = None,
+               key: Path | None = None) -> dict:
+    creds: dict[str, str] = {"token": token} if token else {"client-certificate": str(cert), "client-key": str(key)}
+    return {"apiVersion": "v1", "kind": "Config", "current-context": "lab",
+            "clusters": [{"name": "lab", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+            "users": [{"name": user, "user": creds}],
+            "contexts": [{"name": "lab", "context": {"cluster": "lab", "user": user}}]}
+
+
+def etcd_argv(cfg: ClusterConfig) -> list[str]:
+    client = f"http://127.0.0.1:{cfg.etcd_port}"
+    peer = f"http://127.0.0.1:{cfg.etcd_peer_port}"
+    return [str(cfg.bin_dir / "etcd"), "--name=lab", f"--data-dir={cfg.run_dir / 'etcd'}",
+            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=lab={peer}", "--unsafe-no-fsync", "--log-level=warn"]
+
+
+def apiserver_argv(cfg: ClusterConfig) -> list[str]:
+    p = cfg.pki
+    return [str(cfg.bin_dir / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{cfg.etcd_port}",
+            f"--bind-address={cfg.api_host}", f"--advertise-address={cfg.api_host}", f"--secure-port={cfg.api_port}",
+            f"--tls-cert-file={p / 'apiserver.crt'}", f"--tls-private-key-file={p / 'apiserver.key'}",
+            f"--client-ca-file={p / 'ca.crt'}", f"--token-auth-file={p / 'tokens.csv'}",
+            f"--service-account-key-file={p / 'sa.key'}", f"--service-account-signing-key-file={p / 'sa.key'}",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
+            f"--service-cluster-ip-range={cfg.service_cidr}", "--allow-privileged=true",
+            f"--kubelet-client-certificate={p / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={p / 'apiserver-kubelet-client.key'}",
+            "--kubelet-preferred-address-types=InternalIP", "--profiling=false", "--v=1",
+            # every request on Secrets, with its response code, for the tests (KubeCluster.audit)
+            f"--audit-policy-file={p / 'audit-policy.json'}", f"--audit-log-path={cfg.run_dir / 'logs' / 'audit.jsonl'}",
+            "--audit-log-mode=blocking"]
+
+
+AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+                "rules": [{"level": "Metadata", "resources": [{"group": "", "resources": ["secrets"]}]},
+                          {"level": "None"}]}
+
+
+def controller_manager_argv(cfg: ClusterConfig) -> list[str]:
+    p = cfg.pki
+    return [str(cfg.bin_dir / "kube-controller-manager"), f"--kubeconfig={cfg.kubeconfig_path('controller-manager')}",
+            "--secure-port=0", "--leader-elect=false", "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={p / 'sa.key'}", f"--root-ca-file={p / 'ca.crt'}",
+            f"--cluster-signing-cert-file={p / 'ca.crt'}", f"--cluster-signing-key-file={p / 'ca.key'}",
+            "--allocate-node-cidrs=true", f"--cluster-cidr={cfg.cluster_cidr}",
+            f"--node-cidr-mask-size={cfg.node_cidr_mask}", f"--service-cluster-ip-range={cfg.service_cidr}",
+            "--profiling=false", "--v=1"]
+
+
+def scheduler_argv(cfg: ClusterConfig) -> list[str]:
+    return [str(cfg.bin_dir / "kube-scheduler"), f"--kubeconfig={cfg.kubeconfig_path('scheduler')}",
+            "--secure-port=0", "--leader-elect=false", "--profiling=false", "--v=1"]
+
+
+def kubelet_config(cfg: ClusterConfig) -> dict:
+    p = cfg.pki
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
+        "address": cfg.api_host, "port": 10250, "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1", "healthzPort": 10248,
+        "tlsCertFile": str(p / "kubelet-serving.crt"), "tlsPrivateKeyFile": str(p / "kubelet-serving.key"),
+        "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False},
+                           "x509": {"clientCAFile": str(p / "ca.crt")}},
+        "authorization": {"mode": "AlwaysAllow"},
+        "cgroupDriver": "cgroupfs", "cgroupRoot": cfg.cgroup_root, "cgroupsPerQOS": True,
+        "enforceNodeAllocatable": ["pods"], "failCgroupV1": False, "failSwapOn": False,
+        "containerRuntimeEndpoint": f"unix://{cfg.containerd_socket}",
+        "clusterDomain": "cluster.local", "resolvConf": str(cfg.run_dir / "node" / "resolv.conf"),
+        # a test node on a shared machine: never evict, and never collect imported images (no registry
+        # could bring them back)
+        "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "nodefs.inodesFree": "1%",
+                         "imagefs.available": "1%"},
+        "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
+        "makeIPTablesUtilChains": False, "serializeImagePulls": False,
+        "syncFrequency": "10s", "fileCheckFrequency": "10s", "nodeStatusReportFrequency": "10s",
+        "podLogsDir": "/var/log/pods", "shutdownGracePeriod": "0s",
+    }
+
+
+def kubelet_argv(cfg: ClusterConfig) -> list[str]:
+    node = cfg.run_dir / "node"
+    return [str(cfg.bin_dir / "kubelet"), f"--config={node / 'kubelet.json'}",
+            f"--kubeconfig={cfg.kubeconfig_path('kubelet')}", f"--hostname-override={cfg.node_name}",
+            f"--node-ip={cfg.api_host}", f"--root-dir={node / 'kubelet'}", f"--cert-dir={node / 'kubelet-pki'}",
+            "--v=1"]
+
+
+def kube_proxy_config(cfg: ClusterConfig) -> dict:
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+        "clientConnection": {"kubeconfig": str(cfg.kubeconfig_path("kube-proxy"))},
+        "mode": cfg.proxy_mode, "clusterCIDR": cfg.cluster_cidr, "hostnameOverride": cfg.node_name,
+        "healthzBindAddress": "127.0.0.1:10256", "metricsBindAddress": "127.0.0.1:10249",
+        # the namespace's conntrack sysctls are not kube-proxy's to change on a shared machine
+        "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
+    }
+
+
+def kube_proxy_argv(cfg: ClusterConfig) -> list[str]:
+    return [str(cfg.bin_dir / "kube-proxy"), f"--config={cfg.run_dir / 'node' / 'kube-proxy.json'}", "--v=1"]
+
+
+def containerd_config(cfg: ClusterConfig) -> str:
+    c = cfg.run_dir / "containerd"
+    unused = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
+              "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
+              "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+    return f"""\
+version = 2
+root = "{c / 'root'}"
+state = "{c / 'state'}"
+disabled_plugins = {json.dumps(unused)}
+
+[grpc]
+  address = "{cfg.containerd_socket}"
+
+[ttrpc]
+  address = "{c / 'containerd.sock.ttrpc'}"
+
+[debug]
+  address = ""
+
+[metrics]
+  address = ""
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{c / 'opt'}"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  restrict_oom_score_adj = true
+  enable_selinux = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        Root = "{c / 'runc'}"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{CNI_BIN_DIR}"
+    conf_dir = "{cfg.run_dir / 'node' / 'cni'}"
+"""
+
+
+def cni_conflist(cfg: ClusterConfig, pod_cidr: str) -> dict:
+    gw = str(next(ipaddress.ip_network(pod_cidr).hosts()))
+    return {
+        "cniVersion": "1.0.0", "name": "lab",
+        "plugins": [
+            {"type": "bridge", "bridge": "cni0", "isGateway": True, "ipMasq": True, "hairpinMode": True,
+             "ipam": {"type": "host-local", "ranges": [[{"subnet": pod_cidr, "gateway": gw}]],
+                      "routes": [{"dst": "0.0.0.0/0"}],
+                      "dataDir": str(cfg.run_dir / "node" / "ipam")}},
+            {"type": "portmap", "capabilities": {"portMappings": True}},
+        ],
+    }
+
+
+def holder_script(cfg: ClusterConfig) -> str:
+    """The node's private mount namespace: /run and /var/lib private tmpfs, /var/log from the run dir."""
+    varlog = cfg.run_dir / "node" / "varlog"
+    ready = cfg.run_dir / "node" / "holder.ready"
+    return (f"set -e; mount -t tmpfs -o mode=755 tmpfs /run; mount -t tmpfs -o mode=755 tmpfs /var/lib; "
+            f"mkdir -p /run/netns; mount --bind {shlex.quote(str(varlog))} /var/log; "
+            f"echo ok > {shlex.quote(str(ready))}; exec sleep infinity")
+
+
+# --------------------------------------------------------------------------------------------------------
+# the imperative shell
+# --------------------------------------------------------------------------------------------------------
+
+def _run(argv: Sequence[str], *, timeout: float = 60.0, check: bool = True, input: str | bytes | None = None,
+         env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    text = not isinstance(input, bytes)
+    try:
+        cp = subprocess.run(list(argv), capture_output=True, text=text, timeout=timeout, input=input,
+                            env=dict(env) if env else None, stdin=None if input is not None else subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        raise ClusterError(f"timed out after {timeout}s: {shlex.join(argv)}") from e
+    if check and cp.returncode != 0:
+        raise ClusterError(f"command failed (exit {cp.returncode}): {shlex.join(argv)[:300]}\n"
+                           f"{cp.stdout if text else ''}{cp.stderr if text else cp.stderr.decode(errors='replace')}")
+    return cp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(pred, timeout: float, what: str, interval: float = 0.2, procs: Sequence["_Proc"] = ()) -> Any:
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while True:
+        for pr in procs:
+            if pr.proc.poll() is not None:
+                raise ClusterError(f"{pr.name} exited ({pr.proc.returncode}) while waiting for {what}; log tail:\n"
+                                   f"{pr.tail()}")
+        try:
+            v = pred()
+            if v:
+                return v
+        except Exception as e:  # noqa: BLE001 - "not yet" looks like anything
+            last = e
+        if time.monotonic() > deadline:
+            raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last: {last!r})" if last else ""))
+        time.sleep(interval)
+
+
+@dataclass
+class _Proc:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen
+    log: Path
+    logf: Any = field(repr=False)
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+
+class KubeCluster:
+    """See the module docstring. ``KubeCluster.start(...)``; a context manager; ``close()`` is idempotent."""
+
+    def __init__(self, cfg: ClusterConfig, *, lab: Any = None, netns: str | None = None) -> None:
+        self.cfg = cfg
+        self.lab = lab
+        self.netns = netns                  # full netns name, None = the caller's namespace
+        self.procs: dict[str, _Proc] = {}
+        self.holder: _Proc | None = None
+        self.timings: dict[str, float] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+        self._made_cgroups: list[Path] = []
+        self.with_node = False
+        self._made_run_dir = False
+
+    # ------------------------------------------------------------------ properties for clients
+    @property
+    def server(self) -> str:
+        return self.cfg.server
+
+    @property
+    def token(self) -> str:
+        return self.cfg.token
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.cfg.pki / "ca.crt"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.cfg.kubeconfig_path("admin")
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.run_dir
+
+    # ------------------------------------------------------------------ start
+    @classmethod
+    def start(cls, *, lab: Any = None, node: bool = False, proxy_mode: str = "iptables",
+              run_dir: str | Path | None = None, bin_dir: str | Path | None = None, name: str | None = None,
+              timeout: float = 90.0) -> "KubeCluster":
+        """Start a control plane (and with ``node=True``, which needs ``lab``, a node) and wait until it is
+        ready (with a node: Node Ready and the ``default`` ServiceAccount present). On failure everything
+        started is torn down and ClusterError says which component failed, with its log."""
+        if os.geteuid() != 0:
+            raise ClusterError("the cluster needs root")
+        if node and lab is None:
+            raise ClusterError("node=True needs a lab (the node lives in a namespace of the island)")
+        if proxy_mode not in ("iptables", "nftables"):
+            raise ClusterError(f"proxy_mode={proxy_mode!r}: use iptables or nftables")
+        bdir = Path(bin_dir) if bin_dir else ensure_binaries()
+        import secrets as _secrets
+        name = name or (f"{lab.prefix}k" if lab is not None else "k" + _secrets.token_hex(3))
+        if lab is not None:
+            rdir = Path(run_dir) if run_dir else lab.run_dir / "k8s"
+            host = lab.namespaces["hs"].ipv4.rsplit(".", 1)[0] + f".{NODE_HOST}"
+            cfg = ClusterConfig(name, rdir, bdir, host, proxy_mode=proxy_mode, token=_secrets.token_hex(16))
+        else:
+            rdir = Path(run_dir) if run_dir else Path("/tmp") / f"cbpy-{name}"
+            cfg = ClusterConfig(name, rdir, bdir, "127.0.0.1", api_port=_free_port(), etcd_port=_free_port(),
+                                etcd_peer_port=_free_port(), proxy_mode=proxy_mode, token=_secrets.token_hex(16))
+        kc = cls(cfg, lab=lab)
+        _LIVE.add(kc)
+        try:
+            t0 = time.monotonic()
+            rdir.mkdir(parents=True, exist_ok=False)    # another live cluster's directory is never reused
+            kc._made_run_dir = True
+            (rdir / "owner").write_text(f"{os.getpid()}\n")
+            (rdir / "name").write_text(f"{name}\n")
+            if lab is not None:
+                info = lab.add_namespace("k8s", host=NODE_HOST)
+                kc.netns = info.netns
+                lab._sysctl(info.netns, "net.ipv4.ip_forward", "1")
+                # a previous cluster of this lab had the same addresses on another MAC: a neighbour entry
+                # still REACHABLE elsewhere would black-hole new connections to the node for up to 45 s
+                for other in list(lab.namespaces.values()):
+                    if other.netns != info.netns:
+                        for addr in (info.ipv4, info.ipv6):
+                            if addr:
+                                _run(["ip", "-n", other.netns, "neigh", "flush", "to", addr], check=False)
+            kc._write_pki()
+            kc.timings["pki"] = time.monotonic() - t0
+            kc._start_control_plane()
+            kc.timings["control_plane"] = time.monotonic() - t0
+            if node:
+                kc._start_node()
+                kc.timings["node_ready"] = time.monotonic() - t0
+            kc._wait_default_sa(timeout)
+            kc.timings["start_total"] = time.monotonic() - t0
+        except BaseException:
+            kc.close()
+            raise
+        return kc
+
+    def __enter__(self) -> "KubeCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ processes
+    def _wrap(self, argv: Sequence[str], env: Mapping[str, str], *, in_node: bool) -> list[str]:
+        envargs = ["env", "-i", *[f"{k}={v}" for k, v in env.items()]]
+        if in_node:
+            assert self.holder is not None
+            return ["nsenter", f"--target={self.holder.proc.pid}", "--mount", "--net", "--", *envargs, *argv]
+        if self.netns:
+            return ["nsenter", f"--net=/run/netns/{self.netns}", "--", *envargs, *argv]
+        return [*envargs, *argv]
+
+    def _env(self) -> dict[str, str]:
+        return {"PATH": f"{self.cfg.bin_dir}:{SYS_PATH}", "HOME": str(self.cfg.run_dir)}
+
+    def _spawn(self, name: str, argv: Sequence[str], *, in_node: bool = False, raw: bool = False) -> _Proc:
+        log = self.cfg.run_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(log, "ab", buffering=0)
+        full = list(argv) if raw else self._wrap(argv, self._env(), in_node=in_node)
+        p = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                             start_new_session=True, cwd=str(self.cfg.run_dir))
+        pr = _Proc(name, list(argv), p, log, logf)
+        self.procs[name] = pr
+        return pr
+
+    def run(self, argv: Sequence[str], *, timeout: float = 60.0, check: bool = True,
+            input: str | bytes | None = None, in_node: bool = False) -> subprocess.CompletedProcess:
+        """Run a command in the cluster's network namespace (``in_node``: also in the node's mount namespace)."""
+        return _run(self._wrap(argv, self._env(), in_node=in_node), timeout=timeout, check=check, input=input)
+
+    def popen(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
+        """Start a background command in the cluster's network namespace (the caller stops it)."""
+        return subprocess.Popen(self._wrap(argv, {**self._env(), **kw.pop("env", {})}, in_node=False), **kw)
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """kubectl as the admin, in the cluster's network namespace."""
+        return self.run([str(self.cfg.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+                        input=input, check=check, timeout=timeout)
+
+    def request(self, method: str, path: str, body: Any = None, *, token: str | None = None,
+                content_type: str = "application/json", timeout: float = 20.0) -> tuple[int, Any]:
+        """One API request with curl (admin token unless ``token``): (HTTP status, parsed JSON or text)."""
+        argv = ["curl", "-sS", "--noproxy", "*", "-m", str(timeout), "--cacert", str(self.ca_cert),
+                "-H", f"Authorization: Bearer {token or self.token}", "-X", method, "-o", "-", "-w", "\n%{http_code}"]
+        data = None
+        if body is not None:
+            data = body if isinstance(body, str) else json.dumps(body)
+            argv += ["-H", f"Content-Type: {content_type}", "--data-binary", "@-"]
+        argv.append(self.server + path)
+        cp = self.run(argv, input=data, check=False, timeout=timeout + 5)
+        if cp.returncode != 0:
+            raise ClusterError(f"curl {method} {path} failed (exit {cp.returncode}): {cp.stderr.strip()}")
+        text, _, code = cp.stdout.rpartition("\n")
+        try:
+            parsed: Any = json.loads(text) if text.strip() else None
+        except json.JSONDecodeError:
+            parsed = text
+        return int(code), parsed
+
+    def service_account_token(self, namespace: str, name: str, seconds: int = 3600) -> str:
+        """A token for the ServiceAccount (TokenRequest), e.g. to run a controller with its real RBAC."""
+        code, body = self.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token",
+                                  {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                                   "spec": {"expirationSeconds": seconds}})
+        if code != 201:
+            raise ClusterError(f"TokenRequest for {namespace}/{name}: HTTP {code}: {body}")
+        return body["status"]["token"]
+
+    def write_kubeconfig(self, path: str | Path, token: str, user: str = "user") -> Path:
+        """A kubeconfig file for ``token`` (this cluster's server and CA), for kubectl or a client library."""
+        p = Path(path)
+        p.write_text(json.dumps(kubeconfig(self.server, self.ca_cert, user, token=token), indent=1))
+        p.chmod(0o600)
+        return p
+
+    def apply(self, objs: Mapping | Sequence[Mapping]) -> str:
+        """``kubectl apply`` of one manifest or a list (server-side apply, field manager ``lab``)."""
+        items = [objs] if isinstance(objs, Mapping) else list(objs)
+        doc = json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
+        return self.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=lab", "-f", "-",
+                            input=doc).stdout
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict | None:
+        ns = ["-n", namespace] if namespace else []
+        cp = self.kubectl("get", kind, name, *ns, "-o", "json", check=False)
+        if cp.returncode != 0:
+            if "NotFound" in cp.stderr:
+                return None
+            raise ClusterError(f"kubectl get {kind} {name}: {cp.stderr.strip()}")
+        return json.loads(cp.stdout)
+
+    # ------------------------------------------------------------------ PKI
+    def _openssl(self, *args: str) -> None:
+        _run(["openssl", *args], timeout=30)
+
+    def _write_pki(self) -> None:
+        cfg, p = self.cfg, self.cfg.pki
+        p.mkdir(parents=True)
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        (p / "ca.cnf").write_text("[req]\ndistinguished_name = dn\nx509_extensions = ext\nprompt = no\n[dn]\n"
+                                  "CN = unused\n[ext]\nbasicConstraints = critical,CA:TRUE\n"
+                                  "keyUsage = critical,keyCertSign,cRLSign\nsubjectKeyIdentifier = hash\n")
+        self._openssl("req", "-x509", "-new", "-config", str(p / "ca.cnf"), *ec, "-keyout", str(p / "ca.key"),
+                      "-out", str(p / "ca.crt"), "-days", "30", "-subj", f"/CN=containerboot-py lab CA {cfg.name}")
+        for spec in cert_plan(cfg):
+            cnf = p / f"{spec.name}.cnf"
+            cnf.write_text(openssl_ext(spec))
+            subj = (f"/O={spec.org}" if spec.org else "") + f"/CN={spec.cn}"
+            self._openssl("req", "-x509", "-new", "-config", str(cnf), *ec, "-keyout", str(p / f"{spec.name}.key"),
+                          "-out", str(p / f"{spec.name}.crt"), "-days", "30", "-subj", subj,
+                          "-CA", str(p / "ca.crt"), "-CAkey", str(p / "ca.key"))
+        self._openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(p / "sa.key"))
+        (p / "audit-policy.json").write_text(json.dumps(AUDIT_POLICY))
+        (p / "tokens.csv").write_text(f'{cfg.token},lab-admin,lab-admin,"system:masters"\n')
+        for f in p.iterdir():
+            f.chmod(0o600)
+        kdir = cfg.kubeconfig_path("x").parent
+        kdir.mkdir(parents=True)
+        ca = p / "ca.crt"
+        files = {"admin": kubeconfig(cfg.server, ca, "lab-admin", token=cfg.token)}
+        for who, cert in (("controller-manager", "controller-manager"), ("scheduler", "scheduler"),
+                          ("kubelet", "kubelet-client"), ("kube-proxy", "kube-proxy")):
+            files[who] = kubeconfig(cfg.server, ca, who, cert=p / f"{cert}.crt", key=p / f"{cert}.key")
+        for who, kc in files.items():
+            path = cfg.kubeconfig_path(who)
+            path.write_text(json.dumps(kc, indent=1))
+            path.chmod(0o600)
+
+    # ------------------------------------------------------------------ control plane
+    def _readyz(self) -> bool:
+        code, _ = self.request("GET", "/readyz", timeout=5)
+        return code == 200
+
+    def _start_control_plane(self, timeout: float = 60.0) -> None:
+        t = time.monotonic()
+        etcd = self._spawn("etcd", etcd_argv(self.cfg))
+        _wait(lambda: self.run(["curl", "-sf", "-m", "2", f"http://127.0.0.1:{self.cfg.etcd_port}/health"],
+                               check=False, timeout=5).returncode == 0, timeout, "etcd health", procs=[etcd])
+        self.timings["etcd"] = time.monotonic() - t
+        self._start_apiserver(timeout)
+        self._spawn("kube-controller-manager", controller_manager_argv(self.cfg))
+        self._spawn("kube-scheduler", scheduler_argv(self.cfg))
+
+    def _start_apiserver(self, timeout: float = 60.0) -> None:
+        t = time.monotonic()
+        api = self._spawn("kube-apiserver", apiserver_argv(self.cfg))
+        _wait(self._readyz, timeout, "kube-apiserver /readyz", 0.2, procs=[api])
+        self.timings["apiserver"] = time.monotonic() - t
+
+    def stop_component(self, name: str, timeout: float = 20.0) -> int | None:
+        """SIGTERM one component (e.g. ``kube-apiserver``) and wait for it; its exit status."""
+        pr = self.procs.get(name)
+        if pr is None:
+            return None
+        if pr.proc.poll() is None:
+            pr.proc.terminate()
+            try:
+                pr.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pr.proc.kill()
+                pr.proc.wait(5)
+        pr.logf.close()
+        return pr.proc.returncode
+
+    def restart_apiserver(self, down_for: float = 0.0, timeout: float = 60.0) -> float:
+        """Stop kube-apiserver, wait ``down_for`` seconds, start it again; returns seconds until /readyz."""
+        self.stop_component("kube-apiserver")
+        time.sleep(down_for)
+        t = time.monotonic()
+        self._start_apiserver(timeout)
+        return time.monotonic() - t
+
+    def _wait_default_sa(self, timeout: float) -> None:
+        _wait(lambda: self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default", timeout=5)[0] == 200,
+              timeout, "the default ServiceAccount (kube-controller-manager)",
+              procs=[self.procs["kube-controller-manager"]])
+
+    # ------------------------------------------------------------------ node
+    def _cgroup_mounts(self) -> list[Path]:
+        out = []
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) > 2 and parts[2] in ("cgroup", "cgroup2") and parts[1].startswith("/sys/fs/cgroup"):
+                out.append(Path(parts[1]))
+        return out
+
+    def _make_cgroups(self) -> None:
+        for m in self._cgroup_mounts():
+            d = m / self.cfg.cgroup_root.lstrip("/")
+            d.mkdir(exist_ok=True)
+            self._made_cgroups.append(d)
+            if (m / "cpuset.cpus").exists():   # v1 cpuset: a new group starts with no CPUs and no memory nodes
+                for f in ("cpuset.cpus", "cpuset.mems"):
+                    (d / f).write_text((m / f).read_text())
+
+    def _start_node(self, timeout: float = 60.0) -> None:
+        cfg, node = self.cfg, self.cfg.run_dir / "node"
+        t = time.monotonic()
+        for d in ("varlog", "cni", "ipam", "kubelet", "kubelet-pki"):
+            (node / d).mkdir(parents=True, exist_ok=True)
+        (node / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        (node / "kubelet.json").write_text(json.dumps(kubelet_config(cfg), indent=1))
+        (node / "kube-proxy.json").write_text(json.dumps(kube_proxy_config(cfg), indent=1))
+        (cfg.run_dir / "containerd").mkdir(exist_ok=True)
+        (cfg.run_dir / "containerd" / "config.toml").write_text(containerd_config(cfg))
+        self._make_cgroups()
+        holder_argv = ["nsenter", f"--net=/run/netns/{self.netns}", "--", "unshare", "--mount",
+                       "--propagation", "private", "sh", "-c", holder_script(cfg)]
+        self.holder = self._spawn("holder", holder_argv, raw=True)
+        _wait(lambda: (node / "holder.ready").exists(), 10, "the node's mount namespace", 0.05, procs=[self.holder])
+        ctd = self._spawn("containerd", ["containerd", "--config", str(cfg.run_dir / "containerd" / "config.toml")],
+                          in_node=True)
+        _wait(lambda: self._ctr("version", check=False).returncode == 0, timeout, "containerd", 0.1, procs=[ctd])
+        self.timings["containerd"] = time.monotonic() - t
+        self.import_image_bytes(ociimage.oci_archive(PAUSE_IMAGE, [ociimage.File("pause", (cfg.bin_dir / "pause").read_bytes())],
+                                                     ["/pause"]), "pause.tar")
+        self.import_image_bytes(ociimage.oci_archive(ECHO_IMAGE, [ociimage.File("lab-echo", (cfg.bin_dir / "lab-echo").read_bytes())],
+                                                     ["/lab-echo"]), "lab-echo.tar")
+        self.timings["images"] = time.monotonic() - t
+        t_kubelet = time.monotonic()
+        kubelet = self._spawn("kubelet", kubelet_argv(cfg), in_node=True)
+        # the CNI config needs the node's pod CIDR, which kube-controller-manager allocates once the node exists
+        pod_cidr = _wait(lambda: (self.get("node", cfg.node_name) or {}).get("spec", {}).get("podCIDR"), timeout,
+                         "the node's podCIDR", 0.2, procs=[kubelet, self.procs["kube-controller-manager"]])
+        (node / "cni" / "10-lab.conflist").write_text(json.dumps(cni_conflist(cfg, pod_cidr), indent=1))
+        self.pod_cidr = pod_cidr
+        self._spawn("kube-proxy", kube_proxy_argv(cfg), in_node=True)
+        self.with_node = True
+        self.wait_node_ready(timeout)
+        self.timings["kubelet_to_ready"] = time.monotonic() - t_kubelet
+
+    def _ctr(self, *args: str, check: bool = True, timeout: float = 120.0, input: bytes | None = None):
+        return _run(["ctr", "--address", str(self.cfg.containerd_socket), "--namespace", "k8s.io", *args],
+                    check=check, timeout=timeout, input=input)
+
+    def import_image(self, archive: str | Path) -> str:
+        """Import an OCI (or docker-archive) tar into the node's containerd; ``ctr``'s output."""
+        return self._ctr("images", "import", "--no-unpack=false", str(archive)).stdout
+
+    def import_image_bytes(self, data: bytes, filename: str) -> str:
+        p = self.cfg.run_dir / "images" / filename
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        return self._ctr("images", "import", str(p)).stdout
+
+    def images(self) -> list[str]:
+        return [ln.split()[0] for ln in self._ctr("images", "ls", "-q").stdout.splitlines() if ln.strip()]
+
+    def node_ready(self) -> bool:
+        n = self.get("node", self.cfg.node_name)
+        conds = (n or {}).get("status", {}).get("conditions", [])
+        return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+    def wait_node_ready(self, timeout: float = 60.0) -> None:
+        _wait(self.node_ready, timeout, f"node {self.cfg.node_name} Ready", 0.3,
+              procs=[self.procs[n] for n in ("kubelet", "containerd") if n in self.procs])
+
+    def wait_pod_ready(self, namespace: str, name: str, timeout: float = 90.0) -> dict:
+        def ready() -> dict | None:
+            p = self.get("pod", name, namespace)
+            conds = (p or {}).get("status", {}).get("conditions", [])
+            return p if any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds) else None
+        try:
+            return _wait(ready, timeout, f"pod {namespace}/{name} Ready", 0.5)
+        except ClusterError as e:
+            desc = self.kubectl("describe", "pod", name, "-n", namespace, check=False)
+            raise ClusterError(f"{e}\n{desc.stdout[-3000:]}{desc.stderr[-500:]}") from None
+
+    def audit(self, *, user: str | None = None, name: str | None = None) -> list[dict]:
+        """The API server's audit events on Secrets (``verb``, ``objectRef``, ``responseStatus.code``, ``user``)."""
+        out = []
+        try:
+            lines = (self.cfg.run_dir / "logs" / "audit.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        for ln in lines:
+            try:
+                ev = json.loads(ln)
+            except json.JSONDecodeError:
+                continue
+            if user and ev.get("user", {}).get("username") != user:
+                continue
+            if name and (ev.get("objectRef") or {}).get("name") != name:
+                continue
+            out.append(ev)
+        return out
+
+    def rss_mb(self) -> dict[str, float]:
+        """Resident memory of each component (MiB), read from /proc."""
+        out = {}
+        for name, pr in self.procs.items():
+            if name == "holder" or pr.proc.poll() is not None:
+                continue
+            pid = _child_pid(pr.proc.pid)
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        out[name] = int(line.split()[1]) / 1024
+            except OSError:
+                pass
+        return out
+
+    def diagnostics(self, chars: int = 4000) -> str:
+        """Logs of every component (tails) and the cluster's Pods and events, for a failing test."""
+        out = [f"=== cluster {self.cfg.name} run_dir={self.cfg.run_dir}"]
+        for name, pr in self.procs.items():
+            out.append(f"--- {name} (exit {pr.proc.poll()})\n{pr.tail(chars)}")
+        if not self._closed:
+            for args in (("get", "pods", "-A", "-o", "wide"), ("get", "events", "-A")):
+                cp = self.kubectl(*args, check=False, timeout=20)
+                out.append(f"--- kubectl {' '.join(args)}\n{cp.stdout[-chars:]}{cp.stderr[-500:]}")
+        return "\n".join(out)
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        problems: list[str] = []
+        for name in ("kubelet", "kube-proxy", "kube-scheduler", "kube-controller-manager"):
+            try:
+                self.stop_component(name, 10)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"{name}: {e}")
+        # the Pods' processes: everything in our cgroup tree (they are in their own namespaces)
+        self._kill_cgroup_tree(problems)
+        for name in ("containerd", "kube-apiserver", "etcd"):
+            try:
+                self.stop_component(name, 15)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"{name}: {e}")
+        if self.holder is not None:
+            # the shims and anything else in the node's mount namespace, then the holder: the namespace and
+            # every mount in it (Pods' netns pins, rootfs overlays, volume tmpfs) go with it
+            try:
+                mnt = os.stat(f"/proc/{self.holder.proc.pid}/ns/mnt").st_ino if self.holder.proc.poll() is None else None
+            except OSError:
+                mnt = None
+            if mnt is not None:
+                for pid in _pids_in_mount_ns(mnt):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            self.stop_component("holder", 5)
+        self._kill_cgroup_tree(problems)
+        self._remove_cgroups(problems)
+        for pr in self.procs.values():
+            try:
+                pr.logf.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.lab is not None and self.netns:
+            self.lab.kill_ns_leftovers("k8s", 5) if self.lab.ns_pids("k8s") else None
+            cp = _run(["ip", "netns", "del", self.netns], check=False, timeout=15)
+            if cp.returncode != 0 and "No such file" not in cp.stderr:
+                problems.append(f"ip netns del {self.netns}: {cp.stderr.strip()}")
+            shutil.rmtree(Path("/etc/netns") / self.netns, ignore_errors=True)
+            self.lab.namespaces.pop("k8s", None)
+        if self._made_run_dir and os.environ.get("CBPY_KEEP_RUN_DIR") != "1":
+            shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
+        _LIVE.discard(self)
+        if problems:
+            print(f"kubecluster: teardown of {self.cfg.name} had problems: " + "; ".join(problems), file=sys.stderr)
+
+    def _cgroup_pids(self) -> set[int]:
+        pids: set[int] = set()
+        for d in self._made_cgroups:
+            if not d.exists():
+                continue
+            for procs in d.rglob("cgroup.procs"):
+                try:
+                    pids.update(int(x) for x in procs.read_text().split())
+                except OSError:
+                    pass
+        return pids
+
+    def _kill_cgroup_tree(self, problems: list[str]) -> None:
+        for _ in range(20):
+            pids = self._cgroup_pids()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        problems.append(f"processes left in {self.cfg.cgroup_root}: {sorted(self._cgroup_pids())}")
+
+    def _remove_cgroups(self, problems: list[str]) -> None:
+        for d in self._made_cgroups:
+            if not d.exists():
+                continue
+            subdirs = sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
+            for sd in [*subdirs, d]:
+                for _ in range(20):
+                    try:
+                        sd.rmdir()
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError as e:
+                        last = e
+                        time.sleep(0.1)
+                else:
+                    problems.append(f"rmdir {sd}: {last}")
+
+
+def _child_pid(pid: int) -> int:
+    """nsenter/env exec the program, except nsenter --target, which forks: follow to the only child."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        if comm == "nsenter":
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            if kids:
+                return int(kids[0])
+    except OSError:
+        pass
+    return pid
+
+
+def _pids_in_mount_ns(ino: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.stat(d / "ns" / "mnt").st_ino == ino:
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+def reap_stale(run_root: str | Path = "/tmp") -> list[str]:
+    """Remove clusters whose owner process died without close() (a SIGKILLed test run): kill the processes
+    of their run directory and their cgroup tree (the Pods), remove the cgroups and the run directory. Only
+    clusters made by this module (an ``owner`` and a ``name`` file) are touched. Run before Lab's reap_stale,
+    which then removes the lab's namespaces (the node's among them). Returns the names reaped."""
+    reaped = []
+    for owner in [*Path(run_root).glob("cb*/k8s/owner"), *Path(run_root).glob("cbpy-*/owner")]:
+        run = owner.parent
+        try:
+            pid = int(owner.read_text().strip())
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[0] != "Z":     # a zombie owner is dead too
+                continue
+        except FileNotFoundError:
+            pass
+        except (ValueError, OSError, IndexError):
+            continue
+        try:
+            name = (run / "name").read_text().strip()
+        except OSError:
+            continue
+        kc = KubeCluster(ClusterConfig(name, run, run, "127.0.0.1"))
+        kc._closed = True
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    if str(run) + "/" in (d / "cmdline").read_bytes().decode(errors="replace"):
+                        os.kill(int(d.name), signal.SIGKILL)
+                except (OSError, ProcessLookupError):
+                    pass
+        kc._made_cgroups = [m / kc.cfg.cgroup_root.lstrip("/") for m in kc._cgroup_mounts()]
+        problems: list[str] = []
+        kc._kill_cgroup_tree(problems)
+        time.sleep(0.5)
+        kc._remove_cgroups(problems)
+        shutil.rmtree(run, ignore_errors=True)
+        reaped.append(name + (f" ({'; '.join(problems)})" if problems else ""))
+    return reaped
+
+
+def _close_all() -> None:
+    for kc in list(_LIVE):
+        try:
+            kc.close()
+        except Exception as e:  # noqa: BLE001
+            print(f"kubecluster: atexit close failed: {e}", file=sys.stderr)
+
+
+atexit.register(_close_all)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "reap-stale":
+        print("\n".join(reap_stale()) or "(none)")
+        sys.exit(0)
+    print("usage: python -m labtools.kubecluster reap-stale", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,106 @@
+"""The Kubernetes variant of the demo (``make demo DEMO_ARGS=--kube``): the agent as a real StatefulSet Pod.
+
+Builds the lab (headscale, a ``client`` tailscaled node), a real cluster with one node in the island
+(labtools.kubecluster), imports the proxy image (``make image``), deploys a backend Deployment + ClusterIP
+Service and the agent as a StatefulSet Pod exposing that ClusterIP to the tailnet (TS_DEST_IP), then prints
+the Pod, the device keys the agent wrote to its state Secret, and a curl from the tailnet client through the
+Pod. With ``--once`` it exits after printing: status 0 only if the curl worked.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from labtools import kubecluster, kubemanifests
+from labtools import lab as labmod
+from labtools.lab import Lab, LabError, ensure_binaries, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+IMAGE = "localhost/containerboot-py:latest"
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _image_archive() -> Path:
+    t0 = time.monotonic()
+    subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), "--image"], check=True)
+    subprocess.run(["bash", str(REPO / "images" / "build.sh")], check=True, stdout=subprocess.DEVNULL)
+    p = Path(subprocess.run(["bash", str(REPO / "images" / "build.sh"), "--print-archive"], check=True,
+                            capture_output=True, text=True).stdout.strip())
+    _say(f"proxy image {IMAGE}: {p} ({time.monotonic() - t0:.1f}s)")
+    return p
+
+
+def run(firewall: str, once: bool, timeout: float = 120.0) -> int:
+    t_all = time.monotonic()
+    bin_dir = ensure_binaries()
+    t0 = time.monotonic()
+    k8s_bin = kubecluster.ensure_binaries()
+    _say(f"Kubernetes {kubecluster.K8S_VER} binaries: {k8s_bin} ({time.monotonic() - t0:.1f}s)")
+    archive = _image_archive()
+    ok = False
+    with Lab.create(bin_dir=bin_dir, firewall_mode=firewall) as lab:
+        _say(f"lab {lab.prefix} up; client tailnet IPs: {' '.join(i for i in lab.tailnet_ips('client') if i)}")
+        with kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin) as kc:
+            t = kc.timings
+            _say(f"cluster up: API {kc.server}, node {kubecluster.NODE_NAME} Ready {t['node_ready']:.1f}s after "
+                 f"start (control plane {t['control_plane']:.1f}s, kubelet to Ready {t['kubelet_to_ready']:.1f}s); "
+                 f"kubeconfig {kc.kubeconfig}")
+            t0 = time.monotonic()
+            kc.import_image(archive)
+            _say(f"imported {IMAGE} into the node's containerd ({time.monotonic() - t0:.1f}s)")
+            marker = f"echo-ok-{lab.prefix}"
+            kc.apply([kubemanifests.namespace("demo"),
+                      *kubemanifests.echo_backend("demo", "backend", marker, kubecluster.ECHO_IMAGE)])
+            kc.kubectl("-n", "demo", "rollout", "status", "deployment/backend", "--timeout=90s", timeout=100)
+            cip = kc.get("service", "backend", "demo")["spec"]["clusterIP"]
+            _say(f"backend Deployment ready behind Service demo/backend, ClusterIP {cip}:8080")
+            env = {k: v for k, v in lab.tailscaled_env(Path("/tmp"), Path("/tmp")).items()
+                   if k not in ("PATH", "HOME", "TS_LOGS_DIR")}
+            env.update({"TS_DEBUG_FIREWALL_MODE": firewall, "TS_HOSTNAME": "kube-proxy-demo",
+                        "TS_AUTHKEY": lab.authkey, "TS_AUTH_ONCE": "true",
+                        "TS_EXTRA_ARGS": f"--login-server={labmod.LOGIN_SERVER}",
+                        "TS_TAILSCALED_EXTRA_ARGS": "--no-logs-no-support --port=41641"})
+            kc.apply([*kubemanifests.proxy_rbac("demo", "proxy", "proxy-0"), kubemanifests.secret("demo", "proxy-0")])
+            kc.apply(kubemanifests.proxy_statefulset("demo", "proxy", IMAGE, service_account="proxy", dest_ip=cip,
+                                                     api_ip=kc.cfg.kubernetes_service_ip, env=env))
+            t0 = time.monotonic()
+            try:
+                pod = kc.wait_pod_ready("demo", "proxy-0", timeout)
+                _say(kc.kubectl("-n", "demo", "get", "pods", "-o", "wide").stdout.rstrip())
+
+                def device() -> dict | None:
+                    s = kc.get("secret", "proxy-0", "demo") or {}
+                    d = {k: base64.b64decode(v).decode(errors="replace") for k, v in (s.get("data") or {}).items()}
+                    return d if d.get("device_ips") else None
+                d = wait_until(device, timeout, 0.5, "device keys in Secret demo/proxy-0")
+                _say(f"agent Pod {pod['metadata']['name']} (IP {pod['status']['podIP']}) wrote its device keys "
+                     f"{time.monotonic() - t0:.1f}s after the StatefulSet was applied; Secret demo/proxy-0 has "
+                     f"{sorted(d)}:")
+                for k in ("device_id", "device_fqdn", "device_ips", "tailscale_capver", "pod_uid"):
+                    _say(f"  {k} = {d.get(k)}")
+                v4 = next(i for i in json.loads(d["device_ips"]) if ":" not in i)
+                lab.wait_peer("client", "kube-proxy-demo", 60)
+                t0 = time.monotonic()
+                body = lab.wait_curl("client", lab.url(v4, 8080, "/demo-kube"), marker, timeout=60)
+                _say(f"curl client -> http://{v4}:8080/demo-kube (tailnet -> Pod -> ClusterIP {cip} -> kube-proxy "
+                     f"-> backend Pod): OK in {time.monotonic() - t0:.1f}s: {body.strip().replace(chr(10), ' | ')}")
+                ok = True
+            except (TimeoutError, LabError, kubecluster.ClusterError) as e:
+                _say(f"FAILED: {e}")
+                _say(kc.kubectl("-n", "demo", "logs", "proxy-0", "--tail=80", check=False).stdout)
+                _say(kc.diagnostics())
+            rss = kc.rss_mb()
+            _say("memory (RSS MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(rss.items())))
+            if not once:
+                _say("cluster is up; press Ctrl-C to tear it down "
+                     f"(kubectl: ip netns exec {kc.netns} {k8s_bin}/kubectl --kubeconfig {kc.kubeconfig} ...)")
+                while True:
+                    time.sleep(1)
+    _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
+    return 0 if ok else 1

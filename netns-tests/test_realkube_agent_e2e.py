@@ -1,0 +1,322 @@
+"""The agent as a real Pod: a StatefulSet in the lab's real Kubernetes (labtools.kubecluster, one node in the
+island), from the proxy image (``make image``, images/build.sh), privileged as upstream's operator runs proxies.
+
+Per firewall backend of the agent (iptables, nftables; the node's kube-proxy runs in the same mode), one
+cluster each:
+1. state in the real Secret through real RBAC (SA token projected by the kubelet, SSARs answered by the real
+   authorizer), tailscaled's kube store keys + the agent's device keys; a tailnet client reaches the backend
+   Deployment through the Pod (L3 ingress DNATed to a real ClusterIP, then kube-proxy to the Pod);
+2. faults: the API server stops and restarts while the agent runs (the data path never stops; a device
+   name change made while it was down reaches the Secret afterwards), the Pod deleted and re-created by the
+   StatefulSet controller (same node: same ID, same tailnet IP, no new login), the Secret deleted under the
+   running Pod (data path kept; a device change meanwhile is reported as a failed write and retried, and
+   lands in the Secret once it is re-created, without a restart);
+3. a Role without ``patch`` with the auth key in the Secret: the Pod fails with the message naming the rule;
+4. one-step mode: the config Secret mounted by the kubelet is rewritten, the kubelet swaps ``..data``, the
+   agent has tailscaled reload it (a new advertised route reaches headscale).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from labtools import kubecluster, kubemanifests
+from labtools import lab as labmod
+from labtools.lab import wait_until
+
+pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parent.parent
+IMAGE = "localhost/containerboot-py:latest"
+
+
+@pytest.fixture(scope="session")
+def agent_image_archive(lab_bin_dir) -> Path:
+    """The proxy image's OCI archive, built (or found up to date) by the project's own image build."""
+    cp = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), "--image"], capture_output=True, text=True,
+                        timeout=1800)
+    if cp.returncode != 0:
+        pytest.skip(f"the image build's packages cannot be installed: {cp.stderr[-1500:]}")
+    cp = subprocess.run(["bash", str(REPO / "images" / "build.sh")], capture_output=True, text=True, timeout=3600)
+    assert cp.returncode == 0, f"make image failed:\n{cp.stderr[-4000:]}"
+    path = Path(subprocess.run(["bash", str(REPO / "images" / "build.sh"), "--print-archive"], capture_output=True,
+                               text=True, check=True).stdout.strip())
+    assert path.is_file(), path
+    return path
+
+
+@pytest.fixture(scope="module", params=["iptables", "nftables"])
+def kube(request, lab, agent_image_archive):
+    """A cluster with a node, the proxy image imported, and the echo backend behind a ClusterIP Service."""
+    try:
+        bdir = kubecluster.ensure_binaries()
+    except kubecluster.ClusterError as e:
+        pytest.skip(f"the Kubernetes binaries cannot be built here: {e}")
+    # the node's kube-proxy uses the same netfilter backend as the agent under test
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir, proxy_mode=request.param)
+    try:
+        kc.import_image(agent_image_archive)
+        kc.apply([kubemanifests.namespace("backend"),
+                  *kubemanifests.echo_backend("backend", "echo", f"echo-ok-{lab.prefix}", kubecluster.ECHO_IMAGE)])
+        kc.kubectl("-n", "backend", "rollout", "status", "deployment/echo", "--timeout=90s", timeout=100)
+        kc.firewall = request.param
+        kc.backend_ip = kc.get("service", "echo", "backend")["spec"]["clusterIP"]
+        kc.marker = f"echo-ok-{lab.prefix}"
+        yield kc
+    except BaseException:
+        print(kc.diagnostics())
+        raise
+    finally:
+        kc.close()
+
+
+def _proxy_env(lab, kc, hostname: str) -> dict[str, str]:
+    """The lab's tailscaled environment (no logs to Tailscale, DERP over HTTP, ...) for the Pod."""
+    env = lab.tailscaled_env(Path("/tmp"), Path("/tmp/logs"))
+    for k in ("PATH", "HOME", "TS_LOGS_DIR"):
+        env.pop(k)
+    env.update({"TS_DEBUG_FIREWALL_MODE": kc.firewall, "TS_HOSTNAME": hostname,
+                "TS_EXTRA_ARGS": f"--login-server={labmod.LOGIN_SERVER}",
+                "TS_TAILSCALED_EXTRA_ARGS": "--no-logs-no-support --port=41641"})
+    return env
+
+
+def _secret(kc, ns: str, name: str) -> dict[str, bytes] | None:
+    s = kc.get("secret", name, ns)
+    if s is None:
+        return None
+    return {k: base64.b64decode(v) for k, v in (s.get("data") or {}).items()}
+
+
+def _deploy_proxy(lab, kc, ns: str, name: str, *, verbs=("get", "update", "patch"), secret_data=None,
+                  env=None, config_secret: str | None = None, authkey_env: bool = True) -> None:
+    hostname = f"{name}-{kc.firewall[:3]}"
+    e = _proxy_env(lab, kc, hostname)
+    if authkey_env:
+        e.update({"TS_AUTHKEY": lab.authkey, "TS_AUTH_ONCE": "true"})
+    e.update(env or {})
+    objs = [kubemanifests.namespace(ns), *kubemanifests.proxy_rbac(ns, name, f"{name}-0", verbs=verbs),
+            kubemanifests.secret(ns, f"{name}-0", secret_data)]
+    kc.apply(objs)
+    kc.apply(kubemanifests.proxy_statefulset(ns, name, IMAGE, service_account=name, dest_ip=kc.backend_ip,
+                                             api_ip=kc.cfg.kubernetes_service_ip, env=e, config_secret=config_secret))
+
+
+def _wait_device(kc, ns: str, secret: str, timeout: float = 120) -> dict[str, bytes]:
+    def ready():
+        d = _secret(kc, ns, secret) or {}
+        return d if d.get("device_ips") and d.get("device_fqdn") else None
+    try:
+        return wait_until(ready, timeout, 0.5, f"device keys in Secret {ns}/{secret}")
+    except TimeoutError:
+        logs = kc.kubectl("-n", ns, "logs", f"{secret}", "--tail=60", check=False)
+        print(kc.diagnostics())
+        raise AssertionError(f"no device keys in {ns}/{secret}; Pod log:\n{logs.stdout}{logs.stderr}") from None
+
+
+def _logs(kc, ns: str, pod: str, previous: bool = False) -> str:
+    cp = kc.kubectl("-n", ns, "logs", pod, *(["--previous"] if previous else []), check=False)
+    return cp.stdout + cp.stderr
+
+
+def _curl(lab, ip: str, marker: str, tag: str, timeout: float = 60) -> str:
+    return lab.wait_curl("client", lab.url(ip, 8080, f"/{tag}"), marker, timeout=timeout)
+
+
+def test_agent_pod_state_ingress_and_faults(lab, kube):
+    kc, ns, name = kube, "tsproxy", "px"
+    hostname = f"{name}-{kc.firewall[:3]}"
+    lab.delete_node(hostname)
+    _deploy_proxy(lab, kc, ns, name)
+    pod = kc.wait_pod_ready(ns, f"{name}-0", 120)
+    data = _wait_device(kc, ns, f"{name}-0")
+
+    # 1. the Secret: tailscaled's kube store and the agent's keys, through the real authorizer
+    for k in ("_machinekey", "_profiles", "_current-profile", "device_id", "tailscale_capver", "pod_uid"):
+        assert data.get(k), f"{k} missing; keys {sorted(data)}"
+    assert data["pod_uid"].decode() == pod["metadata"]["uid"]
+    assert "authkey" not in data
+    ips = json.loads(data["device_ips"])
+    v4 = next(i for i in ips if ":" not in i)
+    nodes = [n for n in lab.hs_nodes() if n.get("given_name") == hostname or n.get("name") == hostname]
+    assert len(nodes) == 1, nodes
+    assert data["device_fqdn"].decode().startswith(nodes[0]["given_name"] + ".")
+
+    # the tailnet client reaches the backend Deployment through the Pod: tailnet -> Pod (DNAT to the
+    # ClusterIP, SNAT to the Pod IP) -> kube-proxy -> echo Pod
+    lab.wait_peer("client", hostname, 60)
+    body = _curl(lab, v4, kc.marker, "through-pod", 90)
+    assert f"peer={pod['status']['podIP']}:" in body, body
+
+    # 2a. the API server goes away while the agent runs: the data path does not notice; a device name
+    # change made meanwhile reaches the Secret once the API server is back
+    kc.stop_component("kube-apiserver")
+    try:
+        for i in range(3):
+            assert kc.marker in _curl(lab, v4, kc.marker, f"api-down-{i}", 20)
+        lab.hs("nodes", "rename", "--identifier", str(nodes[0]["id"]), f"{hostname}-renamed")
+        time.sleep(5)
+    finally:
+        ready_after = kc.restart_apiserver(0)
+    print(f"kube-apiserver back in {ready_after:.1f}s")
+    wait_until(lambda: (_secret(kc, ns, f"{name}-0") or {}).get("device_fqdn", b"").startswith(
+        f"{hostname}-renamed.".encode()), 90, 1, "the renamed device's FQDN in the Secret")
+    p = kc.get("pod", f"{name}-0", ns)
+    assert p["metadata"]["uid"] == pod["metadata"]["uid"]
+    assert p["status"]["containerStatuses"][0]["restartCount"] == 0, "the agent restarted"
+
+    # 2b. the Pod is deleted; the StatefulSet controller makes a new one, which is the same tailnet node
+    kc.kubectl("-n", ns, "delete", "pod", f"{name}-0", "--wait=true", timeout=90)
+    pod2 = kc.wait_pod_ready(ns, f"{name}-0", 120)
+    assert pod2["metadata"]["uid"] != pod["metadata"]["uid"]
+    wait_until(lambda: (_secret(kc, ns, f"{name}-0") or {}).get("pod_uid", b"").decode() == pod2["metadata"]["uid"],
+               90, 0.5, "the new Pod's UID in the Secret")
+    log2 = _logs(kc, ns, f"{name}-0")
+    assert "generating new machine key" not in log2, log2[-3000:]
+    data2 = _wait_device(kc, ns, f"{name}-0")
+    assert data2["device_id"] == data["device_id"] and json.loads(data2["device_ips"]) == ips
+    assert [n["id"] for n in lab.hs_nodes() if n["id"] == nodes[0]["id"]] and len(
+        [n for n in lab.hs_nodes() if n.get("name") == hostname]) == 1
+    body = _curl(lab, v4, kc.marker, "after-pod-restart", 90)
+    assert f"peer={pod2['status']['podIP']}:" in body, body
+
+    # 2c. the Secret is deleted under the running Pod: the data path is kept
+    kc.kubectl("-n", ns, "delete", "secret", f"{name}-0")
+    for i in range(3):
+        assert kc.marker in _curl(lab, v4, kc.marker, f"secret-gone-{i}", 20)
+        time.sleep(1)
+    # ... a change the agent must record meanwhile fails (reported, retried), and once the operator re-creates
+    # the Secret the agent writes it there, without restarting
+    lab.hs("nodes", "rename", "--identifier", str(nodes[0]["id"]), f"{hostname}-again")
+    wait_until(lambda: "failed to update Secret" in _logs(kc, ns, f"{name}-0"), 60, 1,
+               "the agent reporting the failed Secret write")
+    assert kc.marker in _curl(lab, v4, kc.marker, "secret-gone-after-change", 20)
+    kc.apply(kubemanifests.secret(ns, f"{name}-0"))
+    wait_until(lambda: (_secret(kc, ns, f"{name}-0") or {}).get("device_fqdn", b"").startswith(
+        f"{hostname}-again.".encode()), 90, 1, "the device's new FQDN in the re-created Secret")
+    p = kc.get("pod", f"{name}-0", ns)
+    assert p["metadata"]["uid"] == pod2["metadata"]["uid"]
+    assert p["status"]["containerStatuses"][0]["restartCount"] == 0
+    kc.kubectl("-n", ns, "delete", "statefulset", name, "--wait=true", timeout=90)
+    for n in (hostname, f"{hostname}-renamed", f"{hostname}-again"):
+        lab.delete_node(n)
+
+
+def test_role_without_patch_gives_the_message_users_see(lab, kube):
+    kc, ns, name = kube, "tsnopatch", "np"
+    _deploy_proxy(lab, kc, ns, name, verbs=("get", "update"), secret_data={"authkey": lab.authkey},
+                  authkey_env=False)
+
+    def failed() -> str | None:
+        text = _logs(kc, ns, f"{name}-0") + _logs(kc, ns, f"{name}-0", previous=True)
+        return text if "grant patch" in text else None
+    text = wait_until(failed, 120, 1, "the Pod's failure message")
+    assert f'authkey found in Secret "{name}-0"' in text
+    assert "resourceNames" in text or "patch" in text
+    assert lab.authkey not in text
+
+    def exit_code() -> int | None:     # the container's exit, as the kubelet recorded it
+        st = kc.get("pod", f"{name}-0", ns)["status"]["containerStatuses"][0]
+        term = (st.get("state") or {}).get("terminated") or (st.get("lastState") or {}).get("terminated") or {}
+        return term.get("exitCode")
+    assert wait_until(exit_code, 60, 1, "the agent container's exit") == 1
+    kc.kubectl("-n", ns, "delete", "statefulset", name, "--wait=true", timeout=90)
+
+
+def test_config_secret_reloaded_on_data_swap(lab, kube):
+    kc, ns, name = kube, "tsconfig", "cf"
+    hostname = f"{name}-{kc.firewall[:3]}"
+    lab.delete_node(hostname)
+    cfg_secret = f"{name}-config"
+    conf = lambda routes: kubemanifests.tailscaled_config(  # noqa: E731
+        authkey=lab.authkey, hostname=hostname, server_url=labmod.LOGIN_SERVER, advertise_routes=routes)
+    kc.apply([kubemanifests.namespace(ns), kubemanifests.proxy_config_secret(ns, cfg_secret, conf(()))])
+    _deploy_proxy(lab, kc, ns, name, config_secret=cfg_secret, authkey_env=False,
+                  env={"TS_EXTRA_ARGS": "", "TS_HOSTNAME": ""})
+    kc.wait_pod_ready(ns, f"{name}-0", 120)
+    _wait_device(kc, ns, f"{name}-0")
+    route = "10.77.0.0/24"
+    kc.apply(kubemanifests.proxy_config_secret(ns, cfg_secret, conf((route,))))
+
+    def announced() -> bool:
+        n = next((n for n in lab.hs_nodes() if n.get("name") == hostname), None)
+        return bool(n) and route in (n.get("available_routes") or [])
+    wait_until(announced, 90, 1, f"{route} announced to headscale after the config Secret changed")
+    log = _logs(kc, ns, f"{name}-0")
+    assert "config was reloaded" in log, log[-3000:]
+    p = kc.get("pod", f"{name}-0", ns)
+    assert p["status"]["containerStatuses"][0]["restartCount"] == 0
+    kc.kubectl("-n", ns, "delete", "statefulset", name, "--wait=true", timeout=90)
+    lab.delete_node(hostname)
+
+
+WRITER = r"""
+import http.client, json, ssl, sys, time
+host, port, token, ca, path, seconds = sys.argv[1:7]
+ctx = ssl.create_default_context(cafile=ca)
+conn = http.client.HTTPSConnection(host, int(port), context=ctx, timeout=10)
+n, codes, end = 0, {}, time.monotonic() + float(seconds)
+while time.monotonic() < end:
+    n += 1
+    body = json.dumps({"metadata": {"annotations": {"lab/other-writer": str(n)}},
+                       "stringData": {"operator-key": str(n)}})
+    conn.request("PATCH", path, body, {"Authorization": "Bearer " + token,
+                                       "Content-Type": "application/strategic-merge-patch+json"})
+    r = conn.getresponse(); r.read()
+    codes[r.status] = codes.get(r.status, 0) + 1
+    time.sleep(0.005)
+print(json.dumps({"writes": n, "codes": codes}))
+"""
+
+
+def test_concurrent_writer_no_conflict_nothing_lost(lab, kube):
+    """Another writer (as an operator would) patches the state Secret about 100 times a second while the proxy
+    boots, logs in and writes its keys. A real API server answers 409 Conflict to a write based on a stale
+    resourceVersion (test_realkube_e2e checks that); the agent's and tailscaled's writes carry none
+    (strategic-merge and JSON patches), so none of them conflicts, none is retried, and no key of either
+    writer is lost. The audit log is the API server's own record of every request and its status."""
+    import sys
+    kc, ns, name = kube, "tsconcur", "cc"
+    hostname = f"{name}-{kc.firewall[:3]}"
+    lab.delete_node(hostname)
+    kc.apply([kubemanifests.namespace(ns), kubemanifests.secret(ns, f"{name}-0")])
+    host, port = kc.cfg.api_host, str(kc.cfg.api_port)
+    w = kc.popen([sys.executable, "-c", WRITER, host, port, kc.token, str(kc.ca_cert),
+                  f"/api/v1/namespaces/{ns}/secrets/{name}-0", "40"], stdout=subprocess.PIPE, text=True)
+    try:
+        _deploy_proxy(lab, kc, ns, name)
+        kc.wait_pod_ready(ns, f"{name}-0", 120)
+        data = _wait_device(kc, ns, f"{name}-0")
+        out, _ = w.communicate(timeout=90)
+    finally:
+        if w.poll() is None:
+            w.kill()
+            w.wait()
+    stats = json.loads(out)
+    assert stats["codes"] == {"200": stats["writes"]}, stats
+    assert stats["writes"] > 200, stats
+    proxy_writes = [e for e in kc.audit(user=f"system:serviceaccount:{ns}:{name}", name=f"{name}-0")
+                    if e.get("verb") in ("patch", "update", "create")]
+    assert proxy_writes, "the proxy wrote nothing?"
+    other = [(e["verb"], e.get("userAgent"), e["responseStatus"].get("code")) for e in proxy_writes
+             if e["responseStatus"].get("code") != 200]
+    print(f"proxy writes: {len(proxy_writes)}; not 200: {other}")
+    # the one expected non-200: TS_AUTH_ONCE's JSON-patch removal of an `authkey` key that is not there (the
+    # key came from TS_AUTHKEY), which the API server answers 422 and the agent counts as done
+    assert all(code == 422 and verb == "patch" for verb, _, code in other), other
+    assert len(other) <= 1, other
+    assert "Deleting authkey from Kubernetes Secret" in _logs(kc, ns, f"{name}-0") or not other
+    final = _secret(kc, ns, f"{name}-0")
+    for k in ("_machinekey", "_profiles", "_current-profile", "device_id", "device_ips", "pod_uid"):
+        assert final.get(k), f"{k} lost; keys {sorted(final)}"
+    assert final["operator-key"] == str(stats["writes"]).encode()
+    v4 = next(i for i in json.loads(data["device_ips"]) if ":" not in i)
+    lab.wait_peer("client", hostname, 60)
+    assert kc.marker in _curl(lab, v4, kc.marker, "after-concurrent-writes", 60)
+    kc.kubectl("-n", ns, "delete", "statefulset", name, "--wait=true", timeout=90)
+    lab.delete_node(hostname)

@@ -1,0 +1,73 @@
+"""The real cluster's pure parts: the OCI archive of the lab's images, and the files and command lines that
+labtools.kubecluster renders for each component (no root, no cluster: the cluster itself is tested in
+netns-tests/test_realkube_e2e.py)."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+
+from labtools import kubecluster as kc
+from labtools import ociimage
+
+
+def _members(data: bytes) -> dict[str, bytes]:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        return {m.name: (tf.extractfile(m).read() if m.isfile() else b"") for m in tf.getmembers()}
+
+
+def test_oci_archive_is_a_layout_containerd_imports_under_its_name():
+    data = ociimage.oci_archive("localhost/pause:lab", [ociimage.File("pause", b"\x7fELF-binary")], ["/pause"])
+    assert data == ociimage.oci_archive("localhost/pause:lab", [ociimage.File("pause", b"\x7fELF-binary")], ["/pause"])
+    m = _members(data)
+    assert json.loads(m["oci-layout"]) == {"imageLayoutVersion": "1.0.0"}
+    entry = json.loads(m["index.json"])["manifests"][0]
+    assert entry["annotations"]["io.containerd.image.name"] == "localhost/pause:lab"
+    # every digest is the sha256 of the blob it names
+    for name, blob in m.items():
+        if name.startswith("blobs/sha256/") and blob:
+            assert hashlib.sha256(blob).hexdigest() == name.rsplit("/", 1)[1]
+    manifest = json.loads(m["blobs/sha256/" + entry["digest"].split(":")[1]])
+    config = json.loads(m["blobs/sha256/" + manifest["config"]["digest"].split(":")[1]])
+    assert config["config"]["Entrypoint"] == ["/pause"]
+    layer = _members(m["blobs/sha256/" + manifest["layers"][0]["digest"].split(":")[1]])
+    assert layer["pause"] == b"\x7fELF-binary"
+
+
+def _cfg(tmp_path: Path) -> kc.ClusterConfig:
+    return kc.ClusterConfig("t1", tmp_path / "run", tmp_path / "bin", "10.99.0.50", token="tok")
+
+
+def test_the_apiserver_certificate_covers_every_name_pods_and_the_island_use(tmp_path):
+    cfg = _cfg(tmp_path)
+    api = next(s for s in kc.cert_plan(cfg) if s.name == "apiserver")
+    for san in ("IP:10.99.0.50", "IP:10.96.0.1", "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local"):
+        assert san in api.sans
+    node = next(s for s in kc.cert_plan(cfg) if s.name == "kubelet-client")
+    assert (node.cn, node.org) == ("system:node:knode", "system:nodes")
+    ext = kc.openssl_ext(api)
+    assert "CA:FALSE" in ext and "serverAuth" in ext and "clientAuth" not in ext
+
+
+def test_components_are_configured_for_this_machine(tmp_path):
+    cfg = _cfg(tmp_path)
+    api = kc.apiserver_argv(cfg)
+    assert "--bind-address=10.99.0.50" in api and "--advertise-address=10.99.0.50" in api
+    assert "--authorization-mode=Node,RBAC" in api
+    assert "--service-account-issuer=https://kubernetes.default.svc" in api
+    # several clusters side by side: no fixed serving ports, no leader election
+    for argv in (kc.controller_manager_argv(cfg), kc.scheduler_argv(cfg)):
+        assert "--secure-port=0" in argv and "--leader-elect=false" in argv
+    ctd = kc.containerd_config(cfg)
+    assert "restrict_oom_score_adj = true" in ctd and "SystemdCgroup = false" in ctd
+    assert f'address = "{cfg.containerd_socket}"' in ctd and str(cfg.run_dir) in ctd
+    kl = kc.kubelet_config(cfg)
+    assert kl["cgroupDriver"] == "cgroupfs" and kl["cgroupRoot"] == "/cbpy-t1"
+    assert kl["address"] == "10.99.0.50" and kl["authentication"]["anonymous"]["enabled"] is False
+    assert kc.kube_proxy_config(cfg)["mode"] == "iptables"
+    cni = kc.cni_conflist(cfg, "10.244.0.0/24")
+    bridge = cni["plugins"][0]
+    assert bridge["ipMasq"] and bridge["ipam"]["ranges"][0][0] == {"subnet": "10.244.0.0/24", "gateway": "10.244.0.1"}
+    assert "mount -t tmpfs -o mode=755 tmpfs /run" in kc.holder_script(cfg)
