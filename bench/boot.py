@@ -17,8 +17,10 @@ from labtools.lab import Lab, ensure_binaries
 MARK = "Startup complete, waiting for shutdown signal"
 
 
-def boot_once(lab: Lab, agent_cmd: list[str] | None, env: dict[str, str], marker: str) -> float:
-    agent = lab.start_agent(env, agent_cmd)
+def boot_once(lab: Lab, agent_cmd: list[str] | None, env: dict[str, str], marker: str,
+              image: str | None = None) -> float:
+    """One boot to "Startup complete" (seconds), checked by a curl through the proxy; the proxy is reset after."""
+    agent = lab.start_agent(env, agent_cmd, image=image)
     try:
         deadline = time.monotonic() + 120
         while MARK not in agent.log_text():

@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import boot as _boot
 from labtools import image as img
 from labtools.lab import Lab, ensure_binaries
 
 REPO = Path(__file__).resolve().parent.parent
-MARK = "Startup complete, waiting for shutdown signal"
 TOP_DIRS = ("/usr/lib/python3.11", "/usr/lib/x86_64-linux-gnu", "/usr/bin", "/usr/sbin", "/usr/share",
             "/usr/local/bin", "/opt/venv", "/var", "/etc")
 
@@ -88,23 +88,7 @@ def sizes(image: str) -> None:
 
 
 def boot_once(lab: Lab, env: dict, marker: str, image: str | None) -> float:
-    agent = lab.start_agent(env, image=image)
-    try:
-        deadline = time.monotonic() + 120
-        while MARK not in agent.log_text():
-            if not agent.running():
-                raise RuntimeError(f"agent exited early:\n{agent.log_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("no startup within 120 s")
-            time.sleep(0.01)
-        elapsed = time.monotonic() - agent.started
-        v4, _ = agent.tailnet_ips()
-        lab.wait_curl("client", lab.url(v4, 8080, "/?bench"), marker, timeout=30)
-        return elapsed
-    finally:
-        problems = lab.reset_proxy([agent], [agent.hostname])
-        if problems:
-            print("teardown:", "; ".join(problems), file=sys.stderr)
+    return _boot.boot_once(lab, None, env, marker, image=image)
 
 
 def boot(image: str, runs: int, firewall: str) -> None:
