@@ -452,24 +452,24 @@ _BY_NAME: Mapping[str, Setting] = {s.name: s for s in SETTINGS}
 # --------------------------------------------------------------------------------------------------------------
 # Upstream's words.
 
-#: For each invalid configuration that upstream refuses too, upstream's sentence for it (from the reference
-#: specification, validation section). Every message for that condition CONTAINS these words, so that
-#: runbooks and log alerts written against upstream's messages still match; ours adds the value, the reason
-#: and the fix around them. `{placeholders}` are filled from the configuration (`"{value}"` is Go's %q of a
-#: plain value). None: the reference names the condition but not upstream's words, so we invent none (the
-#: message follows the pattern of its neighbours). Where the reference elides the start of a sentence
-#: ("... is set but POD_IP is not set"), the table holds the part it gives.
-UPSTREAM_WORDS: Mapping[str, str | None] = {
-    "pod_ips_too_many": "POD_IPs can contain at most 2 IPs, got {count}",
+#: For each invalid configuration that upstream refuses too, upstream's sentence for it, word for word as
+#: upstream v1.102.3 writes it (cmd/containerboot/settings.go and main.go of that release). Every message for
+#: that condition CONTAINS these words, so that runbooks and log alerts written against upstream's messages
+#: still match; ours adds the value, the reason and the fix around them. `{placeholders}` are filled from the
+#: configuration (`"{value}"` is Go's %q of a plain value; `{ips}` is Go's %v of a list of strings). Where
+#: upstream appends a Go error after a colon (a parse error's own text), the table stops before it: our
+#: parser's explanation takes its place.
+UPSTREAM_WORDS: Mapping[str, str] = {
+    "pod_ips_too_many": "POD_IPs can contain at most 2 IPs, got {count} ({ips})",
     "pod_ips_bad_ip": "error parsing IP address {ip}",
     "config_file_none": 'no tailscaled config file found in "{dir}" for current capability version {capver}',
-    "config_dir_unreadable": None,
+    "config_dir_unreadable": 'error reading tailscaled config directory "{dir}"',
     "config_file_contents": "error validating tailscaled configfile contents",
     "dest_ip_userspace": "TS_DEST_IP is not supported with TS_USERSPACE",
-    "dest_dns_name_userspace": "is not supported with TS_USERSPACE",
+    "dest_dns_name_userspace": "TS_EXPERIMENTAL_DEST_DNS_NAME is not supported with TS_USERSPACE",
     "dest_dns_name_and_dest_ip": "TS_EXPERIMENTAL_DEST_DNS_NAME and TS_DEST_IP cannot both be set",
-    "tailnet_target_ip_userspace": None,
-    "tailnet_target_fqdn_userspace": None,
+    "tailnet_target_ip_userspace": "TS_TAILNET_TARGET_IP is not supported with TS_USERSPACE",
+    "tailnet_target_fqdn_userspace": "TS_TAILNET_TARGET_FQDN is not supported with TS_USERSPACE",
     "tailnet_target_ip_and_fqdn": "Both TS_TAILNET_TARGET_IP and TS_TAILNET_FQDN cannot be set",
     "config_dir_combination": "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR cannot be set in combination with TS_HOSTNAME, "
                               "TS_EXTRA_ARGS, TS_AUTHKEY, TS_ROUTES, TS_ACCEPT_DNS, TS_CLIENT_ID, TS_CLIENT_SECRET, "
@@ -481,13 +481,17 @@ UPSTREAM_WORDS: Mapping[str, str | None] = {
     "audience_and_client_secret": "TS_AUDIENCE and TS_CLIENT_SECRET cannot both be set",
     "authkey_and_oauth": "TS_AUTHKEY cannot be used with TS_CLIENT_ID, TS_CLIENT_SECRET, TS_ID_TOKEN, or "
                          "TS_AUDIENCE.",
-    "allow_proxying_userspace": None,
-    "allow_proxying_without_serve": "is set but this is not a cluster ingress proxy",
-    "allow_proxying_without_pod_ip": "is set but POD_IP is not set",
-    "forwarding_optimizations_userspace": None,
-    "healthcheck_addr_port": "error parsing TS_HEALTHCHECK_ADDR_PORT value",
+    "allow_proxying_userspace": "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS is not supported in "
+                                "userspace mode",
+    "allow_proxying_without_serve": "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS is set but this is "
+                                    "not a cluster ingress proxy",
+    "allow_proxying_without_pod_ip": "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS is set but POD_IP "
+                                     "is not set",
+    "forwarding_optimizations_userspace": "TS_EXPERIMENTAL_ENABLE_FORWARDING_OPTIMIZATIONS is not supported in "
+                                          "userspace mode",
+    "healthcheck_addr_port": 'error parsing TS_HEALTHCHECK_ADDR_PORT value "{value}"',
     "local_addr_port": 'error parsing TS_LOCAL_ADDR_PORT value "{value}"',
-    "debug_addr_port": None,
+    "debug_addr_port": 'error parsing TS_DEBUG_ADDR_PORT value "{value}"',
     "healthcheck_and_health_check": "TS_HEALTHCHECK_ADDR_PORT is deprecated and will be removed in 1.82.0, use "
                                     "TS_ENABLE_HEALTH_CHECK and optionally TS_LOCAL_ADDR_PORT",
     "egress_outside_kubernetes": "TS_EGRESS_PROXIES_CONFIG_PATH is only supported for Tailscale running on "
@@ -499,9 +503,8 @@ UPSTREAM_WORDS: Mapping[str, str | None] = {
 
 
 def _upstream(condition: str, **values: Any) -> str:
-    """Upstream's words for `condition`, filled in; "" where the reference gives none."""
-    words = UPSTREAM_WORDS[condition]
-    return words.format(**values) if words else ""
+    """Upstream's words for `condition`, filled in."""
+    return UPSTREAM_WORDS[condition].format(**values)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -731,8 +734,9 @@ def _pod_ips(env: Mapping[str, str]) -> tuple[IP | None, IP | None, str]:
         return None, None, ""
     entries = raw.split(",")
     if len(entries) > 2:
-        raise _fail(f"{_upstream('pod_ips_too_many', count=len(entries))} (POD_IPS={_quote(raw)}): one IPv4 and "
-                    "one IPv6 address at most; set it from the Pod's status.podIPs", "POD_IPS")
+        words = _upstream("pod_ips_too_many", count=len(entries), ips="[" + " ".join(entries) + "]")
+        raise _fail(f"{words}: POD_IPS={_quote(raw)} holds one IPv4 and one IPv6 address at most; set it from "
+                    "the Pod's status.podIPs", "POD_IPS")
     v4 = v6 = None
     v6_text = ""
     for entry in entries:
@@ -755,9 +759,9 @@ def _config_file(directory: str, capver: int) -> tuple[str, str]:
     try:
         path = conffile.pick_config_file(directory, capver)
     except conffile.ConfigFileError as e:
-        words = _upstream("config_file_none", dir=directory, capver=capver) \
-            if isinstance(e, conffile.NoConfigFileError) else _upstream("config_dir_unreadable")
-        raise _fail(f"{words + ': ' if words else ''}TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR={_quote(directory)}: {e}. "
+        condition = "config_file_none" if isinstance(e, conffile.NoConfigFileError) else "config_dir_unreadable"
+        words = _upstream(condition, dir=directory, capver=capver)
+        raise _fail(f"{words}: TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR={_quote(directory)}: {e}. "
                     f"Mount the operator's config Secret there, with a cap-<N>.hujson for N <= {capver}; ensure "
                     "that the operator is not older than the proxy", "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR") from None
     return path, f"Using tailscaled config file {path!r} to match current capability version {capver}"
@@ -889,10 +893,7 @@ def _check_addr_port(name: str, value: str, condition: str, why: str = "") -> No
     try:
         parse_addr_port(value)
     except ValueError as e:
-        words = _upstream(condition, value=value)
-        if words and not words.endswith('"'):
-            words += f" {_quote(value)}"    # the reference gives upstream's words up to the value
-        raise _fail(f"{words + ': ' if words else ''}{name}={_quote(value)} is not a literal IP:port{why}: {e}. "
+        raise _fail(f"{_upstream(condition, value=value)}: {name}={_quote(value)} is not a literal IP:port{why}: {e}. "
                     "Write e.g. \"[::]:9002\" or \"0.0.0.0:9002\" (host names are not accepted)", name) from None
 
 
@@ -912,14 +913,14 @@ def _validate(s: Settings, env: Mapping[str, str]) -> None:
                         "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR") from None
 
     # 2-7. Proxy targets need kernel networking, and one target of each kind.
-    def needs_kernel(name: str) -> SettingsError:
-        # "<NAME> is not supported with TS_USERSPACE" (upstream's sentence where the reference gives it).
-        return _fail(f"{name} is not supported with TS_USERSPACE ({_shown(name, env)}, {userspace}): {kernel_fix}",
-                     name, "TS_USERSPACE")
+    def needs_kernel(name: str, condition: str) -> SettingsError:
+        return _fail(f"{_upstream(condition)} ({_shown(name, env)}, {userspace}): {kernel_fix}", name,
+                     "TS_USERSPACE")
 
-    for name, value in (("TS_DEST_IP", s.dest_ip), ("TS_EXPERIMENTAL_DEST_DNS_NAME", s.dest_dns_name)):
+    for name, value, cond in (("TS_DEST_IP", s.dest_ip, "dest_ip_userspace"),
+                              ("TS_EXPERIMENTAL_DEST_DNS_NAME", s.dest_dns_name, "dest_dns_name_userspace")):
         if value and s.userspace:
-            raise needs_kernel(name)
+            raise needs_kernel(name, cond)
     if s.dest_dns_name and s.dest_ip:
         raise _fail(f"{_upstream('dest_dns_name_and_dest_ip')} "
                     f"({_shown('TS_EXPERIMENTAL_DEST_DNS_NAME', env)}, {_shown('TS_DEST_IP', env)}): unset one",
@@ -929,10 +930,10 @@ def _validate(s: Settings, env: Mapping[str, str]) -> None:
         raise _fail(f"{_shown('TS_SERVE_CONFIG', env)} cannot be used with {_shown('TS_DEST_IP', env)}: TS_DEST_IP "
                     "forwards all tailnet traffic, so nothing reaches serve. Unset one of them",
                     "TS_SERVE_CONFIG", "TS_DEST_IP")
-    for name, value in (("TS_TAILNET_TARGET_IP", s.tailnet_target_ip), ("TS_TAILNET_TARGET_FQDN",
-                                                                         s.tailnet_target_fqdn)):
+    for name, value, cond in (("TS_TAILNET_TARGET_IP", s.tailnet_target_ip, "tailnet_target_ip_userspace"),
+                              ("TS_TAILNET_TARGET_FQDN", s.tailnet_target_fqdn, "tailnet_target_fqdn_userspace")):
         if value and s.userspace:
-            raise needs_kernel(name)
+            raise needs_kernel(name, cond)
     if s.tailnet_target_fqdn and s.tailnet_target_ip:
         raise _fail(f"{_upstream('tailnet_target_ip_and_fqdn')}: TS_TAILNET_TARGET_IP and TS_TAILNET_TARGET_FQDN "
                     f"cannot both be set ({_shown('TS_TAILNET_TARGET_IP', env)}, "
@@ -999,15 +1000,15 @@ def _validate(s: Settings, env: Mapping[str, str]) -> None:
     allow = "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS"
     if s.allow_proxying_cluster_traffic_via_ingress:
         if s.userspace:
-            raise needs_kernel(allow)
+            raise needs_kernel(allow, "allow_proxying_userspace")
         if not s.serve_config:
-            raise _fail(f"{allow} {_upstream('allow_proxying_without_serve')} ({_shown(allow, env)}): it needs "
+            raise _fail(f"{_upstream('allow_proxying_without_serve')} ({_shown(allow, env)}): it needs "
                         "TS_SERVE_CONFIG; unset it or set TS_SERVE_CONFIG", allow, "TS_SERVE_CONFIG")
         if not s.pod_ip:
-            raise _fail(f"{allow} {_upstream('allow_proxying_without_pod_ip')} ({_shown(allow, env)}): set POD_IP "
+            raise _fail(f"{_upstream('allow_proxying_without_pod_ip')} ({_shown(allow, env)}): set POD_IP "
                         "from the Pod's status.podIP", allow, "POD_IP")
     if s.forwarding_optimizations and s.userspace:
-        raise needs_kernel("TS_EXPERIMENTAL_ENABLE_FORWARDING_OPTIMIZATIONS")
+        raise needs_kernel("TS_EXPERIMENTAL_ENABLE_FORWARDING_OPTIMIZATIONS", "forwarding_optimizations_userspace")
 
     # 19-22. Listener addresses. TS_LOCAL_ADDR_PORT is checked only when something listens on it, as upstream
     # does: the operator always sets it, and an unused bad value must not stop a proxy that worked before.

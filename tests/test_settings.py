@@ -762,7 +762,7 @@ def test_egress_and_ingress_services_start_in_userspace_as_upstream():
 # Upstream's words: each message for a condition upstream refuses too contains upstream's sentence for it.
 
 def upstream_word_cases(tmp_path) -> list[tuple[str, dict, str]]:
-    """(condition, env, upstream's words as the reference specification gives them)."""
+    """(condition, env, upstream's words for it, as upstream v1.102.3 writes them)."""
     empty = tmp_path / "empty-config-dir"
     empty.mkdir()
     bad = tmp_path / "bad-config-dir"
@@ -771,19 +771,27 @@ def upstream_word_cases(tmp_path) -> list[tuple[str, dict, str]]:
     good = tmp_path / "good-config-dir"
     good.mkdir()
     (good / "cap-95.hujson").write_text('{"Version": "alpha0"}')
+    missing = tmp_path / "no-such-config-dir"
     pxy = "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS"
     return [
-        ("pod_ips_too_many", {"POD_IPS": "10.0.0.1,10.0.0.2,10.0.0.3"}, "POD_IPs can contain at most 2 IPs, got 3"),
+        ("pod_ips_too_many", {"POD_IPS": "10.0.0.1,10.0.0.2,10.0.0.3"},
+         "POD_IPs can contain at most 2 IPs, got 3 ([10.0.0.1 10.0.0.2 10.0.0.3])"),
         ("pod_ips_bad_ip", {"POD_IPS": "10.0.0.1,nope"}, "error parsing IP address nope"),
         ("config_file_none", {"TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR": str(empty)},
          f'no tailscaled config file found in "{empty}" for current capability version 142'),
+        ("config_dir_unreadable", {"TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR": str(missing)},
+         f'error reading tailscaled config directory "{missing}"'),
         ("config_file_contents", {"TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR": str(bad)},
          "error validating tailscaled configfile contents"),
         ("dest_ip_userspace", {"TS_DEST_IP": "10.0.0.1"}, "TS_DEST_IP is not supported with TS_USERSPACE"),
         ("dest_dns_name_userspace", {"TS_EXPERIMENTAL_DEST_DNS_NAME": "db.svc"},
-         "is not supported with TS_USERSPACE"),
+         "TS_EXPERIMENTAL_DEST_DNS_NAME is not supported with TS_USERSPACE"),
         ("dest_dns_name_and_dest_ip", {**KERNEL, "TS_EXPERIMENTAL_DEST_DNS_NAME": "db", "TS_DEST_IP": "10.0.0.1"},
          "TS_EXPERIMENTAL_DEST_DNS_NAME and TS_DEST_IP cannot both be set"),
+        ("tailnet_target_ip_userspace", {"TS_TAILNET_TARGET_IP": "100.64.0.1"},
+         "TS_TAILNET_TARGET_IP is not supported with TS_USERSPACE"),
+        ("tailnet_target_fqdn_userspace", {"TS_TAILNET_TARGET_FQDN": "db.ts.net"},
+         "TS_TAILNET_TARGET_FQDN is not supported with TS_USERSPACE"),
         ("tailnet_target_ip_and_fqdn", {**KERNEL, "TS_TAILNET_TARGET_IP": "100.64.0.1",
                                         "TS_TAILNET_TARGET_FQDN": "db.ts.net"},
          "Both TS_TAILNET_TARGET_IP and TS_TAILNET_FQDN cannot be set"),
@@ -801,13 +809,19 @@ def upstream_word_cases(tmp_path) -> list[tuple[str, dict, str]]:
          "TS_AUDIENCE and TS_CLIENT_SECRET cannot both be set"),
         ("authkey_and_oauth", {"TS_AUTH_KEY": ALIAS_KEY, "TS_CLIENT_ID": "c"},
          "TS_AUTHKEY cannot be used with TS_CLIENT_ID, TS_CLIENT_SECRET, TS_ID_TOKEN, or TS_AUDIENCE."),
-        ("allow_proxying_without_serve", {**KERNEL, pxy: "true"}, "is set but this is not a cluster ingress proxy"),
+        ("allow_proxying_userspace", {pxy: "true"},
+         "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS is not supported in userspace mode"),
+        ("allow_proxying_without_serve", {**KERNEL, pxy: "true"},
+         "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS is set but this is not a cluster ingress proxy"),
         ("allow_proxying_without_pod_ip", {**KERNEL, pxy: "true", "TS_SERVE_CONFIG": "/s"},
-         "is set but POD_IP is not set"),
+         "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS is set but POD_IP is not set"),
+        ("forwarding_optimizations_userspace", {"TS_EXPERIMENTAL_ENABLE_FORWARDING_OPTIMIZATIONS": "true"},
+         "TS_EXPERIMENTAL_ENABLE_FORWARDING_OPTIMIZATIONS is not supported in userspace mode"),
         ("healthcheck_addr_port", {"TS_HEALTHCHECK_ADDR_PORT": "localhost:8080"},
-         "error parsing TS_HEALTHCHECK_ADDR_PORT value"),
+         'error parsing TS_HEALTHCHECK_ADDR_PORT value "localhost:8080"'),
         ("local_addr_port", {"TS_ENABLE_METRICS": "true", "TS_LOCAL_ADDR_PORT": "localhost:9002"},
          'error parsing TS_LOCAL_ADDR_PORT value "localhost:9002"'),
+        ("debug_addr_port", {"TS_DEBUG_ADDR_PORT": "[::1]"}, 'error parsing TS_DEBUG_ADDR_PORT value "[::1]"'),
         ("healthcheck_and_health_check", {"TS_HEALTHCHECK_ADDR_PORT": "0.0.0.0:8080", "TS_ENABLE_HEALTH_CHECK": "1"},
          "TS_HEALTHCHECK_ADDR_PORT is deprecated and will be removed in 1.82.0, use TS_ENABLE_HEALTH_CHECK and "
          "optionally TS_LOCAL_ADDR_PORT"),
@@ -823,8 +837,8 @@ def test_each_message_contains_upstreams_words_for_its_condition(tmp_path):
     from containerboot.settings import UPSTREAM_WORDS
 
     cases = upstream_word_cases(tmp_path)
-    # every condition with upstream's words in the table is exercised here, and nothing else is claimed
-    assert {c for c, _, _ in cases} == {c for c, w in UPSTREAM_WORDS.items() if w}
+    # every condition in the table is exercised here, and nothing else is claimed
+    assert [c for c, _, _ in cases] == list(UPSTREAM_WORDS)
     for condition, env, words in cases:
         e = error(env)
         assert words in str(e), (condition, words, str(e))
