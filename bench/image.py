@@ -78,7 +78,7 @@ def sizes(image: str) -> None:
             what = (h.get("CreatedBy") or h.get("createdBy") or "").replace("/bin/sh -c ", "")[:90]
             print(f"  {h['size'] / 1e6:7.1f} MB  {what}")
     rt, ul = img.host_args()
-    du = _run(["podman", *rt, "run", "--rm", *ul, "--entrypoint", "/bin/sh", image, "-c",
+    du = _run(["podman", *rt, "run", "--rm", "--network", "none", *ul, "--entrypoint", "/bin/sh", image, "-c",
                f"du -sk {' '.join(TOP_DIRS)}; du -sk /usr/local/bin/* /opt/venv/lib/python3.11/site-packages/* "
                "| sort -rn | head -6"]).stdout
     print("where the bytes go (du inside the image):")

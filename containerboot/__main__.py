@@ -81,6 +81,9 @@ def _early_tailscaled(settings) -> EarlyStart | None:
         return None
     from . import tailscaled as ts
     if not settings.userspace:
+        from .privileges import missing_net_admin
+        if missing_net_admin(settings.root):
+            return None   # the agent reports it before starting anything
         try:
             ts.ensure_tun(settings.root)
             if any(settings.forwarding_families):

@@ -63,7 +63,10 @@ case "$old" in
   *) old= ;;
 esac
 log "building $NAME from $DOCKERFILE (BASE=$base, TAILSCALE_IMAGE=$tsimg, runtime $(oci_runtime))"
-pod build --layers --pull=never -q -f "$DOCKERFILE" -t "$NAME" \
+# --network host: build steps (apt, pip) use the host's own network as any process does. The default bridge
+# network would make podman (netavark) add NAT chains to the host's firewall and turn on the host's IP
+# forwarding, which a build has no business changing.
+pod build --layers --pull=never --network host -q -f "$DOCKERFILE" -t "$NAME" \
   --build-arg "BASE=$base" --build-arg "TAILSCALE_IMAGE=$tsimg" \
   --build-arg "VERSION=$version" --build-arg "TAILSCALE_VERSION=${ts_version:-unknown}" \
   --label "io.containerboot-py.checkout=$repo" --iidfile "$tmpid" "${secret[@]}" "$CONTEXT" >/dev/null

@@ -388,6 +388,8 @@ def test_auto_mode_end_to_end_keeps_using_the_same_backend(ns, tmp_path):
 # ================================================================================================== sysctls
 
 def test_ensure_forwarding_in_namespace(ns):
+    # A new namespace copies the host's IPv4 forwarding setting, so start from "off" explicitly.
+    ns.run("sysctl", "-qw", "net.ipv4.ip_forward=0", "net.ipv6.conf.all.forwarding=0")
     out = ns.py(
         "from netfilter.sysctl import ensure_forwarding, forwarding_enabled\n"
         "print(forwarding_enabled(4), forwarding_enabled(6))\n"
