@@ -35,7 +35,10 @@ def test_kernel_mode_without_net_admin_names_the_capability(run_agent, tmp_path)
     log = a.log()
     assert "NET_ADMIN capability" in log and "--cap-add NET_ADMIN" in log and "TS_USERSPACE=true" in log
     assert "Traceback" not in log
+    # Nothing was started: neither by the agent nor by the early start that overlaps its imports (the fake
+    # tailscaled may be killed before it records its argv, so the log is checked too).
     assert a.tailscaled_argv() is None, "tailscaled was started without NET_ADMIN"
+    assert "Starting tailscaled" not in log and "Sending SIGTERM to tailscaled" not in log
     assert "SECRETVALUE2" not in log
 
 
@@ -47,6 +50,7 @@ def test_kernel_mode_without_tun_names_the_device(run_agent, tmp_path):
     assert "/dev/net/tun" in log and "--device /dev/net/tun" in log and "TS_USERSPACE=true" in log
     assert "Traceback" not in log
     assert a.tailscaled_argv() is None
+    assert "Starting tailscaled" not in log
 
 
 def test_userspace_needs_neither(run_agent, tmp_path):
