@@ -665,6 +665,20 @@ class KubeCluster:
             path.write_text(json.dumps(kc, indent=1))
             path.chmod(0o600)
 
+    def serving_cert(self, name: str, sans: Sequence[str]) -> tuple[Path, Path]:
+        """A server certificate signed by the cluster's CA (which the API server trusts as a ``caBundle``), e.g.
+        for an admission webhook the tests run: sans like ``("IP:10.99.0.50",)``. Returns (cert, key)."""
+        p = self.cfg.pki
+        spec = CertSpec(f"extra-{name}", name, server=True, sans=tuple(sans))
+        cnf = p / f"{spec.name}.cnf"
+        cnf.write_text(openssl_ext(spec))
+        crt, key = p / f"{spec.name}.crt", p / f"{spec.name}.key"
+        self._openssl("req", "-x509", "-new", "-config", str(cnf), "-newkey", "ec", "-pkeyopt",
+                      "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(crt),
+                      "-days", "30", "-subj", f"/CN={name}", "-CA", str(p / "ca.crt"), "-CAkey", str(p / "ca.key"))
+        key.chmod(0o600)
+        return crt, key
+
     # ------------------------------------------------------------------ control plane
     def _readyz(self) -> bool:
         code, _ = self.request("GET", "/readyz", timeout=5)
