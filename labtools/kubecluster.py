@@ -16,6 +16,7 @@ API (root only; binaries from scripts/install-kubernetes.sh, built on first use 
     kc.service_account_token(ns, sa); kc.write_kubeconfig(path, token)   # a client with a ServiceAccount's RBAC
     kc.popen(argv)                                   # a background process in the cluster's network namespace
     kc.audit(user=..., name=...)                     # the API server's audit events on Secrets (with status)
+    kc.serving_cert("hook", ("IP:10.99.0.50",))      # (crt, key) signed by the cluster CA, e.g. for a webhook
     kc.restart_apiserver(); kc.stop_component("kube-apiserver")
     kc.close()                                       # nothing left (processes, mounts, cgroups, netns, files)
     # a test process killed with a cluster running: `make clean-lab` (kubecluster.reap_stale) removes it

@@ -13,7 +13,10 @@ cluster each:
    lands in the Secret once it is re-created, without a restart);
 3. a Role without ``patch`` with the auth key in the Secret: the Pod fails with the message naming the rule;
 4. one-step mode: the config Secret mounted by the kubelet is rewritten, the kubelet swaps ``..data``, the
-   agent has tailscaled reload it (a new advertised route reaches headscale).
+   agent has tailscaled reload it (a new advertised route reaches headscale);
+5. another writer patching the Secret while the proxy boots (no conflict, nothing lost), and real 409
+   Conflicts on the agent's writes from a validating admission webhook (labtools.conflictwebhook): logged,
+   retried, the keys land, no restart (iptables cluster only).
 """
 from __future__ import annotations
 
@@ -406,6 +409,7 @@ def test_conflicts_on_secret_writes_are_retried(lab, kube, tmp_path):
     # no restart, no secret value in the log
     log = _logs(kc, ns, f"{name}-0")
     lines = [ln for ln in log.splitlines() if "answered 409 Conflict" in ln]
+    print("\n".join(lines))
     assert len(lines) == len(denied), log[-4000:]
     assert all("retrying in" in ln and cw.WEBHOOK_NAME in ln for ln in lines), lines
     assert "failed to update Secret" not in log and "error clearing previous state" not in log, log[-4000:]
