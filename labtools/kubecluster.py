@@ -16,6 +16,7 @@ API (root only; binaries from scripts/install-kubernetes.sh, built on first use 
     kc.service_account_token(ns, sa); kc.write_kubeconfig(path, token)   # a client with a ServiceAccount's RBAC
     kc.popen(argv)                                   # a background process in the cluster's network namespace
     kc.audit(user=..., name=...)                     # the API server's audit events on Secrets (with status)
+    kc.serving_cert("hook", ("IP:10.99.0.50",))      # (crt, key) signed by the cluster CA, e.g. for a webhook
     kc.restart_apiserver(); kc.stop_component("kube-apiserver")
     kc.close()                                       # nothing left (processes, mounts, cgroups, netns, files)
     # a test process killed with a cluster running: `make clean-lab` (kubecluster.reap_stale) removes it
@@ -664,6 +665,20 @@ class KubeCluster:
             path = cfg.kubeconfig_path(who)
             path.write_text(json.dumps(kc, indent=1))
             path.chmod(0o600)
+
+    def serving_cert(self, name: str, sans: Sequence[str]) -> tuple[Path, Path]:
+        """A server certificate signed by the cluster's CA (which the API server trusts as a ``caBundle``), e.g.
+        for an admission webhook the tests run: sans like ``("IP:10.99.0.50",)``. Returns (cert, key)."""
+        p = self.cfg.pki
+        spec = CertSpec(f"extra-{name}", name, server=True, sans=tuple(sans))
+        cnf = p / f"{spec.name}.cnf"
+        cnf.write_text(openssl_ext(spec))
+        crt, key = p / f"{spec.name}.crt", p / f"{spec.name}.key"
+        self._openssl("req", "-x509", "-new", "-config", str(cnf), "-newkey", "ec", "-pkeyopt",
+                      "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(crt),
+                      "-days", "30", "-subj", f"/CN={name}", "-CA", str(p / "ca.crt"), "-CAkey", str(p / "ca.key"))
+        key.chmod(0o600)
+        return crt, key
 
     # ------------------------------------------------------------------ control plane
     def _readyz(self) -> bool:

@@ -13,7 +13,10 @@ cluster each:
    lands in the Secret once it is re-created, without a restart);
 3. a Role without ``patch`` with the auth key in the Secret: the Pod fails with the message naming the rule;
 4. one-step mode: the config Secret mounted by the kubelet is rewritten, the kubelet swaps ``..data``, the
-   agent has tailscaled reload it (a new advertised route reaches headscale).
+   agent has tailscaled reload it (a new advertised route reaches headscale);
+5. another writer patching the Secret while the proxy boots (no conflict, nothing lost), and real 409
+   Conflicts on the agent's writes from a validating admission webhook (labtools.conflictwebhook): logged,
+   retried, the keys land, no restart (iptables cluster only).
 """
 from __future__ import annotations
 
@@ -320,3 +323,104 @@ def test_concurrent_writer_no_conflict_nothing_lost(lab, kube):
     assert kc.marker in _curl(lab, v4, kc.marker, "after-concurrent-writes", 60)
     kc.kubectl("-n", ns, "delete", "statefulset", name, "--wait=true", timeout=90)
     lab.delete_node(hostname)
+
+
+def test_conflicts_on_secret_writes_are_retried(lab, kube, tmp_path):
+    """A 409 Conflict on the agent's Secret writes, from the real API server: a validating admission webhook
+    (labtools.conflictwebhook, TLS from the lab CA, scoped to the proxy's ServiceAccount and state Secret) denies
+    the first 2 writes of each new value of ``pod_uid`` (the boot write) and ``device_fqdn`` (the first device
+    keys, and again after a device rename) with ``code: 409, reason: Conflict``. The agent logs each conflict,
+    writes again and the keys land; the data path works; the container never restarts (upstream's exits on any
+    failed Secret write, so Kubernetes restarts it). The 409 path does not depend on the firewall backend: this
+    runs in the iptables cluster only."""
+    import sys
+    from labtools import conflictwebhook as cw
+    kc, ns, name = kube, "tsconflict", "co"
+    if kc.firewall != "iptables":
+        pytest.skip("the 409 path does not depend on the firewall backend; it runs in the iptables cluster")
+    hostname = f"{name}-{kc.firewall[:3]}"
+    user = f"system:serviceaccount:{ns}:{name}"
+    lab.delete_node(hostname)
+    kc.apply([kubemanifests.namespace(ns), *kubemanifests.proxy_rbac(ns, name, f"{name}-0"),
+              kubemanifests.secret(ns, f"{name}-0")])
+    crt, key = kc.serving_cert("conflict-webhook", (f"IP:{kc.cfg.api_host}",))
+    record = tmp_path / "reviews.jsonl"
+    hook = kc.popen([sys.executable, "-m", "labtools.conflictwebhook", "--listen", f"{kc.cfg.api_host}:0",
+                     "--cert", str(crt), "--key", str(key), "--deny", "pod_uid=2", "--deny", "device_fqdn=2",
+                     "--deny", "lab-probe=1", "--record", str(record)],
+                    env={"PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
+    cfg_name = f"lab-conflict-{ns}"
+    try:
+        port = json.loads(hook.stdout.readline())["port"]
+        kc.apply(cw.webhook_configuration(cfg_name, f"https://{kc.cfg.api_host}:{port}/validate",
+                                          kc.ca_cert.read_bytes(), namespace=ns, username=user,
+                                          secret=f"{name}-0"))
+        # the API server uses the configuration once its informer has it: probe as the proxy's ServiceAccount
+        # until a write gets the webhook's 409 (each new probe value is denied once)
+        sa_token = kc.service_account_token(ns, name)
+        probe = iter(range(1000))
+
+        def webhook_live() -> bool:
+            code, body = kc.request("PATCH", f"/api/v1/namespaces/{ns}/secrets/{name}-0",
+                                    {"stringData": {"lab-probe": str(next(probe))}}, token=sa_token,
+                                    content_type="application/strategic-merge-patch+json")
+            assert code in (200, 409), (code, body)
+            if code == 409:
+                assert body["reason"] == "Conflict" and cw.WEBHOOK_NAME in body["message"], body
+            return code == 409
+        wait_until(webhook_live, 30, 0.5, "the conflict webhook in force")
+
+        _deploy_proxy(lab, kc, ns, name)
+        pod = kc.wait_pod_ready(ns, f"{name}-0", 120)
+        data = _wait_device(kc, ns, f"{name}-0")
+        assert data["pod_uid"].decode() == pod["metadata"]["uid"]
+        nodes = [n for n in lab.hs_nodes() if n.get("name") == hostname]
+        assert len(nodes) == 1, nodes
+        v4 = next(i for i in json.loads(data["device_ips"]) if ":" not in i)
+        lab.wait_peer("client", hostname, 60)
+        assert kc.marker in _curl(lab, v4, kc.marker, "after-boot-conflicts", 60)
+
+        # a device rename: the new FQDN meets 2 conflicts too, and lands
+        lab.hs("nodes", "rename", "--identifier", str(nodes[0]["id"]), f"{hostname}-renamed")
+        wait_until(lambda: (_secret(kc, ns, f"{name}-0") or {}).get("device_fqdn", b"").startswith(
+            f"{hostname}-renamed.".encode()), 90, 1, "the renamed device's FQDN in the Secret")
+        assert kc.marker in _curl(lab, v4, kc.marker, "after-rename-conflicts", 30)
+    finally:
+        kc.kubectl("delete", "validatingwebhookconfiguration", cfg_name, "--ignore-not-found", check=False)
+        hook.terminate()
+        try:
+            hook.wait(10)
+        except subprocess.TimeoutExpired:
+            hook.kill()
+            hook.wait()
+
+    # what the webhook denied: the proxy's writes of the boot keys and of each FQDN, 2 each
+    reviews = [json.loads(ln) for ln in record.read_text().splitlines()]
+    denied = [r for r in reviews if not r["allowed"] and "lab-probe" not in r["denied"]]
+    print(f"webhook reviews: {len(reviews)}, denied: {[r['denied'] for r in denied]}")
+    assert all(r["user"] == user and r["name"] == f"{name}-0" and r["code"] == 409 for r in denied), denied
+    assert sorted(r["denied"].split(" ")[0] for r in denied) == ["device_fqdn"] * 4 + ["pod_uid"] * 2, denied
+    # ... the API server's own record: the proxy's writes answered 409, as many as the webhook denied
+    conflicts = [e for e in kc.audit(user=user, name=f"{name}-0")
+                 if e.get("verb") == "patch" and e["responseStatus"].get("code") == 409
+                 and (e.get("userAgent") or "").startswith("containerboot-py")]
+    assert len(conflicts) == len(denied), [(e.get("userAgent"), e["responseStatus"]) for e in conflicts]
+    # what the user sees: each conflict logged with the webhook's reason, then the write done; no failed write,
+    # no restart, no secret value in the log
+    log = _logs(kc, ns, f"{name}-0")
+    lines = [ln for ln in log.splitlines() if "answered 409 Conflict" in ln]
+    print("\n".join(lines))
+    assert len(lines) == len(denied), log[-4000:]
+    assert all("retrying in" in ln and cw.WEBHOOK_NAME in ln for ln in lines), lines
+    assert "failed to update Secret" not in log and "error clearing previous state" not in log, log[-4000:]
+    assert lab.authkey not in log
+    p = kc.get("pod", f"{name}-0", ns)
+    assert p["metadata"]["uid"] == pod["metadata"]["uid"]
+    assert p["status"]["containerStatuses"][0]["restartCount"] == 0, "the agent restarted"
+    final = _secret(kc, ns, f"{name}-0")
+    for k in ("_machinekey", "_profiles", "_current-profile", "device_id", "device_ips", "pod_uid",
+              "tailscale_capver"):
+        assert final.get(k), f"{k} lost; keys {sorted(final)}"
+    kc.kubectl("-n", ns, "delete", "statefulset", name, "--wait=true", timeout=90)
+    for n in (hostname, f"{hostname}-renamed"):
+        lab.delete_node(n)

@@ -168,6 +168,24 @@ def test_transient_api_errors_are_retried(run_agent, kube_api):
     assert a.stop() == 0
 
 
+def test_conflicts_on_secret_writes_are_retried_without_a_restart(run_agent, kube_api):
+    """409 Conflict answers to the agent's boot write (an admission webhook or a busy API server): the agent
+    logs each one, writes again, and boots; upstream exits 1 and Kubernetes restarts the container."""
+    kube_api.put_secret(SECRET, {"_machinekey": b"mkey"})
+    kube_api.fail(409, count=3, method="PATCH")
+    a = run_agent(**kube_env(kube_api, TS_AUTHKEY=KEY))
+    a.wait_for("Startup complete")
+    assert a.proc.poll() is None
+    d = data(kube_api)
+    assert d["pod_uid"] == b"uid-123" and d["tailscale_capver"] == b"142" and d["_machinekey"] == b"mkey"
+    assert d["device_id"] == b"nStable1" and d["device_fqdn"] == b"proxy.tailnet.test."
+    patches = [r.status for r in kube_api.requests_for(verb="patch")]
+    assert patches[:4] == [409, 409, 409, 200], patches
+    assert a.log().count("answered 409 Conflict") == 3
+    assert a.stop() == 0
+    assert KEY not in a.log()
+
+
 def test_crash_between_writes_loses_nothing(run_agent, kube_api, tmp_path):
     """SIGKILL the agent at different moments of its boot; every run after that still converges."""
     kube_api.put_secret(SECRET, {"_machinekey": b"mkey", "device_id": b"nOld"})

@@ -115,6 +115,67 @@ async def test_conflict_is_not_retried(kube_api):
     assert kube_api.secret_data(SECRET) == {"a": b"1"}
 
 
+CONFLICT_MSG = ('admission webhook "deny.lab" denied the request: Operation cannot be fulfilled on secrets '
+                '"ts-state": the object has been modified; please apply your changes to the latest version and try again')
+
+
+async def test_conflict_on_a_write_without_precondition_is_retried(kube_api, caplog):
+    """A 409 Conflict (the API server's own, or an admission webhook's) on a patch or create that carries no
+    resourceVersion is transient: the same write is sent again, the conflict is logged, nothing is lost."""
+    caplog.set_level(logging.INFO, logger="containerboot")
+    kube_api.put_secret(SECRET, {"a": b"1"})
+    kube_api.fail(409, count=2, method="PATCH", message=CONFLICT_MSG)
+    async with client(kube_api) as kc:
+        await kc.patch_secret(SECRET, {"device_fqdn": b"new.tailnet.test."}, deadline=time.monotonic() + 10)
+        assert [r.status for r in kube_api.requests_for(verb="patch")] == [409, 409, 200]
+        assert kube_api.secret_data(SECRET) == {"a": b"1", "device_fqdn": b"new.tailnet.test."}
+        # a JSON patch without a resourceVersion test, and a create, the same way
+        kube_api.fail(409, count=1, method="PATCH")
+        await kc.json_patch_secret(SECRET, [{"op": "remove", "path": "/data/a"}])
+        kube_api.fail(409, count=1, method="POST", path="/secrets")
+        await kc.create_secret("other", {"b": b"2"})
+    assert kube_api.secret_data(SECRET) == {"device_fqdn": b"new.tailnet.test."}
+    assert kube_api.secret_data("other") == {"b": b"2"}
+    retries = [r.getMessage() for r in caplog.records if "409 Conflict" in r.getMessage()]
+    assert len(retries) == 4, retries
+    assert f'kube: patch secrets "{SECRET}": the API server answered 409 Conflict: {CONFLICT_MSG}; retrying in' \
+        in retries[0]
+    assert "new.tailnet.test" not in caplog.text        # values are never logged
+
+
+async def test_persistent_conflict_gives_up_at_the_deadline(kube_api):
+    kube_api.put_secret(SECRET, {"a": b"1"})
+    kube_api.fail(409, count=1000, method="PATCH")
+    async with client(kube_api) as kc:
+        with pytest.raises(KubeError) as ei:
+            await kc.patch_secret(SECRET, {"b": b"2"}, deadline=time.monotonic() + 1.0)
+    n = len(kube_api.requests_for(verb="patch"))
+    assert 1 < n < 1000
+    assert ei.value.status == 409 and f"giving up after {n} attempt(s)" in str(ei.value)
+    assert "409 Conflict" in str(ei.value)
+    assert kube_api.secret_data(SECRET) == {"a": b"1"}
+
+
+async def test_secret_state_keeps_a_conflicted_key_until_it_lands(kube_api, caplog):
+    """SecretState.sync: a write that still conflicts when its budget ends is reported once and not counted as
+    written, so the next sync (the next reconcile) sends it again."""
+    from containerboot.kube.state import SecretState
+    caplog.set_level(logging.INFO, logger="containerboot")
+    kube_api.put_secret(SECRET, {})
+    async with client(kube_api) as kc:
+        st = SecretState(kc, SECRET)
+        kube_api.fail(409, count=1000, method="PATCH")
+        assert await st.sync({"device_fqdn": b"x.tailnet.test."}, budget=0.6) is False
+        assert await st.sync({"device_fqdn": b"x.tailnet.test."}, budget=0.6) is False
+        assert not st.has_written("device_fqdn")
+        kube_api.faults.clear()
+        assert await st.sync({"device_fqdn": b"x.tailnet.test."}) is True
+    assert kube_api.secret_data(SECRET) == {"device_fqdn": b"x.tailnet.test."}
+    failed = [r for r in caplog.records if "failed to update Secret" in r.getMessage()]
+    assert len(failed) == 1 and "(will retry)" in failed[0].getMessage()
+    assert "x.tailnet.test" not in caplog.text
+
+
 # ---- RBAC
 
 

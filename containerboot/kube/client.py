@@ -4,8 +4,13 @@ Only what the agent needs: read, create and patch one Secret, and ask SelfSubjec
 upstream's client it adds what a Pod entrypoint needs to be robust: a clear error for every missing
 ServiceAccount file, IPv6-safe URLs built from the environment, the bearer token re-read whenever the projected
 file changes and after a 401, per-request timeouts, and retries with exponential backoff and jitter on 5xx, 429
-(honouring Retry-After) and connection errors, all bounded by a caller-supplied deadline. A 403 becomes a
-message naming the verb, the object and the RBAC rule to add.
+(honouring Retry-After) and connection errors, all bounded by a caller-supplied deadline. A 409 Conflict on a
+write that carries no resourceVersion precondition (the agent's patches and creates) is retried the same way:
+such a write does not depend on the version it would conflict with, so re-sending it is the "re-read and
+re-apply" the API server asks for (the server applies a patch to its latest version); upstream's client gives
+up on it and the container restarts. A 409 on a write with a precondition, and a 409 ``AlreadyExists`` on
+create, are final: the caller must decide. A 403 becomes a message naming the verb, the object and the RBAC
+rule to add.
 
 Deadlines are absolute ``time.monotonic()`` values (the asyncio loop's clock on Linux). Secrets never reach a
 log line or an exception message: tokens are registered with ``redact`` and every message goes through it.
@@ -194,13 +199,17 @@ class KubeClient:
         body = {"data": {k: (None if v is None else base64.b64encode(v).decode()) for k, v in sorted(data.items())}}
         await self._request("PATCH", self._secret_url(name), verb="patch", name=name, deadline=deadline,
                             params={"fieldManager": FIELD_MANAGER}, json_body=body,
-                            content_type="application/strategic-merge-patch+json")
+                            content_type="application/strategic-merge-patch+json", retry_conflict=True)
 
     async def json_patch_secret(self, name: str, ops: Sequence[Mapping[str, Any]], *,
                                 deadline: float | None = None) -> None:
         """Apply an RFC 6902 patch to the Secret (values under /data/<key> must already be base64)."""
+        ops = [dict(op) for op in ops]
+        # Without a resourceVersion in the patch a 409 is transient; with one, the caller asked for a precondition.
+        precondition = any(str(op.get("path", "")).startswith("/metadata/resourceVersion") for op in ops)
         await self._request("PATCH", self._secret_url(name), verb="patch", name=name, deadline=deadline,
-                            json_body=[dict(op) for op in ops], content_type="application/json-patch+json")
+                            json_body=ops, content_type="application/json-patch+json",
+                            retry_conflict=not precondition)
 
     async def create_secret(self, name: str, data: Mapping[str, bytes | None], *,
                             deadline: float | None = None) -> None:
@@ -209,7 +218,7 @@ class KubeClient:
                 "type": "Opaque",
                 "data": {k: base64.b64encode(v).decode() for k, v in sorted(data.items()) if v is not None}}
         await self._request("POST", self._secret_url(), verb="create", name=name, deadline=deadline,
-                            json_body=body, params={"fieldManager": FIELD_MANAGER})
+                            json_body=body, params={"fieldManager": FIELD_MANAGER}, retry_conflict=True)
 
     async def can_i(self, verb: str, resource: str, name: str = "", *, deadline: float | None = None) -> bool:
         """SelfSubjectAccessReview for verb on resource (optionally one named object) in our namespace."""
@@ -226,8 +235,12 @@ class KubeClient:
 
     async def _request(self, method: str, url: str, *, verb: str, name: str = "", resource: str = "secrets",
                        deadline: float | None = None, params: Mapping[str, str] | None = None,
-                       json_body: Any = None, content_type: str = "application/json") -> Any:
-        """One API call with auth, retries and a deadline. Returns the decoded JSON body of a 200/201."""
+                       json_body: Any = None, content_type: str = "application/json",
+                       retry_conflict: bool = False) -> Any:
+        """One API call with auth, retries and a deadline. Returns the decoded JSON body of a 200/201.
+
+        retry_conflict: the write carries no resourceVersion precondition, so a 409 Conflict (not AlreadyExists)
+        is transient and is retried like a 5xx."""
         if deadline is None:
             deadline = time.monotonic() + self.retry_budget
         content = None if json_body is None else json.dumps(json_body, separators=(",", ":")).encode()
@@ -280,7 +293,8 @@ class KubeClient:
                                     f"permission, e.g. {rbac_hint(verb, resource, name)}",
                                     status=403, reason=reason or "Forbidden", verb=verb, resource=resource,
                                     name=name)
-                if not (status >= 500 or status == 429):
+                conflict = status == 409 and retry_conflict and reason != "AlreadyExists"
+                if not (status >= 500 or status == 429 or conflict):
                     raise KubeError(f"{verb} {what}: {status} {reason or resp.reason_phrase}: {message}",
                                     status=status, reason=reason, verb=verb, resource=resource, name=name)
                 problem = f"the API server answered {status} {reason or resp.reason_phrase}: {message}"

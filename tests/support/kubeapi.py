@@ -5,8 +5,9 @@ objects (Secrets with validation, Events and ConfigMaps generically) with a clus
 and answers GET/list, POST, PUT, DELETE and PATCH in the three content types the real apiserver accepts
 for Secrets (JSON patch with the apiserver's lenient ``replace``, merge patch, strategic merge patch).
 Authorisation comes from per-test RBAC-like rules, which also answer SelfSubjectAccessReviews, so a 403 and
-an SSAR always agree, exactly as in a cluster. Faults (status codes, Retry-After, dropped connections,
-latency) can be injected for the next N matching requests; every request is logged for assertions.
+an SSAR always agree, exactly as in a cluster. Faults (status codes with their reason, e.g. the 409 Conflict
+an admission webhook can give; Retry-After, dropped connections, latency) can be injected for the next N
+matching requests; every request is logged for assertions.
 
 In-process use::
 
@@ -177,6 +178,8 @@ class Fault:
     method: str | None = None       # only requests with this method
     path: str | None = None         # only requests whose path contains this
     delay: float = 0.0              # seconds to sleep before failing
+    reason: str | None = None       # the Status reason; default InternalError (5xx), Conflict (409), TooManyRequests
+    message: str | None = None      # the Status message; default "injected fault: HTTP <status>"
 
     def matches(self, method: str, path: str) -> bool:
         return (self.count > 0 and (self.method is None or self.method.upper() == method)
@@ -541,9 +544,12 @@ class KubeAPIServer:
             self.rules = list(rules) if rules is not None else None
 
     def fail(self, status: int = 500, count: int = 1, *, retry_after: str | int | None = None,
-             method: str | None = None, path: str | None = None, delay: float = 0.0) -> Fault:
-        """Answer the next count matching requests with status (before authentication)."""
-        f = Fault("status", count, status, None if retry_after is None else str(retry_after), method, path, delay)
+             method: str | None = None, path: str | None = None, delay: float = 0.0,
+             reason: str | None = None, message: str | None = None) -> Fault:
+        """Answer the next count matching requests with status (before authentication); the request is not
+        applied. A 409 says Conflict, as a real API server's (or an admission webhook's) would."""
+        f = Fault("status", count, status, None if retry_after is None else str(retry_after), method, path, delay,
+                  reason, message)
         with self._lock:
             self.faults.append(f)
         return f
@@ -611,7 +617,7 @@ class KubeAPIServer:
             for f in self.faults:
                 if f.matches(method, path):
                     f.count -= 1
-                    return Fault(f.kind, 1, f.status, f.retry_after, f.method, f.path, f.delay)
+                    return Fault(f.kind, 1, f.status, f.retry_after, f.method, f.path, f.delay, f.reason, f.message)
         return None
 
     def _record(self, rec: RequestRecord) -> None:
@@ -994,8 +1000,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 except OSError:
                     pass
                 return
-            err = ApiError(fault.status, "InternalError" if fault.status >= 500 else "TooManyRequests",
-                           f"injected fault: HTTP {fault.status}", {},
+            default_reason = ("InternalError" if fault.status >= 500 else "Conflict" if fault.status == 409
+                              else "TooManyRequests")
+            err = ApiError(fault.status, fault.reason or default_reason,
+                           fault.message or f"injected fault: HTTP {fault.status}", {},
                            {"Retry-After": fault.retry_after} if fault.retry_after else None)
             rec(err.code)
             return self._send(err.code, err.status(), err.headers)
