@@ -123,6 +123,8 @@ def _env(spec: ProxySpec, cfg: ControllerConfig) -> list[dict]:
         env.append({"name": "TS_DEBUG_FIREWALL_MODE", "value": cfg.firewall_mode})
     env += [{"name": k, "value": v} for k, v in spec.target_env]
     env.append({"name": "TS_INTERNAL_APP", "value": spec.app})
+    # The default ProxyClass's extra env last: as in upstream, the user's value wins over a rendered one.
+    env += [{"name": k, "value": v} for k, v in cfg.proxy_env]
     return env
 
 
