@@ -147,7 +147,10 @@ def statefulset(spec: ProxySpec, cfg: ControllerConfig) -> dict:
     pod_spec: dict[str, Any] = {"serviceAccountName": SERVICE_ACCOUNT}
     if not spec.userspace:
         container["securityContext"] = {"privileged": True}
+        # Same image, same pull policy: with PROXY_IMAGE_PULL_POLICY=Never/IfNotPresent and a `:latest` tag, a
+        # defaulted (Always) init container could not start where the proxy image is only preloaded.
         pod_spec["initContainers"] = [{"name": "sysctler", "image": cfg.proxy_image,
+                                       "imagePullPolicy": cfg.image_pull_policy,
                                        "securityContext": {"privileged": True},
                                        "command": ["/bin/sh", "-c", SYSCTL_SCRIPT]}]
     pod_spec["containers"] = [container]

@@ -49,7 +49,8 @@ def test_l3_ingress_dual_stack_statefulset_exact():
                 "spec": {
                     "serviceAccountName": "proxies",
                     "initContainers": [{
-                        "name": "sysctler", "image": "registry.local/proxy:1", "securityContext": {"privileged": True},
+                        "name": "sysctler", "image": "registry.local/proxy:1", "imagePullPolicy": "Always",
+                        "securityContext": {"privileged": True},
                         "command": ["/bin/sh", "-c",
                                     "echo 1 > /proc/sys/net/ipv4/ip_forward && if [ -e "
                                     "/proc/sys/net/ipv6/conf/all/forwarding ]; then echo 1 > "
