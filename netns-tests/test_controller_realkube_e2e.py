@@ -1,0 +1,154 @@
+"""The companion controller end to end in the lab's real Kubernetes, with the lab's real headscale.
+
+One cluster for the module (labtools.kubecluster, a node in the island), both images from the project's own
+build (``make image`` and images/controller/Dockerfile, imported into the node's containerd), the controller
+installed as a user would (labtools.kubecontroller.install: ``kubectl apply -R -f deploy/``, the headscale API
+key in Secret ``headscale-api``, ``kubectl set env``): it runs as the Deployment's Pod with the ServiceAccount
+and RBAC of deploy/, and mints keys with headscale's REST API.
+
+1. L3 ingress: a backend Deployment and a Service annotated ``tailscale.com/expose: "true"`` → the controller
+   renders the proxy (StatefulSet, Secret, headless Service), the proxy Pod (the project's proxy image) logs in
+   to headscale with the minted single-use tagged key, the Service's status gets the tailnet hostname and IP,
+   and the lab's tailnet client reaches the backend Pods by that IP (tailnet → proxy Pod → ClusterIP →
+   kube-proxy → backend). Deleting the Service leaves nothing: no StatefulSet, Secret, headless Service or Pod
+   in the cluster, no node in headscale, and the Service itself is gone (finalizer released).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from labtools import kubecluster, kubecontroller, kubemanifests
+from labtools.lab import wait_until
+
+pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
+
+CONTROLLER_SA = "system:serviceaccount:tailscale:tailscale-controller"
+
+
+@pytest.fixture(scope="module")
+def images(lab_bin_dir):
+    try:
+        return kubecontroller.build_images()
+    except RuntimeError as e:
+        if "setup.sh --image" in str(e):
+            pytest.skip(f"the image build's packages cannot be installed: {e}")
+        raise
+
+
+@pytest.fixture(scope="module")
+def kube(lab, images):
+    """A cluster with a node, the controller installed from deploy/ (headscale provider), an echo backend."""
+    try:
+        bdir = kubecluster.ensure_binaries()
+    except kubecluster.ClusterError as e:
+        pytest.skip(f"the Kubernetes binaries cannot be built here: {e}")
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir)
+    try:
+        kc.ctl_timings = kubecontroller.install(kc, lab, *images, firewall=lab.firewall_mode)
+        kc.marker = f"echo-ok-{lab.prefix}"
+        kc.apply([kubemanifests.namespace("apps"),
+                  *kubemanifests.echo_backend("apps", "echo", kc.marker, kubecluster.ECHO_IMAGE, replicas=2)])
+        kc.kubectl("-n", "apps", "rollout", "status", "deployment/echo", "--timeout=90s", timeout=100)
+        yield kc
+    except BaseException:
+        print(kubecontroller.controller_log(kc, 200))
+        print(kc.diagnostics())
+        raise
+    finally:
+        kc.close()
+
+
+def _service(name: str, annotations: dict[str, str], **spec) -> dict:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": "apps", "annotations": annotations},
+            "spec": {"selector": {"app": "echo"}, "ports": [{"port": 8080, "targetPort": 8080}], **spec}}
+
+
+def _hs_nodes_named(lab, name: str) -> list[dict]:
+    return [n for n in lab.hs_nodes() if name in (n.get("name"), n.get("given_name"))]
+
+
+def _fail_report(kc, ns="apps", name="web") -> str:
+    pods = kc.kubectl("-n", kubecontroller.NS, "get", "pods", "-o", "wide", check=False).stdout
+    logs = kc.kubectl("-n", kubecontroller.NS, "logs", "-l", f"tailscale.com/parent-resource={name}",
+                      "--tail=60", "--all-containers", check=False)
+    svc = kc.get("service", name, ns)
+    return (f"{kubecontroller.controller_log(kc)}\n--- pods\n{pods}\n--- proxy log\n{logs.stdout}{logs.stderr}\n"
+            f"--- service status\n{json.dumps((svc or {}).get('status'), indent=1)}")
+
+
+def test_expose_service_proxy_pod_logs_in_status_curl_and_clean_delete(lab, kube):
+    kc = kube
+    # the controller is the Deployment's Pod, from the imported image, with deploy/'s ServiceAccount
+    pod = kubecontroller.controller_pod(kc)
+    assert pod is not None and pod["spec"]["serviceAccountName"] == "tailscale-controller"
+    assert pod["spec"]["containers"][0]["image"] == kubecontroller.CONTROLLER_IMAGE
+    lab.delete_node("apps-web")
+
+    t0 = time.monotonic()
+    kc.apply(_service("web", {"tailscale.com/expose": "true"}, type="LoadBalancer"))
+    try:
+        svc = kubecontroller.wait_service_ip(kc, "apps", "web", 180)
+    except TimeoutError:
+        raise AssertionError(_fail_report(kc)) from None
+    t_ip = time.monotonic() - t0
+    ingress = svc["status"]["loadBalancer"]["ingress"]
+    ips = kubecontroller.lb_ips(svc)
+    print(f"Service apps/web: tailnet IP in its status {t_ip:.1f}s after it was created: {ingress}")
+
+    # the status is what headscale knows about the proxy's node
+    (node,) = _hs_nodes_named(lab, "apps-web")
+    assert ingress[0] == {"hostname": f"{node['given_name']}.tailnet.test"}
+    assert ips == [a for a in node["ip_addresses"] if ":" not in a], (ips, node["ip_addresses"])
+    tags = set(node.get("tags") or node.get("forced_tags") or node.get("valid_tags") or [])
+    assert "tag:k8s" in tags, node
+    cond = next(c for c in svc["status"]["conditions"] if c["type"] == "TailscaleProxyReady")
+    assert (cond["status"], cond["reason"]) == ("True", "ProxyCreated"), cond
+    assert "tailscale.com/finalizer" in svc["metadata"]["finalizers"]
+
+    # what the controller made, with upstream's labels, in its namespace; the proxy Pod runs the proxy image
+    made = kubecontroller.children(kc, "apps", "web")
+    assert len(made["statefulsets"]) == 1 and len(made["pods"]) == 1, made
+    sts = made["statefulsets"][0]
+    assert made["secrets"] == [f"{sts}-0"] and made["services"] == [sts], made
+    proxy = kc.get("pod", made["pods"][0], kubecontroller.NS)
+    assert proxy["spec"]["containers"][0]["image"] == kubecontroller.PROXY_IMAGE
+    data = kubecontroller.secret_data(kc, kubecontroller.NS, f"{sts}-0")
+    assert json.loads(data["device_ips"])[0] == ips[0] and data["device_id"].decode() == str(node["id"])
+    # the key was used once: registered, so it left the config the controller rendered
+    conf = json.loads(next(v for k, v in data.items() if k.startswith("cap-")))
+    assert "AuthKey" not in conf and conf["ServerURL"] == "http://10.99.0.1:8080", conf
+    # every Secret call of the controller went through deploy/'s RBAC, none was refused
+    calls = kc.audit(user=CONTROLLER_SA)
+    assert calls and all(c["responseStatus"]["code"] < 400 or c["responseStatus"]["code"] == 404 for c in calls), [
+        (c["verb"], c["objectRef"].get("name"), c["responseStatus"]["code"]) for c in calls if
+        c["responseStatus"]["code"] >= 400]
+
+    # the tailnet client reaches the backend Deployment by the IP in the status (through the proxy Pod and
+    # kube-proxy: both backend Pods answer, each seeing the proxy Pod's address)
+    lab.wait_peer("client", "apps-web", 60)
+    seen = set()
+    for i in range(12):
+        body = lab.wait_curl("client", lab.url(ips[0], 8080, f"/status-ip-{i}"), kc.marker, timeout=60)
+        assert f"peer={proxy['status']['podIP']}:" in body, body
+        seen.add(next((w for w in body.split() if w.startswith("host=")), body))
+        if len(seen) == 2:
+            break
+    print(f"curl client -> {ips[0]}:8080 reached backend Pods {sorted(seen)}")
+
+    # delete the Service: the proxy, its Secret and headless Service go, the node leaves headscale, and the
+    # finalizer is released so the Service is gone
+    kc.kubectl("-n", "apps", "delete", "service", "web", "--wait=false")
+    try:
+        wait_until(lambda: kc.get("service", "web", "apps") is None, 120, 0.5, "the Service gone")
+    except TimeoutError:
+        raise AssertionError(_fail_report(kc)) from None
+    assert kubecontroller.children(kc, "apps", "web") == {"statefulsets": [], "secrets": [], "services": [],
+                                                         "pods": []}
+    assert kc.get("statefulset", sts, kubecontroller.NS) is None and kc.get("secret", f"{sts}-0",
+                                                                            kubecontroller.NS) is None
+    assert _hs_nodes_named(lab, "apps-web") == [], lab.hs_nodes()
+
