@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diagnostics", action="store_true", help="print lab diagnostics at the end")
     ap.add_argument("--kube", action="store_true", help="the agent as a StatefulSet Pod in a real Kubernetes "
                     "exposing a backend Deployment's ClusterIP (labtools.kubedemo)")
+    ap.add_argument("--controller", action="store_true", help="the companion controller installed from deploy/ "
+                    "in a real Kubernetes exposes an annotated Service (labtools.controllerdemo)")
     a = ap.parse_args(argv)
     if a.image and a.agent != "python":
         ap.error("--image runs our agent; it cannot be combined with --agent upstream")
@@ -70,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C must unwind even if we were started with SIGINT ignored (e.g. as a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    if a.kube:
-        from labtools import kubedemo
+    if a.kube or a.controller:
+        from labtools import controllerdemo, kubedemo
         try:
-            return kubedemo.run(a.firewall, a.once)
+            return controllerdemo.run(a.firewall, a.once) if a.controller else kubedemo.run(a.firewall, a.once)
         except KeyboardInterrupt:
             _say("\ninterrupted; lab and cluster torn down")
             return 0

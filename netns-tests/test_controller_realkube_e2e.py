@@ -12,6 +12,12 @@ and RBAC of deploy/, and mints keys with headscale's REST API.
    and the lab's tailnet client reaches the backend Pods by that IP (tailnet → proxy Pod → ClusterIP →
    kube-proxy → backend). Deleting the Service leaves nothing: no StatefulSet, Secret, headless Service or Pod
    in the cluster, no node in headscale, and the Service itself is gone (finalizer released).
+2. Connector subnet router for the node's Pod CIDR: ConnectorReady with subnetRoutes, the route reaches
+   headscale unapproved, the test approves it as the headscale admin would (the controller never approves
+   routes), and the client reaches each backend Pod by its Pod IP through the router Pod (SNATed to it).
+   Deleting the Connector leaves nothing, in the cluster or in headscale.
+3. A Connector asking for subnet routes and an exit node is refused by the real API server (the CRD's CEL
+   rule), with the message saying to create two Connectors; nothing is created.
 """
 from __future__ import annotations
 
@@ -152,3 +158,58 @@ def test_expose_service_proxy_pod_logs_in_status_curl_and_clean_delete(lab, kube
                                                                             kubecontroller.NS) is None
     assert _hs_nodes_named(lab, "apps-web") == [], lab.hs_nodes()
 
+
+def _connector(name: str, spec: dict) -> dict:
+    return {"apiVersion": "tailscale.com/v1alpha1", "kind": "Connector", "metadata": {"name": name}, "spec": spec}
+
+
+def test_connector_subnet_router_route_approved_client_reaches_a_pod_ip(lab, kube):
+    """A Connector advertising the node's Pod CIDR: the proxy Pod advertises it, the headscale admin approves
+    it (the controller does not approve routes: that stays the control plane's decision, by hand as here or by
+    headscale's autoApprovers), and the tailnet client reaches a backend Pod by its Pod IP through the router."""
+    kc = kube
+    cidr = kc.pod_cidr
+    lab.delete_node("pods-router")
+    kc.apply(_connector("pods", {"hostname": "pods-router", "subnetRouter": {"advertiseRoutes": [cidr]}}))
+    try:
+        def ready():
+            c = kc.get("connector", "pods")
+            conds = (c or {}).get("status", {}).get("conditions") or []
+            return c if any(x["type"] == "ConnectorReady" and x["status"] == "True" for x in conds) else None
+        conn = wait_until(ready, 180, 0.5, "Connector pods Ready")
+    except TimeoutError:
+        raise AssertionError(_fail_report(kc, "", "pods")) from None
+    st = conn["status"]
+    assert st["subnetRoutes"] == cidr and st["isExitNode"] is False and st["hostname"].startswith("pods-router."), st
+    # the router asks for the route; headscale holds it until approved
+    node = wait_until(lambda: next((n for n in _hs_nodes_named(lab, "pods-router")
+                                    if cidr in (n.get("available_routes") or [])), None), 60, 0.5,
+                      "the advertised route in headscale")
+    assert cidr not in (node.get("approved_routes") or []), node
+    lab.approve_routes("pods-router", [cidr])
+    pods = json.loads(kc.kubectl("-n", "apps", "get", "pods", "-l", "app=echo", "-o", "json").stdout)["items"]
+    made = kubecontroller.children(kc, "", "pods", "connector")
+    router = kc.get("pod", made["pods"][0], kubecontroller.NS)
+    for p in pods:
+        ip = p["status"]["podIP"]
+        body = lab.wait_curl("client", lab.url(ip, 8080, "/via-connector"), kc.marker, timeout=90)
+        # the router SNATs (tailscaled's --snat-subnet-routes default): the backend Pod sees the router Pod
+        assert f"peer={router['status']['podIP']}:" in body and f"host={p['metadata']['name']}" in body, body
+    print(f"curl client -> Pod IPs {[p['status']['podIP'] for p in pods]} through Connector pods: OK")
+
+    kc.kubectl("delete", "connector", "pods", "--wait=false")
+    wait_until(lambda: kc.get("connector", "pods") is None, 120, 0.5, "the Connector gone")
+    assert kubecontroller.children(kc, "", "pods", "connector") == {"statefulsets": [], "secrets": [],
+                                                                   "services": [], "pods": []}
+    assert _hs_nodes_named(lab, "pods-router") == []
+
+
+def test_connector_router_and_exit_node_is_refused_by_the_api_server(kube):
+    kc = kube
+    doc = json.dumps(_connector("both", {"subnetRouter": {"advertiseRoutes": ["10.40.0.0/14"]}, "exitNode": True}))
+    cp = kc.kubectl("apply", "-f", "-", input=doc, check=False)
+    assert cp.returncode != 0
+    assert "create two Connectors" in cp.stderr, cp.stderr
+    print(f"kubectl apply (router + exit node): {cp.stderr.strip()}")
+    assert kc.get("connector", "both") is None
+    assert kubecontroller.children(kc, "", "both", "connector")["statefulsets"] == []
