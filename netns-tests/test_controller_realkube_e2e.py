@@ -18,10 +18,15 @@ and RBAC of deploy/, and mints keys with headscale's REST API.
    Deleting the Connector leaves nothing, in the cluster or in headscale.
 3. A Connector asking for subnet routes and an exit node is refused by the real API server (the CRD's CEL
    rule), with the message saying to create two Connectors; nothing is created.
+4. L3 egress: a Service annotated ``tailscale.com/tailnet-ip`` (the lab client's tailnet IP) is rewritten to an
+   ExternalName for the proxy's headless Service; a Pod asks for it by its short name (labtools.clusterdns,
+   used by that Pod alone through its dnsConfig: the lab has no CoreDNS) and reaches the HTTP server on the
+   tailnet node, which sees the proxy's tailnet address. Deleting the Service leaves nothing.
 """
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
@@ -213,3 +218,79 @@ def test_connector_router_and_exit_node_is_refused_by_the_api_server(kube):
     print(f"kubectl apply (router + exit node): {cp.stderr.strip()}")
     assert kc.get("connector", "both") is None
     assert kubecontroller.children(kc, "", "both", "connector")["statefulsets"] == []
+
+
+def test_egress_pod_reaches_a_tailnet_node_through_the_rewritten_service(lab, kube):
+    """L3 egress: a Service annotated ``tailscale.com/tailnet-ip`` (the lab client's tailnet IP) → the controller
+    renders the egress proxy and rewrites the Service to an ExternalName for the proxy's headless Service; a Pod
+    in the cluster asks for the Service by name and reaches the HTTP server on the tailnet node through the
+    proxy. The name is resolved by labtools.clusterdns (the lab has no CoreDNS; only this client Pod uses it,
+    through its dnsConfig), answering as CoreDNS would: ExternalName → CNAME → the headless Service's ready
+    endpoints (the proxy Pod)."""
+    import sys
+    from labtools import clusterdns
+    kc = kube
+    v4, _ = lab.tailnet_ips("client")
+    marker = f"tailnet-node-ok-{lab.prefix}"
+    lab.start_http_server("client", v4, 18080, marker)
+    token = kc.run_dir / "clusterdns.token"
+    token.write_text(kc.token)
+    token.chmod(0o600)
+    dns_ip = kc.cfg.api_host
+    dnsp = kc.popen([sys.executable, "-m", "labtools.clusterdns", "--listen", dns_ip, "--server", kc.server,
+                     "--token-file", str(token), "--ca", str(kc.ca_cert)],
+                    env={"PYTHONPATH": str(kubecontroller.REPO)}, stdout=open(kc.run_dir / "clusterdns.log", "w"),
+                    stderr=subprocess.STDOUT)
+    lab.delete_node("apps-to-client")
+    try:
+        kc.apply(_service("to-client", {"tailscale.com/tailnet-ip": v4, "tailscale.com/hostname": "apps-to-client"},
+                          type="ClusterIP"))
+
+        def rewritten():
+            s = kc.get("service", "to-client", "apps")
+            conds = (s or {}).get("status", {}).get("conditions") or []
+            ok = any(c["type"] == "TailscaleProxyReady" and c["status"] == "True" for c in conds)
+            return s if ok and s["spec"].get("type") == "ExternalName" else None
+        try:
+            svc = wait_until(rewritten, 180, 0.5, "the egress Service rewritten and its proxy ready")
+        except TimeoutError:
+            raise AssertionError(_fail_report(kc, "apps", "to-client")) from None
+        made = kubecontroller.children(kc, "apps", "to-client")
+        assert svc["spec"]["externalName"] == f"{made['services'][0]}.tailscale.svc.cluster.local", svc["spec"]
+        proxy = kc.get("pod", made["pods"][0], kubecontroller.NS)
+        # a Pod in the cluster: the Service by its short name, through the cluster DNS, the proxy, the tailnet
+        script = ("import socket, urllib.request; print('resolved', socket.gethostbyname('to-client')); "
+                  "print(urllib.request.urlopen('http://to-client:18080/from-pod', timeout=10).read().decode())")
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "egress-client", "namespace": "apps"},
+               "spec": {"restartPolicy": "OnFailure", "terminationGracePeriodSeconds": 1,
+                        **clusterdns.pod_dns_config(dns_ip, "apps"),
+                        "containers": [{"name": "c", "image": kubecontroller.PROXY_IMAGE, "imagePullPolicy": "Never",
+                                        "command": ["python3", "-c", script]}]}}
+        kc.apply(pod)
+
+        def done():
+            p = kc.get("pod", "egress-client", "apps") or {}
+            return p if p.get("status", {}).get("phase") == "Succeeded" else None
+        try:
+            wait_until(done, 120, 1, "the egress client Pod's request")
+        except TimeoutError:
+            out = kc.kubectl("-n", "apps", "logs", "egress-client", check=False)
+            raise AssertionError(f"{out.stdout}{out.stderr}\n{(kc.run_dir / 'clusterdns.log').read_text()}\n"
+                                 f"{_fail_report(kc, 'apps', 'to-client')}") from None
+        out = kc.kubectl("-n", "apps", "logs", "egress-client").stdout
+        print(out)
+        assert f"resolved {proxy['status']['podIP']}" in out and marker in out, out
+        # the tailnet node saw the proxy's tailnet address (SNAT), not the Pod's
+        (node,) = _hs_nodes_named(lab, "apps-to-client")
+        peers = [e.get("peer", "") for e in lab.http_peer_log("client", 18080)]
+        assert peers and all(p in node["ip_addresses"] for p in peers), (peers, node["ip_addresses"])
+
+        kc.kubectl("-n", "apps", "delete", "pod", "egress-client", "--wait=false")
+        kc.kubectl("-n", "apps", "delete", "service", "to-client", "--wait=false")
+        wait_until(lambda: kc.get("service", "to-client", "apps") is None, 120, 0.5, "the Service gone")
+        assert kubecontroller.children(kc, "apps", "to-client") == {"statefulsets": [], "secrets": [],
+                                                                   "services": [], "pods": []}
+        assert _hs_nodes_named(lab, "apps-to-client") == []
+    finally:
+        dnsp.terminate()
+        dnsp.wait(10)
