@@ -22,6 +22,9 @@ and RBAC of deploy/, and mints keys with headscale's REST API.
    ExternalName for the proxy's headless Service; a Pod asks for it by its short name (labtools.clusterdns,
    used by that Pod alone through its dnsConfig: the lab has no CoreDNS) and reaches the HTTP server on the
    tailnet node, which sees the proxy's tailnet address. Deleting the Service leaves nothing.
+5. L7 Ingress on headscale, what is real: the userspace proxy with the serve config in its Secret logs in and
+   applies it (``https_endpoint`` written), but headscale issues no certificates, so it is ``no-https`` and the
+   Ingress gets no LoadBalancer status; an HTTPS request through it cannot be shown here.
 """
 from __future__ import annotations
 
@@ -294,3 +297,48 @@ def test_egress_pod_reaches_a_tailnet_node_through_the_rewritten_service(lab, ku
     finally:
         dnsp.terminate()
         dnsp.wait(10)
+
+
+def test_l7_ingress_on_headscale_serve_config_applied_but_no_https(lab, kube):
+    """L7 Ingress (``ingressClassName: tailscale``) on headscale: what is real. The controller renders the
+    userspace proxy with the serve config (443, HTTPS, proxy to the backend's ClusterIP) in its Secret, the
+    Pod logs in to headscale and applies it; headscale gives no HTTPS certificate domain, so the proxy reports
+    ``https_endpoint: no-https`` and the Ingress gets no LoadBalancer status (upstream's behaviour without
+    HTTPS). An HTTPS request through it is therefore not possible here. Deletion leaves nothing."""
+    kc = kube
+    host = "apps-web-ingress"
+    lab.delete_node(host)
+    cip = kc.get("service", "echo", "apps")["spec"]["clusterIP"]
+    kc.apply({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": "web", "namespace": "apps"},
+              "spec": {"ingressClassName": "tailscale",
+                       "defaultBackend": {"service": {"name": "echo", "port": {"number": 8080}}}}})
+    try:
+        def endpoint():
+            made = kubecontroller.children(kc, "apps", "web", "ingress")
+            if not made["secrets"]:
+                return None
+            d = kubecontroller.secret_data(kc, kubecontroller.NS, made["secrets"][0]) or {}
+            return (made, d) if d.get("https_endpoint") and d.get("device_id") else None
+        made, data = wait_until(endpoint, 180, 0.5, "the Ingress proxy's https_endpoint")
+    except TimeoutError:
+        raise AssertionError(_fail_report(kc, "apps", "web")) from None
+    sc = json.loads(data["serve-config"])
+    assert sc["TCP"] == {"443": {"HTTPS": True}}, sc
+    assert sc["Web"]["${TS_CERT_DOMAIN}:443"]["Handlers"] == {"/": {"Proxy": f"http://{cip}:8080/"}}, sc
+    assert data["https_endpoint"] == b"no-https", data["https_endpoint"]
+    (node,) = _hs_nodes_named(lab, host)
+    assert data["device_id"].decode() == str(node["id"])
+    proxy = kc.get("pod", made["pods"][0], kubecontroller.NS)
+    env = {e["name"]: e.get("value") for e in proxy["spec"]["containers"][0]["env"]}
+    assert env["TS_USERSPACE"] == "true" and env["TS_SERVE_CONFIG"] == "/etc/tailscaled/$(POD_NAME)/serve-config"
+    time.sleep(3)     # a pass after the endpoint arrived: still nothing to publish
+    ing = kc.get("ingress", "web", "apps")
+    assert not (ing.get("status", {}).get("loadBalancer") or {}).get("ingress"), ing.get("status")
+    print(f"Ingress apps/web: proxy {host} registered ({node['ip_addresses']}), serve config applied, "
+          f"https_endpoint=no-https, status {ing.get('status')}")
+
+    kc.kubectl("-n", "apps", "delete", "ingress", "web", "--wait=false")
+    wait_until(lambda: kc.get("ingress", "web", "apps") is None, 120, 0.5, "the Ingress gone")
+    assert kubecontroller.children(kc, "apps", "web", "ingress") == {"statefulsets": [], "secrets": [],
+                                                                    "services": [], "pods": []}
+    assert _hs_nodes_named(lab, host) == []
