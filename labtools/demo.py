@@ -1,13 +1,14 @@
 """Demo: a proxy Pod's agent exposing a backend to the tailnet, in an island of network namespaces.
 
     sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
-                                           [--image [IMAGE]]
+                                           [--image [IMAGE]] [--kube | --controller]
 
 Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
 namespace with TS_DEST_IP=<backend IPv4>[,<backend IPv6>] (--dest; dual-stack by default for our agent), prints
 the proxy's tailnet IPs and the result of curl from the client through the proxy (IPv4, and IPv6 when the
 destination has an IPv6 address), then waits for Ctrl-C (or exits at once
 with --once) and tears everything down. Exit status: 0 if every curl that was expected to work worked.
+--kube (labtools.kubedemo) and --controller (labtools.controllerdemo) run the same story in a real Kubernetes.
 """
 from __future__ import annotations
 
