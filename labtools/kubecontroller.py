@@ -88,6 +88,12 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
     if cp.returncode != 0:
         raise kubecluster.ClusterError(f"the controller's Deployment did not roll out: {cp.stderr.strip()}\n"
                                        f"{controller_log(kc)}")
+    # a rolled-out Deployment can still crash right after (kopf starting its operators): wait for both to log in
+    try:
+        wait_until(lambda: controller_log(kc, 400).count("Initial authentication has finished") >= 2, 60, 0.5,
+                   "the controller's two kopf operators to start")
+    except TimeoutError:
+        raise kubecluster.ClusterError(f"the controller did not start:\n{controller_log(kc, 200)}") from None
     t["rollout"] = time.monotonic() - t0
     return t
 
