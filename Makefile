@@ -11,9 +11,11 @@ setup:
 setup-bin:
 	@bash scripts/setup.sh --binaries
 
-# The netns tests run the proxy image (netns-tests/test_image_e2e.py): build it first (idempotent). Without
-# podman they are skipped, except under CI, where that is a failure.
-MAKE_IMAGE = bash scripts/setup.sh --image && bash images/build.sh || [ -z "$$CI" ]
+# The netns tests run the proxy image (netns-tests/test_image_e2e.py) and the controller's
+# (test_controller_realkube_e2e.py): build both first (idempotent). Without podman they are skipped, except
+# under CI, where that is a failure.
+CONTROLLER_IMAGE = bash images/build.sh --dockerfile images/controller/Dockerfile --name localhost/containerboot-py-controller:latest
+MAKE_IMAGE = bash scripts/setup.sh --image && bash images/build.sh && $(CONTROLLER_IMAGE) || [ -z "$$CI" ]
 
 ## image: the proxy image localhost/containerboot-py:latest from the Dockerfile, offline, plus its OCI archive
 ## (path: bash images/build.sh --print-archive). Cached: nothing changed, nothing rebuilt. See images/README.md.

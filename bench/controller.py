@@ -16,7 +16,14 @@ and the controller as shipped (`python -m controller`, authenticated as the depl
    writes it sends (the goal is 0: nothing changed).
 
 No upstream ratio: upstream's operator needs Tailscale's hosted API to mint keys and cannot run here.
-Time-to-tailnet-IP for real proxies needs a node (the real-cluster issue) and is not measured here.
+
+    .venv/bin/python -m bench.controller --e2e 10
+
+End to end instead (root; labtools.kubecontroller): the lab's headscale and tailnet client, a real cluster with
+a node, both images, the controller installed from deploy/ as a Pod with the headscale provider; N LoadBalancer
+Services annotated `tailscale.com/expose: "true"` applied at once (one kubectl apply) → time until every
+Service's status has a tailnet IP (each Service's own time too), then a curl from the tailnet client to every
+IP, and the time until every Service is deleted and every node is gone from headscale.
 """
 from __future__ import annotations
 
@@ -108,12 +115,73 @@ def by_verb(events: list[dict]) -> dict[str, int]:
     return out
 
 
+def e2e(n: int) -> int:
+    """N Services end to end with real proxies, headscale and the tailnet client (see the docstring)."""
+    from labtools import kubecluster, kubecontroller, kubemanifests
+    from labtools.lab import Lab, ensure_binaries, wait_until
+
+    proxy_tar, ctl_tar = kubecontroller.build_images()
+    with Lab.create(bin_dir=ensure_binaries()) as lab, \
+            kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=kubecluster.ensure_binaries()) as kc:
+        kubecontroller.install(kc, lab, proxy_tar, ctl_tar, firewall=lab.firewall_mode)
+        marker = f"echo-ok-{lab.prefix}"
+        kc.apply([kubemanifests.namespace("bench"),
+                  *kubemanifests.echo_backend("bench", "echo", marker, kubecluster.ECHO_IMAGE)])
+        kc.kubectl("-n", "bench", "rollout", "status", "deployment/echo", "--timeout=90s", timeout=100)
+        names = [f"svc-{i:02d}" for i in range(n)]
+        t0 = time.monotonic()
+        kc.apply([{"apiVersion": "v1", "kind": "Service",
+                   "metadata": {"name": nm, "namespace": "bench", "annotations": {"tailscale.com/expose": "true"}},
+                   "spec": {"type": "LoadBalancer", "selector": {"app": "echo"},
+                            "ports": [{"port": 8080, "targetPort": 8080}]}} for nm in names])
+        t_applied = time.monotonic() - t0
+        got: dict[str, tuple[float, str]] = {}
+        while len(got) < n:
+            if time.monotonic() - t0 > 600:
+                print(kubecontroller.controller_log(kc), file=sys.stderr)
+                raise SystemExit(f"only {len(got)}/{n} Services got a tailnet IP in 600 s")
+            items = json.loads(kc.kubectl("-n", "bench", "get", "services", "-o", "json").stdout)["items"]
+            for s in items:
+                ips = kubecontroller.lb_ips(s)
+                if ips and s["metadata"]["name"] not in got:
+                    got[s["metadata"]["name"]] = (time.monotonic() - t0, ips[0])
+            time.sleep(0.2)
+        t_all = max(t for t, _ in got.values())
+        t_curl = time.monotonic()
+        for nm, (_, ip) in sorted(got.items()):
+            lab.wait_curl("client", lab.url(ip, 8080, f"/{nm}"), marker, timeout=120)
+        t_curl = time.monotonic() - t_curl
+        t1 = time.monotonic()
+        kc.kubectl("-n", "bench", "delete", "services", *names, "--wait=false")
+        left = lambda: {s["metadata"]["name"] for s in json.loads(kc.kubectl(  # noqa: E731
+            "-n", "bench", "get", "services", "-o", "json").stdout)["items"]} & set(names)
+        wait_until(lambda: not left(), 300, 0.5, "every Service deleted")
+        wait_until(lambda: not [x for x in lab.hs_nodes() if x.get("name", "").startswith("bench-")], 60, 0.5,
+                   "every proxy node gone from headscale")
+        t_delete = time.monotonic() - t1
+        times = sorted(t for t, _ in got.values())
+        fig = {"services": n, "apply_s": round(t_applied, 2), "every_status_has_tailnet_ip_s": round(t_all, 2),
+               "first_s": round(times[0], 2), "median_s": round(times[len(times) // 2], 2),
+               "curl_every_ip_s": round(t_curl, 2), "delete_all_and_headscale_clean_s": round(t_delete, 2)}
+        print(json.dumps(fig, indent=1))
+        print(f"\n| {n} Services end to end | value |\n|---|---|")
+        print(f"| every status has a tailnet IP | {t_all:.1f} s after the apply (first {times[0]:.1f} s, "
+              f"median {fig['median_s']:.1f} s) |")
+        print(f"| a curl from the tailnet client to each IP | all OK, {t_curl:.1f} s for the {n} |")
+        print(f"| all deleted: Services gone, nodes gone from headscale | {t_delete:.1f} s |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--services", type=int, default=500)
     ap.add_argument("--idle", type=float, default=30.0)
     ap.add_argument("--concurrency", type=int, default=50)
+    ap.add_argument("--e2e", type=int, default=0, metavar="N",
+                    help="instead: N Services end to end with real proxies in a real cluster (root)")
     a = ap.parse_args(argv)
+    if a.e2e:
+        return e2e(a.e2e)
     if localkube.bin_dir() is None:
         print("bench.controller: etcd/kube-apiserver are not built (scripts/install-kubernetes.sh)", file=sys.stderr)
         return 2

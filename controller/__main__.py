@@ -5,6 +5,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 
 from tscommon.redact import redact
@@ -56,6 +57,9 @@ async def run(cfg: ControllerConfig) -> None:
     stop = asyncio.Event()
     ready = (asyncio.Event(), asyncio.Event())
     health = os.environ.get("CONTROLLER_HEALTH_ADDR", "0.0.0.0:8080")
+    # kopf's default identity asks getpass for the user name, which fails for a UID without a passwd entry
+    # (the image runs as 65532: "KeyError: 'getpwuid(): uid not found: 65532'", a crash loop in a real Pod)
+    identity = f"tailscale-controller@{socket.gethostname()}"
 
     async def signals() -> None:
         await asyncio.gather(*(r.wait() for r in ready))
@@ -65,9 +69,10 @@ async def run(cfg: ControllerConfig) -> None:
     try:
         await asyncio.gather(
             kopf.operator(registry=parents, settings=settings(False), clusterwide=True, standalone=True,
-                          liveness_endpoint=f"http://{health}/healthz", stop_flag=stop, ready_flag=ready[0]),
+                          identity=identity, liveness_endpoint=f"http://{health}/healthz", stop_flag=stop,
+                          ready_flag=ready[0]),
             kopf.operator(registry=children, settings=settings(True), namespaces=[cfg.namespace], standalone=True,
-                          stop_flag=stop, ready_flag=ready[1]),
+                          identity=identity, stop_flag=stop, ready_flag=ready[1]),
             signals())
     finally:
         await state.queue.aclose()

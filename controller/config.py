@@ -34,6 +34,7 @@ class ControllerConfig:
     proxy_resources: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_RESOURCES)),
                                   hash=False)
     image_pull_policy: str = "Always"
+    proxy_env: tuple[tuple[str, str], ...] = ()    # extra env of the proxy container (ProxyClass' tailscaleContainer.env)
     login_server: str = ""                         # written into each proxy's config as ServerURL
     default_load_balancer: bool = False
     ingress_class: str = "tailscale"
@@ -77,6 +78,22 @@ def resolv_conf_cluster_domain(text: str) -> str:
     return "cluster.local"
 
 
+def _proxy_env(raw: str) -> tuple[tuple[str, str], ...]:
+    """PROXY_ENV: a JSON object of extra env for every proxy container (upstream: a ProxyClass's
+    `statefulSet.pod.tailscaleContainer.env`), e.g. tailscaled's knobs a given network needs."""
+    if not raw:
+        return ()
+    try:
+        env = json.loads(raw)
+    except ValueError as e:
+        raise ConfigError(f"PROXY_ENV is not JSON ({e}); use e.g. "
+                          '{"TS_DEBUG_USE_DERP_HTTP":"true"}') from None
+    if not isinstance(env, dict) or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in env.items()):
+        raise ConfigError("PROXY_ENV must be a JSON object of names to string values, e.g. "
+                          '{"TS_DEBUG_USE_DERP_HTTP":"true"}')
+    return tuple(sorted(env.items()))
+
+
 def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
     """Parse the controller's environment; raises ConfigError naming the variable."""
     def get(name: str, default: str = "") -> str:
@@ -104,6 +121,7 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
         if not isinstance(res, dict) or set(res) - {"requests", "limits"}:
             raise ConfigError("PROXY_RESOURCES must be a JSON object with only 'requests' and 'limits'")
         kw["proxy_resources"] = res
+    kw["proxy_env"] = _proxy_env(get("PROXY_ENV"))
     pull = get("PROXY_IMAGE_PULL_POLICY", "Always")
     if pull not in ("Always", "IfNotPresent", "Never"):
         raise ConfigError(f"PROXY_IMAGE_PULL_POLICY={pull!r}; use Always, IfNotPresent or Never")

@@ -123,6 +123,8 @@ def _env(spec: ProxySpec, cfg: ControllerConfig) -> list[dict]:
         env.append({"name": "TS_DEBUG_FIREWALL_MODE", "value": cfg.firewall_mode})
     env += [{"name": k, "value": v} for k, v in spec.target_env]
     env.append({"name": "TS_INTERNAL_APP", "value": spec.app})
+    # The default ProxyClass's extra env last: as in upstream, the user's value wins over a rendered one.
+    env += [{"name": k, "value": v} for k, v in cfg.proxy_env]
     return env
 
 
@@ -145,7 +147,10 @@ def statefulset(spec: ProxySpec, cfg: ControllerConfig) -> dict:
     pod_spec: dict[str, Any] = {"serviceAccountName": SERVICE_ACCOUNT}
     if not spec.userspace:
         container["securityContext"] = {"privileged": True}
+        # Same image, same pull policy: with PROXY_IMAGE_PULL_POLICY=Never/IfNotPresent and a `:latest` tag, a
+        # defaulted (Always) init container could not start where the proxy image is only preloaded.
         pod_spec["initContainers"] = [{"name": "sysctler", "image": cfg.proxy_image,
+                                       "imagePullPolicy": cfg.image_pull_policy,
                                        "securityContext": {"privileged": True},
                                        "command": ["/bin/sh", "-c", SYSCTL_SCRIPT]}]
     pod_spec["containers"] = [container]

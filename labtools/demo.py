@@ -1,13 +1,14 @@
 """Demo: a proxy Pod's agent exposing a backend to the tailnet, in an island of network namespaces.
 
     sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
-                                           [--image [IMAGE]]
+                                           [--image [IMAGE]] [--kube | --controller]
 
 Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
 namespace with TS_DEST_IP=<backend IPv4>[,<backend IPv6>] (--dest; dual-stack by default for our agent), prints
 the proxy's tailnet IPs and the result of curl from the client through the proxy (IPv4, and IPv6 when the
 destination has an IPv6 address), then waits for Ctrl-C (or exits at once
 with --once) and tears everything down. Exit status: 0 if every curl that was expected to work worked.
+--kube (labtools.kubedemo) and --controller (labtools.controllerdemo) run the same story in a real Kubernetes.
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diagnostics", action="store_true", help="print lab diagnostics at the end")
     ap.add_argument("--kube", action="store_true", help="the agent as a StatefulSet Pod in a real Kubernetes "
                     "exposing a backend Deployment's ClusterIP (labtools.kubedemo)")
+    ap.add_argument("--controller", action="store_true", help="the companion controller installed from deploy/ "
+                    "in a real Kubernetes exposes an annotated Service (labtools.controllerdemo)")
     a = ap.parse_args(argv)
     if a.image and a.agent != "python":
         ap.error("--image runs our agent; it cannot be combined with --agent upstream")
@@ -70,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C must unwind even if we were started with SIGINT ignored (e.g. as a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    if a.kube:
-        from labtools import kubedemo
+    if a.kube or a.controller:
+        from labtools import controllerdemo, kubedemo
         try:
-            return kubedemo.run(a.firewall, a.once)
+            return controllerdemo.run(a.firewall, a.once) if a.controller else kubedemo.run(a.firewall, a.once)
         except KeyboardInterrupt:
             _say("\ninterrupted; lab and cluster torn down")
             return 0

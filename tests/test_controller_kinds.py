@@ -217,6 +217,8 @@ def test_config_defaults_and_headscale():
     assert cconfig.load({}, resolv_conf="search ns.svc.corp.local svc.corp.local corp.local\n").cluster_domain == "corp.local"
     c = cconfig.load({"PROXY_RESOURCES": json.dumps({"requests": {"cpu": "5m"}})})
     assert c.proxy_resources == {"requests": {"cpu": "5m"}}
+    c = cconfig.load({"PROXY_ENV": json.dumps({"TS_DEBUG_USE_DERP_HTTP": "true", "A": "1"})})
+    assert c.proxy_env == (("A", "1"), ("TS_DEBUG_USE_DERP_HTTP", "true"))
 
 
 @pytest.mark.parametrize("env,needle", [
@@ -225,6 +227,9 @@ def test_config_defaults_and_headscale():
     ({"PROXY_TAGS": "k8s"}, "PROXY_TAGS='k8s': invalid tag(s) 'k8s'"),
     ({"PROXY_FIREWALL_MODE": "pf"}, "PROXY_FIREWALL_MODE='pf'"),
     ({"PROXY_RESOURCES": "{"}, "PROXY_RESOURCES is not JSON"),
+    ({"PROXY_ENV": "[1]"}, "PROXY_ENV must be a JSON object of names to string values"),
+    ({"PROXY_ENV": '{"A": 1}'}, "PROXY_ENV must be a JSON object"),
+    ({"PROXY_ENV": "A=1"}, "PROXY_ENV is not JSON"),
     ({"OPERATOR_LOGIN_SERVER": "hs.example.com"}, "is not a URL"),
     ({"HEADSCALE_USER": "alice"}, "must be the numeric user ID"),
     ({"OPERATOR_DEFAULT_LOAD_BALANCER": "yes"}, "is not a boolean"),

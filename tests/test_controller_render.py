@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from containerboot.settings import SETTINGS
 from controller.config import ControllerConfig
@@ -48,7 +49,8 @@ def test_l3_ingress_dual_stack_statefulset_exact():
                 "spec": {
                     "serviceAccountName": "proxies",
                     "initContainers": [{
-                        "name": "sysctler", "image": "registry.local/proxy:1", "securityContext": {"privileged": True},
+                        "name": "sysctler", "image": "registry.local/proxy:1", "imagePullPolicy": "Always",
+                        "securityContext": {"privileged": True},
                         "command": ["/bin/sh", "-c",
                                     "echo 1 > /proc/sys/net/ipv4/ip_forward && if [ -e "
                                     "/proc/sys/net/ipv6/conf/all/forwarding ]; then echo 1 > "
@@ -168,6 +170,16 @@ def test_exit_node_connector_advertises_both_default_routes():
     (sec,) = render(spec, CFG, ("k",)).secrets
     conf = json.loads(sec["stringData"]["cap-107.hujson"])
     assert conf["AdvertiseRoutes"] == ["0.0.0.0/0", "::/0"] and conf["Hostname"] == "exit-connector"
+
+
+def test_proxy_env_comes_last_so_it_overrides():
+    cfg = replace(CFG, proxy_env=(("TS_DEBUG_FIREWALL_MODE", "nftables"), ("TS_DEBUG_USE_DERP_HTTP", "true")))
+    spec = service.decide(_svc(clusterIP="10.96.0.10"), cfg).spec
+    env = render(spec, cfg, ("k",)).statefulset["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert env[-2:] == [{"name": "TS_DEBUG_FIREWALL_MODE", "value": "nftables"},
+                        {"name": "TS_DEBUG_USE_DERP_HTTP", "value": "true"}]
+    assert render(spec, cfg, ("k",)).statefulset != render(service.decide(_svc(clusterIP="10.96.0.10"), CFG).spec,
+                                                           CFG, ("k",)).statefulset
 
 
 def test_every_rendered_env_name_is_known_to_the_agent_or_tailscaled():

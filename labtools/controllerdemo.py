@@ -1,0 +1,79 @@
+"""The controller variant of the demo (``make demo DEMO_ARGS=--controller``): the user story of the README.
+
+Builds the lab (headscale, a ``client`` tailscaled node) and a real cluster with one node in the island,
+builds and imports both images (the proxy's and the controller's), installs the controller from ``deploy/``
+with the headscale provider (labtools.kubecontroller.install: an API key made with the lab's headscale), deploys
+a backend Deployment and a Service annotated ``tailscale.com/expose: "true"``, then prints the Service's status
+as the controller wrote it and a curl from the tailnet client to the tailnet IP in that status. With ``--once``
+it exits after printing: status 0 only if the curl worked.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from labtools import kubecluster, kubecontroller, kubemanifests
+from labtools.lab import Lab, LabError, ensure_binaries
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+SERVICE = {"apiVersion": "v1", "kind": "Service",
+           "metadata": {"name": "web", "namespace": "demo", "annotations": {"tailscale.com/expose": "true"}},
+           "spec": {"type": "LoadBalancer", "selector": {"app": "backend"},
+                    "ports": [{"port": 8080, "targetPort": 8080}]}}
+
+
+def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
+    t_all = time.monotonic()
+    bin_dir = ensure_binaries()
+    k8s_bin = kubecluster.ensure_binaries()
+    t0 = time.monotonic()
+    proxy_tar, ctl_tar = kubecontroller.build_images()
+    _say(f"images {kubecontroller.PROXY_IMAGE} and {kubecontroller.CONTROLLER_IMAGE} built "
+         f"({time.monotonic() - t0:.1f}s): {proxy_tar}, {ctl_tar}")
+    ok = False
+    with Lab.create(bin_dir=bin_dir, firewall_mode=firewall) as lab:
+        _say(f"lab {lab.prefix} up; headscale {lab.login_server}; client tailnet IPs: "
+             f"{' '.join(i for i in lab.tailnet_ips('client') if i)}")
+        with kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin) as kc:
+            _say(f"cluster up: API {kc.server}, node Ready {kc.timings['node_ready']:.1f}s after start")
+            try:
+                t = kubecontroller.install(kc, lab, proxy_tar, ctl_tar, firewall=firewall)
+                _say(f"controller installed from deploy/ (kubectl apply -R -f deploy/, Secret headscale-api, "
+                     f"kubectl set env CONTROL_PLANE=headscale ...): images imported {t['import']:.1f}s, "
+                     f"rolled out {t['rollout']:.1f}s")
+                _say(kc.kubectl("-n", kubecontroller.NS, "get", "deploy,pods", "-o", "wide").stdout.rstrip())
+                marker = f"echo-ok-{lab.prefix}"
+                kc.apply([kubemanifests.namespace("demo"),
+                          *kubemanifests.echo_backend("demo", "backend", marker, kubecluster.ECHO_IMAGE)])
+                kc.kubectl("-n", "demo", "rollout", "status", "deployment/backend", "--timeout=90s", timeout=100)
+                t0 = time.monotonic()
+                kc.apply(SERVICE)
+                _say("Service demo/web (type LoadBalancer, annotated tailscale.com/expose: \"true\") applied")
+                svc = kubecontroller.wait_service_ip(kc, "demo", "web", timeout)
+                _say(f"the controller wrote the Service's status {time.monotonic() - t0:.1f}s after it was applied:")
+                _say(json.dumps(svc["status"], indent=2))
+                _say(kc.kubectl("-n", kubecontroller.NS, "get", "statefulsets,pods,secrets,services",
+                                "-l", "tailscale.com/parent-resource=web").stdout.rstrip())
+                ip = kubecontroller.lb_ips(svc)[0]
+                host = svc["status"]["loadBalancer"]["ingress"][0].get("hostname", "")
+                lab.wait_peer("client", host.split(".")[0], 60)
+                t0 = time.monotonic()
+                body = lab.wait_curl("client", lab.url(ip, 8080, "/demo-controller"), marker, timeout=60)
+                _say(f"curl client -> http://{ip}:8080/demo-controller ({host}): OK in {time.monotonic() - t0:.1f}s: "
+                     f"{body.strip().replace(chr(10), ' | ')}")
+                ok = True
+            except (TimeoutError, LabError, kubecluster.ClusterError) as e:
+                _say(f"FAILED: {e}")
+                _say(kubecontroller.controller_log(kc))
+                _say(kc.diagnostics())
+            if not once:
+                _say("cluster is up; press Ctrl-C to tear it down "
+                     f"(kubectl: ip netns exec {kc.netns} {k8s_bin}/kubectl --kubeconfig {kc.kubeconfig} ...)")
+                while True:
+                    time.sleep(1)
+    _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
+    return 0 if ok else 1

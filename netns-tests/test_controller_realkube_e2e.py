@@ -1,0 +1,344 @@
+"""The companion controller end to end in the lab's real Kubernetes, with the lab's real headscale.
+
+One cluster for the module (labtools.kubecluster, a node in the island), both images from the project's own
+build (``make image`` and images/controller/Dockerfile, imported into the node's containerd), the controller
+installed as a user would (labtools.kubecontroller.install: ``kubectl apply -R -f deploy/``, the headscale API
+key in Secret ``headscale-api``, ``kubectl set env``): it runs as the Deployment's Pod with the ServiceAccount
+and RBAC of deploy/, and mints keys with headscale's REST API.
+
+1. L3 ingress: a backend Deployment and a Service annotated ``tailscale.com/expose: "true"`` → the controller
+   renders the proxy (StatefulSet, Secret, headless Service), the proxy Pod (the project's proxy image) logs in
+   to headscale with the minted single-use tagged key, the Service's status gets the tailnet hostname and IP,
+   and the lab's tailnet client reaches the backend Pods by that IP (tailnet → proxy Pod → ClusterIP →
+   kube-proxy → backend). Deleting the Service leaves nothing: no StatefulSet, Secret, headless Service or Pod
+   in the cluster, no node in headscale, and the Service itself is gone (finalizer released).
+2. Connector subnet router for the node's Pod CIDR: ConnectorReady with subnetRoutes, the route reaches
+   headscale unapproved, the test approves it as the headscale admin would (the controller never approves
+   routes), and the client reaches each backend Pod by its Pod IP through the router Pod (SNATed to it).
+   Deleting the Connector leaves nothing, in the cluster or in headscale.
+3. A Connector asking for subnet routes and an exit node is refused by the real API server (the CRD's CEL
+   rule), with the message saying to create two Connectors; nothing is created.
+4. L3 egress: a Service annotated ``tailscale.com/tailnet-ip`` (the lab client's tailnet IP) is rewritten to an
+   ExternalName for the proxy's headless Service; a Pod asks for it by its short name (labtools.clusterdns,
+   used by that Pod alone through its dnsConfig: the lab has no CoreDNS) and reaches the HTTP server on the
+   tailnet node, which sees the proxy's tailnet address. Deleting the Service leaves nothing.
+5. L7 Ingress on headscale, what is real: the userspace proxy with the serve config in its Secret logs in and
+   applies it (``https_endpoint`` written), but headscale issues no certificates, so it is ``no-https`` and the
+   Ingress gets no LoadBalancer status; an HTTPS request through it cannot be shown here.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from labtools import kubecluster, kubecontroller, kubemanifests
+from labtools.lab import wait_until
+
+pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
+
+CONTROLLER_SA = "system:serviceaccount:tailscale:tailscale-controller"
+
+
+@pytest.fixture(scope="module")
+def images(lab_bin_dir):
+    try:
+        return kubecontroller.build_images()
+    except RuntimeError as e:
+        if "setup.sh --image" in str(e):
+            pytest.skip(f"the image build's packages cannot be installed: {e}")
+        raise
+
+
+@pytest.fixture(scope="module")
+def kube(lab, images):
+    """A cluster with a node, the controller installed from deploy/ (headscale provider), an echo backend."""
+    try:
+        bdir = kubecluster.ensure_binaries()
+    except kubecluster.ClusterError as e:
+        pytest.skip(f"the Kubernetes binaries cannot be built here: {e}")
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir)
+    try:
+        kc.ctl_timings = kubecontroller.install(kc, lab, *images, firewall=lab.firewall_mode)
+        kc.marker = f"echo-ok-{lab.prefix}"
+        kc.apply([kubemanifests.namespace("apps"),
+                  *kubemanifests.echo_backend("apps", "echo", kc.marker, kubecluster.ECHO_IMAGE, replicas=2)])
+        kc.kubectl("-n", "apps", "rollout", "status", "deployment/echo", "--timeout=90s", timeout=100)
+        yield kc
+    except BaseException:
+        print(kubecontroller.controller_log(kc, 200))
+        print(kc.diagnostics())
+        raise
+    finally:
+        kc.close()
+
+
+def _service(name: str, annotations: dict[str, str], **spec) -> dict:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": "apps", "annotations": annotations},
+            "spec": {"selector": {"app": "echo"}, "ports": [{"port": 8080, "targetPort": 8080}], **spec}}
+
+
+def _hs_nodes_named(lab, name: str) -> list[dict]:
+    return [n for n in lab.hs_nodes() if name in (n.get("name"), n.get("given_name"))]
+
+
+def _fail_report(kc, ns="apps", name="web") -> str:
+    pods = kc.kubectl("-n", kubecontroller.NS, "get", "pods", "-o", "wide", check=False).stdout
+    logs = kc.kubectl("-n", kubecontroller.NS, "logs", "-l", f"tailscale.com/parent-resource={name}",
+                      "--tail=60", "--all-containers", check=False)
+    svc = kc.get("service", name, ns)
+    return (f"{kubecontroller.controller_log(kc)}\n--- pods\n{pods}\n--- proxy log\n{logs.stdout}{logs.stderr}\n"
+            f"--- service status\n{json.dumps((svc or {}).get('status'), indent=1)}")
+
+
+def test_expose_service_proxy_pod_logs_in_status_curl_and_clean_delete(lab, kube):
+    kc = kube
+    # the controller is the Deployment's Pod, from the imported image, with deploy/'s ServiceAccount
+    pod = kubecontroller.controller_pod(kc)
+    assert pod is not None and pod["spec"]["serviceAccountName"] == "tailscale-controller"
+    assert pod["spec"]["containers"][0]["image"] == kubecontroller.CONTROLLER_IMAGE
+    lab.delete_node("apps-web")
+
+    t0 = time.monotonic()
+    kc.apply(_service("web", {"tailscale.com/expose": "true"}, type="LoadBalancer"))
+    try:
+        svc = kubecontroller.wait_service_ip(kc, "apps", "web", 180)
+    except TimeoutError:
+        raise AssertionError(_fail_report(kc)) from None
+    t_ip = time.monotonic() - t0
+    ingress = svc["status"]["loadBalancer"]["ingress"]
+    ips = kubecontroller.lb_ips(svc)
+    print(f"Service apps/web: tailnet IP in its status {t_ip:.1f}s after it was created: {ingress}")
+
+    # the status is what headscale knows about the proxy's node
+    (node,) = _hs_nodes_named(lab, "apps-web")
+    assert ingress[0] == {"hostname": f"{node['given_name']}.tailnet.test"}
+    assert ips == [a for a in node["ip_addresses"] if ":" not in a], (ips, node["ip_addresses"])
+    tags = set(node.get("tags") or node.get("forced_tags") or node.get("valid_tags") or [])
+    assert "tag:k8s" in tags, node
+    cond = next(c for c in svc["status"]["conditions"] if c["type"] == "TailscaleProxyReady")
+    assert (cond["status"], cond["reason"]) == ("True", "ProxyCreated"), cond
+    assert "tailscale.com/finalizer" in svc["metadata"]["finalizers"]
+
+    # what the controller made, with upstream's labels, in its namespace; the proxy Pod runs the proxy image
+    made = kubecontroller.children(kc, "apps", "web")
+    assert len(made["statefulsets"]) == 1 and len(made["pods"]) == 1, made
+    sts = made["statefulsets"][0]
+    assert made["secrets"] == [f"{sts}-0"] and made["services"] == [sts], made
+    proxy = kc.get("pod", made["pods"][0], kubecontroller.NS)
+    assert proxy["spec"]["containers"][0]["image"] == kubecontroller.PROXY_IMAGE
+    data = kubecontroller.secret_data(kc, kubecontroller.NS, f"{sts}-0")
+    assert json.loads(data["device_ips"])[0] == ips[0] and data["device_id"].decode() == str(node["id"])
+    # the key was used once: registered, so it left the config the controller rendered
+    conf = json.loads(next(v for k, v in data.items() if k.startswith("cap-")))
+    assert "AuthKey" not in conf and conf["ServerURL"] == "http://10.99.0.1:8080", conf
+    # every Secret call of the controller went through deploy/'s RBAC, none was refused
+    calls = kc.audit(user=CONTROLLER_SA)
+    assert calls and all(c["responseStatus"]["code"] < 400 or c["responseStatus"]["code"] == 404 for c in calls), [
+        (c["verb"], c["objectRef"].get("name"), c["responseStatus"]["code"]) for c in calls if
+        c["responseStatus"]["code"] >= 400]
+
+    # the tailnet client reaches the backend Deployment by the IP in the status (through the proxy Pod and
+    # kube-proxy: both backend Pods answer, each seeing the proxy Pod's address)
+    lab.wait_peer("client", "apps-web", 60)
+    seen = set()
+    for i in range(12):
+        body = lab.wait_curl("client", lab.url(ips[0], 8080, f"/status-ip-{i}"), kc.marker, timeout=60)
+        assert f"peer={proxy['status']['podIP']}:" in body, body
+        seen.add(next((w for w in body.split() if w.startswith("host=")), body))
+        if len(seen) == 2:
+            break
+    print(f"curl client -> {ips[0]}:8080 reached backend Pods {sorted(seen)}")
+
+    # delete the Service: the proxy, its Secret and headless Service go, the node leaves headscale, and the
+    # finalizer is released so the Service is gone
+    kc.kubectl("-n", "apps", "delete", "service", "web", "--wait=false")
+    try:
+        wait_until(lambda: kc.get("service", "web", "apps") is None, 120, 0.5, "the Service gone")
+    except TimeoutError:
+        raise AssertionError(_fail_report(kc)) from None
+    assert kubecontroller.children(kc, "apps", "web") == {"statefulsets": [], "secrets": [], "services": [],
+                                                         "pods": []}
+    assert kc.get("statefulset", sts, kubecontroller.NS) is None and kc.get("secret", f"{sts}-0",
+                                                                            kubecontroller.NS) is None
+    assert _hs_nodes_named(lab, "apps-web") == [], lab.hs_nodes()
+
+
+def _connector(name: str, spec: dict) -> dict:
+    return {"apiVersion": "tailscale.com/v1alpha1", "kind": "Connector", "metadata": {"name": name}, "spec": spec}
+
+
+def test_connector_subnet_router_route_approved_client_reaches_a_pod_ip(lab, kube):
+    """A Connector advertising the node's Pod CIDR: the proxy Pod advertises it, the headscale admin approves
+    it (the controller does not approve routes: that stays the control plane's decision, by hand as here or by
+    headscale's autoApprovers), and the tailnet client reaches a backend Pod by its Pod IP through the router."""
+    kc = kube
+    cidr = kc.pod_cidr
+    lab.delete_node("pods-router")
+    kc.apply(_connector("pods", {"hostname": "pods-router", "subnetRouter": {"advertiseRoutes": [cidr]}}))
+    try:
+        def ready():
+            c = kc.get("connector", "pods")
+            conds = (c or {}).get("status", {}).get("conditions") or []
+            return c if any(x["type"] == "ConnectorReady" and x["status"] == "True" for x in conds) else None
+        conn = wait_until(ready, 180, 0.5, "Connector pods Ready")
+    except TimeoutError:
+        raise AssertionError(_fail_report(kc, "", "pods")) from None
+    st = conn["status"]
+    assert st["subnetRoutes"] == cidr and st["isExitNode"] is False and st["hostname"].startswith("pods-router."), st
+    # the router asks for the route; headscale holds it until approved
+    node = wait_until(lambda: next((n for n in _hs_nodes_named(lab, "pods-router")
+                                    if cidr in (n.get("available_routes") or [])), None), 60, 0.5,
+                      "the advertised route in headscale")
+    assert cidr not in (node.get("approved_routes") or []), node
+    lab.approve_routes("pods-router", [cidr])
+    pods = json.loads(kc.kubectl("-n", "apps", "get", "pods", "-l", "app=echo", "-o", "json").stdout)["items"]
+    made = kubecontroller.children(kc, "", "pods", "connector")
+    router = kc.get("pod", made["pods"][0], kubecontroller.NS)
+    for p in pods:
+        ip = p["status"]["podIP"]
+        body = lab.wait_curl("client", lab.url(ip, 8080, "/via-connector"), kc.marker, timeout=90)
+        # the router SNATs (tailscaled's --snat-subnet-routes default): the backend Pod sees the router Pod
+        assert f"peer={router['status']['podIP']}:" in body and f"host={p['metadata']['name']}" in body, body
+    print(f"curl client -> Pod IPs {[p['status']['podIP'] for p in pods]} through Connector pods: OK")
+
+    kc.kubectl("delete", "connector", "pods", "--wait=false")
+    wait_until(lambda: kc.get("connector", "pods") is None, 120, 0.5, "the Connector gone")
+    assert kubecontroller.children(kc, "", "pods", "connector") == {"statefulsets": [], "secrets": [],
+                                                                   "services": [], "pods": []}
+    assert _hs_nodes_named(lab, "pods-router") == []
+
+
+def test_connector_router_and_exit_node_is_refused_by_the_api_server(kube):
+    kc = kube
+    doc = json.dumps(_connector("both", {"subnetRouter": {"advertiseRoutes": ["10.40.0.0/14"]}, "exitNode": True}))
+    cp = kc.kubectl("apply", "-f", "-", input=doc, check=False)
+    assert cp.returncode != 0
+    assert "create two Connectors" in cp.stderr, cp.stderr
+    print(f"kubectl apply (router + exit node): {cp.stderr.strip()}")
+    assert kc.get("connector", "both") is None
+    assert kubecontroller.children(kc, "", "both", "connector")["statefulsets"] == []
+
+
+def test_egress_pod_reaches_a_tailnet_node_through_the_rewritten_service(lab, kube):
+    """L3 egress: a Service annotated ``tailscale.com/tailnet-ip`` (the lab client's tailnet IP) → the controller
+    renders the egress proxy and rewrites the Service to an ExternalName for the proxy's headless Service; a Pod
+    in the cluster asks for the Service by name and reaches the HTTP server on the tailnet node through the
+    proxy. The name is resolved by labtools.clusterdns (the lab has no CoreDNS; only this client Pod uses it,
+    through its dnsConfig), answering as CoreDNS would: ExternalName → CNAME → the headless Service's ready
+    endpoints (the proxy Pod)."""
+    import sys
+    from labtools import clusterdns
+    kc = kube
+    v4, _ = lab.tailnet_ips("client")
+    marker = f"tailnet-node-ok-{lab.prefix}"
+    lab.start_http_server("client", v4, 18080, marker)
+    token = kc.run_dir / "clusterdns.token"
+    token.write_text(kc.token)
+    token.chmod(0o600)
+    dns_ip = kc.cfg.api_host
+    dnsp = kc.popen([sys.executable, "-m", "labtools.clusterdns", "--listen", dns_ip, "--server", kc.server,
+                     "--token-file", str(token), "--ca", str(kc.ca_cert)],
+                    env={"PYTHONPATH": str(kubecontroller.REPO)}, stdout=open(kc.run_dir / "clusterdns.log", "w"),
+                    stderr=subprocess.STDOUT)
+    lab.delete_node("apps-to-client")
+    try:
+        kc.apply(_service("to-client", {"tailscale.com/tailnet-ip": v4, "tailscale.com/hostname": "apps-to-client"},
+                          type="ClusterIP"))
+
+        def rewritten():
+            s = kc.get("service", "to-client", "apps")
+            conds = (s or {}).get("status", {}).get("conditions") or []
+            ok = any(c["type"] == "TailscaleProxyReady" and c["status"] == "True" for c in conds)
+            return s if ok and s["spec"].get("type") == "ExternalName" else None
+        try:
+            svc = wait_until(rewritten, 180, 0.5, "the egress Service rewritten and its proxy ready")
+        except TimeoutError:
+            raise AssertionError(_fail_report(kc, "apps", "to-client")) from None
+        made = kubecontroller.children(kc, "apps", "to-client")
+        assert svc["spec"]["externalName"] == f"{made['services'][0]}.tailscale.svc.cluster.local", svc["spec"]
+        proxy = kc.get("pod", made["pods"][0], kubecontroller.NS)
+        # a Pod in the cluster: the Service by its short name, through the cluster DNS, the proxy, the tailnet
+        script = ("import socket, urllib.request; print('resolved', socket.gethostbyname('to-client')); "
+                  "print(urllib.request.urlopen('http://to-client:18080/from-pod', timeout=10).read().decode())")
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "egress-client", "namespace": "apps"},
+               "spec": {"restartPolicy": "OnFailure", "terminationGracePeriodSeconds": 1,
+                        **clusterdns.pod_dns_config(dns_ip, "apps"),
+                        "containers": [{"name": "c", "image": kubecontroller.PROXY_IMAGE, "imagePullPolicy": "Never",
+                                        "command": ["python3", "-c", script]}]}}
+        kc.apply(pod)
+
+        def done():
+            p = kc.get("pod", "egress-client", "apps") or {}
+            return p if p.get("status", {}).get("phase") == "Succeeded" else None
+        try:
+            wait_until(done, 120, 1, "the egress client Pod's request")
+        except TimeoutError:
+            out = kc.kubectl("-n", "apps", "logs", "egress-client", check=False)
+            raise AssertionError(f"{out.stdout}{out.stderr}\n{(kc.run_dir / 'clusterdns.log').read_text()}\n"
+                                 f"{_fail_report(kc, 'apps', 'to-client')}") from None
+        out = kc.kubectl("-n", "apps", "logs", "egress-client").stdout
+        print(out)
+        assert f"resolved {proxy['status']['podIP']}" in out and marker in out, out
+        # the tailnet node saw the proxy's tailnet address (SNAT), not the Pod's
+        (node,) = _hs_nodes_named(lab, "apps-to-client")
+        peers = [e.get("peer", "") for e in lab.http_peer_log("client", 18080)]
+        assert peers and all(p in node["ip_addresses"] for p in peers), (peers, node["ip_addresses"])
+
+        kc.kubectl("-n", "apps", "delete", "pod", "egress-client", "--wait=false")
+        kc.kubectl("-n", "apps", "delete", "service", "to-client", "--wait=false")
+        wait_until(lambda: kc.get("service", "to-client", "apps") is None, 120, 0.5, "the Service gone")
+        assert kubecontroller.children(kc, "apps", "to-client") == {"statefulsets": [], "secrets": [],
+                                                                   "services": [], "pods": []}
+        assert _hs_nodes_named(lab, "apps-to-client") == []
+    finally:
+        dnsp.terminate()
+        dnsp.wait(10)
+
+
+def test_l7_ingress_on_headscale_serve_config_applied_but_no_https(lab, kube):
+    """L7 Ingress (``ingressClassName: tailscale``) on headscale: what is real. The controller renders the
+    userspace proxy with the serve config (443, HTTPS, proxy to the backend's ClusterIP) in its Secret, the
+    Pod logs in to headscale and applies it; headscale gives no HTTPS certificate domain, so the proxy reports
+    ``https_endpoint: no-https`` and the Ingress gets no LoadBalancer status (upstream's behaviour without
+    HTTPS). An HTTPS request through it is therefore not possible here. Deletion leaves nothing."""
+    kc = kube
+    host = "apps-web-ingress"
+    lab.delete_node(host)
+    cip = kc.get("service", "echo", "apps")["spec"]["clusterIP"]
+    kc.apply({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": "web", "namespace": "apps"},
+              "spec": {"ingressClassName": "tailscale",
+                       "defaultBackend": {"service": {"name": "echo", "port": {"number": 8080}}}}})
+    try:
+        def endpoint():
+            made = kubecontroller.children(kc, "apps", "web", "ingress")
+            if not made["secrets"]:
+                return None
+            d = kubecontroller.secret_data(kc, kubecontroller.NS, made["secrets"][0]) or {}
+            return (made, d) if d.get("https_endpoint") and d.get("device_id") else None
+        made, data = wait_until(endpoint, 180, 0.5, "the Ingress proxy's https_endpoint")
+    except TimeoutError:
+        raise AssertionError(_fail_report(kc, "apps", "web")) from None
+    sc = json.loads(data["serve-config"])
+    assert sc["TCP"] == {"443": {"HTTPS": True}}, sc
+    assert sc["Web"]["${TS_CERT_DOMAIN}:443"]["Handlers"] == {"/": {"Proxy": f"http://{cip}:8080/"}}, sc
+    assert data["https_endpoint"] == b"no-https", data["https_endpoint"]
+    (node,) = _hs_nodes_named(lab, host)
+    assert data["device_id"].decode() == str(node["id"])
+    proxy = kc.get("pod", made["pods"][0], kubecontroller.NS)
+    env = {e["name"]: e.get("value") for e in proxy["spec"]["containers"][0]["env"]}
+    assert env["TS_USERSPACE"] == "true" and env["TS_SERVE_CONFIG"] == "/etc/tailscaled/$(POD_NAME)/serve-config"
+    time.sleep(3)     # a pass after the endpoint arrived: still nothing to publish
+    ing = kc.get("ingress", "web", "apps")
+    assert not (ing.get("status", {}).get("loadBalancer") or {}).get("ingress"), ing.get("status")
+    print(f"Ingress apps/web: proxy {host} registered ({node['ip_addresses']}), serve config applied, "
+          f"https_endpoint=no-https, status {ing.get('status')}")
+
+    kc.kubectl("-n", "apps", "delete", "ingress", "web", "--wait=false")
+    wait_until(lambda: kc.get("ingress", "web", "apps") is None, 120, 0.5, "the Ingress gone")
+    assert kubecontroller.children(kc, "apps", "web", "ingress") == {"statefulsets": [], "secrets": [],
+                                                                    "services": [], "pods": []}
+    assert _hs_nodes_named(lab, host) == []
