@@ -2,10 +2,11 @@
 
     .venv/bin/python -m bench.controller [--services 500] [--idle 30] [--concurrency 50]
 
-A real control plane on loopback (netns-tests/localkube.py: etcd, kube-apiserver with an audit log of the
-controller's requests, the garbage collector), `kubectl apply -R -f deploy/`, a reusable key in Secret
-tailscale-auth (the static provider: no control plane round trips, so the figures are the controller's own),
-and the controller as shipped (`python -m controller`, authenticated as the deployed ServiceAccount). Then:
+A real control plane alone on loopback (root; labtools.kubecluster: etcd, kube-apiserver with an audit log of
+every request of the controller's user, the garbage collector as the only controller that acts on the
+controller's objects), `kubectl apply -R -f deploy/`, a reusable key in Secret tailscale-auth (the static
+provider: no control plane round trips, so the figures are the controller's own), and the controller
+as shipped (`python -m controller`, authenticated as the deployed ServiceAccount by its TokenRequest token). Then:
 
 1. `--services` Services annotated `tailscale.com/expose: "true"` are created at once (`--concurrency` in
    flight); reported: time from the first create until every proxy's StatefulSet and Secret exist, and until the
@@ -42,9 +43,12 @@ import httpx
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "netns-tests"))
 
-import localkube  # noqa: E402
+from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir  # noqa: E402
+
+# no node, no Pods: the garbage collector for foreground deletion (and the default ServiceAccount's)
+ONLY_GC = ("garbagecollector", "serviceaccount")
+CONTROLLER_USER = "system:serviceaccount:tailscale:tailscale-controller"   # deploy/'s ServiceAccount
 
 WRITES = {"create", "patch", "update", "delete"}
 
@@ -61,22 +65,27 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def start_controller(k: localkube.LocalKube, d: pathlib.Path, tag: str) -> subprocess.Popen:
-    (d / "token").write_text(k.controller_token)
-    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "CONTROLLER_KUBE_URL": k.url,
-           "CONTROLLER_KUBE_TOKEN_FILE": str(d / "token"), "CONTROLLER_KUBE_CA_FILE": k.ca,
+def start_controller(k: KubeCluster, d: pathlib.Path, tag: str) -> subprocess.Popen:
+    (d / "token").write_text(k.service_account_token("tailscale", "tailscale-controller"))
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "CONTROLLER_KUBE_URL": k.server,
+           "CONTROLLER_KUBE_TOKEN_FILE": str(d / "token"), "CONTROLLER_KUBE_CA_FILE": str(k.ca_cert),
            "CONTROLLER_HEALTH_ADDR": "127.0.0.1:0", "OPERATOR_NAMESPACE": "tailscale", "CONTROL_PLANE": "static",
            "PROXY_IMAGE": "localhost/containerboot-py:latest"}
     return subprocess.Popen([sys.executable, "-m", "controller"], env=env, cwd=str(REPO),
                             stdout=open(d / f"controller-{tag}.log", "w"), stderr=subprocess.STDOUT)
 
 
-def wait_quiet(k: localkube.LocalKube, quiet: float, timeout: float) -> int:
+def controller_events(k: KubeCluster) -> list[dict]:
+    """The controller's requests so far, one audit event per completed request (verb, objectRef, ...)."""
+    return k.audit(user=CONTROLLER_USER)
+
+
+def wait_quiet(k: KubeCluster, quiet: float, timeout: float) -> int:
     """Wait until the audit log has not grown for `quiet` seconds; returns the event count."""
     deadline = time.monotonic() + timeout
     last, since = -1, time.monotonic()
     while time.monotonic() < deadline:
-        n = len(k.audit_events())
+        n = len(controller_events(k))
         if n != last:
             last, since = n, time.monotonic()
         elif time.monotonic() - since >= quiet:
@@ -85,11 +94,11 @@ def wait_quiet(k: localkube.LocalKube, quiet: float, timeout: float) -> int:
     return last
 
 
-async def create_services(k: localkube.LocalKube, n: int, concurrency: int) -> None:
+async def create_services(k: KubeCluster, n: int, concurrency: int) -> None:
     sem = asyncio.Semaphore(concurrency)
     import ssl
-    async with httpx.AsyncClient(base_url=k.url, verify=ssl.create_default_context(cafile=k.ca), timeout=30,
-                                 headers={"Authorization": f"Bearer {k.admin_token}"}) as c:
+    async with httpx.AsyncClient(base_url=k.server, verify=ssl.create_default_context(cafile=str(k.ca_cert)),
+                                 timeout=30, headers={"Authorization": f"Bearer {k.token}"}) as c:
         async def one(i: int) -> None:
             async with sem:
                 r = await c.post("/api/v1/namespaces/default/services", json={
@@ -100,11 +109,13 @@ async def create_services(k: localkube.LocalKube, n: int, concurrency: int) -> N
         await asyncio.gather(*(one(i) for i in range(n)))
 
 
-def count(k: localkube.LocalKube) -> tuple[int, int]:
-    c = k.client()
+def count(k: KubeCluster) -> tuple[int, int]:
+    import ssl
     sel = {"labelSelector": "tailscale.com/managed=true"}
-    sts = len(c.get("/apis/apps/v1/namespaces/tailscale/statefulsets", params=sel).json()["items"])
-    sec = len(c.get("/api/v1/namespaces/tailscale/secrets", params=sel).json()["items"])
+    with httpx.Client(base_url=k.server, verify=ssl.create_default_context(cafile=str(k.ca_cert)), timeout=10,
+                      headers={"Authorization": f"Bearer {k.token}"}) as c:
+        sts = len(c.get("/apis/apps/v1/namespaces/tailscale/statefulsets", params=sel).json()["items"])
+        sec = len(c.get("/api/v1/namespaces/tailscale/secrets", params=sel).json()["items"])
     return sts, sec
 
 
@@ -182,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.e2e:
         return e2e(a.e2e)
-    if localkube.bin_dir() is None:
+    if os.geteuid() != 0:
+        print("bench.controller: the control plane (labtools.kubecluster) runs as root", file=sys.stderr)
+        return 2
+    if not binaries_present(default_bin_dir()):
         print("bench.controller: etcd/kube-apiserver are not built (scripts/install-kubernetes.sh)", file=sys.stderr)
         return 2
     d = pathlib.Path(tempfile.mkdtemp(prefix="bench-controller-"))
-    k = localkube.LocalKube.start(d / "kube", audit=True)
+    k = KubeCluster.start(run_dir=d / "kube", service_cidr="10.96.0.0/16,fd00:10:96::/108",
+                          audit_users=(CONTROLLER_USER,), controllers=ONLY_GC)
     procs: list[subprocess.Popen] = []
     try:
         k.kubectl("apply", "-R", "-f", str(REPO / "deploy"))
@@ -195,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         p = start_controller(k, d, "1")
         procs.append(p)
         time.sleep(3)                                   # kopf's initial listing (nothing to do yet)
-        base = len(k.audit_events())
+        base = len(controller_events(k))
         t0 = time.monotonic()
         asyncio.run(create_services(k, a.services, a.concurrency))
         t_created = time.monotonic() - t0
@@ -206,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         t_objects = time.monotonic() - t0
         total = wait_quiet(k, 5.0, 600)
         t_settled = time.monotonic() - t0 - 5.0
-        ev = k.audit_events()[base:total]
+        ev = controller_events(k)[base:total]
         verbs = by_verb(ev)
         reads = sum(v for kk, v in verbs.items() if kk not in WRITES)
         writes = sum(v for kk, v in verbs.items() if kk in WRITES)
@@ -214,22 +229,22 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(a.idle)
         idle_cpu = (cpu_seconds(p.pid) - c0) / (time.monotonic() - t_idle0) * 100
         rss = rss_mib(p.pid)
-        idle_events = len(k.audit_events()) - total
+        idle_events = len(controller_events(k)) - total
         # restart: every pass again, nothing changed
         p.terminate()
         p.wait(30)
-        before = len(k.audit_events())
+        before = len(controller_events(k))
         p2 = start_controller(k, d, "2")
         procs.append(p2)
         t1 = time.monotonic()
-        svc_gets = lambda: sum(1 for e in k.audit_events()[before:] if e.get("verb") == "get"  # noqa: E731
+        svc_gets = lambda: sum(1 for e in controller_events(k)[before:] if e.get("verb") == "get"  # noqa: E731
                                and (e.get("objectRef") or {}).get("resource") == "services"
                                and (e.get("objectRef") or {}).get("namespace") == "default")
         while svc_gets() < a.services and time.monotonic() - t1 < 600:
             time.sleep(0.5)
         t_repass = time.monotonic() - t1
         after = wait_quiet(k, 5.0, 300)
-        rev = k.audit_events()[before:after]
+        rev = controller_events(k)[before:after]
         re_writes = [e for e in rev if e.get("verb") in WRITES]
         fig = {
             "services": a.services, "create_all_s": round(t_created, 2),
@@ -259,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                     p.wait(20)
                 except subprocess.TimeoutExpired:
                     p.kill()
-        k.stop()
+        k.close()
         shutil.rmtree(d, ignore_errors=True)
 
 

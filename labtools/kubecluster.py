@@ -16,6 +16,9 @@ API (root only; binaries from scripts/install-kubernetes.sh, built on first use 
     kc.service_account_token(ns, sa); kc.write_kubeconfig(path, token)   # a client with a ServiceAccount's RBAC
     kc.popen(argv)                                   # a background process in the cluster's network namespace
     kc.audit(user=..., name=...)                     # the API server's audit events on Secrets (with status)
+    KubeCluster.start(service_cidr="10.96.0.0/16,fd00:10:96::/108",   # dual-stack Services
+                      audit_users=(user,),           # audit() then has every request of that user
+                      controllers=("garbagecollector", "serviceaccount"))   # only these controllers
     kc.serving_cert("hook", ("IP:10.99.0.50",))      # (crt, key) signed by the cluster CA, e.g. for a webhook
     kc.restart_apiserver(); kc.stop_component("kube-apiserver")
     kc.close()                                       # nothing left (processes, mounts, cgroups, netns, files)
@@ -137,12 +140,14 @@ class ClusterConfig:
     api_port: int = 6443
     etcd_port: int = 2379
     etcd_peer_port: int = 2380
-    service_cidr: str = "10.96.0.0/16"
+    service_cidr: str = "10.96.0.0/16"     # one range, or "v4,v6" for dual-stack Services
     cluster_cidr: str = "10.244.0.0/16"
     node_cidr_mask: int = 24
     node_name: str = NODE_NAME
     proxy_mode: str = "iptables"
     token: str = ""
+    audit_users: tuple[str, ...] = ()     # also audit every request of these users (not only Secrets)
+    controllers: tuple[str, ...] = ()     # kube-controller-manager's --controllers; () = its default set
 
     @property
     def server(self) -> str:
@@ -151,7 +156,8 @@ class ClusterConfig:
 
     @property
     def kubernetes_service_ip(self) -> str:
-        return str(next(ipaddress.ip_network(self.service_cidr).hosts()))
+        # the first range's first address (a dual-stack cluster's primary family)
+        return str(next(ipaddress.ip_network(self.service_cidr.split(",")[0]).hosts()))
 
     @property
     def pki(self) -> Path:
@@ -248,6 +254,15 @@ AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages":
                           {"level": "None"}]}
 
 
+def audit_policy(cfg: ClusterConfig) -> dict:
+    """AUDIT_POLICY, and first every completed request of ``cfg.audit_users`` (one event per request, so a
+    benchmark can count them: watches' ResponseStarted left out)."""
+    if not cfg.audit_users:
+        return AUDIT_POLICY
+    rule = {"level": "Metadata", "users": list(cfg.audit_users), "omitStages": ["RequestReceived", "ResponseStarted"]}
+    return {**AUDIT_POLICY, "rules": [rule, *AUDIT_POLICY["rules"]]}
+
+
 def controller_manager_argv(cfg: ClusterConfig) -> list[str]:
     p = cfg.pki
     return [str(cfg.bin_dir / "kube-controller-manager"), f"--kubeconfig={cfg.kubeconfig_path('controller-manager')}",
@@ -256,7 +271,7 @@ def controller_manager_argv(cfg: ClusterConfig) -> list[str]:
             f"--cluster-signing-cert-file={p / 'ca.crt'}", f"--cluster-signing-key-file={p / 'ca.key'}",
             "--allocate-node-cidrs=true", f"--cluster-cidr={cfg.cluster_cidr}",
             f"--node-cidr-mask-size={cfg.node_cidr_mask}", f"--service-cluster-ip-range={cfg.service_cidr}",
-            "--profiling=false", "--v=1"]
+            "--profiling=false", "--v=1", *([f"--controllers={','.join(cfg.controllers)}"] if cfg.controllers else [])]
 
 
 def scheduler_argv(cfg: ClusterConfig) -> list[str]:
@@ -478,9 +493,13 @@ class KubeCluster:
     @classmethod
     def start(cls, *, lab: Any = None, node: bool = False, proxy_mode: str = "iptables",
               run_dir: str | Path | None = None, bin_dir: str | Path | None = None, name: str | None = None,
-              timeout: float = 90.0) -> "KubeCluster":
+              timeout: float = 90.0, service_cidr: str = ClusterConfig.service_cidr,
+              audit_users: Sequence[str] = (), controllers: Sequence[str] = ()) -> "KubeCluster":
         """Start a control plane (and with ``node=True``, which needs ``lab``, a node) and wait until it is
-        ready (with a node: Node Ready and the ``default`` ServiceAccount present). On failure everything
+        ready (with a node: Node Ready and the ``default`` ServiceAccount present). ``service_cidr``
+        "v4,v6" makes Services dual-stack; ``audit_users``: ``audit(user=...)`` then has every request of
+        those users, not only those on Secrets; ``controllers``: only these of kube-controller-manager (e.g.
+        a test that writes a StatefulSet's status itself runs without the statefulset controller). On failure everything
         started is torn down and ClusterError says which component failed, with its log."""
         if os.geteuid() != 0:
             raise ClusterError("the cluster needs root")
@@ -494,11 +513,15 @@ class KubeCluster:
         if lab is not None:
             rdir = Path(run_dir) if run_dir else lab.run_dir / "k8s"
             host = lab.namespaces["hs"].ipv4.rsplit(".", 1)[0] + f".{NODE_HOST}"
-            cfg = ClusterConfig(name, rdir, bdir, host, proxy_mode=proxy_mode, token=_secrets.token_hex(16))
+            cfg = ClusterConfig(name, rdir, bdir, host, proxy_mode=proxy_mode, token=_secrets.token_hex(16),
+                                service_cidr=service_cidr, audit_users=tuple(audit_users),
+                                controllers=tuple(controllers))
         else:
             rdir = Path(run_dir) if run_dir else Path("/tmp") / f"cbpy-{name}"
             cfg = ClusterConfig(name, rdir, bdir, "127.0.0.1", api_port=_free_port(), etcd_port=_free_port(),
-                                etcd_peer_port=_free_port(), proxy_mode=proxy_mode, token=_secrets.token_hex(16))
+                                etcd_peer_port=_free_port(), proxy_mode=proxy_mode, token=_secrets.token_hex(16),
+                                service_cidr=service_cidr, audit_users=tuple(audit_users),
+                                controllers=tuple(controllers))
         kc = cls(cfg, lab=lab)
         _LIVE.add(kc)
         try:
@@ -650,7 +673,7 @@ class KubeCluster:
                           "-out", str(p / f"{spec.name}.crt"), "-days", "30", "-subj", subj,
                           "-CA", str(p / "ca.crt"), "-CAkey", str(p / "ca.key"))
         self._openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(p / "sa.key"))
-        (p / "audit-policy.json").write_text(json.dumps(AUDIT_POLICY))
+        (p / "audit-policy.json").write_text(json.dumps(audit_policy(cfg)))
         (p / "tokens.csv").write_text(f'{cfg.token},lab-admin,lab-admin,"system:masters"\n')
         for f in p.iterdir():
             f.chmod(0o600)
@@ -821,7 +844,8 @@ class KubeCluster:
             raise ClusterError(f"{e}\n{desc.stdout[-3000:]}{desc.stderr[-500:]}") from None
 
     def audit(self, *, user: str | None = None, name: str | None = None) -> list[dict]:
-        """The API server's audit events on Secrets (``verb``, ``objectRef``, ``responseStatus.code``, ``user``)."""
+        """The API server's audit events on Secrets (``verb``, ``objectRef``, ``responseStatus.code``, ``user``),
+        and on everything for the ``audit_users`` given to start(); in the order the API server wrote them."""
         out = []
         try:
             lines = (self.cfg.run_dir / "logs" / "audit.jsonl").read_text().splitlines()

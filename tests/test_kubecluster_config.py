@@ -71,3 +71,22 @@ def test_components_are_configured_for_this_machine(tmp_path):
     bridge = cni["plugins"][0]
     assert bridge["ipMasq"] and bridge["ipam"]["ranges"][0][0] == {"subnet": "10.244.0.0/24", "gateway": "10.244.0.1"}
     assert "mount -t tmpfs -o mode=755 tmpfs /run" in kc.holder_script(cfg)
+
+
+def test_control_plane_options_default_to_the_lab_cluster_and_add_only_what_is_asked(tmp_path):
+    base = _cfg(tmp_path)
+    # defaults: one service range, Secrets audited only, kube-controller-manager's own controller set
+    assert base.kubernetes_service_ip == "10.96.0.1"
+    assert kc.audit_policy(base) == kc.AUDIT_POLICY
+    assert not any(a.startswith("--controllers") for a in kc.controller_manager_argv(base))
+    user = "system:serviceaccount:tailscale:tailscale-controller"
+    opt = kc.ClusterConfig("t1", tmp_path / "run", tmp_path / "bin", "127.0.0.1", token="tok",
+                           service_cidr="10.96.0.0/16,fd00:10:96::/108", audit_users=(user,),
+                           controllers=("garbagecollector", "serviceaccount"))
+    assert opt.kubernetes_service_ip == "10.96.0.1"          # the primary (first) family's first address
+    assert "--service-cluster-ip-range=10.96.0.0/16,fd00:10:96::/108" in kc.apiserver_argv(opt)
+    assert "--controllers=garbagecollector,serviceaccount" in kc.controller_manager_argv(opt)
+    rules = kc.audit_policy(opt)["rules"]
+    # that user's every request first, once per request (no ResponseStarted for watches); Secrets as before
+    assert rules[0] == {"level": "Metadata", "users": [user], "omitStages": ["RequestReceived", "ResponseStarted"]}
+    assert rules[1:] == kc.AUDIT_POLICY["rules"]
