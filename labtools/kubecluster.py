@@ -931,6 +931,12 @@ class KubeCluster:
                 pass
         if self.lab is not None and self.netns:
             self.lab.kill_ns_leftovers("k8s", 5) if self.lab.ns_pids("k8s") else None
+            # The island's end of the node's veth goes first: `ip netns del` only unlinks the name, and the
+            # namespace (with the veth pair in it) lives on while anything still holds a reference, so the
+            # next cluster of the same lab found `v-k8s` still on the bridge ("RTNETLINK answers: File exists").
+            sw = self.lab.namespaces.get("sw")
+            if sw is not None:
+                _run(["ip", "-n", sw.netns, "link", "del", "v-k8s"], check=False, timeout=15)
             cp = _run(["ip", "netns", "del", self.netns], check=False, timeout=15)
             if cp.returncode != 0 and "No such file" not in cp.stderr:
                 problems.append(f"ip netns del {self.netns}: {cp.stderr.strip()}")

@@ -61,6 +61,10 @@ def _leftovers(kc: kubecluster.KubeCluster) -> list[str]:
             left.append(f"cgroup {m / kc.cfg.cgroup_root.lstrip('/')}")
     if kc.netns and Path(f"/run/netns/{kc.netns}").exists():
         left.append(f"netns {kc.netns}")
+    if kc.lab is not None and "sw" in kc.lab.namespaces:
+        sw = kc.lab.namespaces["sw"].netns
+        if subprocess.run(["ip", "-n", sw, "link", "show", "v-k8s"], capture_output=True).returncode == 0:
+            left.append("the node's veth v-k8s on the island bridge (a next cluster could not attach)")
     if kc.run_dir.exists():
         left.append(f"run dir {run}")
     return left
