@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nettopo  # noqa: E402
+from needs import unavailable  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +89,7 @@ def lab_bin_dir() -> _LtPath:
     try:
         return _labmod.ensure_binaries()
     except Exception as e:  # noqa: BLE001 - any build problem means "cannot run e2e here"
-        pytest.skip(f"tailscale/headscale binaries cannot be built: {e}")
+        unavailable(f"tailscale/headscale binaries cannot be built: {e}")
 
 
 @pytest.fixture(scope="session")

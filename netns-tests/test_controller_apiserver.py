@@ -29,6 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir  # noqa: E402
 from containerboot.kube import secretstate as agent_ss  # noqa: E402
 from tests.support.fake_tailscale_api import FakeTailscaleAPI  # noqa: E402
+from needs import unavailable  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 REPO = str(pathlib.Path(__file__).resolve().parents[1])
@@ -46,7 +47,7 @@ def kube():
     if os.geteuid() != 0:
         pytest.skip("the control plane (labtools.kubecluster) runs as root")
     if not binaries_present(default_bin_dir()):
-        pytest.skip("etcd/kube-apiserver are not built here (scripts/install-kubernetes.sh)")
+        unavailable("etcd/kube-apiserver are not built here (scripts/install-kubernetes.sh)")
     with KubeCluster.start(service_cidr=DUAL_STACK, controllers=ONLY_GC) as k:
         yield k
 

@@ -36,6 +36,7 @@ import pytest
 
 from labtools import kubecluster, kubecontroller, kubemanifests
 from labtools.lab import wait_until
+from needs import unavailable  # noqa: E402
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -48,7 +49,7 @@ def images(lab_bin_dir):
         return kubecontroller.build_images()
     except RuntimeError as e:
         if "setup.sh --image" in str(e):
-            pytest.skip(f"the image build's packages cannot be installed: {e}")
+            unavailable(f"the image build's packages cannot be installed: {e}")
         raise
 
 
@@ -58,7 +59,7 @@ def kube(lab, images):
     try:
         bdir = kubecluster.ensure_binaries()
     except kubecluster.ClusterError as e:
-        pytest.skip(f"the Kubernetes binaries cannot be built here: {e}")
+        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
     kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir)
     try:
         kc.ctl_timings = kubecontroller.install(kc, lab, *images, firewall=lab.firewall_mode)

@@ -14,7 +14,6 @@ runs is the code under test. Skipped when podman is absent, unless CI is set: th
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -25,6 +24,7 @@ import pytest
 import labextras as lx
 from labtools import image as img
 from labtools.lab import BACKEND_LINK_PROXY_V4, Lab
+from needs import unavailable  # noqa: E402
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(420)]
 
@@ -38,9 +38,7 @@ EGRESS_PORT = 8083
 def image(lab) -> str:
     if shutil.which("podman") is None:
         why = "podman is not installed (bash scripts/setup.sh --image installs it)"
-        if os.environ.get("CI"):
-            pytest.fail(f"CI is set, so the image tests must run, but {why}")
-        pytest.skip(why)
+        unavailable(why)
     # Run the image by the ID this build produced: the name is shared by every checkout on the machine.
     iid = lab.run_dir / "image.iid"
     cp = subprocess.run(["bash", "images/build.sh", "--iidfile", str(iid)], cwd=REPO, capture_output=True,

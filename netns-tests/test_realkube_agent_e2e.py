@@ -31,6 +31,7 @@ import pytest
 from labtools import kubecluster, kubemanifests
 from labtools import lab as labmod
 from labtools.lab import wait_until
+from needs import unavailable  # noqa: E402
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -44,7 +45,7 @@ def agent_image_archive(lab_bin_dir) -> Path:
     cp = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), "--image"], capture_output=True, text=True,
                         timeout=1800)
     if cp.returncode != 0:
-        pytest.skip(f"the image build's packages cannot be installed: {cp.stderr[-1500:]}")
+        unavailable(f"the image build's packages cannot be installed: {cp.stderr[-1500:]}")
     cp = subprocess.run(["bash", str(REPO / "images" / "build.sh")], capture_output=True, text=True, timeout=3600)
     assert cp.returncode == 0, f"make image failed:\n{cp.stderr[-4000:]}"
     path = Path(subprocess.run(["bash", str(REPO / "images" / "build.sh"), "--print-archive"], capture_output=True,
@@ -59,7 +60,7 @@ def kube(request, lab, agent_image_archive):
     try:
         bdir = kubecluster.ensure_binaries()
     except kubecluster.ClusterError as e:
-        pytest.skip(f"the Kubernetes binaries cannot be built here: {e}")
+        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
     # the node's kube-proxy uses the same netfilter backend as the agent under test
     kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir, proxy_mode=request.param)
     try:

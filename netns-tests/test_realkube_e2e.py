@@ -12,7 +12,6 @@ The agent's own scenarios in this cluster are in test_realkube_agent_e2e.py.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from labtools import kubecluster, kubemanifests
 from labtools.lab import wait_until
+from needs import unavailable  # noqa: E402
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -30,7 +30,7 @@ def k8s_bin_dir(lab_bin_dir) -> Path:
     try:
         return kubecluster.ensure_binaries()
     except kubecluster.ClusterError as e:
-        pytest.skip(f"the Kubernetes binaries cannot be built here: {e}")
+        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
 
 
 def _host_firewall() -> list[str]:
