@@ -95,10 +95,13 @@ class SecretState:
         try:
             await self.client.patch_secret(self.name, patch, deadline=time.monotonic() + budget)
         except KubeError as e:
-            msg = redact(f"failed to update Secret {self.name!r} ({', '.join(sorted(patch))}): {e}")
-            if msg != self.failed:
-                log.error("%s (will retry)", msg)
-            self.failed = msg
+            # Reported once per kind of failure: the message itself varies between retries (attempt counts,
+            # elapsed time), so it cannot tell a repeat from a new problem.
+            kind = f"{sorted(patch)} {e.status} {e.reason}"
+            if kind != self.failed:
+                log.error("%s (will retry)",
+                          redact(f"failed to update Secret {self.name!r} ({', '.join(sorted(patch))}): {e}"))
+            self.failed = kind
             return False
         self.failed = ""
         self.written.update(patch)
