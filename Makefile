@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme
+.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme manifests
 
 setup:
 	@bash scripts/setup.sh
@@ -56,3 +56,7 @@ clean-lab:
 ## readme: regenerate the README's variable reference from the settings table.
 readme: setup
 	$(PY) scripts/update_readme.py
+
+## manifests: render deploy/ (kubectl apply -R -f deploy/) from the chart charts/tailscale-controller with helm.
+manifests: setup-bin
+	$(PY) -m labtools.helmchart write

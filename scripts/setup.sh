@@ -43,13 +43,15 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*; touch "$stamp"
 fi
 
-# 3. tailscaled, tailscale, upstream containerboot, headscale and Kubernetes, built once into a cache outside
+# 3. tailscaled, tailscale, upstream containerboot, headscale, Kubernetes and helm, built once into a cache outside
 #    the repo.
 if [ $want_binaries = 1 ]; then
   if command -v go >/dev/null 2>&1; then
     bash scripts/install-binaries.sh >/dev/null || log "building the binaries failed; the end-to-end tests will be skipped"
     # Kubernetes v1.34.4 + etcd for the real-cluster tests and `make demo DEMO_ARGS=--kube` (about 9 min cold)
     bash scripts/install-kubernetes.sh >/dev/null || log "building Kubernetes failed; the real-cluster tests will be skipped"
+    # helm v3.19.0 for the controller's chart (charts/tailscale-controller; about 2 min cold)
+    bash scripts/install-helm.sh >/dev/null || log "building helm failed; the chart tests will be skipped"
   else
     log "no Go toolchain: the end-to-end tests will be skipped"
   fi

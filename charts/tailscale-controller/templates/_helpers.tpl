@@ -1,0 +1,17 @@
+{{/* The proxies' image reference and the controller's. */}}
+{{- define "tsc.image" -}}
+{{ .repository }}:{{ .tag }}
+{{- end -}}
+
+{{/* Stop before anything is installed when a setting is wrong, naming the value and the fix. */}}
+{{- define "tsc.validate" -}}
+{{- if not (has .Values.provider (list "headscale" "tailscale" "static")) -}}
+{{- fail (printf "provider=%q is not a provider; use headscale, tailscale or static" .Values.provider) -}}
+{{- end -}}
+{{- if and (eq .Values.provider "headscale") (not .Values.headscale.url) -}}
+{{- fail "provider headscale needs headscale.url, the headscale server's URL: --set headscale.url=https://headscale.example.com" -}}
+{{- end -}}
+{{- if not (has .Values.proxy.firewallMode (list "" "auto" "iptables" "nftables")) -}}
+{{- fail (printf "proxy.firewallMode=%q is not a firewall mode; use auto, iptables or nftables (or \"\")" .Values.proxy.firewallMode) -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,131 @@
+"""The controller's Helm chart (charts/tailscale-controller) and deploy/, which is rendered from it.
+
+One source of truth: the chart's templates and crds/ are edited; deploy/ (what ``kubectl apply -R -f deploy/``
+installs) is ``helm template`` of the chart with its default values plus the one setting the chart requires
+(``headscale.url``, the placeholder deploy/ has always carried), written by ``make manifests``
+(``python -m labtools.helmchart write``). tests/test_helm_chart.py renders it again and fails when deploy/ is
+out of date. deploy/00-namespace.yaml is not rendered: a chart does not create its release's namespace (helm
+does, with ``--create-namespace``).
+
+API::
+
+    helm_bin()                     # the pinned helm (scripts/install-helm.sh), or None when not built
+    template(values, ns)           # the chart rendered with these values (a dict, as a values file): YAML text
+    objects(text)                  # the rendered YAML as a list of objects
+    manifests()                    # {path under deploy/: text} as `make manifests` writes them
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "tailscale-controller"
+DEPLOY = REPO / "deploy"
+RELEASE = "tailscale-controller"
+#: what deploy/ sets beyond the chart's defaults: the headscale URL is required, deploy/ carries a placeholder
+#: that a kubectl user replaces (README: `kubectl set env ... HEADSCALE_URL=...`)
+DEPLOY_VALUES = {"headscale": {"url": "http://headscale.example:8080"}}
+#: chart file -> deploy/ file
+DEPLOY_FILES = {"crds/tailscale.com_connectors.yaml": "crds/tailscale.com_connectors.yaml",
+                "templates/rbac.yaml": "10-rbac.yaml",
+                "templates/proxy-rbac.yaml": "11-proxy-rbac.yaml",
+                "templates/deployment.yaml": "20-controller.yaml",
+                "templates/ingressclass.yaml": "30-ingressclass.yaml"}
+HEADER = "# Rendered from charts/tailscale-controller/{src} by `make manifests`: edit the chart, not this file.\n"
+
+
+class HelmError(Exception):
+    """helm failed; str(e) is its stderr."""
+
+
+def helm_bin() -> Path | None:
+    """The pinned helm binary if scripts/install-helm.sh (make setup-bin) built it, else None."""
+    d = subprocess.run(["bash", str(REPO / "scripts" / "install-helm.sh"), "--print-dir"], capture_output=True,
+                       text=True, check=True).stdout.strip()
+    p = Path(d) / "helm"
+    return p if p.is_file() else None
+
+
+def helm(*args: str, kubeconfig: Path | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Run the pinned helm; raises HelmError with its stderr."""
+    h = helm_bin()
+    if h is None:
+        raise HelmError("helm is not built: run make setup-bin (scripts/install-helm.sh)")
+    argv = [str(h), *args] + (["--kubeconfig", str(kubeconfig)] if kubeconfig else [])
+    with tempfile.TemporaryDirectory() as home:
+        # helm's own config/cache/data dirs in a throwaway place: nothing of the user's is read or written
+        env = {"PATH": "/usr/bin:/bin", "HELM_CONFIG_HOME": home, "HELM_CACHE_HOME": home, "HELM_DATA_HOME": home}
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    if cp.returncode != 0:
+        raise HelmError(cp.stderr.strip())
+    return cp
+
+
+def values_file(values: dict, directory: Path) -> Path:
+    """The values as a values file (JSON is YAML) in directory."""
+    p = Path(directory) / "values.json"
+    p.write_text(json.dumps(values))
+    return p
+
+
+def template(values: dict | None = None, namespace: str = "tailscale", *, crds: bool = True) -> str:
+    """``helm template`` of the chart with these values, as the release tailscale-controller in namespace."""
+    with tempfile.TemporaryDirectory() as d:
+        args = ["template", RELEASE, str(CHART), "--namespace", namespace, "-f", str(values_file(values or {}, d))]
+        return helm(*args, *(["--include-crds"] if crds else [])).stdout
+
+
+def objects(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def _by_source(text: str) -> dict[str, list[str]]:
+    """Rendered documents grouped by the chart file they came from (helm's ``# Source:`` line), in order."""
+    out: dict[str, list[str]] = {}
+    prefix = f"# Source: {RELEASE}/"
+    for doc in text.split("\n---\n"):
+        doc = doc.removeprefix("---\n").strip("\n")
+        if not doc:
+            continue
+        first, _, body = doc.partition("\n")
+        if not first.startswith(prefix):
+            raise HelmError(f"a rendered document without its source line: {first!r}")
+        out.setdefault(first[len(prefix):], []).append(body)
+    return out
+
+
+def manifests() -> dict[str, str]:
+    """deploy/'s rendered files: {path relative to deploy/: text}."""
+    grouped = _by_source(template(DEPLOY_VALUES))
+    unknown = set(grouped) - set(DEPLOY_FILES)
+    if unknown:
+        raise HelmError(f"chart files with no deploy/ file: {sorted(unknown)}; add them to DEPLOY_FILES")
+    return {DEPLOY_FILES[src]: HEADER.format(src=src) + "\n---\n".join(docs) + "\n"
+            for src, docs in grouped.items()}
+
+
+def write(deploy: Path = DEPLOY) -> list[str]:
+    """Write deploy/ from the chart; returns the files that changed."""
+    changed = []
+    for rel, text in manifests().items():
+        p = deploy / rel
+        if not p.is_file() or p.read_text() != text:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+            changed.append(rel)
+    return changed
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["write"]:
+        sys.exit("usage: python -m labtools.helmchart write")
+    try:
+        print("\n".join(f"deploy/{c}" for c in write()) or "deploy/ is up to date")
+    except HelmError as e:
+        sys.exit(str(e))
