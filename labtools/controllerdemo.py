@@ -41,7 +41,7 @@ def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
         with kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin) as kc:
             _say(f"cluster up: API {kc.server}, node Ready {kc.timings['node_ready']:.1f}s after start")
             try:
-                t = kubecontroller.install(kc, lab, proxy_tar, ctl_tar, firewall=firewall)
+                t = kubecontroller.install(kc, lab, proxy_tar, ctl_tar, firewall=firewall, method="kubectl")
                 _say(f"controller installed from deploy/ (kubectl apply -R -f deploy/, Secret headscale-api, "
                      f"kubectl set env CONTROL_PLANE=headscale ...): images imported {t['import']:.1f}s, "
                      f"rolled out {t['rollout']:.1f}s")

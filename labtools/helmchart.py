@@ -10,6 +10,7 @@ does, with ``--create-namespace``).
 API::
 
     helm_bin()                     # the pinned helm (scripts/install-helm.sh), or None when not built
+    ensure_helm()                  # the same, built first when missing
     template(values, ns)           # the chart rendered with these values (a dict, as a values file): YAML text
     objects(text)                  # the rendered YAML as a list of objects
     manifests()                    # {path under deploy/: text} as `make manifests` writes them
@@ -50,6 +51,17 @@ def helm_bin() -> Path | None:
                        text=True, check=True).stdout.strip()
     p = Path(d) / "helm"
     return p if p.is_file() else None
+
+
+def ensure_helm(timeout: float = 1800) -> Path:
+    """The pinned helm, built by scripts/install-helm.sh when missing (seconds when it is there); raises
+    HelmError with the build's log tail."""
+    cp = subprocess.run(["bash", str(REPO / "scripts" / "install-helm.sh")], capture_output=True, text=True,
+                        timeout=timeout)
+    h = helm_bin()
+    if cp.returncode != 0 or h is None:
+        raise HelmError(f"scripts/install-helm.sh failed: {cp.stderr[-1500:]}")
+    return h
 
 
 def helm(*args: str, kubeconfig: Path | None = None, timeout: float = 120.0) -> subprocess.CompletedProcess:

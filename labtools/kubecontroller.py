@@ -3,18 +3,23 @@
 API (root; a running ``labtools.lab.Lab`` and a ``KubeCluster`` with a node)::
 
     proxy_tar, controller_tar = build_images()          # images/build.sh, both images (podman cache: seconds)
-    install(kc, lab, proxy_tar, controller_tar)         # import both, kubectl apply -R -f deploy/, headscale
-                                                        # API key Secret, kubectl set env, rollout status
+    install(kc, lab, proxy_tar, controller_tar)         # import both, helm install the chart with the lab's
+                                                        # headscale, rollout status (method="kubectl": deploy/)
+    uninstall(kc)                                       # helm uninstall
     svc = wait_service_ip(kc, "apps", "web")            # the Service once its status has a tailnet IP
     controller_log(kc)                                  # the controller Pod's log (for failures)
 
-What ``install`` sets is the README's headscale user story, nothing test-only in the controller: the
-Deployment from ``deploy/`` (its image imported into the node's containerd, no registry), an API key made with
-the lab's headscale in Secret ``headscale-api``, and ``kubectl set env`` of ``CONTROL_PLANE=headscale``,
-``HEADSCALE_URL`` and ``TS_MAGICDNS_SUFFIX``. What the lab itself needs is ``PROXY_ENV`` (upstream's
-ProxyClass ``tailscaleContainer.env``): tailscaled's lab knobs (DERP over plain HTTP to headscale's
-embedded DERP, no log upload, no port mapper), and ``TS_KUBERNETES_READ_API_SERVER_ADDRESS_FROM_ENV=true``
-because the lab has no cluster DNS to resolve ``kubernetes.default.svc``.
+What ``install`` sets is the README's headscale user story, nothing test-only in the controller. With helm
+(the default): ``helm install`` of charts/tailscale-controller with ``provider=headscale``, ``headscale.url``,
+``magicDNSSuffix``, the proxy image, and an API key made with the lab's headscale passed as
+``credentials.headscaleAPIKey`` through stdin (never on a command line); helm's output (its NOTES) is kept in
+``kc.helm_output``. With ``method="kubectl"`` (``make demo DEMO_ARGS=--controller``): ``kubectl apply -R -f
+deploy/``, the key in Secret ``headscale-api`` and ``kubectl set env`` of the same settings. Either way the
+controller image is imported into the node's containerd (no registry). What the lab itself needs is
+``PROXY_ENV`` (chart value ``proxy.env``, upstream's ProxyClass ``tailscaleContainer.env``): tailscaled's lab
+knobs (DERP over plain HTTP to headscale's embedded DERP, no log upload, no port mapper), and
+``TS_KUBERNETES_READ_API_SERVER_ADDRESS_FROM_ENV=true`` because the lab has no cluster DNS to resolve
+``kubernetes.default.svc``.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from labtools import kubecluster
+from labtools import helmchart, kubecluster
 from labtools import lab as labmod
 from labtools.lab import wait_until
 
@@ -63,26 +68,54 @@ def build_images() -> tuple[Path, Path]:
     return _build(), _build("--dockerfile", CONTROLLER_DOCKERFILE, "--name", CONTROLLER_IMAGE)
 
 
+def lab_values(firewall: str = "", api_key: str = "") -> dict:
+    """The chart's values for the lab: its headscale, the project's proxy image (imported, never pulled)."""
+    repo, _, tag = PROXY_IMAGE.rpartition(":")
+    v: dict = {"provider": "headscale", "headscale": {"url": labmod.LOGIN_SERVER}, "magicDNSSuffix": "tailnet.test",
+               "proxy": {"image": {"repository": repo, "tag": tag, "pullPolicy": "Never"}, "firewallMode": firewall,
+                         "env": LAB_PROXY_ENV}}
+    if api_key:
+        v["credentials"] = {"headscaleAPIKey": api_key}
+    return v
+
+
+def helm(kc: kubecluster.KubeCluster, *args: str, input: str | None = None, timeout: float = 120.0,
+         check: bool = True) -> subprocess.CompletedProcess:
+    """The pinned helm as the cluster's admin, in the cluster's network namespace."""
+    h = helmchart.helm_bin()
+    if h is None:
+        raise kubecluster.ClusterError("helm is not built: run make setup-bin (scripts/install-helm.sh)")
+    return kc.run([str(h), "--kubeconfig", str(kc.kubeconfig), *args], input=input, check=check, timeout=timeout)
+
+
 def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, controller_tar: Path, *,
-            firewall: str = "", extra_env: dict[str, str] | None = None, timeout: float = 120.0) -> dict[str, float]:
-    """Import both images, install deploy/ and configure it for the lab's headscale; returns timings (s)."""
+            firewall: str = "", method: str = "helm", timeout: float = 120.0) -> dict[str, float]:
+    """Import both images, install the controller (the chart with helm, or deploy/ with kubectl) configured for
+    the lab's headscale; returns timings (s)."""
     t: dict[str, float] = {}
     t0 = time.monotonic()
     kc.import_image(proxy_tar)
     kc.import_image(controller_tar)
     t["import"] = time.monotonic() - t0
     t0 = time.monotonic()
-    kc.kubectl("apply", "-R", "-f", str(DEPLOY), timeout=60)
     key = lab.hs("apikeys", "create", "--expiration", "2h")
     key = key if isinstance(key, str) else str((key or {}).get("key") or key)
-    # the key goes in through stdin, never on a command line
-    kc.kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "headscale-api", "namespace": NS},
-        "type": "Opaque", "data": {"key": base64.b64encode(key.encode()).decode()}}))
-    env = {"CONTROL_PLANE": "headscale", "HEADSCALE_URL": labmod.LOGIN_SERVER, "TS_MAGICDNS_SUFFIX": "tailnet.test",
-           "PROXY_IMAGE": PROXY_IMAGE, "PROXY_IMAGE_PULL_POLICY": "Never", "PROXY_FIREWALL_MODE": firewall,
-           "PROXY_ENV": json.dumps(LAB_PROXY_ENV, sort_keys=True), **(extra_env or {})}
-    kc.kubectl("-n", NS, "set", "env", "deployment/tailscale-controller", *[f"{k}={v}" for k, v in env.items()])
+    if method == "helm":
+        # the key goes in through stdin (a values file "-"), never on a command line
+        cp = helm(kc, "install", helmchart.RELEASE, str(helmchart.CHART), "--namespace", NS, "--create-namespace",
+                  "-f", "-", input=json.dumps(lab_values(firewall, key)), timeout=timeout)
+        kc.helm_output = cp.stdout + cp.stderr
+    elif method == "kubectl":
+        kc.kubectl("apply", "-R", "-f", str(DEPLOY), timeout=60)
+        kc.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "headscale-api", "namespace": NS},
+            "type": "Opaque", "data": {"key": base64.b64encode(key.encode()).decode()}}))
+        env = {"CONTROL_PLANE": "headscale", "HEADSCALE_URL": labmod.LOGIN_SERVER,
+               "TS_MAGICDNS_SUFFIX": "tailnet.test", "PROXY_IMAGE": PROXY_IMAGE, "PROXY_IMAGE_PULL_POLICY": "Never",
+               "PROXY_FIREWALL_MODE": firewall, "PROXY_ENV": json.dumps(LAB_PROXY_ENV, sort_keys=True)}
+        kc.kubectl("-n", NS, "set", "env", "deployment/tailscale-controller", *[f"{k}={v}" for k, v in env.items()])
+    else:
+        raise ValueError(f"method={method!r}; use helm or kubectl")
     cp = kc.kubectl("-n", NS, "rollout", "status", "deployment/tailscale-controller", f"--timeout={int(timeout)}s",
                     check=False, timeout=timeout + 10)
     if cp.returncode != 0:
@@ -96,6 +129,13 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
         raise kubecluster.ClusterError(f"the controller did not start:\n{controller_log(kc, 200)}") from None
     t["rollout"] = time.monotonic() - t0
     return t
+
+
+def uninstall(kc: kubecluster.KubeCluster, timeout: float = 120.0) -> str:
+    """``helm uninstall --wait`` of the controller's release; returns helm's output."""
+    cp = helm(kc, "uninstall", helmchart.RELEASE, "--namespace", NS, "--wait", f"--timeout={int(timeout)}s",
+              timeout=timeout + 10)
+    return cp.stdout + cp.stderr
 
 
 def controller_pod(kc: kubecluster.KubeCluster) -> dict | None:

@@ -2,9 +2,13 @@
 
 One cluster for the module (labtools.kubecluster, a node in the island), both images from the project's own
 build (``make image`` and images/controller/Dockerfile, imported into the node's containerd), the controller
-installed as a user would (labtools.kubecontroller.install: ``kubectl apply -R -f deploy/``, the headscale API
-key in Secret ``headscale-api``, ``kubectl set env``): it runs as the Deployment's Pod with the ServiceAccount
-and RBAC of deploy/, and mints keys with headscale's REST API.
+installed as a user would with helm (labtools.kubecontroller.install: ``helm install`` of
+charts/tailscale-controller with provider headscale, the lab's headscale URL and an API key made with it as a
+value, through stdin): it runs as the Deployment's Pod with the ServiceAccount and RBAC the chart renders (the
+same as deploy/, which is rendered from it), and mints keys with headscale's REST API. helm's output (NOTES)
+and the controller's log never contain the API key; at the end ``helm uninstall`` leaves nothing of the
+release (the CRD stays, as helm keeps crds/). ``kubectl apply -R -f deploy/`` is the path of
+netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller``.
 
 1. L3 ingress: a backend Deployment and a Service annotated ``tailscale.com/expose: "true"`` → the controller
    renders the proxy (StatefulSet, Secret, headless Service), the proxy Pod (the project's proxy image) logs in
@@ -34,7 +38,7 @@ import time
 
 import pytest
 
-from labtools import kubecluster, kubecontroller, kubemanifests
+from labtools import helmchart, kubecluster, kubecontroller, kubemanifests
 from labtools.lab import wait_until
 from needs import unavailable  # noqa: E402
 
@@ -55,11 +59,15 @@ def images(lab_bin_dir):
 
 @pytest.fixture(scope="module")
 def kube(lab, images):
-    """A cluster with a node, the controller installed from deploy/ (headscale provider), an echo backend."""
+    """A cluster with a node, the controller installed with helm (headscale provider), an echo backend."""
     try:
         bdir = kubecluster.ensure_binaries()
     except kubecluster.ClusterError as e:
         unavailable(f"the Kubernetes binaries cannot be built here: {e}")
+    try:
+        helmchart.ensure_helm()
+    except helmchart.HelmError as e:
+        unavailable(f"helm cannot be built here: {e}")
     kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir)
     try:
         kc.ctl_timings = kubecontroller.install(kc, lab, *images, firewall=lab.firewall_mode)
@@ -101,6 +109,16 @@ def test_expose_service_proxy_pod_logs_in_status_curl_and_clean_delete(lab, kube
     pod = kubecontroller.controller_pod(kc)
     assert pod is not None and pod["spec"]["serviceAccountName"] == "tailscale-controller"
     assert pod["spec"]["containers"][0]["image"] == kubecontroller.CONTROLLER_IMAGE
+    # ... installed by helm: the release is deployed, the API key reached the controller only through the
+    # chart's Secret, and neither helm's output (NOTES) nor the controller's log shows it
+    (rel,) = json.loads(kubecontroller.helm(kc, "list", "-n", kubecontroller.NS, "-o", "json").stdout)
+    assert (rel["name"], rel["status"], rel["chart"]) == ("tailscale-controller", "deployed",
+                                                          "tailscale-controller-0.1.0"), rel
+    dep = kc.get("deployment", "tailscale-controller", kubecontroller.NS)
+    assert dep["metadata"]["labels"].get("app.kubernetes.io/managed-by") == "Helm", dep["metadata"]
+    key = kubecontroller.secret_data(kc, kubecontroller.NS, "headscale-api")["key"].decode()
+    assert len(key) > 20 and "kubectl annotate service" in kc.helm_output, kc.helm_output
+    assert key not in kc.helm_output and key not in kubecontroller.controller_log(kc, 2000)
     lab.delete_node("apps-web")
 
     t0 = time.monotonic()
@@ -343,3 +361,22 @@ def test_l7_ingress_on_headscale_serve_config_applied_but_no_https(lab, kube):
     assert kubecontroller.children(kc, "apps", "web", "ingress") == {"statefulsets": [], "secrets": [],
                                                                     "services": [], "pods": []}
     assert _hs_nodes_named(lab, host) == []
+
+
+def test_helm_uninstall_leaves_nothing_of_the_release(kube):
+    """Last: ``helm uninstall`` removes every object the chart made (the credentials Secret included); the
+    Connector CRD stays, as helm never deletes what a chart's crds/ installed."""
+    kc = kube
+    kinds = "deployments,pods,serviceaccounts,roles,rolebindings,secrets"
+    before = kc.kubectl("-n", kubecontroller.NS, "get", kinds, "-o", "name").stdout.split()
+    assert "deployment.apps/tailscale-controller" in before and "secret/headscale-api" in before, before
+    out = kubecontroller.uninstall(kc)
+    assert "uninstalled" in out, out
+    left = [n for n in kc.kubectl("-n", kubecontroller.NS, "get", kinds, "-o", "name").stdout.split()
+            if not n.startswith("serviceaccount/default")]
+    assert left == [], left
+    for kind, name in (("clusterrole", "tailscale-controller"), ("clusterrolebinding", "tailscale-controller"),
+                       ("ingressclass", "tailscale")):
+        assert kc.get(kind, name) is None, (kind, name)
+    assert json.loads(kubecontroller.helm(kc, "list", "-A", "-o", "json").stdout) == []
+    assert kc.get("customresourcedefinition", "connectors.tailscale.com") is not None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the pinned helm (the chart in deploy/chart/ is linted, rendered and installed with it) from the Go
+# Builds the pinned helm (the chart in charts/tailscale-controller is linted, rendered and installed with it) from the Go
 # module proxy into a version-keyed cache outside the repository. Idempotent: when the binary is there nothing
 # is rebuilt. Prints the directory on its last line of stdout (`--print-dir` prints it without building).
 #

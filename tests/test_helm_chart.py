@@ -1,0 +1,202 @@
+"""The controller's Helm chart (charts/tailscale-controller), rendered with the pinned helm (no cluster).
+
+deploy/ is rendered from the chart (``make manifests``) and must be up to date; ``helm lint --strict`` passes;
+the chart's values map onto the controller's own settings: the rendered env, fed to controller.config.load,
+gives the configuration a user asked for (headscale, Tailscale and static providers); credentials from values
+land only in their Secret; RBAC equals deploy/'s in any namespace; bad values stop before anything is installed
+with the value and the fix. Without helm (``make setup-bin`` builds it) these tests skip with that reason, and
+fail under CI, as netns-tests/needs.py does.
+"""
+from __future__ import annotations
+
+import base64
+import os
+import pathlib
+import subprocess
+
+import pytest
+import yaml
+
+from controller import config as cconfig
+from labtools import helmchart
+
+DEPLOY = helmchart.DEPLOY
+LAB_KEY = "hskey-0123456789abcdef-not-a-real-key"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def helm_built():
+    if helmchart.helm_bin() is None:
+        reason = "helm is not built: run make setup-bin (scripts/install-helm.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set, so these tests must run, but {reason}")
+        pytest.skip(reason)
+
+
+def render(values: dict, namespace: str = "tailscale") -> list[dict]:
+    return helmchart.objects(helmchart.template(values, namespace))
+
+
+def one(objs, kind, name=None):
+    (o,) = [d for d in objs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    return o
+
+
+def container(objs) -> dict:
+    (c,) = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(objs) -> dict[str, str]:
+    """The controller container's env as the Pod sees it (fieldRef metadata.namespace resolved)."""
+    out = {}
+    dep = one(objs, "Deployment")
+    for e in container(objs)["env"]:
+        if "valueFrom" in e:
+            assert e["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}, e
+            out[e["name"]] = dep["metadata"]["namespace"]
+        else:
+            out[e["name"]] = e["value"]
+    return out
+
+
+def deploy_objects() -> list[dict]:
+    return [d for f in sorted(DEPLOY.rglob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+
+
+def test_deploy_is_rendered_from_the_chart_and_up_to_date():
+    want = helmchart.manifests()
+    for rel, text in want.items():
+        assert (DEPLOY / rel).read_text() == text, f"deploy/{rel} is out of date: run make manifests"
+    extra = {str(p.relative_to(DEPLOY)) for p in DEPLOY.rglob("*.yaml")} - set(want) - {"00-namespace.yaml"}
+    assert not extra, f"deploy/ files not rendered from the chart: {sorted(extra)}"
+    # and as objects: the chart with deploy's one setting is exactly what kubectl apply -R -f deploy/ creates
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    rendered = sorted(render(helmchart.DEPLOY_VALUES), key=key)
+    assert rendered == sorted([d for d in deploy_objects() if d["kind"] != "Namespace"], key=key)
+
+
+@pytest.mark.parametrize("values", [
+    helmchart.DEPLOY_VALUES,
+    {"provider": "tailscale", "proxy": {"tags": ["tag:k8s", "tag:web"], "firewallMode": "nftables"}},
+    {"provider": "static", "credentials": {"authKey": "tskey-x"}, "ingressClass": {"create": False}},
+], ids=["headscale", "tailscale", "static"])
+def test_helm_lint_strict_passes(values, tmp_path):
+    f = helmchart.values_file(values, tmp_path)
+    out = helmchart.helm("lint", "--strict", str(helmchart.CHART), "-f", str(f)).stdout
+    assert "1 chart(s) linted, 0 chart(s) failed" in out, out
+
+
+def test_headscale_install_env_secret_refs_and_the_config_it_gives():
+    values = {"provider": "headscale", "headscale": {"url": "https://hs.example.com/", "user": "3"},
+              "magicDNSSuffix": "tail.example.com",
+              "proxy": {"image": {"repository": "reg.example/proxy", "tag": "v1", "pullPolicy": "Always"},
+                        "tags": ["tag:k8s", "tag:prod"], "firewallMode": "iptables",
+                        "resources": {"requests": {"cpu": "5m"}}, "env": {"TS_DEBUG_USE_DERP_HTTP": "true"}},
+              "image": {"repository": "reg.example/controller", "tag": "v2", "pullPolicy": "Always"}}
+    objs = render(values, "ts-system")
+    c = container(objs)
+    assert (c["image"], c["imagePullPolicy"]) == ("reg.example/controller:v2", "Always")
+    assert env_of(objs) == {
+        "OPERATOR_NAMESPACE": "ts-system", "CONTROL_PLANE": "headscale", "HEADSCALE_URL": "https://hs.example.com/",
+        "TS_MAGICDNS_SUFFIX": "tail.example.com", "PROXY_IMAGE": "reg.example/proxy:v1",
+        "PROXY_IMAGE_PULL_POLICY": "Always", "PROXY_TAGS": "tag:k8s,tag:prod", "PROXY_FIREWALL_MODE": "iptables",
+        "HEADSCALE_API_KEY_FILE": "/etc/headscale-api/key", "CLIENT_ID_FILE": "/oauth/client_id",
+        "CLIENT_SECRET_FILE": "/oauth/client_secret", "HEADSCALE_USER": "3",
+        "PROXY_RESOURCES": '{"requests":{"cpu":"5m"}}', "PROXY_ENV": '{"TS_DEBUG_USE_DERP_HTTP":"true"}'}
+    cfg = cconfig.load(env_of(objs))
+    assert (cfg.provider, cfg.headscale_url, cfg.server_url) == ("headscale", "https://hs.example.com",
+                                                                 "https://hs.example.com")
+    assert (cfg.namespace, cfg.proxy_image, cfg.proxy_tags, cfg.firewall_mode, cfg.image_pull_policy) == (
+        "ts-system", "reg.example/proxy:v1", ("tag:k8s", "tag:prod"), "iptables", "Always")
+    assert cfg.proxy_env == (("TS_DEBUG_USE_DERP_HTTP", "true"),) and cfg.proxy_resources == {
+        "requests": {"cpu": "5m"}} and cfg.headscale_user == "3" and cfg.magicdns_suffix == "tail.example.com"
+    # the API key comes from the user's Secret, mounted where HEADSCALE_API_KEY_FILE points; no Secret rendered
+    vols = {v["name"]: v for v in one(objs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert vols["headscale-api"]["secret"] == {"secretName": "headscale-api", "optional": True}
+    assert mounts["headscale-api"] == "/etc/headscale-api"
+    assert cfg.headscale_api_key_file.startswith("/etc/headscale-api/")
+    assert not [o for o in objs if o["kind"] == "Secret"]
+
+
+def test_tailscale_install_env_and_oauth_secret():
+    objs = render({"provider": "tailscale", "tailscale": {"oauthSecret": "my-oauth", "tailnet": "example.com"}})
+    env = env_of(objs)
+    assert env == {"OPERATOR_NAMESPACE": "tailscale", "CONTROL_PLANE": "tailscale", "TS_MAGICDNS_SUFFIX": "",
+                   "PROXY_IMAGE": "localhost/containerboot-py:latest", "PROXY_IMAGE_PULL_POLICY": "IfNotPresent",
+                   "PROXY_TAGS": "tag:k8s", "PROXY_FIREWALL_MODE": "",
+                   "HEADSCALE_API_KEY_FILE": "/etc/headscale-api/key",
+                   "CLIENT_ID_FILE": "/oauth/client_id", "CLIENT_SECRET_FILE": "/oauth/client_secret",
+                   "TAILSCALE_TAILNET": "example.com"}
+    cfg = cconfig.load(env)
+    assert (cfg.provider, cfg.server_url, cfg.tailnet) == ("tailscale", cconfig.TAILSCALE_LOGIN_SERVER, "example.com")
+    vols = {v["name"]: v for v in one(objs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert vols["oauth"]["secret"] == {"secretName": "my-oauth", "optional": True}
+    assert {m["name"]: m["mountPath"] for m in container(objs)["volumeMounts"]}["oauth"] == "/oauth"
+
+
+def test_static_provider_and_the_other_settings():
+    objs = render({"provider": "static", "static": {"authKeySecret": "my-key"}, "loginServer": "https://cp.example",
+                   "defaultLoadBalancer": True, "clusterDomain": "corp.local",
+                   "ingressClass": {"name": "tailnet"}, "replicas": 1})
+    cfg = cconfig.load(env_of(objs))
+    assert (cfg.provider, cfg.static_key_secret, cfg.login_server, cfg.default_load_balancer, cfg.cluster_domain,
+            cfg.ingress_class) == ("static", "my-key", "https://cp.example", True, "corp.local", "tailnet")
+    assert one(objs, "IngressClass")["metadata"]["name"] == "tailnet"
+    assert not [o for o in render({"provider": "static", "ingressClass": {"create": False}})
+                if o["kind"] == "IngressClass"]
+
+
+def test_credentials_from_values_go_into_their_secret_only():
+    objs = render({**helmchart.DEPLOY_VALUES, "credentials": {"headscaleAPIKey": LAB_KEY}})
+    sec = one(objs, "Secret")
+    assert (sec["metadata"]["name"], sec["metadata"]["namespace"]) == ("headscale-api", "tailscale")
+    assert base64.b64decode(sec["data"]["key"]).decode() == LAB_KEY
+    others = yaml.safe_dump_all([o for o in objs if o["kind"] != "Secret"])
+    assert LAB_KEY not in others and base64.b64encode(LAB_KEY.encode()).decode() not in others
+    # a changed credential restarts the controller (it reads the file at start)
+    ann = one(objs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert set(ann) == {"checksum/credentials"}
+    objs = render({"provider": "tailscale", "credentials": {"oauthClientID": "cid", "oauthClientSecret": "csec"}})
+    sec = one(objs, "Secret")
+    assert sec["metadata"]["name"] == "operator-oauth" and {k: base64.b64decode(v).decode() for k, v in
+                                                            sec["data"].items()} == {"client_id": "cid",
+                                                                                     "client_secret": "csec"}
+    sec = one(render({"provider": "static", "credentials": {"authKey": "tskey-auth-x"}}), "Secret")
+    assert sec["metadata"]["name"] == "tailscale-auth" and base64.b64decode(sec["data"]["authkey"]) == b"tskey-auth-x"
+
+
+def test_rbac_in_another_namespace_equals_deploys():
+    objs = render(helmchart.DEPLOY_VALUES, "ts-other")
+    deployed = deploy_objects()
+    for kind in ("ClusterRole", "Role"):
+        for o in [d for d in deployed if d["kind"] == kind]:
+            assert one(objs, kind, o["metadata"]["name"])["rules"] == o["rules"], (kind, o["metadata"]["name"])
+    for kind in ("RoleBinding", "ClusterRoleBinding"):
+        for o in [d for d in objs if d["kind"] == kind]:
+            assert [s["namespace"] for s in o["subjects"]] == ["ts-other"], o
+    assert {o["metadata"].get("namespace") for o in objs if o["kind"] in ("Role", "ServiceAccount", "Deployment")} \
+        == {"ts-other"}
+
+
+@pytest.mark.parametrize("values,message", [
+    ({}, "provider headscale needs headscale.url, the headscale server's URL: --set headscale.url="),
+    ({"provider": "tailnet"}, 'provider="tailnet" is not a provider; use headscale, tailscale or static'),
+    ({"provider": "tailscale", "proxy": {"firewallMode": "ipfw"}},
+     'proxy.firewallMode="ipfw" is not a firewall mode; use auto, iptables or nftables'),
+    ({"provider": "tailscale", "credentials": {"oauthClientSecret": "only-the-secret"}},
+     "credentials.oauthClientID and credentials.oauthClientSecret go together"),
+])
+def test_bad_values_stop_with_the_value_and_the_fix(values, message):
+    with pytest.raises(helmchart.HelmError) as e:
+        helmchart.template(values)
+    assert message in str(e.value)
+    assert "only-the-secret" not in str(e.value)
+
+
+def test_helm_is_the_pinned_version():
+    out = subprocess.run([str(helmchart.helm_bin()), "version", "--short"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "v3.19.0"
+    assert pathlib.Path(helmchart.helm_bin()).parent.name == "helm-v3.19.0"
