@@ -134,7 +134,7 @@ def e2e(n: int) -> int:
     proxy_tar, ctl_tar = kubecontroller.build_images()
     with Lab.create(bin_dir=ensure_binaries()) as lab, \
             kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=kubecluster.ensure_binaries()) as kc:
-        kubecontroller.install(kc, lab, proxy_tar, ctl_tar, firewall=lab.firewall_mode)
+        kubecontroller.install(kc, lab, proxy_tar, ctl_tar, firewall=lab.firewall_mode, method="kubectl")
         marker = f"echo-ok-{lab.prefix}"
         kc.apply([kubemanifests.namespace("bench"),
                   *kubemanifests.echo_backend("bench", "echo", marker, kubecluster.ECHO_IMAGE)])

@@ -132,9 +132,10 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
 
 
 def uninstall(kc: kubecluster.KubeCluster, timeout: float = 120.0) -> str:
-    """``helm uninstall --wait`` of the controller's release; returns helm's output."""
-    cp = helm(kc, "uninstall", helmchart.RELEASE, "--namespace", NS, "--wait", f"--timeout={int(timeout)}s",
-              timeout=timeout + 10)
+    """``helm uninstall --wait --cascade foreground`` of the controller's release (so the Deployment's Pods are
+    gone too when it returns); returns helm's output."""
+    cp = helm(kc, "uninstall", helmchart.RELEASE, "--namespace", NS, "--wait", "--cascade", "foreground",
+              f"--timeout={int(timeout)}s", timeout=timeout + 10)
     return cp.stdout + cp.stderr
 
 

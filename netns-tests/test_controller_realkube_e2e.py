@@ -372,9 +372,14 @@ def test_helm_uninstall_leaves_nothing_of_the_release(kube):
     assert "deployment.apps/tailscale-controller" in before and "secret/headscale-api" in before, before
     out = kubecontroller.uninstall(kc)
     assert "uninstalled" in out, out
-    left = [n for n in kc.kubectl("-n", kubecontroller.NS, "get", kinds, "-o", "name").stdout.split()
-            if not n.startswith("serviceaccount/default")]
-    assert left == [], left
+
+    def left():
+        return [n for n in kc.kubectl("-n", kubecontroller.NS, "get", kinds, "-o", "name").stdout.split()
+                if not n.startswith("serviceaccount/default")]
+    try:   # the controller Pod may still be terminating (its grace period)
+        wait_until(lambda: not left(), 60, 0.5, "nothing of the release left")
+    except TimeoutError:
+        raise AssertionError(f"left after helm uninstall: {left()}") from None
     for kind, name in (("clusterrole", "tailscale-controller"), ("clusterrolebinding", "tailscale-controller"),
                        ("ingressclass", "tailscale")):
         assert kc.get(kind, name) is None, (kind, name)
