@@ -30,8 +30,8 @@ for p in pkg/lint/rules pkg/chartutil; do
 done
 log "building helm $HELM_VER (cold: about 2 minutes on 2 cores)"
 mkdir -p "$BIN"
-(cd "$dir" && GOFLAGS=-mod=readonly go build -trimpath -ldflags="$ld" -o "$BIN/helm.new" ./cmd/helm) >&2
-mv "$BIN/helm.new" "$BIN/helm"
+(cd "$dir" && GOFLAGS=-mod=readonly go build -trimpath -ldflags="$ld" -o "$BIN/helm.new.$$" ./cmd/helm) >&2
+mv "$BIN/helm.new.$$" "$BIN/helm"   # a concurrent build of the same pin just replaces it
 [ "$("$BIN/helm" version --short)" = "$HELM_VER" ] || { log "built helm reports $("$BIN/helm" version --short), not $HELM_VER"; exit 1; }
 log "helm $HELM_VER built in $(( $(date +%s) - start ))s into $BIN"
 echo "$BIN"
