@@ -15,7 +15,7 @@ from controller.kubeapi import SECRETS, Kube, KubeError  # noqa: E402
 from controller.leader import LEASES, LeaderElector, LostLeadership, Seen, Timing, decide, record_of  # noqa: E402
 from tests.support.kubeapi import KubeAPIServer  # noqa: E402
 
-T = Timing(duration=1.0, renew_deadline=0.6, retry=0.1)
+T = Timing(duration=2.0, renew_deadline=1.2, retry=0.1)
 NS = "tailscale"
 
 
@@ -62,22 +62,22 @@ async def test_one_leads_the_standby_only_reads_and_takes_over_a_dead_leader_in_
     await asyncio.wait_for(a.acquire(), 2)
     holding = asyncio.create_task(a.hold())
     standby = asyncio.create_task(b.acquire())
-    await asyncio.sleep(1.5)                     # longer than the Lease's duration: a keeps renewing
+    await asyncio.sleep(2.5)                     # longer than the Lease's duration: a keeps renewing
     assert not standby.done() and a.is_leader() and not b.is_leader() and held_by(api) == "a"
-    assert {m for m, _ in b.kube.requests} == {"GET"} and len(b.kube.requests) >= 10
-    assert [m for m, _ in a.kube.requests].count("PATCH") >= 10       # renewals
+    assert {m for m, _ in b.kube.requests} == {"GET"} and len(b.kube.requests) >= 5
+    assert [m for m, _ in a.kube.requests].count("PATCH") >= 5        # renewals
     # the leader dies without a word (its process killed): no more renewals, no release
     holding.cancel()
     t0 = asyncio.get_running_loop().time()
-    await asyncio.wait_for(standby, 3)
+    await asyncio.wait_for(standby, 5)
     took = asyncio.get_running_loop().time() - t0
     assert b.is_leader() and held_by(api) == "b"
-    assert 0.5 <= took <= T.duration + 2 * T.retry + 0.3, took
+    assert T.duration - 2 * T.retry <= took <= T.duration + 2 * T.retry + 1.0, took
     lease_obj = next(o for o in api.objects() if o["kind"] == "Lease")
     assert lease_obj["apiVersion"] == "coordination.k8s.io/v1" and lease_obj["spec"]["leaseTransitions"] == 1
     # the old leader, were it only frozen, finds out at its next renewal and stops
     with pytest.raises(LostLeadership, match="held by b"):
-        await asyncio.wait_for(a.hold(), 2)
+        await asyncio.wait_for(a.hold(), 3)
     assert not a.is_leader()
     for e in (a, b):
         await e.kube.aclose()
@@ -117,8 +117,8 @@ async def test_a_leader_that_cannot_renew_stops_within_the_renew_deadline(api):
     api.fail(503, count=1000, path="/leases/")
     t0 = asyncio.get_running_loop().time()
     with pytest.raises(LostLeadership, match="could not renew"):
-        await asyncio.wait_for(a.hold(), 3)
-    assert asyncio.get_running_loop().time() - t0 <= T.renew_deadline + T.retry + 0.3
+        await asyncio.wait_for(a.hold(), 4)
+    assert asyncio.get_running_loop().time() - t0 <= T.renew_deadline + T.retry + 1.0
     assert not a.is_leader()
     await a.kube.aclose()
 
@@ -136,3 +136,21 @@ async def test_the_fenced_controller_client_sends_no_write_without_the_lease(api
     assert api.secret("x") is not None
     for k in (a.kube, kube):
         await k.aclose()
+
+
+async def test_the_health_endpoint_answers_in_both_roles():
+    """A standby runs no kopf: the controller's own /healthz keeps the kubelet's liveness probe passing."""
+    import httpx
+
+    from controller.__main__ import serve_health
+    role = ["standby"]
+    srv = await serve_health("127.0.0.1:0", lambda: role[0])
+    port = srv.sockets[0].getsockname()[1]
+    async with httpx.AsyncClient() as c:
+        r = await c.get(f"http://127.0.0.1:{port}/healthz")
+        assert (r.status_code, r.text) == (200, "standby\n")
+        role[0] = "leader"
+        assert (await c.get(f"http://127.0.0.1:{port}/healthz")).text == "leader\n"
+        assert (await c.get(f"http://127.0.0.1:{port}/other")).status_code == 404
+    srv.close()
+    await srv.wait_closed()
