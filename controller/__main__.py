@@ -123,7 +123,14 @@ async def run(cfg: ControllerConfig) -> int:
                 stop.set()
 
         async def until_stopped() -> None:
+            """A clean stop hands over at once: renewals end, writes are fenced, passes in flight are cancelled,
+            the Lease is released, and only then does kopf wind down (it takes seconds and writes nothing)."""
             await stop.wait()
+            holder.cancel()
+            elector.fence()
+            await state.queue.aclose()
+            if not lost:
+                await elector.release()
         holder = asyncio.ensure_future(keep_lease())
         try:
             await asyncio.gather(

@@ -174,7 +174,7 @@ class LeaderElector:
                 ok = None
                 log.warning("leader election: renewing the Lease failed: %s", redact(str(e) or type(e).__name__))
             if ok is False:
-                self._renewed = None
+                self._renewed, self._lease = None, None
                 raise LostLeadership(f"Lease {self.namespace}/{self.name} is now held by "
                                      f"{(self._seen.record[0] if self._seen else '') or 'another replica'}")
             if not self.is_leader():
@@ -182,12 +182,18 @@ class LeaderElector:
                 raise LostLeadership(f"could not renew Lease {self.namespace}/{self.name} for "
                                      f"{self.t.renew_deadline:.0f}s")
 
-    async def release(self) -> None:
-        """On a clean stop: give the Lease up so a standby takes over at once instead of after `duration`."""
-        if self._lease is None or not self.is_leader():
-            return
+    def fence(self) -> None:
+        """Stop leading now: `is_leader` is False from here, so the fenced client refuses every write."""
         self._renewed = None
-        md = self._lease.get("metadata") or {}
+
+    async def release(self) -> None:
+        """On a clean stop: give the Lease up so a standby takes over at once instead of after `duration`.
+        Fences first; the write carries the resourceVersion of our last write, so a Lease someone else took
+        meanwhile is left alone (409)."""
+        self.fence()
+        if self._lease is None:
+            return
+        md, self._lease = self._lease.get("metadata") or {}, None
         try:
             await self.kube.patch(LEASES, self.name, {"metadata": {"resourceVersion": md.get("resourceVersion")},
                                                       "spec": {"holderIdentity": None, "leaseDurationSeconds": 1}},

@@ -154,3 +154,14 @@ async def test_the_health_endpoint_answers_in_both_roles():
         assert (await c.get(f"http://127.0.0.1:{port}/other")).status_code == 404
     srv.close()
     await srv.wait_closed()
+
+
+async def test_a_release_never_frees_a_lease_someone_else_took(api):
+    a, b = LeaderElector(client(api), NS, "a", timing=T), LeaderElector(client(api), NS, "b", timing=T)
+    await a.acquire()
+    b._seen = Seen(record_of(await b.kube.get(LEASES, "tailscale-controller", NS)), b.clock() - 100.0)
+    assert await b._try() is True                      # a was frozen for longer than the Lease
+    await a.release()                                  # a wakes up and stops cleanly: its release is refused
+    assert held_by(api) == "b" and not a.is_leader() and b.is_leader()
+    for e in (a, b):
+        await e.kube.aclose()
