@@ -1,12 +1,15 @@
-"""`tailscale-controller` / `python -m controller`: load the settings, build the provider, run kopf."""
+"""`tailscale-controller` / `python -m controller`: load the settings, build the provider, win the leader
+Lease (`controller.leader`), then run kopf and the work queue until stopped or the Lease is lost."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 from tscommon.redact import redact
 
@@ -32,52 +35,122 @@ def make_provider(cfg: ControllerConfig, kube):
     return StaticKeyProvider(read, cfg.static_key_secret)
 
 
-async def run(cfg: ControllerConfig) -> None:
+async def serve_health(addr: str, role: Callable[[], str]) -> asyncio.AbstractServer:
+    """`GET /healthz` → 200 and the replica's role, in both roles (a standby runs no kopf, whose liveness
+    endpoint would be missing, and the kubelet would restart every standby)."""
+    host, _, port = addr.rpartition(":")
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), 5)
+            ok = line.split(b" ")[1:2] == [b"/healthz"]
+            body = (role() if ok else "not found").encode() + b"\n"
+            writer.write(b"HTTP/1.1 %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                         % (b"200 OK" if ok else b"404 Not Found", len(body)) + body)
+            await writer.drain()
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            writer.close()
+    return await asyncio.start_server(handle, host.strip("[]") or None, int(port))
+
+
+async def run(cfg: ControllerConfig) -> int:
     import kopf
 
     from .handlers import State, registries, settings
     from .kubeapi import Kube
+    from .leader import LeaderElector, LostLeadership
     from .queue import WorkQueue
     from .reconcile import Reconciler
 
+    # kopf's default identity asks getpass for the user name, which fails for a UID without a passwd entry
+    # (the image runs as 65532: "KeyError: 'getpwuid(): uid not found: 65532'", a crash loop in a real Pod).
+    # The suffix makes two processes on one host (or a restarted container) distinct candidates.
+    identity = f"tailscale-controller@{socket.gethostname()}-{secrets.token_hex(3)}"
+    elector = LeaderElector(Kube.in_cluster(), cfg.namespace, identity)
     kube = Kube.in_cluster()
+    kube.write_guard = elector.is_leader
     provider = make_provider(cfg, kube)
     rec = Reconciler(kube, provider, cfg)
 
     async def work(key) -> float | None:
+        if not elector.is_leader():      # leadership is being lost: the process stops, the next leader re-runs it
+            return None
         return await rec.reconcile(*key)
     state = State(cfg, rec, WorkQueue(work))
-
-    def login() -> kopf.ConnectionInfo:
-        return kopf.ConnectionInfo(server=kube.url, token=kube.token(), ca_path=kube.ca_file or None,
-                                   default_namespace=cfg.namespace)
-    parents, children = registries(state, login)
-    # One stop flag for both operators: each kopf operator installs its own SIGTERM handler, and the second
-    # would replace the first's (that operator then never stops). Ours is installed once both are up.
     stop = asyncio.Event()
-    ready = (asyncio.Event(), asyncio.Event())
-    health = os.environ.get("CONTROLLER_HEALTH_ADDR", "0.0.0.0:8080")
-    # kopf's default identity asks getpass for the user name, which fails for a UID without a passwd entry
-    # (the image runs as 65532: "KeyError: 'getpwuid(): uid not found: 65532'", a crash loop in a real Pod)
-    identity = f"tailscale-controller@{socket.gethostname()}"
+    loop = asyncio.get_running_loop()
 
-    async def signals() -> None:
-        await asyncio.gather(*(r.wait() for r in ready))
-        loop = asyncio.get_running_loop()
+    def on_signals() -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+    on_signals()
+    health = await serve_health(os.environ.get("CONTROLLER_HEALTH_ADDR", "0.0.0.0:8080"),
+                                lambda: "leader" if elector.is_leader() else "standby")
+    log = logging.getLogger("controller")
+    lost: list[str] = []
     try:
-        await asyncio.gather(
-            kopf.operator(registry=parents, settings=settings(False), clusterwide=True, standalone=True,
-                          identity=identity, liveness_endpoint=f"http://{health}/healthz", stop_flag=stop,
-                          ready_flag=ready[0]),
-            kopf.operator(registry=children, settings=settings(True), namespaces=[cfg.namespace], standalone=True,
-                          identity=identity, stop_flag=stop, ready_flag=ready[1]),
-            signals())
+        # standby: only the Lease is read, nothing is watched or written
+        acquiring = asyncio.ensure_future(elector.acquire())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({acquiring, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not acquiring.done():
+            acquiring.cancel()
+            return 0
+        stopping.cancel()
+
+        def login() -> kopf.ConnectionInfo:
+            return kopf.ConnectionInfo(server=kube.url, token=kube.token(), ca_path=kube.ca_file or None,
+                                       default_namespace=cfg.namespace)
+        parents, children = registries(state, login)
+        # One stop flag for both operators: each kopf operator installs its own SIGTERM handler, and the
+        # second would replace the first's (that operator then never stops). Ours is installed again once
+        # both are up. kopf's peering is off (standalone): the Lease decides who runs (README).
+        ready = (asyncio.Event(), asyncio.Event())
+
+        async def signals() -> None:
+            await asyncio.gather(*(r.wait() for r in ready))
+            on_signals()
+
+        async def keep_lease() -> None:
+            try:
+                await elector.hold()
+            except LostLeadership as e:
+                lost.append(str(e))
+                log.error("leader election: lost leadership (%s); stopping all work", e)
+                await state.queue.aclose()      # in-flight passes stop now, before kopf winds down
+                stop.set()
+
+        async def until_stopped() -> None:
+            """A clean stop hands over at once: renewals end, writes are fenced, passes in flight are cancelled,
+            the Lease is released, and only then does kopf wind down (it takes seconds and writes nothing)."""
+            await stop.wait()
+            holder.cancel()
+            elector.fence()
+            await state.queue.aclose()
+            if not lost:
+                await elector.release()
+        holder = asyncio.ensure_future(keep_lease())
+        try:
+            await asyncio.gather(
+                kopf.operator(registry=parents, settings=settings(False), clusterwide=True, standalone=True,
+                              identity=identity, stop_flag=stop, ready_flag=ready[0]),
+                kopf.operator(registry=children, settings=settings(True), namespaces=[cfg.namespace],
+                              standalone=True, identity=identity, stop_flag=stop, ready_flag=ready[1]),
+                signals(), until_stopped())
+        finally:
+            holder.cancel()
     finally:
         await state.queue.aclose()
+        if not lost:
+            await elector.release()
+        health.close()
         await provider.aclose()
         await kube.aclose()
+        await elector.kube.aclose()
+    # a replica that lost the Lease exits non-zero: the kubelet restarts it as a standby
+    return 1 if lost else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,11 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg.namespace, cfg.proxy_image, cfg.server_url)
     from .kubeapi import KubeError
     try:
-        asyncio.run(run(cfg))
+        return asyncio.run(run(cfg))
     except KubeError as e:
         print(f"tailscale-controller: {e}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

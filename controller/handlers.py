@@ -3,9 +3,10 @@
 Two kopf operators run in one event loop: one watches the parents cluster-wide (Services, Ingresses,
 Connectors), the other watches the proxies' StatefulSets and Secrets in the controller's namespace only,
 filtered by the `tailscale.com/managed` label on the server, so the controller's RBAC needs no cluster-wide
-Secret access. Event handlers only compute the parent's key and poke the queue: kopf's watches, reconnects,
-peering and liveness are used; its per-handler progress records are not (they would be a write to every
-parent on every change, and a pass that changes nothing must write nothing). Kopf's posting of its own log
+Secret access. Event handlers only compute the parent's key and poke the queue: kopf's watches and reconnects
+are used; its peering is not (a Lease decides which replica runs, `controller.leader`), nor its per-handler
+progress records (they would be a write to every parent on every change, and a pass that changes nothing
+must write nothing). Kopf's posting of its own log
 lines as Kubernetes events is off: the reconciler writes the events users should see.
 """
 from __future__ import annotations

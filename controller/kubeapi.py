@@ -11,7 +11,7 @@ import json
 import os
 import ssl
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import httpx
 
@@ -64,6 +64,9 @@ class Kube:
             verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
         self._client = httpx.AsyncClient(base_url=url.rstrip("/"), verify=verify, timeout=timeout)
         self.requests: list[tuple[str, str]] = []    # (method, path): for the request-count figures
+        #: the leader election's fence: when set and False, every write is refused before it is sent, so a
+        #: replica that lost the Lease cannot write even from a pass that was already running
+        self.write_guard: Callable[[], bool] | None = None
 
     @property
     def url(self) -> str:
@@ -103,6 +106,8 @@ class Kube:
 
     async def _call(self, method: str, p: str, *, body: Any = None, ctype: str = "application/json",
                     params: Mapping[str, str] | None = None, ok404: bool = False) -> Any:
+        if method != "GET" and self.write_guard is not None and not self.write_guard():
+            raise KubeError(f"{method} {p}: refused, this replica does not hold the leader Lease")
         self.requests.append((method, p))
         try:
             r = await self._client.request(method, p, params=params, headers=self._headers(ctype if body is not None else ""),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,6 +31,9 @@ RESOURCES: dict[str, Resource] = {SVC: SERVICES, INGRESS: INGRESSES, CONNECTOR: 
 #: Secrets and StatefulSets bring changes at once, so polling 500 parents must not cost much.
 PENDING_RECHECK = 60.0
 READY_RECHECK = 600.0
+#: A device's tags, once seen equal to the wanted ones, are read again after this long (a re-tag by hand in
+#: the admin console is undone then); a change of the wanted tags is acted on at the next pass.
+TAGS_RECHECK = 3600.0
 
 
 def _now() -> str:
@@ -58,9 +62,10 @@ def handled(kind: str, obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
 
 class Reconciler:
     def __init__(self, kube: Kube, provider: Provider, cfg: ControllerConfig, *,
-                 now: Callable[[], str] = _now) -> None:
-        self.kube, self.provider, self.cfg, self.now = kube, provider, cfg, now
+                 now: Callable[[], str] = _now, clock: Callable[[], float] = time.monotonic) -> None:
+        self.kube, self.provider, self.cfg, self.now, self.clock = kube, provider, cfg, now, clock
         self._warned: dict[str, set[str]] = {}     # parent UID -> problems already sent as Warning events
+        self._tags_ok: dict[str, tuple[tuple[str, ...], float]] = {}   # device -> (tags seen equal, when)
 
     # ---- entry point
 
@@ -153,11 +158,43 @@ class Reconciler:
             if patch is not None:
                 # The answer carries the new generation, which the condition's observedGeneration must match.
                 obj = await self.kube.patch(SERVICES, p.name, patch, p.namespace)
+        tags_error = await self._sync_tags(kind, p, spec.tags, datas)
         devices = [st.device_info(render.secret_name(p, i), datas[i]) for i in range(spec.replicas)]
         ready_replicas = int(((sts or {}).get("status") or {}).get("readyReplicas") or 0)
-        r = st.readiness(kind, devices, replicas=spec.replicas, ready_replicas=ready_replicas)
+        r = st.readiness(kind, devices, replicas=spec.replicas, ready_replicas=ready_replicas,
+                         failure=str(tags_error or ""))
         await self._write_status(kind, obj, spec, devices, r)
+        if tags_error is not None:
+            raise tags_error                # retried with backoff; the condition says what failed
         return READY_RECHECK if r.ok else PENDING_RECHECK
+
+    async def _sync_tags(self, kind: str, p: Parent, tags: tuple[str, ...],
+                         datas: list[dict[str, bytes] | None]) -> ProviderError | None:
+        """Registered devices get the tags the parent now wants (`tailscale.com/tags`, `spec.tags` or
+        PROXY_TAGS): upstream applies tags to newly minted keys only, so a changed annotation left existing
+        devices with their old tags. Read, compare as sets, write only when they differ."""
+        want = tuple(sorted(set(tags)))
+        for data in datas:
+            dev = (data or {}).get("device_id", b"").decode(errors="replace").strip()
+            if not dev or st.authkey_action(data) == "reissue":
+                continue
+            ok = self._tags_ok.get(dev)
+            if ok is not None and ok[0] == want and self.clock() - ok[1] < TAGS_RECHECK:
+                continue
+            try:
+                have = await self.provider.device_tags(dev)
+                if have is None:             # gone, or a provider that cannot tell
+                    continue
+                if have != want:
+                    await self.provider.set_device_tags(dev, want)
+                    log.info("%s %s: device %s re-tagged from %s to %s", kind, _ref(p), dev, ",".join(have) or "-",
+                             ",".join(want))
+            except ProviderError as e:
+                self._tags_ok.pop(dev, None)
+                return ProviderError(f"device tags not applied ({','.join(want)} on device {dev}): {e}",
+                                     transient=e.transient)
+            self._tags_ok[dev] = (want, self.clock())
+        return None
 
     async def _apply(self, res: Resource, desired: dict) -> dict | None:
         """Create, or merge-patch when the rendering's hash differs; nothing when it is equal."""
@@ -188,6 +225,7 @@ class Reconciler:
         dev = (data or {}).get("device_id", b"").decode(errors="replace").strip()
         if dev:
             await self.provider.delete_device(dev)
+            self._tags_ok.pop(dev, None)
 
     # ---- cleanup
 

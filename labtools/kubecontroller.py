@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -36,8 +37,11 @@ from labtools.lab import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
-PROXY_IMAGE = "localhost/containerboot-py:latest"
-CONTROLLER_IMAGE = "localhost/containerboot-py-controller:latest"
+DEPLOY_CONTROLLER_IMAGE = "localhost/containerboot-py-controller:latest"     # what deploy/ names
+#: LAB_PROXY_IMAGE / LAB_CONTROLLER_IMAGE build and install the images under other names: image archives are
+#: shared by every checkout on a machine, so a branch whose images differ tests its own under its own tag
+PROXY_IMAGE = os.environ.get("LAB_PROXY_IMAGE") or "localhost/containerboot-py:latest"
+CONTROLLER_IMAGE = os.environ.get("LAB_CONTROLLER_IMAGE") or DEPLOY_CONTROLLER_IMAGE
 CONTROLLER_DOCKERFILE = "images/controller/Dockerfile"
 NS = "tailscale"
 #: tailscaled's knobs for the lab's island (as labtools.lab.Lab.tailscaled_env), and the API server by address
@@ -65,13 +69,14 @@ def build_images() -> tuple[Path, Path]:
                         timeout=1800)
     if cp.returncode != 0:
         raise RuntimeError(f"scripts/setup.sh --image failed: {cp.stderr[-1500:]}")
-    return _build(), _build("--dockerfile", CONTROLLER_DOCKERFILE, "--name", CONTROLLER_IMAGE)
+    return _build("--name", PROXY_IMAGE), _build("--dockerfile", CONTROLLER_DOCKERFILE, "--name", CONTROLLER_IMAGE)
 
 
 def lab_values(firewall: str = "", api_key: str = "") -> dict:
     """The chart's values for the lab: its headscale, the project's proxy image (imported, never pulled)."""
     repo, _, tag = PROXY_IMAGE.rpartition(":")
-    v: dict = {"provider": "headscale", "headscale": {"url": labmod.LOGIN_SERVER}, "magicDNSSuffix": "tailnet.test",
+    crepo, _, ctag = CONTROLLER_IMAGE.rpartition(":")
+    v: dict = {"image": {"repository": crepo, "tag": ctag, "pullPolicy": "Never"}, "provider": "headscale", "headscale": {"url": labmod.LOGIN_SERVER}, "magicDNSSuffix": "tailnet.test",
                "proxy": {"image": {"repository": repo, "tag": tag, "pullPolicy": "Never"}, "firewallMode": firewall,
                          "env": LAB_PROXY_ENV}}
     if api_key:
@@ -107,6 +112,8 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
         kc.helm_output = cp.stdout + cp.stderr
     elif method == "kubectl":
         kc.kubectl("apply", "-R", "-f", str(DEPLOY), timeout=60)
+        if CONTROLLER_IMAGE != DEPLOY_CONTROLLER_IMAGE:
+            kc.kubectl("-n", NS, "set", "image", "deployment/tailscale-controller", f"controller={CONTROLLER_IMAGE}")
         kc.kubectl("apply", "-f", "-", input=json.dumps({
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "headscale-api", "namespace": NS},
             "type": "Opaque", "data": {"key": base64.b64encode(key.encode()).decode()}}))

@@ -6,8 +6,9 @@ refuses a Connector that is both router and exit node, with the message; every r
 API server's validation; kopf's watches drive the passes (a Service annotated → its proxy objects appear; the
 state Secret written as the agent writes it → the Service's status follows); the egress rewrite to an
 ExternalName Service is accepted; the controller's identity is the deployed ServiceAccount's (RBAC from
-deploy/); foreground deletion of the StatefulSet, then device deletion through the API, then the finalizer.
-A kubelet and real proxies are the real-cluster issue's part.
+deploy/); foreground deletion of the StatefulSet, then device deletion through the API, then the finalizer;
+two controller processes (two replicas): one leads by the Lease, the other stands by, and takes over when
+the leader is killed. A kubelet and real proxies are the real-cluster issue's part.
 """
 from __future__ import annotations
 
@@ -90,22 +91,38 @@ def running(kube, tmp_path_factory):
     with FakeTailscaleAPI() as api:
         env = {"PATH": os.environ["PATH"], "PYTHONPATH": REPO, "CONTROLLER_KUBE_URL": kube.server,
                "CONTROLLER_KUBE_TOKEN_FILE": str(d / "token"), "CONTROLLER_KUBE_CA_FILE": str(kube.ca_cert),
-               "CONTROLLER_HEALTH_ADDR": f"127.0.0.1:{free_port()}", "OPERATOR_NAMESPACE": "tailscale",
+               "OPERATOR_NAMESPACE": "tailscale",
                "CONTROL_PLANE": "tailscale", "TAILSCALE_API_URL": api.url, "CLIENT_ID_FILE": str(d / "id"),
                "CLIENT_SECRET_FILE": str(d / "secret"), "PROXY_IMAGE": "localhost/containerboot-py:latest",
                "CLUSTER_DOMAIN": "cluster.local"}
-        log = open(d / "controller.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", "controller"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                             cwd=REPO)
+        SETTINGS.update(env=env, dir=d)
+        start_controller(env, d / "controller.log")
         try:
             yield kube, api, d / "controller.log"
         finally:
-            p.terminate()
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-            print((d / "controller.log").read_text()[-5000:])
+            for p, _ in CONTROLLERS:
+                p.terminate()
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            for log in sorted(d.glob("controller*.log")):
+                print(f"--- {log.name}", log.read_text()[-5000:], sep="\n")
+            CONTROLLERS.clear()
+
+
+#: the module's controller processes (replicas) and their health addresses, in start order; their settings
+CONTROLLERS: list[tuple[subprocess.Popen, str]] = []
+SETTINGS: dict = {}
+
+
+def start_controller(env: dict[str, str], log_path) -> tuple[subprocess.Popen, str]:
+    """One more controller process (one more replica) with the module's settings and its own health port."""
+    health = f"127.0.0.1:{free_port()}"
+    p = subprocess.Popen([sys.executable, "-m", "controller"], env={**env, "CONTROLLER_HEALTH_ADDR": health},
+                         stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=REPO)
+    CONTROLLERS.append((p, health))
+    return p, health
 
 
 def get(kube, path):
@@ -236,3 +253,58 @@ def test_connector_subnet_router(running):
     st = wait(lambda: (get(kube, "/apis/tailscale.com/v1alpha1/connectors/office") or {}).get("status"), 30, "status")
     assert st["subnetRoutes"] == "10.40.0.0/16" and st["isExitNode"] is False
     assert [x["reason"] for x in st["conditions"]] == ["ConnectorCreating"]
+
+
+def role(health: str) -> str:
+    try:
+        return httpx.get(f"http://{health}/healthz", timeout=2).text.strip()
+    except httpx.HTTPError:
+        return ""
+
+
+def lease(kube) -> dict:
+    return (get(kube, "/apis/coordination.k8s.io/v1/namespaces/tailscale/leases/tailscale-controller") or {}).get(
+        "spec") or {}
+
+
+def test_two_replicas_one_leads_the_other_takes_over_when_it_is_killed(running):
+    """Last in the module: it kills the module's first controller; the second one stays for any test after it."""
+    kube, api, _ = running
+    c = client(kube)
+    (first, first_health), = CONTROLLERS
+    wait(lambda: role(first_health) == "leader", 30, "the first controller to lead")
+    second, second_health = start_controller(SETTINGS["env"], SETTINGS["dir"] / "controller-2.log")
+    wait(lambda: role(second_health) == "standby", 30, "the second controller to stand by")
+    holder = lease(kube)["holderIdentity"]
+    transitions = lease(kube).get("leaseTransitions", 0)
+
+    def expose(name):
+        r = c.post("/api/v1/namespaces/default/services", json={
+            "apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "annotations": {"tailscale.com/expose": "true"}},
+            "spec": {"ports": [{"port": 80}], "selector": {"app": name}}})
+        assert r.status_code == 201, r.text
+
+    # Both replicas run: one proxy, one minted key (the standby neither watches nor writes)
+    keys = len(api.keys)
+    expose("ha-one")
+    wait(lambda: all(children(kube, "ha-one")), 30, "ha-one's proxy")
+    time.sleep(3)
+    assert len(api.keys) == keys + 1 and role(second_health) == "standby" and lease(kube)["holderIdentity"] == holder
+
+    # The leader dies without a word (SIGKILL: no release); a new annotated Service gets its proxy from the other
+    first.kill()
+    first.wait(10)
+    t0 = time.monotonic()
+    expose("ha-two")
+    wait(lambda: all(children(kube, "ha-two")), 45, "ha-two's proxy from the second controller")
+    took = time.monotonic() - t0
+    print(f"takeover: ha-two's proxy {took:.1f}s after the leader was killed (Lease 15 s)")
+    assert role(second_health) == "leader"
+    now = lease(kube)
+    assert now["holderIdentity"] != holder and now["leaseTransitions"] == transitions + 1
+    assert len(api.keys) == keys + 2
+    for name in ("ha-one", "ha-two"):
+        assert c.delete(f"/api/v1/namespaces/default/services/{name}").status_code == 200
+    for name in ("ha-one", "ha-two"):
+        wait(lambda: get(kube, f"/api/v1/namespaces/default/services/{name}") is None, 60, f"{name} to go")
+        assert children(kube, name) == ([], [])

@@ -3,7 +3,10 @@
 The provider runs where a controller Pod would: on the island (in the `client` namespace, which reaches
 headscale at 10.99.0.1:8080), with an API key made by headscale's CLI. It mints a single-use tagged pre-auth
 key over the REST API; our agent logs in with it; the node carries the tags, the key is used up, and the
-`device_id` the agent would write (the node's StableID) is what the provider deletes the node by.
+`device_id` the agent would write (the node's StableID) is what the provider reads the node's tags and
+deletes the node by. Re-tagging: the lab's headscale has no policy file, and headscale v0.29 then refuses
+every tag set through its API (a tag must be in the policy's `tagOwners`, unlike a pre-auth key's tags): the
+provider's error says so, and the node keeps its tags.
 """
 from __future__ import annotations
 
@@ -28,6 +31,12 @@ async def main():
     try:
         if req["op"] == "create":
             return {"key": await p.create_auth_key(tuple(req["tags"]))}
+        if req["op"] == "tags":
+            tags = await p.device_tags(req["id"])
+            return {"tags": None if tags is None else list(tags)}
+        if req["op"] == "settags":
+            await p.set_device_tags(req["id"], tuple(req["tags"]))
+            return {"set": True}
         return {"deleted": await p.delete_device(req["id"])}
     except ProviderError as e:
         return {"error": str(e)}
@@ -65,10 +74,17 @@ def test_tagged_single_use_key_login_and_device_deletion(lab, start_agent, api_k
     assert {"tag:k8s", "tag:ctl"} <= tags, node
     used = [k for k in lab.hs("preauthkeys", "list") or [] if not k.get("reusable")]
     assert any(k.get("used") for k in used), used or keys
+    # the node's tags as the controller reads them (sorted), the same as headscale's CLI shows
+    assert provider(lab, api_key, op="tags", id=stable_id) == {"tags": sorted(tags)}
+    refused = provider(lab, api_key, op="settags", id=stable_id, tags=["tag:k8s", "tag:web"])
+    assert refused["error"].startswith(f"headscale: setting the tags of node {stable_id}: HTTP 400"), refused
+    assert "invalid or not permitted" in refused["error"], refused
+    assert set(lab.hs_node("ctl-proxy").get("tags") or []) == tags
     assert "error" in provider(lab, api_key, op="delete", id="abc")            # not a headscale node ID
     assert provider(lab, api_key, op="delete", id=stable_id) == {"deleted": True}
     assert lab.hs_node("ctl-proxy") is None
     assert provider(lab, api_key, op="delete", id=stable_id) == {"deleted": False}   # already gone: fine
+    assert provider(lab, api_key, op="tags", id=stable_id) == {"tags": None}          # gone: nothing to re-tag
 
 
 def test_bad_api_key_is_an_error_without_the_key(lab):

@@ -29,6 +29,9 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
 5. L7 Ingress on headscale, what is real: the userspace proxy with the serve config in its Secret logs in and
    applies it (``https_endpoint`` written), but headscale issues no certificates, so it is ``no-https`` and the
    Ingress gets no LoadBalancer status; an HTTPS request through it cannot be shown here.
+6. Two controller replicas: one holds the leader Lease, the other stands by; the leader's Pod is deleted, and
+   a live replica (the standby or the Deployment's replacement Pod) takes the Lease over and gives a new
+   annotated Service its proxy (a tailnet IP in its status); deleting it leaves nothing.
 """
 from __future__ import annotations
 
@@ -361,6 +364,60 @@ def test_l7_ingress_on_headscale_serve_config_applied_but_no_https(lab, kube):
     assert kubecontroller.children(kc, "apps", "web", "ingress") == {"statefulsets": [], "secrets": [],
                                                                     "services": [], "pods": []}
     assert _hs_nodes_named(lab, host) == []
+
+
+def _lease_holder_pod(kc) -> tuple[str, int]:
+    """The Pod whose controller holds the leader Lease (identity tailscale-controller@<pod>-<6 hex>), and the
+    Lease's transitions."""
+    spec = (kc.get("lease", "tailscale-controller", kubecontroller.NS) or {}).get("spec") or {}
+    holder = spec.get("holderIdentity") or ""
+    return (holder.split("@", 1)[1].rsplit("-", 1)[0] if "@" in holder else ""), int(spec.get("leaseTransitions") or 0)
+
+
+def _controller_pods(kc) -> list[dict]:
+    cp = kc.kubectl("-n", kubecontroller.NS, "get", "pods", "-l", "app=tailscale-controller", "-o", "json")
+    return [p for p in json.loads(cp.stdout)["items"] if not p["metadata"].get("deletionTimestamp")
+            and p.get("status", {}).get("phase") == "Running"]
+
+
+def test_two_controller_replicas_one_leads_and_the_other_takes_over_when_its_pod_is_deleted(lab, kube):
+    """Next to last in the module (it changes the Deployment; the scale goes back to 1 at the end)."""
+    kc = kube
+    kc.kubectl("-n", kubecontroller.NS, "scale", "deployment/tailscale-controller", "--replicas=2")
+    try:
+        pods = wait_until(lambda: (lambda p: p if len(p) == 2 else None)(_controller_pods(kc)), 90, 0.5,
+                          "two controller Pods running")
+        leader, transitions = wait_until(lambda: (lambda h: h if h[0] else None)(_lease_holder_pod(kc)), 30, 0.5,
+                                         "the Lease's holder")
+        (standby,) = [p["metadata"]["name"] for p in pods if p["metadata"]["name"] != leader]
+        wait_until(lambda: "standby, Lease tailscale/tailscale-controller is held by" in kc.kubectl(
+            "-n", kubecontroller.NS, "logs", standby, check=False).stdout, 60, 0.5, "the second Pod to stand by")
+        assert leader in {p["metadata"]["name"] for p in pods}
+
+        # the active Pod is deleted (as a drain or a rollout would): it releases the Lease on SIGTERM
+        lab.delete_node("apps-ha")
+        kc.kubectl("-n", kubecontroller.NS, "delete", "pod", leader, "--wait=false")
+        t0 = time.monotonic()
+        kc.apply(_service("ha", {"tailscale.com/expose": "true"}, type="LoadBalancer"))
+        try:
+            svc = kubecontroller.wait_service_ip(kc, "apps", "ha", 120)
+        except TimeoutError:
+            raise AssertionError(_fail_report(kc, "apps", "ha")) from None
+        took = time.monotonic() - t0
+        # the Lease went to a live replica: the standby, or the Deployment's replacement Pod (it starts as soon as
+        # the old Pod is terminating, and both wait for the release)
+        now, now_transitions = _lease_holder_pod(kc)
+        live = {p["metadata"]["name"] for p in _controller_pods(kc)}
+        assert now != leader and now in live and now_transitions == transitions + 1, (now, live, now_transitions)
+        (node,) = _hs_nodes_named(lab, "apps-ha")
+        assert kubecontroller.lb_ips(svc) == [a for a in node["ip_addresses"] if ":" not in a]
+        print(f"leader Pod {leader} deleted: {now} ({'the standby' if now == standby else 'the replacement'}) took "
+              f"over, Service apps/ha had its tailnet IP {took:.1f}s later")
+        kc.kubectl("-n", "apps", "delete", "service", "ha", "--wait=false")
+        wait_until(lambda: kc.get("service", "ha", "apps") is None, 120, 0.5, "Service apps/ha gone")
+        assert _hs_nodes_named(lab, "apps-ha") == []
+    finally:
+        kc.kubectl("-n", kubecontroller.NS, "scale", "deployment/tailscale-controller", "--replicas=1", check=False)
 
 
 def test_helm_uninstall_leaves_nothing_of_the_release(kube):

@@ -7,7 +7,7 @@ import pathlib
 
 import yaml
 
-from controller import config as cconfig, kubeapi
+from controller import config as cconfig, kubeapi, leader
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "deploy"
 
@@ -53,6 +53,12 @@ def test_rbac_covers_the_controllers_calls():
             assert _covered(role["rules"], group(res), res.plural, verb), (res.plural, verb)
     assert _covered(cr["rules"], "", "events", "create")
     assert not _covered(cr["rules"], "", "secrets", "list"), "no cluster-wide Secret access"
+    # leader election: the Lease in the controller's namespace, bound to the controller's ServiceAccount
+    (le,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "tailscale-controller-leader-election"]
+    for verb in ("get", "create", "patch"):
+        assert _covered(le["rules"], group(leader.LEASES), leader.LEASES.plural, verb), verb
+    (leb,) = [d for d in by_kind("RoleBinding") if d["roleRef"]["name"] == "tailscale-controller-leader-election"]
+    assert leb["subjects"] == [{"kind": "ServiceAccount", "name": "tailscale-controller", "namespace": "tailscale"}]
     (proxies,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "proxies"]
     assert _covered(proxies["rules"], "", "secrets", "get") and _covered(proxies["rules"], "", "secrets", "update")
 

@@ -307,3 +307,104 @@ async def test_a_secret_that_lost_its_labels_is_adopted_not_recreated(env):
     s = kube.obj(SECRETS, f"{name}-0", "tailscale")
     assert s["metadata"]["labels"]["tailscale.com/parent-resource"] == "web"
     assert secret_data(kube, f"{name}-0")["device_id"] == b"7" and len(prov.keys) == 1
+
+
+def tagcalls(log) -> list:
+    """The control plane calls about device tags, in order (the shared log also has the API writes)."""
+    return [e for e in log if e[0] in ("read-tags", "set-tags")]
+
+
+def registered(kube, prov, svc_name="web", dev="7", tags=("tag:k8s",)):
+    """The proxy logged in with its key: the control plane has the device with the key's tags, the agent wrote
+    its keys, the Pod is ready."""
+    uid = kube.obj(SERVICES, svc_name, "apps")["metadata"]["uid"]
+    name = base_name(Parent("svc", svc_name, "apps", uid))
+    prov.tags[dev] = tuple(tags)
+    agent_writes(kube, f"{name}-0", {**agent_ss.device_id_patch(dev),
+                                     **agent_ss.device_endpoints_patch("apps-web.tail.test", ["100.64.0.9"])})
+    sts_ready(kube, name)
+    return name
+
+
+async def test_a_tags_annotation_change_retags_the_existing_device_without_a_new_key(env):
+    kube, prov, rec, log = env
+    expose_svc(kube, ann={"tailscale.com/expose": "true", "tailscale.com/tags": "tag:web"})
+    await rec.reconcile("svc", "apps", "web")
+    registered(kube, prov, tags=("tag:web",))
+    log.clear()
+    assert await rec.reconcile("svc", "apps", "web") == READY_RECHECK
+    assert tagcalls(log) == [("read-tags", "7")], "equal tags: read once, no write"
+    log.clear()
+    await rec.reconcile("svc", "apps", "web")
+    assert tagcalls(log) == [], "seen equal: not read again at every pass"
+
+    kube.objects[("services", "apps", "web")]["metadata"]["annotations"]["tailscale.com/tags"] = "tag:web,tag:db"
+    kube.calls.clear()
+    assert await rec.reconcile("svc", "apps", "web") == READY_RECHECK
+    assert tagcalls(log) == [("read-tags", "7"), ("set-tags", "7", ("tag:db", "tag:web"))]
+    assert prov.tags["7"] == ("tag:db", "tag:web") and len(prov.keys) == 1      # same device, no new key
+    assert kube.writes() == [] and cond(kube.obj(SERVICES, "web", "apps"))["status"] == "True"
+    log.clear()
+    await rec.reconcile("svc", "apps", "web")
+    assert tagcalls(log) == []
+
+
+async def test_changed_default_tags_retag_devices_of_parents_without_the_annotation(env):
+    kube, prov, _, log = env
+    expose_svc(kube)
+    await Reconciler(kube, prov, CFG).reconcile("svc", "apps", "web")
+    registered(kube, prov, tags=("tag:k8s",))
+    # the controller restarted with PROXY_TAGS=tag:k8s,tag:proxies
+    rec2 = Reconciler(kube, prov, ControllerConfig(**{**CFG.__dict__, "proxy_tags": ("tag:k8s", "tag:proxies")}))
+    log.clear()
+    await rec2.reconcile("svc", "apps", "web")
+    assert tagcalls(log) == [("read-tags", "7"), ("set-tags", "7", ("tag:k8s", "tag:proxies"))]
+
+
+async def test_tags_refused_by_the_control_plane_are_reported_in_the_condition_until_fixed(env):
+    kube, prov, rec, log = env
+    expose_svc(kube)
+    await rec.reconcile("svc", "apps", "web")
+    registered(kube, prov)
+    await rec.reconcile("svc", "apps", "web")
+    prov.refused_tags = {"tag:nope"}
+    kube.objects[("services", "apps", "web")]["metadata"]["annotations"]["tailscale.com/tags"] = "tag:nope"
+    with pytest.raises(ProviderError):                  # the queue retries with backoff
+        await rec.reconcile("svc", "apps", "web")
+    c = cond(kube.obj(SERVICES, "web", "apps"))
+    assert (c["status"], c["reason"]) == ("False", "ProxyFailed")
+    assert c["message"].startswith("device tags not applied (tag:nope on device 7): ") and "not permitted" in c["message"]
+    assert prov.tags["7"] == ("tag:k8s",)
+    prov.refused_tags = set()                           # the admin allowed the tag (tagOwners)
+    assert await rec.reconcile("svc", "apps", "web") == READY_RECHECK
+    assert prov.tags["7"] == ("tag:nope",)
+    assert (cond(kube.obj(SERVICES, "web", "apps"))["status"]) == "True"
+
+
+async def test_device_tags_changed_by_hand_are_restored_after_the_recheck_interval(env):
+    kube, prov, _, log = env
+    t = [0.0]
+    rec = Reconciler(kube, prov, CFG, clock=lambda: t[0])
+    expose_svc(kube)
+    await rec.reconcile("svc", "apps", "web")
+    registered(kube, prov)
+    await rec.reconcile("svc", "apps", "web")
+    prov.tags["7"] = ("tag:byhand",)
+    t[0] = 60.0
+    await rec.reconcile("svc", "apps", "web")
+    assert prov.tags["7"] == ("tag:byhand",)            # not read again within the interval
+    t[0] = 3601.0
+    await rec.reconcile("svc", "apps", "web")
+    assert prov.tags["7"] == ("tag:k8s",)
+
+
+async def test_a_device_the_provider_cannot_read_is_left_alone(env):
+    kube, prov, rec, log = env
+    expose_svc(kube)
+    await rec.reconcile("svc", "apps", "web")
+    name = registered(kube, prov)
+    del prov.tags["7"]                                  # gone from the control plane, or a static key
+    log.clear()
+    await rec.reconcile("svc", "apps", "web")
+    assert tagcalls(log) == [("read-tags", "7")] and cond(kube.obj(SERVICES, "web", "apps"))["status"] == "True"
+    assert name

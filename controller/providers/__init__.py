@@ -1,4 +1,4 @@
-"""Control plane providers: where auth keys come from and where devices are deleted.
+"""Control plane providers: where auth keys come from, where devices are deleted and re-tagged.
 
 One small interface, three adapters: `headscale` (its REST API with an API key), `tailscale` (Tailscale's API
 with OAuth client credentials) and `static` (a key a user put in a Secret, for anything else). Every error is a
@@ -30,6 +30,13 @@ class Provider(Protocol):
 
     async def delete_device(self, device_id: str) -> bool:
         """Delete the device with this stable ID; False when it was already gone."""
+
+    async def device_tags(self, device_id: str) -> tuple[str, ...] | None:
+        """The device's tags as the control plane has them, sorted; None when the device is gone or the
+        provider cannot tell (then nothing is re-tagged)."""
+
+    async def set_device_tags(self, device_id: str, tags: tuple[str, ...]) -> None:
+        """Replace the device's tags (what `tailscale.com/tags` or PROXY_TAGS now say)."""
 
     async def aclose(self) -> None: ...
 

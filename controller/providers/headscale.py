@@ -3,7 +3,9 @@
 Auth keys are single-use pre-auth keys carrying the proxy's tags (tags-only keys need no user since
 headscale 0.28; HEADSCALE_USER names one when a deployment wants user-owned keys), valid for one hour: a
 proxy logs in within seconds, and a key that leaked from a Secret expires soon. Devices are deleted by node
-ID; headscale's StableID, which the proxy writes as `device_id`, is that ID in decimal.
+ID; headscale's StableID, which the proxy writes as `device_id`, is that ID in decimal. A device whose tags
+differ from the proxy's wanted tags is re-tagged (`POST /api/v1/node/{id}/tags`; headscale refuses tags its
+policy's `tagOwners` do not define, and that refusal is reported).
 """
 from __future__ import annotations
 
@@ -52,8 +54,7 @@ class HeadscaleProvider:
         return key
 
     async def delete_device(self, device_id: str) -> bool:
-        if not device_id.isdigit():
-            raise ProviderError(f"headscale: device_id {device_id!r} is not a headscale node ID", transient=False)
+        self._node_id(device_id)
         try:
             r = await self._client.delete(f"/api/v1/node/{device_id}", headers=self._headers())
             if r.status_code == 404:
@@ -62,6 +63,32 @@ class HeadscaleProvider:
         except httpx.HTTPError as e:
             raise http_error(f"headscale: deleting node {device_id}", e) from None
         return True
+
+    def _node_id(self, device_id: str) -> str:
+        if not device_id.isdigit():
+            raise ProviderError(f"headscale: device_id {device_id!r} is not a headscale node ID", transient=False)
+        return device_id
+
+    async def device_tags(self, device_id: str) -> tuple[str, ...] | None:
+        node = self._node_id(device_id)
+        try:
+            r = await self._client.get(f"/api/v1/node/{node}", headers=self._headers())
+            if r.status_code == 404:
+                return None
+            r.raise_for_status()
+            tags = (r.json().get("node") or {}).get("tags") or []
+        except (httpx.HTTPError, ValueError) as e:
+            raise http_error(f"headscale: reading node {node}", e) from None
+        return tuple(sorted(set(tags)))
+
+    async def set_device_tags(self, device_id: str, tags: tuple[str, ...]) -> None:
+        node = self._node_id(device_id)
+        try:
+            r = await self._client.post(f"/api/v1/node/{node}/tags", json={"tags": sorted(set(tags))},
+                                        headers=self._headers())
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise http_error(f"headscale: setting the tags of node {node}", e) from None
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -1,7 +1,8 @@
 """A static auth key from a Secret, for any control plane the controller has no API for.
 
 The key must be reusable (every proxy gets the same one) and is never deleted; devices cannot be removed
-from here, so cleanup leaves them to the control plane's own expiry (the status and the log say so).
+from here, so cleanup leaves them to the control plane's own expiry (the status and the log say so), and
+their tags cannot be read or changed (a tags change applies to keys only).
 """
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ class StaticKeyProvider:
 
     async def delete_device(self, device_id: str) -> bool:
         return False
+
+    async def device_tags(self, device_id: str) -> tuple[str, ...] | None:
+        return None
+
+    async def set_device_tags(self, device_id: str, tags: tuple[str, ...]) -> None:
+        return None
 
     async def aclose(self) -> None:
         return None

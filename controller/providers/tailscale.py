@@ -3,7 +3,8 @@
 The OAuth client (scopes `auth_keys` and `devices:core`, tagged like the proxies) gets a short-lived access
 token (`POST /api/v2/oauth/token`, client_credentials grant), renewed a minute before it expires; auth keys
 are single-use, pre-authorised and tagged (`POST /api/v2/tailnet/{tailnet}/keys`), devices are deleted by
-their stable node ID (`DELETE /api/v2/device/{id}`, 404 = already gone).
+their stable node ID (`DELETE /api/v2/device/{id}`, 404 = already gone) and re-tagged when their tags differ
+from the proxy's wanted tags (`GET /api/v2/device/{id}`, `POST /api/v2/device/{id}/tags`).
 """
 from __future__ import annotations
 
@@ -78,6 +79,25 @@ class TailscaleProvider:
         except httpx.HTTPError as e:
             raise http_error(f"tailscale: deleting device {device_id}", e) from None
         return True
+
+    async def device_tags(self, device_id: str) -> tuple[str, ...] | None:
+        try:
+            r = await self._client.get(f"/api/v2/device/{device_id}", headers=await self._bearer())
+            if r.status_code == 404:
+                return None
+            r.raise_for_status()
+            tags = r.json().get("tags") or []
+        except (httpx.HTTPError, ValueError) as e:
+            raise http_error(f"tailscale: reading device {device_id}", e) from None
+        return tuple(sorted(set(tags)))
+
+    async def set_device_tags(self, device_id: str, tags: tuple[str, ...]) -> None:
+        try:
+            r = await self._client.post(f"/api/v2/device/{device_id}/tags", json={"tags": sorted(set(tags))},
+                                        headers=await self._bearer())
+            r.raise_for_status()
+        except httpx.HTTPError as e:
+            raise http_error(f"tailscale: setting the tags of device {device_id}", e) from None
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -23,6 +23,8 @@ class FakeTailscaleAPI:
         self.tokens: set[str] = set()
         self.keys: list[dict] = []
         self.devices: set[str] = set()
+        self.device_tags: dict[str, list[str]] = {}      # a device's tags (GET/POST /api/v2/device/{id}[/tags])
+        self.permitted_tags: set[str] | None = None      # None: any tag; else the tailnet policy's tagOwners
         self.requests: list[dict] = []
         self.fail_next: list[int] = []
         api = self
@@ -110,5 +112,27 @@ class FakeTailscaleAPI:
             if parts[3] not in self.devices:
                 return 404, {"message": "device not found"}
             self.devices.discard(parts[3])
+            self.device_tags.pop(parts[3], None)
+            return 200, None
+        if method == "GET" and len(parts) == 4 and parts[:3] == ["api", "v2", "device"]:
+            if parts[3] not in self.devices:
+                return 404, {"message": "device not found"}
+            out: dict = {"id": parts[3], "nodeId": parts[3], "name": f"{parts[3]}.tail1.ts.net"}
+            if self.device_tags.get(parts[3]):      # the public API omits an empty tag list
+                out["tags"] = list(self.device_tags[parts[3]])
+            return 200, out
+        if method == "POST" and len(parts) == 5 and parts[:3] == ["api", "v2", "device"] and parts[4] == "tags":
+            if parts[3] not in self.devices:
+                return 404, {"message": "device not found"}
+            try:
+                tags = json.loads(body)["tags"]
+                assert isinstance(tags, list) and all(isinstance(t, str) for t in tags)
+            except (ValueError, KeyError, TypeError, AssertionError):
+                return 400, {"message": "tags must be a list of strings"}
+            bad = [t for t in tags if not t.startswith("tag:")
+                   or (self.permitted_tags is not None and t not in self.permitted_tags)]
+            if bad:
+                return 400, {"message": f"requested tags {bad} are invalid or not permitted"}
+            self.device_tags[parts[3]] = list(tags)
             return 200, None
         return 404, {"message": "not found"}

@@ -137,6 +137,8 @@ class FakeProvider:
         self.keys: list[tuple[str, tuple[str, ...]]] = []
         self.deleted: list[str] = []
         self.down = False
+        self.tags: dict[str, tuple[str, ...]] = {}     # registered devices' tags; a device not here is unknown
+        self.refused_tags: set[str] = set()             # tags the control plane's policy does not permit
 
     async def create_auth_key(self, tags: tuple[str, ...], *, description: str = "") -> str:
         from controller.providers import ProviderError
@@ -154,6 +156,23 @@ class FakeProvider:
         self.deleted.append(device_id)
         self.log.append(("delete-device", device_id))
         return True
+
+    async def device_tags(self, device_id: str) -> tuple[str, ...] | None:
+        from controller.providers import ProviderError
+        if self.down:
+            raise ProviderError("fake: reading a device: control plane unreachable")
+        self.log.append(("read-tags", device_id))
+        return tuple(sorted(self.tags[device_id])) if device_id in self.tags else None
+
+    async def set_device_tags(self, device_id: str, tags: tuple[str, ...]) -> None:
+        from controller.providers import ProviderError
+        if self.down:
+            raise ProviderError("fake: setting device tags: control plane unreachable")
+        if bad := sorted(set(tags) & self.refused_tags):
+            raise ProviderError(f"fake: setting the tags of device {device_id}: HTTP 400: requested tags {bad} "
+                                f"are invalid or not permitted", transient=False)
+        self.tags[device_id] = tuple(tags)
+        self.log.append(("set-tags", device_id, tuple(tags)))
 
     async def aclose(self) -> None:
         return None

@@ -78,7 +78,9 @@ SSAR_PATH = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 SECRET_KEY_RE = re.compile(r"^[-._a-zA-Z0-9]+$")
 MAX_SECRET_BYTES = 1024 * 1024
 # Resources the server stores; kinds for their objects and lists.
-KINDS = {"secrets": "Secret", "events": "Event", "configmaps": "ConfigMap"}
+KINDS = {"secrets": "Secret", "events": "Event", "configmaps": "ConfigMap", "leases": "Lease"}
+#: resources outside the core group: their URL prefix and apiVersion (the controller's leader election Lease)
+GROUPS = {"leases": "coordination.k8s.io/v1"}
 DEFAULT_SANS = ("127.0.0.1", "::1", "localhost", "kubernetes", "kubernetes.default",
                 "kubernetes.default.svc", "kubernetes.default.svc.cluster.local")
 
@@ -655,10 +657,10 @@ class KubeAPIServer:
             return self._ssar(body)
         if path in ("/version", "/version/"):
             return 200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0-kubeapi-test"}, {}
-        m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/([^/]+)(?:/([^/]+))?/?", path)
-        if not m or m.group(2) not in KINDS:
+        m = re.fullmatch(r"/(?:api/v1|apis/([^/]+/[^/]+))/namespaces/([^/]+)/([^/]+)(?:/([^/]+))?/?", path)
+        if not m or m.group(3) not in KINDS or GROUPS.get(m.group(3)) != m.group(1):
             raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
-        ns, resource, name = m.group(1), m.group(2), m.group(3) or ""
+        ns, resource, name = m.group(2), m.group(3), m.group(4) or ""
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
         if name:
             verb = {"GET": "get", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(method)
@@ -687,7 +689,7 @@ class KubeAPIServer:
                 item.pop("kind", None)
                 item.pop("apiVersion", None)
                 items.append(item)
-        return 200, {"kind": KINDS[resource] + "List", "apiVersion": "v1",
+        return 200, {"kind": KINDS[resource] + "List", "apiVersion": GROUPS.get(resource, "v1"),
                      "metadata": {"resourceVersion": str(self._rv)}, "items": items}, {}
 
     def _create(self, resource, ns, name, body, ctype, query):
@@ -807,7 +809,7 @@ class KubeAPIServer:
         return copy.deepcopy(obj)
 
     def _normalize(self, resource: str, obj: dict, name: str, ns: str) -> dict:
-        obj = {"kind": KINDS[resource], "apiVersion": "v1",
+        obj = {"kind": KINDS[resource], "apiVersion": GROUPS.get(resource, "v1"),
                **{k: copy.deepcopy(v) for k, v in obj.items() if k not in ("kind", "apiVersion")}}
         meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
         meta = {k: v for k, v in meta.items() if v is not None}

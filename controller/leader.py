@@ -1,0 +1,203 @@
+"""Leader election between controller replicas: one `coordination.k8s.io/v1` Lease, as client-go's leaderelection.
+
+Only the holder of Lease `tailscale-controller` in the controller's namespace runs kopf's watches and the work
+queue; every other replica is a standby that only reads the Lease (no watch, no write). Why not kopf's
+peering: it pauses kopf's watch streams only, not our queue's retries and re-checks, and replicas of one
+Deployment have equal priorities, which kopf answers by pausing all of them (see the README).
+
+Timing, as client-go's defaults: a candidate takes the Lease over when its record has not changed for
+`duration` (15 s) by the candidate's own clock (so clock skew between nodes does not matter); the leader renews
+every `retry` (2 s) and stops all work when no renewal succeeded for `renew_deadline` (10 s), which is
+before any candidate can take over. Writes use the Lease's resourceVersion as a precondition, so two
+candidates that race for an expired Lease cannot both win.
+
+`decide` is the pure core; `LeaderElector` is the shell (reads and writes through `controller.kubeapi.Kube`).
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tscommon.redact import redact
+
+from .kubeapi import Kube, KubeError, Resource
+
+log = logging.getLogger("controller")
+
+LEASES = Resource("/apis/coordination.k8s.io/v1", "leases")
+LEASE_NAME = "tailscale-controller"
+
+
+@dataclass(frozen=True)
+class Timing:
+    duration: float = 15.0         # a holder silent this long (candidate's clock) is gone
+    renew_deadline: float = 10.0   # the leader stops when it could not renew for this long (< duration)
+    retry: float = 2.0             # how often candidates read and the leader renews
+
+
+@dataclass(frozen=True)
+class Seen:
+    """The Lease record a candidate last saw, and when (its own monotonic clock) it last changed."""
+    record: tuple[str, str, int]   # holderIdentity, renewTime, leaseTransitions
+    at: float
+
+
+@dataclass(frozen=True)
+class Step:
+    action: str                    # "create" | "renew" | "take" | "wait"
+    seen: Seen | None
+
+
+def record_of(lease: Mapping[str, Any] | None) -> tuple[str, str, int]:
+    spec = (lease or {}).get("spec") or {}
+    return (str(spec.get("holderIdentity") or ""), str(spec.get("renewTime") or ""),
+            int(spec.get("leaseTransitions") or 0))
+
+
+def decide(lease: Mapping[str, Any] | None, me: str, seen: Seen | None, now: float, t: Timing) -> Step:
+    """What a replica does with the Lease as read now (pure)."""
+    if lease is None:
+        return Step("create", None)
+    rec = record_of(lease)
+    if seen is None or seen.record != rec:
+        seen = Seen(rec, now)
+    holder = rec[0]
+    if holder == me:
+        return Step("renew", seen)
+    if not holder:                  # released by a leader that stopped cleanly
+        return Step("take", seen)
+    duration = float(((lease.get("spec") or {}).get("leaseDurationSeconds")) or t.duration)
+    if now - seen.at >= duration:
+        return Step("take", seen)
+    return Step("wait", seen)
+
+
+def micro_now() -> str:
+    """A Kubernetes MicroTime (what the API server accepts in a Lease's times)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def lease_spec(lease: Mapping[str, Any] | None, me: str, action: str, now: str, t: Timing) -> dict:
+    """The Lease's spec after `action` by `me`."""
+    spec = dict((lease or {}).get("spec") or {})
+    spec.update({"holderIdentity": me, "leaseDurationSeconds": int(t.duration), "renewTime": now})
+    if action in ("create", "take"):
+        spec["acquireTime"] = now
+        spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + (1 if action == "take" else 0)
+    return spec
+
+
+class LostLeadership(Exception):
+    pass
+
+
+class LeaderElector:
+    """One replica's side of the election. `kube` must be a client of its own: the controller's client is
+    fenced by `is_leader` and would refuse the Lease's writes once leadership is lost."""
+
+    def __init__(self, kube: Kube, namespace: str, identity: str, *, name: str = LEASE_NAME,
+                 timing: Timing = Timing(), clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], str] = micro_now) -> None:
+        self.kube, self.namespace, self.identity, self.name = kube, namespace, identity, name
+        self.t, self.clock, self.wall = timing, clock, wall
+        self._seen: Seen | None = None
+        self._renewed: float | None = None     # monotonic time of the last successful write as holder
+        self._lease: dict | None = None
+        self._waiting_for = ""
+
+    def is_leader(self) -> bool:
+        """True while the last renewal is recent enough that no other replica can have taken over."""
+        return self._renewed is not None and self.clock() - self._renewed < self.t.renew_deadline
+
+    async def _try(self) -> bool:
+        """One round: read, then create/renew/take when `decide` says so. True when we hold the Lease."""
+        lease = await self.kube.get(LEASES, self.name, self.namespace)
+        step = decide(lease, self.identity, self._seen, self.clock(), self.t)
+        self._seen = step.seen
+        if step.action == "wait":
+            holder = record_of(lease)[0]
+            if holder != self._waiting_for:
+                log.info("leader election: standby, Lease %s/%s is held by %s", self.namespace, self.name, holder)
+                self._waiting_for = holder
+            return False
+        now = self.wall()
+        spec = lease_spec(lease, self.identity, step.action, now, self.t)
+        started = self.clock()
+        try:
+            if step.action == "create":
+                out = await self.kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                                      "metadata": {"name": self.name, "namespace": self.namespace},
+                                                      "spec": spec}, self.namespace)
+            else:
+                # the resourceVersion precondition: a Lease changed since our read (another candidate won the
+                # race) fails with 409 instead of being overwritten
+                out = await self.kube.patch(LEASES, self.name, {"metadata": {
+                    "resourceVersion": (lease or {}).get("metadata", {}).get("resourceVersion")}, "spec": spec},
+                    self.namespace)
+        except KubeError as e:
+            if e.status in (409,):          # lost the race (create: AlreadyExists; patch: Conflict)
+                return False
+            raise
+        self._lease = out
+        # the deadline counts from before the write was sent: the write may have taken effect at once
+        self._renewed = started
+        self._seen = Seen(record_of(out), self.clock())
+        if step.action != "renew":
+            log.info("leader election: %s leads (Lease %s/%s %s)", self.identity, self.namespace, self.name,
+                     "created" if step.action == "create" else "taken over")
+            self._waiting_for = ""
+        return True
+
+    async def acquire(self) -> None:
+        """Return once this replica holds the Lease. Standby: one GET every `retry` seconds."""
+        while True:
+            try:
+                if await self._try():
+                    return
+            except KubeError as e:
+                log.warning("leader election: %s", redact(str(e)))
+            await asyncio.sleep(self.t.retry)
+
+    async def hold(self) -> None:
+        """Renew every `retry` seconds; raise LostLeadership when the Lease is someone else's or when no renewal
+        succeeded for `renew_deadline` seconds."""
+        while True:
+            await asyncio.sleep(self.t.retry)
+            try:
+                ok = await asyncio.wait_for(self._try(), max(0.1, self.t.renew_deadline - self.t.retry))
+            except (KubeError, asyncio.TimeoutError) as e:
+                ok = None
+                log.warning("leader election: renewing the Lease failed: %s", redact(str(e) or type(e).__name__))
+            if ok is False:
+                self._renewed, self._lease = None, None
+                raise LostLeadership(f"Lease {self.namespace}/{self.name} is now held by "
+                                     f"{(self._seen.record[0] if self._seen else '') or 'another replica'}")
+            if not self.is_leader():
+                self._renewed = None
+                raise LostLeadership(f"could not renew Lease {self.namespace}/{self.name} for "
+                                     f"{self.t.renew_deadline:.0f}s")
+
+    def fence(self) -> None:
+        """Stop leading now: `is_leader` is False from here, so the fenced client refuses every write."""
+        self._renewed = None
+
+    async def release(self) -> None:
+        """On a clean stop: give the Lease up so a standby takes over at once instead of after `duration`.
+        Fences first; the write carries the resourceVersion of our last write, so a Lease someone else took
+        meanwhile is left alone (409)."""
+        self.fence()
+        if self._lease is None:
+            return
+        md, self._lease = self._lease.get("metadata") or {}, None
+        try:
+            await self.kube.patch(LEASES, self.name, {"metadata": {"resourceVersion": md.get("resourceVersion")},
+                                                      "spec": {"holderIdentity": None, "leaseDurationSeconds": 1}},
+                                  self.namespace)
+            log.info("leader election: Lease %s/%s released", self.namespace, self.name)
+        except KubeError as e:       # someone else holds it already, or the API is gone: it expires anyway
+            log.warning("leader election: releasing the Lease failed: %s", redact(str(e)))
