@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -31,8 +32,11 @@ from labtools.lab import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
-PROXY_IMAGE = "localhost/containerboot-py:latest"
-CONTROLLER_IMAGE = "localhost/containerboot-py-controller:latest"
+DEPLOY_CONTROLLER_IMAGE = "localhost/containerboot-py-controller:latest"     # what deploy/ names
+#: LAB_PROXY_IMAGE / LAB_CONTROLLER_IMAGE build and install the images under other names: image archives are
+#: shared by every checkout on a machine, so a branch whose images differ tests its own under its own tag
+PROXY_IMAGE = os.environ.get("LAB_PROXY_IMAGE") or "localhost/containerboot-py:latest"
+CONTROLLER_IMAGE = os.environ.get("LAB_CONTROLLER_IMAGE") or DEPLOY_CONTROLLER_IMAGE
 CONTROLLER_DOCKERFILE = "images/controller/Dockerfile"
 NS = "tailscale"
 #: tailscaled's knobs for the lab's island (as labtools.lab.Lab.tailscaled_env), and the API server by address
@@ -60,7 +64,7 @@ def build_images() -> tuple[Path, Path]:
                         timeout=1800)
     if cp.returncode != 0:
         raise RuntimeError(f"scripts/setup.sh --image failed: {cp.stderr[-1500:]}")
-    return _build(), _build("--dockerfile", CONTROLLER_DOCKERFILE, "--name", CONTROLLER_IMAGE)
+    return _build("--name", PROXY_IMAGE), _build("--dockerfile", CONTROLLER_DOCKERFILE, "--name", CONTROLLER_IMAGE)
 
 
 def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, controller_tar: Path, *,
@@ -73,6 +77,8 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
     t["import"] = time.monotonic() - t0
     t0 = time.monotonic()
     kc.kubectl("apply", "-R", "-f", str(DEPLOY), timeout=60)
+    if CONTROLLER_IMAGE != DEPLOY_CONTROLLER_IMAGE:
+        kc.kubectl("-n", NS, "set", "image", "deployment/tailscale-controller", f"controller={CONTROLLER_IMAGE}")
     key = lab.hs("apikeys", "create", "--expiration", "2h")
     key = key if isinstance(key, str) else str((key or {}).get("key") or key)
     # the key goes in through stdin, never on a command line
