@@ -21,6 +21,7 @@ class ConfigError(Exception):
 
 PROVIDERS = ("headscale", "tailscale", "static")
 FIREWALL_MODES = ("", "auto", "iptables", "nftables")
+INGRESS_SCHEMES = ("auto", "https", "http")
 DEFAULT_RESOURCES = {"requests": {"cpu": "1m", "memory": "1Mi"}}
 TAILSCALE_LOGIN_SERVER = "https://controlplane.tailscale.com"
 
@@ -49,11 +50,25 @@ class ControllerConfig:
     oauth_client_id_file: str = "/oauth/client_id"
     oauth_client_secret_file: str = "/oauth/client_secret"
     static_key_secret: str = "tailscale-auth"      # Secret in `namespace` with key `authkey`
+    ingress_scheme: str = "auto"                   # L7 Ingress: auto | https | http (see ingress_http)
 
     @property
     def server_url(self) -> str:
         """The proxies' ServerURL: the login server, Tailscale's by default."""
         return self.login_server or TAILSCALE_LOGIN_SERVER
+
+    @property
+    def ingress_http(self) -> bool:
+        """L7 Ingresses are served over plain HTTP on port 80 instead of HTTPS on 443 (ours, not upstream's).
+
+        `auto` asks for HTTPS only where the control plane can issue the proxies' certificates: Tailscale's.
+        headscale never sets the netmap's CertDomains, so tailscaled refuses every certificate there and an
+        HTTPS Ingress could never serve; a `static` key on another login server is treated the same way."""
+        if self.ingress_scheme != "auto":
+            return self.ingress_scheme == "http"
+        if self.provider == "headscale":
+            return True
+        return self.provider == "static" and self.server_url.rstrip("/") != TAILSCALE_LOGIN_SERVER
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -155,4 +170,9 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
     kw["oauth_client_id_file"] = get("CLIENT_ID_FILE", ControllerConfig.oauth_client_id_file)
     kw["oauth_client_secret_file"] = get("CLIENT_SECRET_FILE", ControllerConfig.oauth_client_secret_file)
     kw["static_key_secret"] = get("AUTH_KEY_SECRET", ControllerConfig.static_key_secret)
+    scheme = get("INGRESS_SCHEME", "auto").lower()
+    if scheme not in INGRESS_SCHEMES:
+        raise ConfigError(f"INGRESS_SCHEME={get('INGRESS_SCHEME')!r} is not a scheme; use auto (HTTPS on Tailscale, "
+                          "HTTP on headscale), https or http")
+    kw["ingress_scheme"] = scheme
     return ControllerConfig(**kw)

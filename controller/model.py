@@ -59,6 +59,7 @@ class Decision:
 
     spec: "ProxySpec"
     warnings: tuple[str, ...] = ()
+    notices: tuple[tuple[str, str, str], ...] = ()  # (event type, reason, message): events, once per parent
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class ProxySpec:
     egress_rewrite: bool = False                    # L3 egress: the user's Service becomes an ExternalName
     subnet_routes: tuple[str, ...] = ()             # Connector: the spec's routes, for its status
     exit_node: bool = False                         # Connector: spec.exitNode, for its status
+    ingress_http: bool = False                      # L7 Ingress served over plain HTTP on port 80 (ours)
+    ingress_http_name: str = ""                     # ... the MagicDNS name its serve config answers to
 
     def replica_hostname(self, i: int) -> str:
         return f"{self.hostname_prefix}-{i}" if self.hostname_prefix else self.hostname

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tscommon import secretcontract as sc
 from tscommon.redact import redact
 
 from . import render, status as st
@@ -90,10 +91,14 @@ class Reconciler:
         except Pending as e:
             await self._write_status(kind, obj, None, [], st.Readiness(False, "ProxyPending", str(e)))
             return PENDING_RECHECK
-        if not decision.warnings:
-            self._warned.pop(m.get("uid", ""), None)    # a problem that comes back is reported again
+        # Only what this pass still reports stays remembered: a problem that goes and comes back is sent again.
+        current = {f"InvalidBackend:{w}" for w in decision.warnings} | {f"{r}:{t}" for _, r, t in decision.notices}
+        if (seen := self._warned.get(m.get("uid", ""))) is not None:
+            seen &= current
         for w in decision.warnings:
             await self._warn(obj, kind, "InvalidBackend", w)
+        for etype, reason, message in decision.notices:
+            await self._warn(obj, kind, reason, message, etype=etype)
         await self._ensure_finalizer(kind, obj)
         return await self._provision(kind, obj, decision.spec)
 
@@ -108,7 +113,16 @@ class Reconciler:
             svc = await self.kube.get(SERVICES, n, ns)
             if svc is not None:
                 services[n] = svc
-        return ingress.decide(obj, self.cfg, services)
+        fqdn = ""
+        if self.cfg.ingress_http:
+            # The plain-HTTP serve config names the proxy's MagicDNS name, which only the proxy knows: read it
+            # back from replica 0's state Secret (its write brings another pass).
+            m = meta(obj)
+            p = Parent(INGRESS, m.get("name", ""), ns, m.get("uid", ""))
+            data = _decode(await self.kube.get(SECRETS, render.secret_name(p, 0), self.cfg.namespace))
+            fqdn = sc.parse_device_fqdn((data or {}).get(sc.KEY_DEVICE_FQDN)) if (data or {}).get(
+                sc.KEY_DEVICE_ID) else ""
+        return ingress.decide(obj, self.cfg, services, fqdn)
 
     # ---- provisioning
 
@@ -309,8 +323,10 @@ class Reconciler:
             await self.kube.patch(RESOURCES[kind], m["name"], {"status": want}, m.get("namespace", ""),
                                   subresource="status")
 
-    async def _warn(self, obj: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
-        """A Warning event, once per distinct problem of a parent (a pass every few seconds must not flood)."""
+    async def _warn(self, obj: Mapping[str, Any], kind: str, reason: str, message: str, *,
+                    etype: str = "Warning") -> None:
+        """A Warning (or `etype`) event, once per distinct problem of a parent (a pass every few seconds must not
+        flood)."""
         m = meta(obj)
         uid = m.get("uid", "")
         key = f"{reason}:{message}"
@@ -325,10 +341,11 @@ class Reconciler:
               "metadata": {"generateName": f"{m.get('name', 'x')}.", "namespace": ns},
               "involvedObject": {"apiVersion": api, "kind": k8s_kind, "name": m.get("name", ""),
                                  "namespace": m.get("namespace", ""), "uid": uid},
-              "reason": reason, "message": redact(message), "type": "Warning",
+              "reason": reason, "message": redact(message), "type": etype,
               "source": {"component": "tailscale-controller"}, "reportingComponent": "tailscale-controller",
               "firstTimestamp": now, "lastTimestamp": now, "count": 1}
-        log.warning("%s %s/%s: %s", k8s_kind, m.get("namespace", ""), m.get("name", ""), redact(message))
+        log.log(logging.WARNING if etype == "Warning" else logging.INFO, "%s %s/%s: %s", k8s_kind,
+                m.get("namespace", ""), m.get("name", ""), redact(message))
         try:
             await self.kube.create(EVENTS, ev, ns)
         except KubeError as e:

@@ -3,7 +3,8 @@
 The proxy's only channel back is its state Secret (`tscommon.secretcontract`): `device_id` (registered),
 `device_fqdn` and `device_ips` (forwarding is in place), `https_endpoint` (serve config applied),
 `reissue_authkey` (asks for a new key). From them come the Service's LoadBalancer ingress, the Ingress's
-status, the Connector's status and the conditions, whose reasons are upstream's and whose messages say what
+status (upstream's from `https_endpoint`; for the plain-HTTP scheme, ours, the device's MagicDNS name on port
+80 once the proxy has applied a serve config naming it), the Connector's status and the conditions, whose reasons are upstream's and whose messages say what
 is missing. No key or token ever reaches a status: messages are built from our own words and the
 control plane's redacted errors.
 """
@@ -28,6 +29,7 @@ class DeviceInfo:
     ips: tuple[str, ...] = ()
     ingress_dns_name: str = ""       # https_endpoint (only from a proxy new enough to write it, as upstream)
     reissue_requested: bool = False
+    serve_applied: bool = False      # the proxy has applied a serve config (it wrote https_endpoint, any value)
 
 
 def device_info(name: str, data: Mapping[str, bytes] | None, pod_uid: str | None = None) -> DeviceInfo:
@@ -36,7 +38,7 @@ def device_info(name: str, data: Mapping[str, bytes] | None, pod_uid: str | None
     d = data or {}
     dev = d.get(sc.KEY_DEVICE_ID, b"").decode(errors="replace").strip()
     host = sc.parse_device_fqdn(d.get(sc.KEY_DEVICE_FQDN))
-    ingress = ""
+    ingress, applied = "", False
     try:
         capver = int(d.get(sc.KEY_CAPVER, b"0").decode() or 0)
     except ValueError:
@@ -44,10 +46,11 @@ def device_info(name: str, data: Mapping[str, bytes] | None, pod_uid: str | None
     same_pod = pod_uid is None or d.get(sc.KEY_POD_UID, b"").decode(errors="replace") == pod_uid
     if capver >= 109 and same_pod and sc.KEY_POD_UID in d:
         ingress = sc.parse_https_endpoint(d.get(sc.KEY_HTTPS_ENDPOINT))
+        applied = sc.KEY_HTTPS_ENDPOINT in d
     elif host:
-        ingress = host
+        ingress, applied = host, True     # a proxy that cannot say: assumed applied, as upstream assumes HTTPS
     return DeviceInfo(name, dev, host, sc.parse_device_ips(d.get(sc.KEY_DEVICE_IPS)) if dev else (),
-                      ingress, sc.KEY_REISSUE_AUTHKEY in d)
+                      ingress, sc.KEY_REISSUE_AUTHKEY in d, applied)
 
 
 def config_authkey(data: Mapping[str, bytes] | None) -> str:
@@ -157,6 +160,12 @@ def service_families(svc: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def ingress_load_balancer(devices: Sequence[DeviceInfo], spec: ProxySpec) -> dict:
+    """Upstream's: https_endpoint on 443 (+80 with the redirect). The HTTP scheme (ours): the device's MagicDNS
+    name on port 80 once its serve config names that device and the proxy has applied a config."""
+    if spec.ingress_http:
+        ingress = [{"hostname": d.hostname, "ports": [{"port": 80, "protocol": "TCP"}]} for d in devices
+                   if d.hostname and d.hostname == spec.ingress_http_name and d.serve_applied]
+        return {"ingress": ingress} if ingress else {}
     ports = [{"port": 443, "protocol": "TCP"}]
     if spec.serve_config and "80" in (spec.serve_config.get("TCP") or {}):
         ports.append({"port": 80, "protocol": "TCP"})

@@ -26,9 +26,10 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
    ExternalName for the proxy's headless Service; a Pod asks for it by its short name (labtools.clusterdns,
    used by that Pod alone through its dnsConfig: the lab has no CoreDNS) and reaches the HTTP server on the
    tailnet node, which sees the proxy's tailnet address. Deleting the Service leaves nothing.
-5. L7 Ingress on headscale, what is real: the userspace proxy with the serve config in its Secret logs in and
-   applies it (``https_endpoint`` written), but headscale issues no certificates, so it is ``no-https`` and the
-   Ingress gets no LoadBalancer status; an HTTPS request through it cannot be shown here.
+5. L7 Ingress on headscale, over plain HTTP on port 80 (headscale issues no certificates, so HTTPS could never
+   serve; ``INGRESS_SCHEME=auto``): the userspace proxy applies a serve config for its MagicDNS name, the
+   Ingress's status gets that name on port 80, and the tailnet client reaches the default backend and a path
+   rule's backend through it by that name; a bare-IP request gets tailscaled's 404. Deletion leaves nothing.
 6. Two controller replicas: one holds the leader Lease, the other stands by; the leader's Pod is deleted, and
    a live replica (the standby or the Deployment's replacement Pod) takes the Lease over and gives a new
    annotated Service its proxy (a tailnet IP in its status); deleting it leaves nothing.
@@ -321,43 +322,89 @@ def test_egress_pod_reaches_a_tailnet_node_through_the_rewritten_service(lab, ku
         dnsp.wait(10)
 
 
-def test_l7_ingress_on_headscale_serve_config_applied_but_no_https(lab, kube):
-    """L7 Ingress (``ingressClassName: tailscale``) on headscale: what is real. The controller renders the
-    userspace proxy with the serve config (443, HTTPS, proxy to the backend's ClusterIP) in its Secret, the
-    Pod logs in to headscale and applies it; headscale gives no HTTPS certificate domain, so the proxy reports
-    ``https_endpoint: no-https`` and the Ingress gets no LoadBalancer status (upstream's behaviour without
-    HTTPS). An HTTPS request through it is therefore not possible here. Deletion leaves nothing."""
+def _curl_until(lab, url: str, expect: str, extra: list[str], timeout: float = 60.0) -> str:
+    last = [""]
+
+    def pred():
+        cp = lab.curl("client", url, 3.0, extra=extra)
+        last[0] = f"exit {cp.returncode}: {cp.stdout[-300:]}{cp.stderr[-300:]}"
+        return cp.stdout if cp.returncode == 0 and expect in cp.stdout else None
+    try:
+        return wait_until(pred, timeout, 0.5, f"curl {url} {extra}")
+    except TimeoutError:
+        raise AssertionError(f"curl {url} {extra}: {last[0]}") from None
+
+
+def test_l7_ingress_on_headscale_over_http_by_magicdns_name(lab, kube):
+    """L7 Ingress (``ingressClassName: tailscale``) on headscale, served over plain HTTP on port 80 (our
+    INGRESS_SCHEME=auto: headscale issues no certificates, so HTTPS could never serve). The controller renders
+    the userspace proxy with a serve config for its MagicDNS name (default backend and a ``/api`` path rule to a
+    second backend), the proxy logs in and applies it, the Ingress's status gets that name on port 80 and a
+    Normal ``HTTPOnly`` event says why, and the lab's tailnet client reaches both backends through the proxy by
+    that name. A request by bare tailnet IP gets tailscaled's 404 (it matches Web handlers by the Host name).
+    The proxy still reports ``https_endpoint: no-https``: HTTPS through it stays impossible on headscale.
+    Deletion leaves nothing, in the cluster or in headscale."""
     kc = kube
     host = "apps-web-ingress"
+    fqdn = f"{host}.tailnet.test"
     lab.delete_node(host)
+    api_marker = f"api-ok-{lab.prefix}"
+    kc.apply(kubemanifests.echo_backend("apps", "echo-api", api_marker, kubecluster.ECHO_IMAGE))
     cip = kc.get("service", "echo", "apps")["spec"]["clusterIP"]
+    api_cip = kc.get("service", "echo-api", "apps")["spec"]["clusterIP"]
     kc.apply({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": "web", "namespace": "apps"},
               "spec": {"ingressClassName": "tailscale",
-                       "defaultBackend": {"service": {"name": "echo", "port": {"number": 8080}}}}})
+                       "defaultBackend": {"service": {"name": "echo", "port": {"number": 8080}}},
+                       "rules": [{"http": {"paths": [{"path": "/api", "pathType": "Prefix", "backend": {
+                           "service": {"name": "echo-api", "port": {"number": 8080}}}}]}}]}})
+    t0 = time.monotonic()
     try:
-        def endpoint():
-            made = kubecontroller.children(kc, "apps", "web", "ingress")
-            if not made["secrets"]:
-                return None
-            d = kubecontroller.secret_data(kc, kubecontroller.NS, made["secrets"][0]) or {}
-            return (made, d) if d.get("https_endpoint") and d.get("device_id") else None
-        made, data = wait_until(endpoint, 180, 0.5, "the Ingress proxy's https_endpoint")
+        def published():
+            ing = kc.get("ingress", "web", "apps") or {}
+            return ing if (ing.get("status", {}).get("loadBalancer") or {}).get("ingress") else None
+        ing = wait_until(published, 180, 0.5, "the Ingress's LoadBalancer status")
     except TimeoutError:
         raise AssertionError(_fail_report(kc, "apps", "web")) from None
-    sc = json.loads(data["serve-config"])
-    assert sc["TCP"] == {"443": {"HTTPS": True}}, sc
-    assert sc["Web"]["${TS_CERT_DOMAIN}:443"]["Handlers"] == {"/": {"Proxy": f"http://{cip}:8080/"}}, sc
-    assert data["https_endpoint"] == b"no-https", data["https_endpoint"]
+    t_status = time.monotonic() - t0
     (node,) = _hs_nodes_named(lab, host)
-    assert data["device_id"].decode() == str(node["id"])
+    assert ing["status"]["loadBalancer"]["ingress"] == [
+        {"hostname": f"{node['given_name']}.tailnet.test", "ports": [{"port": 80, "protocol": "TCP"}]}]
+    assert node["given_name"] == host, node
+    made = kubecontroller.children(kc, "apps", "web", "ingress")
+    data = kubecontroller.secret_data(kc, kubecontroller.NS, made["secrets"][0])
+    assert json.loads(data["serve-config"]) == {
+        "TCP": {"80": {"HTTP": True}},
+        "Web": {f"{fqdn}:80": {"Handlers": {"/": {"Proxy": f"http://{cip}:8080/"},
+                                           "/api": {"Proxy": f"http://{api_cip}:8080/api"}}}}}
+    assert data["device_fqdn"] == f"{fqdn}.".encode() and data["device_id"].decode() == str(node["id"])
+    assert data["https_endpoint"] == b"no-https", data["https_endpoint"]     # no certificate domain from headscale
+    # why: tailscaled refuses certificates on any headscale node (here the lab's client, same control plane)
+    me = lab.status("client")["Self"]["DNSName"].rstrip(".")
+    cp = lab.ts("client", "cert", "--cert-file", "/dev/null", "--key-file", "/dev/null", me, check=False)
+    assert cp.returncode != 0 and "your Tailscale account does not support getting TLS certs" in cp.stderr, cp
     proxy = kc.get("pod", made["pods"][0], kubecontroller.NS)
     env = {e["name"]: e.get("value") for e in proxy["spec"]["containers"][0]["env"]}
     assert env["TS_USERSPACE"] == "true" and env["TS_SERVE_CONFIG"] == "/etc/tailscaled/$(POD_NAME)/serve-config"
-    time.sleep(3)     # a pass after the endpoint arrived: still nothing to publish
-    ing = kc.get("ingress", "web", "apps")
-    assert not (ing.get("status", {}).get("loadBalancer") or {}).get("ingress"), ing.get("status")
-    print(f"Ingress apps/web: proxy {host} registered ({node['ip_addresses']}), serve config applied, "
-          f"https_endpoint=no-https, status {ing.get('status')}")
+    events = json.loads(kc.kubectl("-n", "apps", "get", "events", "-o", "json").stdout)["items"]
+    http_only = [e for e in events if e.get("reason") == "HTTPOnly" and e["involvedObject"].get("name") == "web"]
+    assert [(e["type"], e["message"].split(":")[0]) for e in http_only] == [
+        ("Normal", "served over plain HTTP on port 80 inside the tailnet (WireGuard encrypts it), not HTTPS")], http_only
+
+    # the tailnet client, by the MagicDNS name (resolved to the proxy's tailnet IP by curl, as MagicDNS would):
+    # the default backend, and the /api rule's backend
+    ip = next(a for a in node["ip_addresses"] if ":" not in a)
+    lab.wait_peer("client", host, 60)
+    resolve = ["--resolve", f"{fqdn}:80:{ip}"]
+    body = _curl_until(lab, f"http://{fqdn}/hello", kc.marker, resolve)
+    assert "path=/hello\n" in body and f"peer={proxy['status']['podIP']}:" in body, body
+    body = _curl_until(lab, f"http://{fqdn}/api/items?x=1", api_marker, resolve)
+    assert "path=/api/items?x=1\n" in body, body
+    # the short name works too (tailscaled appends the tailnet's suffix); the bare IP matches no name: 404
+    _curl_until(lab, f"http://{ip}/short", kc.marker, ["-H", f"Host: {host}"])
+    cp = lab.curl("client", f"http://{ip}/", 5.0, extra=["-o", "/dev/null", "-w", "%{http_code}"])
+    assert cp.stdout.strip() == "404", (cp.returncode, cp.stdout, cp.stderr)
+    print(f"Ingress apps/web: status {ing['status']['loadBalancer']} {t_status:.1f}s after the apply; "
+          f"curl client -> http://{fqdn}/ and /api reached both backends; http://{ip}/ -> 404")
 
     kc.kubectl("-n", "apps", "delete", "ingress", "web", "--wait=false")
     wait_until(lambda: kc.get("ingress", "web", "apps") is None, 120, 0.5, "the Ingress gone")

@@ -136,7 +136,7 @@ def test_ingress_serve_config_paths_schemes_redirect_funnel():
                            {"path": "/", "backend": {"service": {"name": "be", "port": {"number": 80}}}}]}}]},
             {"tailscale.com/funnel": "true", "tailscale.com/http-redirect": "true"})
     d = ingress.decide(i, CFG, {"be": BACKEND})
-    assert d.spec.hostname == "site"
+    assert d.spec.hostname == "site" and not d.spec.ingress_http
     assert d.spec.serve_config == {
         "TCP": {"443": {"HTTPS": True}, "80": {"HTTP": True}},
         "Web": {"${TS_CERT_DOMAIN}:443": {"Handlers": {"/": {"Proxy": "http://10.96.0.20:8080/"},
@@ -149,6 +149,61 @@ def test_ingress_serve_config_paths_schemes_redirect_funnel():
     assert "backend Service 'missing' not found" in text
     assert "host 'other.example.com' is not the TLS host" in text
     assert ingress.backend_services(i) == ("be", "missing")
+
+
+HS = ControllerConfig(provider="headscale", login_server="http://hs:8080", magicdns_suffix="tail.example")
+
+
+def test_ingress_http_scheme_serves_port_80_under_the_magicdns_name():
+    """headscale (no certificates): plain HTTP on 80 under the proxy's MagicDNS name, the same paths and
+    backends as the HTTPS config; Funnel and the redirect are ignored with a Warning."""
+    i = ing({"tls": [{"hosts": ["site"]}],
+             "defaultBackend": {"service": {"name": "be", "port": {"number": 80}}},
+             "rules": [{"host": "site", "http": {"paths": [
+                 {"path": "/api", "pathType": "Prefix", "backend": {"service": {"name": "be", "port": {"name": "http"}}}},
+                 {"path": "/secure", "pathType": "Prefix",
+                  "backend": {"service": {"name": "be", "port": {"name": "https"}}}}]}},
+                       {"host": "other.example.com", "http": {"paths": [
+                           {"path": "/", "backend": {"service": {"name": "be", "port": {"number": 80}}}}]}}]},
+            {"tailscale.com/funnel": "true", "tailscale.com/http-redirect": "true"})
+    handlers = {"/": {"Proxy": "http://10.96.0.20:80/"}, "/api": {"Proxy": "http://10.96.0.20:8080/api"},
+                "/secure": {"Proxy": "https+insecure://10.96.0.20:8443/secure"}}
+    # The device's own name (here different from the asked one) wins over the predicted one.
+    d = ingress.decide(i, HS, {"be": BACKEND}, "site-2.tail.example.")
+    assert (d.spec.hostname, d.spec.ingress_http, d.spec.ingress_http_name) == ("site", True, "site-2.tail.example")
+    assert d.spec.serve_config == {"TCP": {"80": {"HTTP": True}},
+                                   "Web": {"site-2.tail.example:80": {"Handlers": handlers}}}
+    assert "host 'other.example.com' is not the TLS host" in "\n".join(d.warnings)
+    assert [(t, r) for t, r, _ in d.notices] == [("Normal", "HTTPOnly"), ("Warning", "HTTPOnly"), ("Warning", "HTTPOnly")]
+    assert "the control plane issues no TLS certificates (INGRESS_SCHEME=auto, CONTROL_PLANE=headscale)" in d.notices[0][2]
+    assert "annotation tailscale.com/funnel ignored" in d.notices[1][2]
+    assert "annotation tailscale.com/http-redirect ignored" in d.notices[2][2]
+    assert "AllowFunnel" not in d.spec.serve_config
+    # Not registered yet: the name predicted from TS_MAGICDNS_SUFFIX; without a suffix, nothing served yet.
+    d = ingress.decide(i, HS, {"be": BACKEND})
+    assert list(d.spec.serve_config["Web"]) == ["site.tail.example:80"] and d.spec.ingress_http_name == "site.tail.example"
+    d = ingress.decide(i, ControllerConfig(provider="headscale", login_server="http://hs:8080"), {"be": BACKEND})
+    assert (d.spec.serve_config, d.spec.ingress_http_name) == ({}, "")
+    # Upstream's HTTPS config is unchanged for Tailscale, and what a static key on Tailscale's server gets.
+    for cfg in (ControllerConfig(provider="tailscale"), CFG, ControllerConfig(provider="headscale",
+                                                                              ingress_scheme="https")):
+        d = ingress.decide(i, cfg, {"be": BACKEND}, "site-2.tail.example")
+        assert (d.spec.ingress_http, d.notices) == (False, ())
+        assert d.spec.serve_config["TCP"] == {"443": {"HTTPS": True}, "80": {"HTTP": True}}
+        assert d.spec.serve_config["Web"]["${TS_CERT_DOMAIN}:443"] == {"Handlers": handlers}
+
+
+@pytest.mark.parametrize("env,http", [
+    ({}, False),                                                            # static key, Tailscale's server
+    ({"CONTROL_PLANE": "tailscale"}, False),
+    ({"CONTROL_PLANE": "headscale", "HEADSCALE_URL": "http://hs:8080"}, True),
+    ({"OPERATOR_LOGIN_SERVER": "https://hs.example.com"}, True),            # static key, another server
+    ({"OPERATOR_LOGIN_SERVER": "https://controlplane.tailscale.com/"}, False),
+    ({"CONTROL_PLANE": "headscale", "HEADSCALE_URL": "http://hs:8080", "INGRESS_SCHEME": "HTTPS"}, False),
+    ({"CONTROL_PLANE": "tailscale", "INGRESS_SCHEME": "http"}, True),
+])
+def test_ingress_scheme_auto_follows_the_control_plane(env, http):
+    assert cconfig.load(env).ingress_http is http
 
 
 def test_ingress_default_hostname_and_no_valid_backend():
@@ -233,6 +288,7 @@ def test_config_defaults_and_headscale():
     ({"OPERATOR_LOGIN_SERVER": "hs.example.com"}, "is not a URL"),
     ({"HEADSCALE_USER": "alice"}, "must be the numeric user ID"),
     ({"OPERATOR_DEFAULT_LOAD_BALANCER": "yes"}, "is not a boolean"),
+    ({"INGRESS_SCHEME": "tls"}, "INGRESS_SCHEME='tls' is not a scheme; use auto"),
 ])
 def test_config_errors_name_the_variable(env, needle):
     with pytest.raises(cconfig.ConfigError) as e:

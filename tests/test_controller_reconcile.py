@@ -5,6 +5,7 @@ what the proxy's requests (reissue) get, and the order of cleanup."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import pathlib
 import sys
@@ -266,7 +267,8 @@ async def test_connector_scale_down_deletes_extra_replica_and_its_device(env):
 
 
 async def test_ingress_status_from_https_endpoint(env):
-    kube, prov, rec, _ = env
+    kube, prov, _, _ = env
+    rec = Reconciler(kube, prov, dataclasses.replace(CFG, ingress_scheme="https"), now=lambda: "2026-01-01T00:00:00Z")
     kube.put(SERVICES, {"metadata": {"name": "be", "namespace": "apps"},
                         "spec": {"clusterIP": "10.96.0.20", "ports": [{"port": 80}]}})
     ing = kube.put(INGRESSES, {"metadata": {"name": "site", "namespace": "apps"},
@@ -283,6 +285,78 @@ async def test_ingress_status_from_https_endpoint(env):
     await rec.reconcile("ingress", "apps", "site")
     assert kube.obj(INGRESSES, "site", "apps")["status"]["loadBalancer"] == {
         "ingress": [{"hostname": "site.tail.test", "ports": [{"port": 443, "protocol": "TCP"}]}]}
+
+
+def _ingress_with_paths(kube):
+    kube.put(SERVICES, {"metadata": {"name": "be", "namespace": "apps"},
+                        "spec": {"clusterIP": "10.96.0.20", "ports": [{"port": 80}]}})
+    kube.put(SERVICES, {"metadata": {"name": "api", "namespace": "apps"},
+                        "spec": {"clusterIP": "10.96.0.21", "ports": [{"name": "http", "port": 8080}]}})
+    return kube.put(INGRESSES, {"metadata": {"name": "site", "namespace": "apps",
+                                             "annotations": {"tailscale.com/funnel": "true"}},
+                                "spec": {"ingressClassName": "tailscale",
+                                         "defaultBackend": {"service": {"name": "be", "port": {"number": 80}}},
+                                         "rules": [{"http": {"paths": [{"path": "/api", "pathType": "Prefix",
+                                                    "backend": {"service": {"name": "api",
+                                                                            "port": {"name": "http"}}}}]}}]}})
+
+
+async def test_ingress_http_on_a_control_plane_without_certificates(env):
+    """CFG logs in to a non-Tailscale server with a static key: INGRESS_SCHEME=auto serves HTTP on 80, under the
+    name the proxy reports, and the status is that name on port 80 once the proxy has applied its config."""
+    kube, prov, rec, _ = env
+    assert CFG.ingress_http
+    ing = _ingress_with_paths(kube)
+    name = base_name(Parent("ingress", "site", "apps", ing["metadata"]["uid"]))
+    await rec.reconcile("ingress", "apps", "site")
+    # No TS_MAGICDNS_SUFFIX and no device yet: the name is unknown, nothing is served yet.
+    assert json.loads(secret_data(kube, f"{name}-0")["serve-config"]) == {}
+    assert not (kube.obj(INGRESSES, "site", "apps").get("status") or {}).get("loadBalancer")
+    events = [(e["type"], e["reason"], e["message"]) for e in kube.of(EVENTS)]
+    assert ("Normal", "HTTPOnly", "served over plain HTTP on port 80 inside the tailnet (WireGuard encrypts it), not "
+            "HTTPS: the control plane issues no TLS certificates (INGRESS_SCHEME=auto, CONTROL_PLANE=static); use "
+            "http://<the status hostname>/") in events
+    assert ("Warning", "HTTPOnly", "annotation tailscale.com/funnel ignored: the Ingress is served over plain HTTP "
+            "(no TLS certificates from this control plane), and it needs HTTPS") in events
+
+    # The proxy registers under another name than asked (a collision) and applies its config.
+    agent_writes(kube, f"{name}-0", {
+        **agent_ss.boot_reset_patch(None, capver=142, pod_uid="p", config_authkey=""),
+        **agent_ss.device_id_patch("5"), **agent_ss.device_endpoints_patch("site-1.tail.test", ["100.64.0.5"]),
+        **agent_ss.https_endpoint_patch("no-https")})
+    await rec.reconcile("ingress", "apps", "site")
+    assert json.loads(secret_data(kube, f"{name}-0")["serve-config"]) == {
+        "TCP": {"80": {"HTTP": True}},
+        "Web": {"site-1.tail.test:80": {"Handlers": {"/": {"Proxy": "http://10.96.0.20:80/"},
+                                                     "/api": {"Proxy": "http://10.96.0.21:8080/api"}}}}}
+    assert kube.obj(INGRESSES, "site", "apps")["status"]["loadBalancer"] == {
+        "ingress": [{"hostname": "site-1.tail.test", "ports": [{"port": 80, "protocol": "TCP"}]}]}
+    n_events = len(kube.of(EVENTS))
+    kube.calls.clear()
+    await rec.reconcile("ingress", "apps", "site")
+    assert kube.writes() == [] and len(kube.of(EVENTS)) == n_events, "a pass with nothing changed must not write"
+
+
+async def test_ingress_http_name_predicted_from_the_magicdns_suffix(env):
+    kube, prov, _, _ = env
+    cfg = dataclasses.replace(CFG, provider="headscale", ingress_scheme="auto", magicdns_suffix="tail.test")
+    rec = Reconciler(kube, prov, cfg, now=lambda: "2026-01-01T00:00:00Z")
+    ing = _ingress_with_paths(kube)
+    name = base_name(Parent("ingress", "site", "apps", ing["metadata"]["uid"]))
+    await rec.reconcile("ingress", "apps", "site")
+    assert list(json.loads(secret_data(kube, f"{name}-0")["serve-config"])["Web"]) == ["apps-site-ingress.tail.test:80"]
+    # Registered under that name, config not applied yet: no status.
+    agent_writes(kube, f"{name}-0", {
+        **agent_ss.boot_reset_patch(None, capver=142, pod_uid="p", config_authkey=""),
+        **agent_ss.device_id_patch("5"), **agent_ss.device_endpoints_patch("apps-site-ingress.tail.test", ["100.64.0.5"])})
+    before = secret_data(kube, f"{name}-0")["serve-config"]
+    await rec.reconcile("ingress", "apps", "site")
+    assert secret_data(kube, f"{name}-0")["serve-config"] == before, "the predicted name was right: same config"
+    assert not (kube.obj(INGRESSES, "site", "apps").get("status") or {}).get("loadBalancer")
+    agent_writes(kube, f"{name}-0", agent_ss.https_endpoint_patch("no-https"))
+    await rec.reconcile("ingress", "apps", "site")
+    assert kube.obj(INGRESSES, "site", "apps")["status"]["loadBalancer"] == {
+        "ingress": [{"hostname": "apps-site-ingress.tail.test", "ports": [{"port": 80, "protocol": "TCP"}]}]}
 
 
 async def test_keys_never_reach_status_events_or_logs(env, caplog):

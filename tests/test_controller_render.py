@@ -126,8 +126,9 @@ def test_l7_ingress_userspace_with_serve_config_mounts():
     ing = {"metadata": {"name": "site", "namespace": "apps", "uid": "u-ing"},
            "spec": {"ingressClassName": "tailscale", "tls": [{"hosts": ["site"]}],
                     "defaultBackend": {"service": {"name": "be", "port": {"name": "http"}}}}}
-    spec = ingress.decide(ing, CFG, {"be": backend}).spec
-    r = render(spec, CFG, ("k",))
+    cfg = replace(CFG, ingress_scheme="https")     # upstream's scheme (CFG's server is not Tailscale's)
+    spec = ingress.decide(ing, cfg, {"be": backend}).spec
+    r = render(spec, cfg, ("k",))
     name = base_name(spec.parent)
     pod = r.statefulset["spec"]["template"]["spec"]
     assert "initContainers" not in pod and "securityContext" not in pod["containers"][0]

@@ -100,6 +100,9 @@ def test_ingress_and_connector_status():
     assert st.ingress_load_balancer(dev, spec) == {"ingress": [{"hostname": "s.tail1.ts.net", "ports": [
         {"port": 443, "protocol": "TCP"}, {"port": 80, "protocol": "TCP"}]}]}
     from controller.kinds import connector
+    # Upstream's HTTPS status never comes from a proxy that says no-https.
+    nohttps = st.device_info("s-0", agent_written(fqdn="s.tail1.ts.net", https="no-https"))
+    assert st.ingress_load_balancer([nohttps], spec) == {}
     cspec = connector.decide({"metadata": {"name": "c", "uid": "u"},
                               "spec": {"subnetRouter": {"advertiseRoutes": ["10.0.0.0/8", "fd00::/64"]}}},
                              ControllerConfig()).spec
@@ -107,3 +110,25 @@ def test_ingress_and_connector_status():
         "subnetRoutes": "10.0.0.0/8,fd00::/64", "isExitNode": False, "isAppConnector": False,
         "devices": [{"hostname": "s.tail1.ts.net", "tailnetIPs": ["100.64.0.7"]}],
         "hostname": "s.tail1.ts.net", "tailnetIPs": ["100.64.0.7"]}
+
+
+def test_ingress_http_status_is_the_device_name_on_port_80_once_applied():
+    backend = {"metadata": {"name": "be"}, "spec": {"clusterIP": "10.96.0.20", "ports": [{"port": 80}]}}
+    ing = {"metadata": {"name": "s", "namespace": "a", "uid": "u"},
+           "spec": {"ingressClassName": "tailscale",
+                    "defaultBackend": {"service": {"name": "be", "port": {"number": 80}}}}}
+    cfg = ControllerConfig(provider="headscale", login_server="http://hs:8080")
+    spec = ingress.decide(ing, cfg, {"be": backend}, "s.tail.example.").spec
+    registered = st.device_info("s-0", agent_written(fqdn="s.tail.example"))
+    assert not registered.serve_applied
+    assert st.ingress_load_balancer([registered], spec) == {}                  # config not applied yet
+    applied = st.device_info("s-0", agent_written(fqdn="s.tail.example", https="no-https"))
+    assert applied.serve_applied and applied.ingress_dns_name == ""
+    assert st.ingress_load_balancer([applied], spec) == {
+        "ingress": [{"hostname": "s.tail.example", "ports": [{"port": 80, "protocol": "TCP"}]}]}
+    # The config names another device name (the proxy was renamed since): no status until it is re-rendered.
+    renamed = st.device_info("s-0", agent_written(fqdn="s-1.tail.example", https="no-https"))
+    assert st.ingress_load_balancer([renamed], spec) == {}
+    # Nothing known yet (no suffix, no device): an empty config and no status.
+    spec0 = ingress.decide(ing, cfg, {"be": backend}).spec
+    assert spec0.serve_config == {} and st.ingress_load_balancer([applied], spec0) == {}

@@ -99,7 +99,7 @@ def test_headscale_install_env_secret_refs_and_the_config_it_gives():
     assert (c["image"], c["imagePullPolicy"]) == ("reg.example/controller:v2", "Always")
     assert env_of(objs) == {
         "OPERATOR_NAMESPACE": "ts-system", "CONTROL_PLANE": "headscale", "HEADSCALE_URL": "https://hs.example.com/",
-        "TS_MAGICDNS_SUFFIX": "tail.example.com", "PROXY_IMAGE": "reg.example/proxy:v1",
+        "TS_MAGICDNS_SUFFIX": "tail.example.com", "INGRESS_SCHEME": "auto", "PROXY_IMAGE": "reg.example/proxy:v1",
         "PROXY_IMAGE_PULL_POLICY": "Always", "PROXY_TAGS": "tag:k8s,tag:prod", "PROXY_FIREWALL_MODE": "iptables",
         "HEADSCALE_API_KEY_FILE": "/etc/headscale-api/key", "CLIENT_ID_FILE": "/oauth/client_id",
         "CLIENT_SECRET_FILE": "/oauth/client_secret", "HEADSCALE_USER": "3",
@@ -111,6 +111,7 @@ def test_headscale_install_env_secret_refs_and_the_config_it_gives():
         "ts-system", "reg.example/proxy:v1", ("tag:k8s", "tag:prod"), "iptables", "Always")
     assert cfg.proxy_env == (("TS_DEBUG_USE_DERP_HTTP", "true"),) and cfg.proxy_resources == {
         "requests": {"cpu": "5m"}} and cfg.headscale_user == "3" and cfg.magicdns_suffix == "tail.example.com"
+    assert cfg.ingress_http     # headscale issues no certificates: L7 Ingresses over HTTP (ingressScheme auto)
     # the API key comes from the user's Secret, mounted where HEADSCALE_API_KEY_FILE points; no Secret rendered
     vols = {v["name"]: v for v in one(objs, "Deployment")["spec"]["template"]["spec"]["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
@@ -124,6 +125,7 @@ def test_tailscale_install_env_and_oauth_secret():
     objs = render({"provider": "tailscale", "tailscale": {"oauthSecret": "my-oauth", "tailnet": "example.com"}})
     env = env_of(objs)
     assert env == {"OPERATOR_NAMESPACE": "tailscale", "CONTROL_PLANE": "tailscale", "TS_MAGICDNS_SUFFIX": "",
+                   "INGRESS_SCHEME": "auto",
                    "PROXY_IMAGE": "localhost/containerboot-py:latest", "PROXY_IMAGE_PULL_POLICY": "IfNotPresent",
                    "PROXY_TAGS": "tag:k8s", "PROXY_FIREWALL_MODE": "",
                    "HEADSCALE_API_KEY_FILE": "/etc/headscale-api/key",
@@ -185,6 +187,7 @@ def test_rbac_in_another_namespace_equals_deploys():
     ({"provider": "tailnet"}, 'provider="tailnet" is not a provider; use headscale, tailscale or static'),
     ({"provider": "tailscale", "proxy": {"firewallMode": "ipfw"}},
      'proxy.firewallMode="ipfw" is not a firewall mode; use auto, iptables or nftables'),
+    ({"provider": "tailscale", "ingressScheme": "ftp"}, 'ingressScheme="ftp" is not a scheme; use auto, https or http'),
     ({"provider": "tailscale", "credentials": {"oauthClientSecret": "only-the-secret"}},
      "credentials.oauthClientID and credentials.oauthClientSecret go together"),
 ])

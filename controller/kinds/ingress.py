@@ -1,5 +1,17 @@
 """L7 Ingresses with `ingressClassName: tailscale`: a serve config in the proxy's Secret (upstream's rules for
-hosts, paths, backends, Funnel and the HTTP redirect)."""
+hosts, paths, backends, Funnel and the HTTP redirect).
+
+Two schemes (`ControllerConfig.ingress_http`). HTTPS, upstream's: port 443 under `${TS_CERT_DOMAIN}`, which
+the proxy replaces with its certificate domain. HTTP, ours, for control planes that issue no certificates
+(headscale): port 80, plain HTTP inside the tailnet (WireGuard encrypts it), under the proxy's literal MagicDNS
+name. The literal name is what makes it work with any proxy image: tailscaled matches a plain-HTTP request to
+a Web key by its Host header (port dropped, the tailnet's MagicDNS suffix appended when missing, so `site` and
+`site.tail.example` both hit `site.tail.example:80`; a bare tailnet IP matches nothing and gets tailscaled's
+404), while `${TS_CERT_DOMAIN}` without a certificate domain becomes `no-https`, a name no request carries.
+The name is the device's `device_fqdn` from its state Secret once the proxy has written it (level-triggered:
+a pass after that write), before that `<hostname>.<TS_MAGICDNS_SUFFIX>` when the suffix is configured, else
+nothing is served yet (an empty config).
+"""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -61,9 +73,12 @@ def _proxy_url(backend: Mapping[str, Any], path: str, services: Mapping[str, Map
     return f"{scheme}://{host}:{number}{path}"
 
 
-def serve_config(ing: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]]
+def serve_config(ing: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]], *, http_name: str | None = None
                  ) -> tuple[dict, tuple[str, ...]]:
-    """The ServeConfig for the Ingress and warnings about what was skipped; Invalid if nothing is left."""
+    """The ServeConfig for the Ingress and warnings about what was skipped; Invalid if nothing is left.
+
+    http_name None: upstream's HTTPS config. A string: the plain-HTTP config on port 80 for that MagicDNS name
+    ("" = not known yet: an empty config)."""
     spec, ann = ing.get("spec") or {}, annotations(ing)
     tls_host = _tls_host(spec)
     warnings: list[str] = []
@@ -94,6 +109,8 @@ def serve_config(ing: Mapping[str, Any], services: Mapping[str, Mapping[str, Any
         raise Invalid("no valid backends: " + ("; ".join(warnings) if warnings else
                       "the Ingress has neither spec.defaultBackend nor rules with paths") +
                       "; point the Ingress at a Service with a ClusterIP in the same namespace")
+    if http_name is not None:
+        return http_serve_config(http_name, handlers), tuple(warnings)
     cfg: dict = {"TCP": {"443": {"HTTPS": True}}, "Web": {CERT_443: {"Handlers": handlers}}}
     funnel = ann.get(ANN_FUNNEL) == "true"
     if funnel:
@@ -107,7 +124,26 @@ def serve_config(ing: Mapping[str, Any], services: Mapping[str, Mapping[str, Any
     return cfg, tuple(warnings)
 
 
-def decide(ing: Mapping[str, Any], cfg: ControllerConfig, services: Mapping[str, Mapping[str, Any]]) -> Decision:
+def http_serve_config(name: str, handlers: Mapping[str, Any]) -> dict:
+    """Plain HTTP on port 80 for requests to `name` (the proxy's MagicDNS name); {} while it is unknown."""
+    if not name:
+        return {}
+    return {"TCP": {"80": {"HTTP": True}}, "Web": {f"{name}:80": {"Handlers": dict(handlers)}}}
+
+
+HTTP_ONLY = "HTTPOnly"
+
+
+def http_name(hostname: str, cfg: ControllerConfig, device_fqdn: str) -> str:
+    """The MagicDNS name the HTTP config answers to: the device's own, else the predicted one, else ""."""
+    if device_fqdn:
+        return device_fqdn.rstrip(".")
+    return f"{hostname}.{cfg.magicdns_suffix}" if cfg.magicdns_suffix else ""
+
+
+def decide(ing: Mapping[str, Any], cfg: ControllerConfig, services: Mapping[str, Mapping[str, Any]],
+           device_fqdn: str = "") -> Decision:
+    """device_fqdn: the proxy's MagicDNS name from its state Secret ("" when none yet), for the HTTP scheme."""
     m, ann, spec = meta(ing), annotations(ing), ing.get("spec") or {}
     ns, name = m.get("namespace", ""), m.get("name", "")
     problems = []
@@ -120,9 +156,21 @@ def decide(ing: Mapping[str, Any], cfg: ControllerConfig, services: Mapping[str,
         problems.append(f"annotation {ANN_TAGS}: {p}")
     if problems:
         raise Invalid("; ".join(problems))
-    sc, warnings = serve_config(ing, services)
+    notices: list[tuple[str, str, str]] = []
+    name_http = http_name(hostname, cfg, device_fqdn) if cfg.ingress_http else None
+    sc, warnings = serve_config(ing, services, http_name=name_http)
+    if cfg.ingress_http:
+        notices.append(("Normal", HTTP_ONLY, "served over plain HTTP on port 80 inside the tailnet (WireGuard "
+                        "encrypts it), not HTTPS: the control plane issues no TLS certificates "
+                        f"(INGRESS_SCHEME={cfg.ingress_scheme}, CONTROL_PLANE={cfg.provider}); use "
+                        "http://<the status hostname>/"))
+        for a in (ANN_FUNNEL, ANN_HTTP_REDIRECT):
+            if ann.get(a) == "true":
+                notices.append(("Warning", HTTP_ONLY, f"annotation {a} ignored: the Ingress is served over plain "
+                                "HTTP (no TLS certificates from this control plane), and it needs HTTPS"))
     forward = ann.get(ANN_FORWARD_CLUSTER_TRAFFIC) == "true"
     return Decision(ProxySpec(Parent(INGRESS, name, ns, m.get("uid", "")), hostname, tags, APP,
                               (("TS_SERVE_CONFIG", "/etc/tailscaled/$(POD_NAME)/serve-config"),),
-                              userspace=not forward, serve_config=sc, forward_cluster_traffic=forward),
-                    warnings)
+                              userspace=not forward, serve_config=sc, forward_cluster_traffic=forward,
+                              ingress_http=cfg.ingress_http, ingress_http_name=name_http or ""),
+                    warnings, tuple(notices))

@@ -11,6 +11,9 @@
 {{- if and (eq .Values.provider "headscale") (not .Values.headscale.url) -}}
 {{- fail "provider headscale needs headscale.url, the headscale server's URL: --set headscale.url=https://headscale.example.com" -}}
 {{- end -}}
+{{- if not (has .Values.ingressScheme (list "auto" "https" "http")) -}}
+{{- fail (printf "ingressScheme=%q is not a scheme; use auto, https or http" .Values.ingressScheme) -}}
+{{- end -}}
 {{- if not (has .Values.proxy.firewallMode (list "" "auto" "iptables" "nftables")) -}}
 {{- fail (printf "proxy.firewallMode=%q is not a firewall mode; use auto, iptables or nftables (or \"\")" .Values.proxy.firewallMode) -}}
 {{- end -}}
