@@ -23,6 +23,7 @@ HTTP server (``python -I lab.py http-serve ...``) inside a namespace.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -37,7 +38,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 SYS_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -551,8 +552,7 @@ log:
   level: {self.hs_log_level}
   format: text
 policy:
-  mode: file
-  path: ""
+  mode: database
 unix_socket: {d}/headscale.sock
 unix_socket_permission: "0770"
 logtail:
@@ -615,6 +615,26 @@ logtail:
             args.append("--ephemeral")
         k = self.hs(*args)
         return k["key"] if isinstance(k, dict) else str(k)
+
+    @contextlib.contextmanager
+    def hs_policy(self, policy: Mapping[str, Any]) -> Iterator[None]:
+        """Run the body with ``policy`` as headscale's policy, then one that behaves as none again.
+
+        The lab's headscale keeps its policy in its database (``policy.mode: database``) and starts without
+        one, which headscale v0.29.2 treats as no policy at all, as it does an empty policy file path
+        (``PolicyBytes`` is nil both ways); ``headscale policy set`` replaces it at run time. An empty policy
+        cannot take it back (headscale ignores empty policy bytes and keeps the last one), so the restore is
+        ``{}``: no ACLs and no grants give the same allow-all filter as no policy, no ``tagOwners`` the same
+        refusal of every tag set through the API, and no SSH rules, nodeAttrs or autoApprovers either."""
+        d = self.run_dir / "hs"
+        f = d / "policy.hujson"
+        f.write_text(json.dumps(dict(policy)))
+        _run(self._hs_argv("policy", "set", "-f", str(f)), env=self._base_env(d))
+        try:
+            yield
+        finally:
+            f.write_text("{}")
+            _run(self._hs_argv("policy", "set", "-f", str(f)), env=self._base_env(d))
 
     def hs_nodes(self) -> list[dict]:
         return self.hs("nodes", "list") or []

@@ -4,9 +4,13 @@ The provider runs where a controller Pod would: on the island (in the `client` n
 headscale at 10.99.0.1:8080), with an API key made by headscale's CLI. It mints a single-use tagged pre-auth
 key over the REST API; our agent logs in with it; the node carries the tags, the key is used up, and the
 `device_id` the agent would write (the node's StableID) is what the provider reads the node's tags and
-deletes the node by. Re-tagging: the lab's headscale has no policy file, and headscale v0.29 then refuses
+deletes the node by. Re-tagging: the lab's headscale starts with no policy, and headscale v0.29 then refuses
 every tag set through its API (a tag must be in the policy's `tagOwners`, unlike a pre-auth key's tags): the
-provider's error says so, and the node keeps its tags.
+provider's error says so, and the node keeps its tags. With a policy whose `tagOwners` define the tags (set at
+run time with `headscale policy set`, the lab's headscale keeping its policy in its database), the
+controller's tag pass re-tags the device: headscale's node and the proxy's own status show the new tags, a
+second pass (a restarted controller) reads them and writes nothing, and a tag the policy does not define is
+still refused.
 """
 from __future__ import annotations
 
@@ -25,10 +29,23 @@ SCRIPT = r"""
 import asyncio, json, os, sys
 from controller.providers.headscale import HeadscaleProvider
 from controller.providers import ProviderError
+import httpx
+from controller.model import Parent
+from controller.reconcile import Reconciler
 req = json.loads(sys.stdin.read())
+sent = []
+class Counting(httpx.AsyncHTTPTransport):
+    async def handle_async_request(self, request):
+        sent.append(f"{request.method} {request.url.path}")
+        return await super().handle_async_request(request)
 async def main():
-    p = HeadscaleProvider(req["url"], api_key=os.environ["HS_API_KEY"])
+    p = HeadscaleProvider(req["url"], api_key=os.environ["HS_API_KEY"], transport=Counting())
     try:
+        if req["op"] == "sync":      # the controller's tag pass, as a freshly started controller runs it
+            rec = Reconciler(None, p, None)
+            err = await rec._sync_tags("svc", Parent("svc", "web", "apps", "u1"), tuple(req["tags"]),
+                                       [{"device_id": req["id"].encode()}])
+            return {"error": None if err is None else str(err), "sent": sent}
         if req["op"] == "create":
             return {"key": await p.create_auth_key(tuple(req["tags"]))}
         if req["op"] == "tags":
@@ -91,3 +108,43 @@ def test_bad_api_key_is_an_error_without_the_key(lab):
     got = provider(lab, "hskey-api-notreal-SECRETVALUE", op="create", tags=["tag:k8s"])
     assert "error" in got and "HTTP 401" in got["error"], got
     assert "SECRETVALUE" not in got["error"]
+
+
+#: What a headscale user needs for re-tagging: every tag the controller may set is in `tagOwners` (owned by a
+#: user here; a group or another tag would do), and an ACL that keeps the tailnet as open as no policy was.
+POLICY = {
+    "tagOwners": {"tag:k8s": ["e2e@"], "tag:ctl": ["tag:k8s"], "tag:web": ["tag:k8s"]},
+    "acls": [{"action": "accept", "src": ["*"], "dst": ["*:*"]}],
+}
+
+
+def test_retag_with_a_tag_owners_policy(lab, start_agent, api_key):
+    key = provider(lab, api_key, op="create", tags=["tag:k8s", "tag:ctl"])["key"]
+    agent = start_agent({"TS_AUTHKEY": key, "TS_HOSTNAME": "ctl-retag"})
+    stable_id = agent.wait_running(90)["Self"]["ID"]
+    node = wait_until(lambda: lab.hs_node("ctl-retag"), 30, 0.5, "node in headscale")
+    assert set(node.get("tags") or []) == {"tag:k8s", "tag:ctl"}, node
+    # no policy (as the lab starts): refused, as before
+    got = provider(lab, api_key, op="sync", id=stable_id, tags=["tag:k8s", "tag:web"])
+    assert "invalid or not permitted" in (got["error"] or ""), got
+    with lab.hs_policy(POLICY):
+        got = provider(lab, api_key, op="sync", id=stable_id, tags=["tag:web", "tag:k8s"])
+        assert got == {"error": None, "sent": [f"GET /api/v1/node/{stable_id}",
+                                               f"POST /api/v1/node/{stable_id}/tags"]}, got
+        assert set(lab.hs_node("ctl-retag").get("tags") or []) == {"tag:k8s", "tag:web"}
+        # the proxy itself is told: its own status carries the new tags, no restart, no new key
+        wait_until(lambda: set(agent.status()["Self"].get("Tags") or []) == {"tag:k8s", "tag:web"}, 30, 0.5,
+                   "the proxy's own tags")
+        # equal as sets (order and duplicates do not count): read only, nothing written
+        got = provider(lab, api_key, op="sync", id=stable_id, tags=["tag:k8s", "tag:web", "tag:k8s"])
+        assert got == {"error": None, "sent": [f"GET /api/v1/node/{stable_id}"]}, got
+        # a tag no tagOwners defines is still refused, with headscale's answer, and changes nothing
+        got = provider(lab, api_key, op="sync", id=stable_id, tags=["tag:k8s", "tag:nope"])
+        assert got["error"].startswith(f"device tags not applied (tag:k8s,tag:nope on device {stable_id}): "
+                                       f"headscale: setting the tags of node {stable_id}: HTTP 400"), got
+        assert "tag:nope" in got["error"] and "invalid or not permitted" in got["error"], got
+        assert set(lab.hs_node("ctl-retag").get("tags") or []) == {"tag:k8s", "tag:web"}
+        assert agent.running()
+    # the policy is gone again: the lab is as other tests expect it
+    got = provider(lab, api_key, op="sync", id=stable_id, tags=["tag:k8s", "tag:ctl"])
+    assert "invalid or not permitted" in (got["error"] or ""), got
