@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -37,7 +38,9 @@ from labtools.lab import wait_until
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 PROXY_IMAGE = "localhost/containerboot-py:latest"
-CONTROLLER_IMAGE = "localhost/containerboot-py-controller:latest"
+#: LAB_CONTROLLER_IMAGE: another name for a checkout whose controller differs (the image archives are shared
+#: between the checkouts of a machine, by name)
+CONTROLLER_IMAGE = os.environ.get("LAB_CONTROLLER_IMAGE") or "localhost/containerboot-py-controller:latest"
 CONTROLLER_DOCKERFILE = "images/controller/Dockerfile"
 NS = "tailscale"
 #: tailscaled's knobs for the lab's island (as labtools.lab.Lab.tailscaled_env), and the API server by address
@@ -71,7 +74,9 @@ def build_images() -> tuple[Path, Path]:
 def lab_values(firewall: str = "", api_key: str = "") -> dict:
     """The chart's values for the lab: its headscale, the project's proxy image (imported, never pulled)."""
     repo, _, tag = PROXY_IMAGE.rpartition(":")
+    crepo, _, ctag = CONTROLLER_IMAGE.rpartition(":")
     v: dict = {"provider": "headscale", "headscale": {"url": labmod.LOGIN_SERVER}, "magicDNSSuffix": "tailnet.test",
+               "image": {"repository": crepo, "tag": ctag},
                "proxy": {"image": {"repository": repo, "tag": tag, "pullPolicy": "Never"}, "firewallMode": firewall,
                          "env": LAB_PROXY_ENV}}
     if api_key:
@@ -163,12 +168,18 @@ def wait_service_ip(kc: kubecluster.KubeCluster, namespace: str, name: str, time
     return wait_until(ready, timeout, 0.5, f"a tailnet IP in Service {namespace}/{name}'s status")
 
 
+#: What the controller makes for a parent: its proxy, and the proxy's own identity (controller/proxyrbac.py).
+CHILD_KINDS = ("statefulsets", "secrets", "services", "pods", "serviceaccounts", "roles", "rolebindings")
+#: children() once a parent's proxy is gone.
+NO_CHILDREN = {k: [] for k in CHILD_KINDS}
+
+
 def children(kc: kubecluster.KubeCluster, namespace: str, name: str, kind: str = "svc") -> dict[str, list[str]]:
     """What the controller made for a parent (by its labels), in the controller's namespace."""
     sel = f"tailscale.com/parent-resource={name},tailscale.com/parent-resource-ns={namespace}," \
           f"tailscale.com/parent-resource-type={kind}"
     out: dict[str, list[str]] = {}
-    for k in ("statefulsets", "secrets", "services", "pods"):
+    for k in CHILD_KINDS:
         cp = kc.kubectl("-n", NS, "get", k, "-l", sel, "-o", "json")
         out[k] = [i["metadata"]["name"] for i in json.loads(cp.stdout).get("items") or []]
     return out
