@@ -14,8 +14,11 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
    renders the proxy (StatefulSet, Secret, headless Service), the proxy Pod (the project's proxy image) logs in
    to headscale with the minted single-use tagged key, the Service's status gets the tailnet hostname and IP,
    and the lab's tailnet client reaches the backend Pods by that IP (tailnet → proxy Pod → ClusterIP →
-   kube-proxy → backend). Deleting the Service leaves nothing: no StatefulSet, Secret, headless Service or Pod
-   in the cluster, no node in headscale, and the Service itself is gone (finalizer released).
+   kube-proxy → backend). The proxy runs as its own ServiceAccount whose Role reaches its own Secret only: its
+   Secret calls (audit log) all succeed, `kubectl auth can-i` says no to the controller's `headscale-api` and
+   to other Secrets, and a real request with its token gets 403. Deleting the Service leaves nothing: no
+   StatefulSet, Secret, headless Service, Pod, ServiceAccount, Role or RoleBinding in the cluster, no node in
+   headscale, and the Service itself is gone (finalizer released).
 2. Connector subnet router for the node's Pod CIDR: ConnectorReady with subnetRoutes, the route reaches
    headscale unapproved, the test approves it as the headscale admin would (the controller never approves
    routes), and the client reaches each backend Pod by its Pod IP through the router Pod (SNATed to it).
