@@ -34,6 +34,9 @@ PODS = Resource("/api/v1", "pods")
 STATEFULSETS = Resource("/apis/apps/v1", "statefulsets")
 INGRESSES = Resource("/apis/networking.k8s.io/v1", "ingresses")
 CONNECTORS = Resource("/apis/tailscale.com/v1alpha1", "connectors", namespaced=False)
+SERVICEACCOUNTS = Resource("/api/v1", "serviceaccounts")
+ROLES = Resource("/apis/rbac.authorization.k8s.io/v1", "roles")
+ROLEBINDINGS = Resource("/apis/rbac.authorization.k8s.io/v1", "rolebindings")
 
 
 class KubeError(Exception):

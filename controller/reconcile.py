@@ -18,16 +18,19 @@ from typing import Any
 from tscommon import secretcontract as sc
 from tscommon.redact import redact
 
-from . import render, status as st
+from . import proxyrbac, render, status as st
 from .config import ControllerConfig
 from .kinds import annotations, connector, ingress, meta, service
-from .kubeapi import CONNECTORS, EVENTS, INGRESSES, SECRETS, SERVICES, STATEFULSETS, Kube, KubeError, Resource
+from .kubeapi import (CONNECTORS, EVENTS, INGRESSES, ROLEBINDINGS, ROLES, SECRETS, SERVICEACCOUNTS, SERVICES,
+                      STATEFULSETS, Kube, KubeError, Resource)
 from .model import CONNECTOR, FINALIZER, INGRESS, SVC, Decision, Invalid, Parent, Pending, ProxySpec
 from .providers import Provider, ProviderError
 
 log = logging.getLogger("controller")
 
 RESOURCES: dict[str, Resource] = {SVC: SERVICES, INGRESS: INGRESSES, CONNECTOR: CONNECTORS}
+#: A proxy's own identity (controller/proxyrbac.py), in creation order.
+RBAC_RESOURCES = (SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
 #: Safety-net re-checks of a parent whose proxy is not ready yet and of a ready one: the watches on the proxies'
 #: Secrets and StatefulSets bring changes at once, so polling 500 parents must not cost much.
 PENDING_RECHECK = 60.0
@@ -160,6 +163,10 @@ class Reconciler:
         await self._apply(SERVICES, rendered.service)
         for s in rendered.secrets:
             await self._apply_secret(s, existing.get(s["metadata"]["name"]))
+        # Before the StatefulSet: a Pod never starts without the permissions its agent checks at boot (and a
+        # scale-up's new Secret is in the Role before its Pod exists).
+        for res, desired in zip(RBAC_RESOURCES, proxyrbac.objects(spec, cfg)):
+            await self._apply(res, desired)
         sts = await self._apply(STATEFULSETS, rendered.statefulset)
         # Replicas scaled away: their devices and Secrets go too (as upstream).
         wanted = {s["metadata"]["name"] for s in rendered.secrets}
@@ -244,7 +251,8 @@ class Reconciler:
     # ---- cleanup
 
     async def cleanup(self, kind: str, obj: Mapping[str, Any]) -> bool:
-        """StatefulSet (foreground), then each device, the Secrets, the headless Service. True when done."""
+        """StatefulSet (foreground), then each device, the Secrets, the headless Service, the proxy's
+        ServiceAccount, Role and RoleBinding (its Pods are gone by then). True when done."""
         m = meta(obj)
         p = Parent(kind, m.get("name", ""), m.get("namespace", "") if kind != CONNECTOR else "", m.get("uid", ""))
         sel, ns = render.child_selector(p), self.cfg.namespace
@@ -259,6 +267,9 @@ class Reconciler:
             await self.kube.delete(SECRETS, s["metadata"]["name"], ns)
         for s in await self.kube.list(SERVICES, ns, sel):
             await self.kube.delete(SERVICES, s["metadata"]["name"], ns)
+        for res in reversed(RBAC_RESOURCES):
+            for o in await self.kube.list(res, ns, sel):
+                await self.kube.delete(res, o["metadata"]["name"], ns)
         log.info("%s %s: proxy removed", kind, _ref(p))
         return True
 

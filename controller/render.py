@@ -8,7 +8,8 @@ Secret keys, so stock upstream proxy images run these Pods too. Env names are th
 
 Differences, on purpose: object names are derived from the parent's UID (`ts-<parent>-<5 chars>`) instead of
 the API server's random `generateName` suffix, so rendering is a pure function and a retried create cannot
-leave a second orphan set; each rendered object carries a hash of itself (`SPEC_HASH`) so that a pass that
+leave a second orphan set; each proxy runs as its own ServiceAccount named like its StatefulSet, allowed only
+its own Secrets (controller/proxyrbac.py), not upstream's shared `proxies` one; each rendered object carries a hash of itself (`SPEC_HASH`) so that a pass that
 changes nothing writes nothing, whatever defaults the API server added.
 """
 from __future__ import annotations
@@ -26,7 +27,6 @@ from .model import (CONNECTOR, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS
                     ProxySpec)
 
 SPEC_HASH = "tailscale.com/controller-spec-hash"
-SERVICE_ACCOUNT = "proxies"
 SYSCTL_SCRIPT = ("echo 1 > /proc/sys/net/ipv4/ip_forward && if [ -e /proc/sys/net/ipv6/conf/all/forwarding ]; "
                  "then echo 1 > /proc/sys/net/ipv6/conf/all/forwarding; fi")
 #: Env read by tailscaled itself (envknobs), not by the agent's settings table.
@@ -144,7 +144,8 @@ def statefulset(spec: ProxySpec, cfg: ControllerConfig) -> dict:
     container: dict[str, Any] = {"name": "tailscale", "image": cfg.proxy_image,
                                  "imagePullPolicy": cfg.image_pull_policy, "env": _env(spec, cfg),
                                  "resources": cfg.proxy_resources, "volumeMounts": mounts}
-    pod_spec: dict[str, Any] = {"serviceAccountName": SERVICE_ACCOUNT}
+    # The proxy's own ServiceAccount (controller/proxyrbac.py): it may touch only its replicas' Secrets.
+    pod_spec: dict[str, Any] = {"serviceAccountName": name}
     if not spec.userspace:
         container["securityContext"] = {"privileged": True}
         # Same image, same pull policy: with PROXY_IMAGE_PULL_POLICY=Never/IfNotPresent and a `:latest` tag, a

@@ -35,7 +35,6 @@ DEPLOY_VALUES = {"headscale": {"url": "http://headscale.example:8080"}}
 #: chart file -> deploy/ file
 DEPLOY_FILES = {"crds/tailscale.com_connectors.yaml": "crds/tailscale.com_connectors.yaml",
                 "templates/rbac.yaml": "10-rbac.yaml",
-                "templates/proxy-rbac.yaml": "11-proxy-rbac.yaml",
                 "templates/leader-election.yaml": "12-leader-election.yaml",
                 "templates/deployment.yaml": "20-controller.yaml",
                 "templates/ingressclass.yaml": "30-ingressclass.yaml"}

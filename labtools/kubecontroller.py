@@ -170,12 +170,18 @@ def wait_service_ip(kc: kubecluster.KubeCluster, namespace: str, name: str, time
     return wait_until(ready, timeout, 0.5, f"a tailnet IP in Service {namespace}/{name}'s status")
 
 
+#: What the controller makes for a parent: its proxy, and the proxy's own identity (controller/proxyrbac.py).
+CHILD_KINDS = ("statefulsets", "secrets", "services", "pods", "serviceaccounts", "roles", "rolebindings")
+#: children() once a parent's proxy is gone.
+NO_CHILDREN = {k: [] for k in CHILD_KINDS}
+
+
 def children(kc: kubecluster.KubeCluster, namespace: str, name: str, kind: str = "svc") -> dict[str, list[str]]:
     """What the controller made for a parent (by its labels), in the controller's namespace."""
     sel = f"tailscale.com/parent-resource={name},tailscale.com/parent-resource-ns={namespace}," \
           f"tailscale.com/parent-resource-type={kind}"
     out: dict[str, list[str]] = {}
-    for k in ("statefulsets", "secrets", "services", "pods"):
+    for k in CHILD_KINDS:
         cp = kc.kubectl("-n", NS, "get", k, "-l", sel, "-o", "json")
         out[k] = [i["metadata"]["name"] for i in json.loads(cp.stdout).get("items") or []]
     return out

@@ -134,6 +134,10 @@ class KubeAPI:
             return json.loads((self.dir / "state.json").read_text())["requests"]
         return self._call("/_test/requests")
 
+    def set_rules(self, rules: list | None) -> None:
+        """Authorise only these RBAC-like rules ([verbs, resources, resourceNames] each; None = everything)."""
+        self._call("/_test/rules", method="PUT", body=rules)
+
     def secret(self, name: str) -> dict | None:
         for o in self.objects():
             if o.get("kind") == "Secret" and o["metadata"]["name"] == name:

@@ -141,6 +141,25 @@ def children(kube, name, kind="svc"):
             [i for i in c.get("/api/v1/namespaces/tailscale/secrets", params={"labelSelector": sel}).json()["items"]])
 
 
+def identity(kube, name):
+    """The proxy's own ServiceAccount, Role and RoleBinding (None for each one missing)."""
+    return tuple(get(kube, f"{prefix}/namespaces/tailscale/{plural}/{name}") for prefix, plural in (
+        ("/api/v1", "serviceaccounts"), ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+        ("/apis/rbac.authorization.k8s.io/v1", "rolebindings")))
+
+
+def can(kube, sa, verb, resource, name=""):
+    """The API server's RBAC answer for ServiceAccount tailscale/<sa> (a SubjectAccessReview, as admin)."""
+    ra = {"namespace": "tailscale", "verb": verb, "resource": resource, **({"name": name} if name else {})}
+    r = client(kube).post("/apis/authorization.k8s.io/v1/subjectaccessreviews", json={
+        "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+        "spec": {"user": f"system:serviceaccount:tailscale:{sa}",
+                 "groups": ["system:serviceaccounts", "system:serviceaccounts:tailscale", "system:authenticated"],
+                 "resourceAttributes": ra}})
+    assert r.status_code == 201, r.text
+    return bool(r.json()["status"].get("allowed"))
+
+
 def test_connector_crd_refuses_router_plus_exit_node(running):
     kube, _, _ = running
     r = client(kube).post("/apis/tailscale.com/v1alpha1/connectors", json={
@@ -167,6 +186,18 @@ def test_exposed_service_lifecycle(running):
                         "the proxy's StatefulSet and Secret")
     env = {e["name"]: e.get("value") for e in sts[0]["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["TS_DEST_IP"] == ",".join(svc["spec"]["clusterIPs"])       # both families
+    # Its own identity, written by the controller as the deployed ServiceAccount (the API server's RBAC
+    # escalation check accepted the Role), before the StatefulSet: etcd's revisions (one store here) order
+    # the creations.
+    sts_name = sts[0]["metadata"]["name"]
+    sa, role, rb = identity(kube, sts_name)
+    assert sts[0]["spec"]["template"]["spec"]["serviceAccountName"] == sts_name and sa and role and rb
+    assert max(int(o["metadata"]["resourceVersion"]) for o in (sa, role, rb)) < \
+        int(sts[0]["metadata"]["resourceVersion"])
+    own = secrets[0]["metadata"]["name"]
+    assert all(can(kube, sts_name, v, "secrets", own) for v in ("get", "update", "patch"))
+    assert not can(kube, sts_name, "get", "secrets", "headscale-api")
+    assert not can(kube, sts_name, "list", "secrets") and not can(kube, sts_name, "delete", "secrets", own)
     conf = json.loads(secret_data(secrets[0])["cap-107.hujson"])
     assert conf["AuthKey"] == api.keys[0]["key"] and api.keys[0]["capabilities"]["devices"]["create"]["tags"] == ["tag:k8s"]
     assert "tailscale.com/finalizer" in get(kube, "/api/v1/namespaces/default/services/web")["metadata"]["finalizers"]
@@ -209,6 +240,7 @@ def test_exposed_service_lifecycle(running):
     assert c.delete("/api/v1/namespaces/default/services/web").status_code == 200
     wait(lambda: get(kube, "/api/v1/namespaces/default/services/web") is None, 60, "the Service to go")
     assert children(kube, "web") == ([], [])
+    assert identity(kube, sts_name) == (None, None, None)
     assert api.devices == set()
     assert not [s for s in c.get("/api/v1/namespaces/tailscale/services").json()["items"]
                 if s["metadata"]["labels"].get("tailscale.com/parent-resource") == "web"]

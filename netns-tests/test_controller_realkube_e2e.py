@@ -14,8 +14,11 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
    renders the proxy (StatefulSet, Secret, headless Service), the proxy Pod (the project's proxy image) logs in
    to headscale with the minted single-use tagged key, the Service's status gets the tailnet hostname and IP,
    and the lab's tailnet client reaches the backend Pods by that IP (tailnet → proxy Pod → ClusterIP →
-   kube-proxy → backend). Deleting the Service leaves nothing: no StatefulSet, Secret, headless Service or Pod
-   in the cluster, no node in headscale, and the Service itself is gone (finalizer released).
+   kube-proxy → backend). The proxy runs as its own ServiceAccount whose Role reaches its own Secret only: its
+   Secret calls (audit log) all succeed, `kubectl auth can-i` says no to the controller's `headscale-api` and
+   to other Secrets, and a real request with its token gets 403. Deleting the Service leaves nothing: no
+   StatefulSet, Secret, headless Service, Pod, ServiceAccount, Role or RoleBinding in the cluster, no node in
+   headscale, and the Service itself is gone (finalizer released).
 2. Connector subnet router for the node's Pod CIDR: ConnectorReady with subnetRoutes, the route reaches
    headscale unapproved, the test approves it as the headscale admin would (the controller never approves
    routes), and the client reaches each backend Pod by its Pod IP through the router Pod (SNATed to it).
@@ -153,6 +156,31 @@ def test_expose_service_proxy_pod_logs_in_status_curl_and_clean_delete(lab, kube
     assert made["secrets"] == [f"{sts}-0"] and made["services"] == [sts], made
     proxy = kc.get("pod", made["pods"][0], kubecontroller.NS)
     assert proxy["spec"]["containers"][0]["image"] == kubecontroller.PROXY_IMAGE
+    # ... and the proxy's own identity (a deliberate difference: no shared `proxies` ServiceAccount): the Pod
+    # runs, logged in and wrote its state (above), as a ServiceAccount that may touch its own Secret only
+    assert made["serviceaccounts"] == made["roles"] == made["rolebindings"] == [sts], made
+    assert proxy["spec"]["serviceAccountName"] == sts
+    proxy_sa = f"system:serviceaccount:{kubecontroller.NS}:{sts}"
+
+    def can_i(*what: str) -> bool:
+        cp = kc.kubectl("auth", "can-i", *what, "-n", kubecontroller.NS, f"--as={proxy_sa}", check=False)
+        assert cp.stdout.strip() in ("yes", "no"), (cp.stdout, cp.stderr)
+        return cp.stdout.strip() == "yes"
+    assert all(can_i(verb, f"secret/{sts}-0") for verb in ("get", "update", "patch"))
+    for other in ("headscale-api", "operator-oauth", "ts-db-abcde-0"):
+        assert not can_i("get", f"secret/{other}") and not can_i("patch", f"secret/{other}"), other
+    assert not can_i("list", "secrets") and not can_i("delete", f"secret/{sts}-0")
+    # a real request with the proxy's credentials: the controller's API key is refused to it
+    code, _ = kc.request("GET", f"/api/v1/namespaces/{kubecontroller.NS}/secrets/headscale-api",
+                         token=kc.service_account_token(kubecontroller.NS, sts, 600))
+    assert code == 403, code
+    # the agent's own Secret calls (the API server's audit log) all went through, on its own Secret only
+    own = [c for c in kc.audit(user=proxy_sa) if c["verb"] != "get" or
+           c["objectRef"].get("name") != "headscale-api"]
+    assert own and {c["objectRef"].get("name") for c in own} == {f"{sts}-0"}, [
+        (c["verb"], c["objectRef"].get("name")) for c in own]
+    assert all(c["responseStatus"]["code"] < 400 for c in own), [
+        (c["verb"], c["objectRef"].get("name"), c["responseStatus"]["code"]) for c in own]
     data = kubecontroller.secret_data(kc, kubecontroller.NS, f"{sts}-0")
     assert json.loads(data["device_ips"])[0] == ips[0] and data["device_id"].decode() == str(node["id"])
     # the key was used once: registered, so it left the config the controller rendered
@@ -183,8 +211,8 @@ def test_expose_service_proxy_pod_logs_in_status_curl_and_clean_delete(lab, kube
         wait_until(lambda: kc.get("service", "web", "apps") is None, 120, 0.5, "the Service gone")
     except TimeoutError:
         raise AssertionError(_fail_report(kc)) from None
-    assert kubecontroller.children(kc, "apps", "web") == {"statefulsets": [], "secrets": [], "services": [],
-                                                         "pods": []}
+    # ... with the proxy's ServiceAccount, Role and RoleBinding
+    assert kubecontroller.children(kc, "apps", "web") == kubecontroller.NO_CHILDREN
     assert kc.get("statefulset", sts, kubecontroller.NS) is None and kc.get("secret", f"{sts}-0",
                                                                             kubecontroller.NS) is None
     assert _hs_nodes_named(lab, "apps-web") == [], lab.hs_nodes()
@@ -230,8 +258,7 @@ def test_connector_subnet_router_route_approved_client_reaches_a_pod_ip(lab, kub
 
     kc.kubectl("delete", "connector", "pods", "--wait=false")
     wait_until(lambda: kc.get("connector", "pods") is None, 120, 0.5, "the Connector gone")
-    assert kubecontroller.children(kc, "", "pods", "connector") == {"statefulsets": [], "secrets": [],
-                                                                   "services": [], "pods": []}
+    assert kubecontroller.children(kc, "", "pods", "connector") == kubecontroller.NO_CHILDREN
     assert _hs_nodes_named(lab, "pods-router") == []
 
 
@@ -314,8 +341,7 @@ def test_egress_pod_reaches_a_tailnet_node_through_the_rewritten_service(lab, ku
         kc.kubectl("-n", "apps", "delete", "pod", "egress-client", "--wait=false")
         kc.kubectl("-n", "apps", "delete", "service", "to-client", "--wait=false")
         wait_until(lambda: kc.get("service", "to-client", "apps") is None, 120, 0.5, "the Service gone")
-        assert kubecontroller.children(kc, "apps", "to-client") == {"statefulsets": [], "secrets": [],
-                                                                   "services": [], "pods": []}
+        assert kubecontroller.children(kc, "apps", "to-client") == kubecontroller.NO_CHILDREN
         assert _hs_nodes_named(lab, "apps-to-client") == []
     finally:
         dnsp.terminate()
@@ -408,8 +434,7 @@ def test_l7_ingress_on_headscale_over_http_by_magicdns_name(lab, kube):
 
     kc.kubectl("-n", "apps", "delete", "ingress", "web", "--wait=false")
     wait_until(lambda: kc.get("ingress", "web", "apps") is None, 120, 0.5, "the Ingress gone")
-    assert kubecontroller.children(kc, "apps", "web", "ingress") == {"statefulsets": [], "secrets": [],
-                                                                    "services": [], "pods": []}
+    assert kubecontroller.children(kc, "apps", "web", "ingress") == kubecontroller.NO_CHILDREN
     assert _hs_nodes_named(lab, host) == []
 
 

@@ -14,7 +14,9 @@ Scenarios:
 4. TS_AUTH_ONCE=true with the auth key only in the Secret: the agent logs in and deletes the key, and a
    restart without any key runs on the Secret's state alone;
 5. first boot with no Secret at all (tailscaled's store creates it; ours also writes capver/pod_uid);
-6. an IPv6 API server address (upstream fails by design; ours works).
+6. an IPv6 API server address (upstream fails by design; ours works);
+7. only the Role the controller gives each proxy (controller/proxyrbac.py: its own Secret, events): boot,
+   proxy, state, restart, nothing refused.
 Every scenario runs with our agent and with upstream's containerboot (the ``agent_cmd`` parameter).
 """
 from __future__ import annotations
@@ -26,6 +28,10 @@ import pytest
 
 import kubelab
 from containerboot.kube import secretstate
+from controller.config import ControllerConfig
+from controller.kinds import service
+from controller.proxyrbac import role
+from controller.render import base_name
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -145,6 +151,41 @@ def test_kube_state_start_restart(lab, lab_backend, kube, agent_cmd):
     assert data2["_machinekey"] == data1["_machinekey"]
     assert agent2.stop(timeout=40) == 0, agent2.log_text()[-3000:]
     assert lab.wait_ns_empty("proxy", 15) == []
+
+
+def test_the_controllers_proxy_role_is_all_the_agent_needs(lab, lab_backend, kube, agent_cmd):
+    """The Role the controller gives each proxy (controller/proxyrbac.py: get/update/patch on its own state
+    Secret only, events) is enough for ours and for stock upstream containerboot with tailscaled's kube store:
+    each boots on the Secret the controller pre-created, proxies, writes its state and restarts on it, and the
+    API server refuses none of its requests; it never asks for another Secret."""
+    cfg = ControllerConfig(namespace="default", proxy_image="x")
+    spec = service.decide({"metadata": {"name": "web", "namespace": "apps", "uid": "0f1e2d3c",
+                                        "annotations": {"tailscale.com/expose": "true"}},
+                           "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.10"}}, cfg).spec
+    secret = f"{base_name(spec.parent)}-0"
+    api = kube.api("role", secrets=[secret])          # created by the controller before the StatefulSet
+    api.set_rules([[r["verbs"], r["resources"], r.get("resourceNames", [])] for r in role(spec, cfg)["rules"]])
+    env = kube_env(lab, secret, POD_NAME=secret)      # TS_KUBE_SECRET=$(POD_NAME): the Pod is named so
+    agent = kube.agent(api, env, agent_cmd)
+    kubelab.wait_log(agent, STARTUP)
+    st = agent.wait_running(30)
+    proxy_v4, _ = agent.tailnet_ips()
+    assert lab_backend.marker in lab.wait_curl("client", lab.url(proxy_v4, 8080, "/?role"), lab_backend.marker,
+                                               timeout=60)
+    data = api.secret_data(secret)
+    for k in TAILSCALED_KEYS + ("device_id", "device_ips"):
+        assert data.get(k), f"{k} missing; keys {sorted(data)}"
+    assert agent.stop(timeout=40) == 0, agent.log_text()[-3000:]
+    assert lab.wait_ns_empty("proxy", 15) == []
+    agent2 = kube.agent(api, env, agent_cmd)
+    kubelab.wait_log(agent2, STARTUP)
+    assert agent2.wait_running(30)["Self"]["ID"] == st["Self"]["ID"]
+    assert_no_new_login(agent2)
+    assert agent2.stop(timeout=40) == 0, agent2.log_text()[-3000:]
+    reqs = api.requests()
+    assert [(r["method"], r["resource"], r["name"]) for r in reqs if r["status"] == 403] == []
+    assert {r["name"] for r in reqs if r["resource"] == "secrets"} == {secret}
+    assert any(r["resource"] == "secrets" and r["method"] == "PATCH" and r["status"] == 200 for r in reqs)
 
 
 def test_auth_once_key_only_in_secret(lab, lab_backend, kube, agent_cmd):

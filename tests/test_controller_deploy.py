@@ -7,7 +7,8 @@ import pathlib
 
 import yaml
 
-from controller import config as cconfig, kubeapi, leader
+from controller import config as cconfig, kubeapi, leader, proxyrbac
+from controller.kinds import service
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "deploy"
 
@@ -59,8 +60,29 @@ def test_rbac_covers_the_controllers_calls():
         assert _covered(le["rules"], group(leader.LEASES), leader.LEASES.plural, verb), verb
     (leb,) = [d for d in by_kind("RoleBinding") if d["roleRef"]["name"] == "tailscale-controller-leader-election"]
     assert leb["subjects"] == [{"kind": "ServiceAccount", "name": "tailscale-controller", "namespace": "tailscale"}]
-    (proxies,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "proxies"]
-    assert _covered(proxies["rules"], "", "secrets", "get") and _covered(proxies["rules"], "", "secrets", "update")
+    for res in (kubeapi.SERVICEACCOUNTS, kubeapi.ROLES, kubeapi.ROLEBINDINGS):
+        for verb in ("get", "list", "create", "patch", "delete"):
+            assert _covered(role["rules"], group(res), res.plural, verb), (res.plural, verb)
+
+
+def test_no_shared_proxy_identity_and_the_controller_holds_what_it_grants():
+    """No Role lets every proxy touch every Secret (upstream's `proxies`); the controller can write each
+    proxy's Role without `escalate`/`bind` because it holds every rule it grants in that namespace."""
+    assert [r["metadata"]["name"] for r in by_kind("Role")] == ["tailscale-controller",
+                                                                "tailscale-controller-leader-election"]
+    assert [s["metadata"]["name"] for s in by_kind("ServiceAccount")] == ["tailscale-controller"]
+    (cr,) = [d for d in by_kind("ClusterRole") if d["metadata"]["name"] == "tailscale-controller"]
+    (role,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "tailscale-controller"]
+    held = cr["rules"] + role["rules"]
+    assert not any({"escalate", "bind", "impersonate", "*"} & set(r["verbs"]) for r in held)
+    spec = service.decide({"metadata": {"name": "web", "namespace": "apps", "uid": "u", "annotations": {
+        "tailscale.com/expose": "true"}}, "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.1"}},
+        cconfig.ControllerConfig(namespace="tailscale", proxy_image="x")).spec
+    for rule in proxyrbac.role(spec, cconfig.ControllerConfig(namespace="tailscale", proxy_image="x"))["rules"]:
+        for g in rule["apiGroups"]:
+            for res in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert _covered(role["rules"], g, res, verb), (res, verb)
 
 
 def test_deployment_env_is_read_by_the_controller():

@@ -16,7 +16,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from containerboot.kube import secretstate as agent_ss  # noqa: E402
 from controller.config import ControllerConfig  # noqa: E402
-from controller.kubeapi import CONNECTORS, EVENTS, INGRESSES, SECRETS, SERVICES, STATEFULSETS  # noqa: E402
+from controller.kubeapi import (CONNECTORS, EVENTS, INGRESSES, ROLEBINDINGS, ROLES, SECRETS,  # noqa: E402
+                                SERVICEACCOUNTS, SERVICES, STATEFULSETS)
 from controller.providers import ProviderError  # noqa: E402
 from controller.reconcile import PENDING_RECHECK, READY_RECHECK, Reconciler  # noqa: E402
 from controller.render import base_name  # noqa: E402
@@ -193,10 +194,13 @@ async def test_cleanup_order_when_the_annotation_goes(env):
     kube.finish_deletions()
     assert await rec.reconcile("svc", "apps", "web") is None
     assert log[1:] == [("delete-device", "7"), ("DELETE", "secrets", f"{name}-0"), ("DELETE", "services", name),
+                       ("DELETE", "rolebindings", name), ("DELETE", "roles", name),
+                       ("DELETE", "serviceaccounts", name),
                        ("PATCH", "services", "web/status"), ("PATCH", "services", "web")]
     web = kube.obj(SERVICES, "web", "apps")
     assert "finalizers" not in web["metadata"] and not (web.get("status") or {}).get("conditions")
     assert kube.of(SECRETS) == [] and kube.of(STATEFULSETS) == [] and [s["metadata"]["name"] for s in kube.of(SERVICES)] == ["web"]
+    assert kube.of(SERVICEACCOUNTS) == kube.of(ROLES) == kube.of(ROLEBINDINGS) == []
 
 
 async def test_deleting_the_parent_cleans_up_then_releases_it(env):
@@ -264,6 +268,41 @@ async def test_connector_scale_down_deletes_extra_replica_and_its_device(env):
     await rec.reconcile("connector", "", "r")
     assert [s["metadata"]["name"] for s in kube.of(SECRETS)] == [f"{name}-0"]
     assert prov.deleted == ["21"]
+    # The proxy's Role follows: the replica scaled away's Secret is no longer its to touch.
+    assert kube.obj(ROLES, name, "tailscale")["rules"][0]["resourceNames"] == [f"{name}-0"]
+
+
+async def test_each_proxy_gets_its_own_identity_before_its_statefulset(env):
+    kube, prov, rec, log = env
+    svc = expose_svc(kube)
+    name = base_name(Parent("svc", "web", "apps", svc["metadata"]["uid"]))
+    await rec.reconcile("svc", "apps", "web")
+    creates = [(w[1], w[2]) for w in log if w[0] == "POST"]
+    assert creates == [("services", name), ("secrets", f"{name}-0"), ("serviceaccounts", name), ("roles", name),
+                       ("rolebindings", name), ("statefulsets", name)]
+    pod = kube.obj(STATEFULSETS, name, "tailscale")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == name
+    assert kube.obj(ROLEBINDINGS, name, "tailscale")["subjects"] == [
+        {"kind": "ServiceAccount", "name": name, "namespace": "tailscale"}]
+    assert kube.obj(ROLES, name, "tailscale")["rules"][0] == {
+        "apiGroups": [""], "resources": ["secrets"], "resourceNames": [f"{name}-0"],
+        "verbs": ["get", "update", "patch"]}
+    # A second proxy: its own identity, its own Secret only.
+    db = expose_svc(kube, "db")
+    other = base_name(Parent("svc", "db", "apps", db["metadata"]["uid"]))
+    await rec.reconcile("svc", "apps", "db")
+    assert kube.obj(ROLES, other, "tailscale")["rules"][0]["resourceNames"] == [f"{other}-0"]
+    # Level-triggered: an unchanged pass writes nothing; a Role of another rendering (an older controller's,
+    # widened by hand together with its hash) is put back.
+    kube.calls.clear()
+    await rec.reconcile("svc", "apps", "web")
+    assert kube.writes() == []
+    kube.objects[("roles", "tailscale", name)]["rules"][0]["resourceNames"].append(f"{other}-0")
+    kube.objects[("roles", "tailscale", name)]["metadata"]["annotations"]["tailscale.com/controller-spec-hash"] = "x"
+    kube.calls.clear()
+    await rec.reconcile("svc", "apps", "web")
+    assert [(w[0], w[1]) for w in kube.writes()] == [("PATCH", "roles")]
+    assert kube.obj(ROLES, name, "tailscale")["rules"][0]["resourceNames"] == [f"{name}-0"]
 
 
 async def test_ingress_status_from_https_endpoint(env):

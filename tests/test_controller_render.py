@@ -47,7 +47,7 @@ def test_l3_ingress_dual_stack_statefulset_exact():
                              "annotations": {"tailscale.com/operator-last-set-cluster-ip":
                                              "10.96.0.10,fd00:10:96::a"}},
                 "spec": {
-                    "serviceAccountName": "proxies",
+                    "serviceAccountName": name,
                     "initContainers": [{
                         "name": "sysctler", "image": "registry.local/proxy:1", "imagePullPolicy": "Always",
                         "securityContext": {"privileged": True},

@@ -1,0 +1,68 @@
+"""One proxy's own identity: its ServiceAccount, Role and RoleBinding (pure, deterministic).
+
+Upstream's operator runs every proxy as one shared ServiceAccount whose Role allows every verb on every
+Secret of the operator's namespace. A proxy Pod that is compromised can then read the control plane's
+credentials kept there (the headscale API key, the OAuth client) and every other proxy's auth key and node
+state (and so impersonate it), or delete them. Here, on purpose, each proxy runs as its own ServiceAccount,
+named like its StatefulSet, whose Role names exactly its replicas' state Secrets.
+
+What the Role allows is what the agents (ours and upstream containerboot v1.102.3, with tailscaled's
+`kube:` state store in the same Pod) do, and nothing more:
+- Secrets, only `resourceNames` = the replicas' state Secrets: get (read state, the boot-time reset, the
+  shutdown consistency wait), update (tailscaled's store rewrites the whole Secret when it cannot patch) and
+  patch (the agents' merge/JSON patches). Both agents ask SelfSubjectAccessReviews for get and update (fatal
+  if denied) and for patch and create (optional). `create` is left out: RBAC cannot limit a create to a name,
+  and the controller creates each Secret before the StatefulSet, so the agents never need to. No list or
+  watch (only upstream's shared-certificate ProxyGroup replicas list Secrets; this controller renders none),
+  no delete.
+- Events, get/create/patch: tailscaled's store records "state loaded/updated" events on its Pod when a
+  SelfSubjectAccessReview without a name says it may do all three (else it logs that it cannot and goes on).
+  An Event carries no credential; RBAC cannot limit a create to a name either. Same rule as upstream's.
+Creating SelfSubjectAccessReviews needs no grant (every authenticated user has it).
+
+The objects carry the proxy's child labels (the controller's child lookup and cleanup find them by these)
+and the rendering hash (`render.SPEC_HASH`), so an unchanged proxy costs reads only.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .config import ControllerConfig
+from .model import ProxySpec
+from .render import _hashed, base_name, child_labels, secret_name
+
+RBAC_API = "rbac.authorization.k8s.io/v1"
+SECRET_VERBS = ("get", "update", "patch")
+EVENT_VERBS = ("create", "get", "patch")
+
+
+def _meta(spec: ProxySpec, cfg: ControllerConfig) -> dict[str, Any]:
+    return {"name": base_name(spec.parent), "namespace": cfg.namespace, "labels": child_labels(spec.parent)}
+
+
+def service_account(spec: ProxySpec, cfg: ControllerConfig) -> dict:
+    return _hashed({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(spec, cfg)})
+
+
+def role(spec: ProxySpec, cfg: ControllerConfig) -> dict:
+    secrets = [secret_name(spec.parent, i) for i in range(spec.replicas)]
+    return _hashed({
+        "apiVersion": RBAC_API, "kind": "Role", "metadata": _meta(spec, cfg),
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": secrets,
+                   "verbs": list(SECRET_VERBS)},
+                  {"apiGroups": [""], "resources": ["events"], "verbs": list(EVENT_VERBS)}],
+    })
+
+
+def role_binding(spec: ProxySpec, cfg: ControllerConfig) -> dict:
+    name = base_name(spec.parent)
+    return _hashed({
+        "apiVersion": RBAC_API, "kind": "RoleBinding", "metadata": _meta(spec, cfg),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": cfg.namespace}],
+    })
+
+
+def objects(spec: ProxySpec, cfg: ControllerConfig) -> tuple[dict, dict, dict]:
+    """ServiceAccount, Role, RoleBinding: the order they are created in (the binding names both)."""
+    return service_account(spec, cfg), role(spec, cfg), role_binding(spec, cfg)
