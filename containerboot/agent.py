@@ -82,6 +82,7 @@ class Agent:
         self._config_loaded: str | None = None   # one-step mode: the config text tailscaled has in force
         self._stopping = False
         self._self_node_known = asyncio.Event()   # the bus has delivered the node's own identity
+        self._login_node = NodeState()            # the node as the login's bus watch last saw it
         self._trimmed_at_applies = 0              # rule applies seen at the last malloc_trim
         for secret in (settings.authkey, settings.client_secret, settings.id_token):
             register(secret)
@@ -330,56 +331,140 @@ class Agent:
             raise AgentError(f"failed to auth tailscale: {e}") from None
 
     async def _login(self) -> None:
-        """Bring the backend to Running within the boot timeout."""
+        """Bring the backend to Running within the boot timeout.
+
+        One IPN bus watch for the whole login, and `tailscale up` (when needed) runs beside it rather than
+        before it: the agent sees the node's addresses as soon as tailscaled has its first netmap, seconds
+        before Running (tailscaled first waits for its network check and home DERP connection), and installs
+        the data path's rules then (see `_early_rules`). Start-up still completes only once the backend is
+        Running and `tailscale up` has exited successfully, as upstream's does."""
         s = self.s
         assert self.api is not None
+        up: asyncio.Task | None = None
         if s.always_auth:
-            await self._tailscale_up()
+            up = asyncio.ensure_future(self._tailscale_up())
         did_up = self._did_up = s.always_auth
         last_state = ""
+        node = NodeState()
         remaining = self._boot_deadline() - time.monotonic()
+        stream = self.api.watch_ipn_bus(FIRST_WATCH_MASK)
+        nxt: asyncio.Future | None = None
         try:
             async with asyncio.timeout(max(0.0, remaining)):
                 while True:
-                    rewatch = False
-                    async for n in self.api.watch_ipn_bus(FIRST_WATCH_MASK):
-                        health = n.get("Health")
-                        if s.one_step and self.kube_store and isinstance(health, dict) \
-                                and "login-state" in (health.get("Warnings") or {}):
-                            raise _NeedsReissue("Auth key failed to authenticate (may be expired or single-use), "
-                                                "disconnecting from control and requesting new key from operator")
-                        state = notify_backend_state(n)
-                        if state is None:
-                            continue
-                        last_state = self._boot_state = state
-                        if state == "Running":
-                            return
-                        if state == "NeedsLogin":
-                            if s.one_step and self.kube_store:
-                                raise _NeedsReissue("Auth key missing or invalid (NeedsLogin state), "
-                                                    "disconnecting from control and requesting new key from "
-                                                    "operator")
-                            if s.one_step:
-                                raise AgentError(
-                                    "invalid state: tailscaled daemon started with a config file, but tailscale "
-                                    "is not logged in: ensure you pass a valid auth key in the config file")
-                            if not did_up:
-                                did_up = rewatch = True
-                                break
-                        elif state == "NeedsMachineAuth":
-                            log.info("machine authorization required, please visit the admin panel")
-                        else:
-                            log.info("tailscaled in state %r, waiting", state)
-                    if rewatch:
-                        await self._tailscale_up()
+                    if nxt is None:
+                        nxt = asyncio.ensure_future(anext(stream))
+                    waits = {nxt} if up is None or up.done() else {nxt, up}
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if up is not None and up.done():
+                        up.result()     # a failed `tailscale up` ends the boot at once (AgentError)
                         self._did_up = True
+                        if last_state == "Running":
+                            break
+                    if not nxt.done():
                         continue
-                    raise AgentError("failed to read from tailscaled: the IPN bus stream ended")
+                    try:
+                        n = nxt.result()
+                    except StopAsyncIteration:
+                        raise AgentError("failed to read from tailscaled: the IPN bus stream ended") from None
+                    nxt = None
+                    health = n.get("Health")
+                    if s.one_step and self.kube_store and isinstance(health, dict) \
+                            and "login-state" in (health.get("Warnings") or {}):
+                        raise _NeedsReissue("Auth key failed to authenticate (may be expired or single-use), "
+                                            "disconnecting from control and requesting new key from operator")
+                    node = await self._fold_notify(node, n)
+                    state = notify_backend_state(n)
+                    if state != "Running" and (n.get("SelfChange") or node.backend_state == "Starting"):
+                        await self._early_rules(node)    # a netmap from control: the node has its addresses
+                    if state is None:
+                        continue
+                    last_state = self._boot_state = state
+                    if state == "Running":
+                        if up is None or up.done():
+                            if up is not None:
+                                up.result()
+                            break
+                        continue    # `tailscale up` exits as soon as it sees Running too
+                    if state == "NeedsLogin":
+                        if s.one_step and self.kube_store:
+                            raise _NeedsReissue("Auth key missing or invalid (NeedsLogin state), "
+                                                "disconnecting from control and requesting new key from "
+                                                "operator")
+                        if s.one_step:
+                            raise AgentError(
+                                "invalid state: tailscaled daemon started with a config file, but tailscale "
+                                "is not logged in: ensure you pass a valid auth key in the config file")
+                        if not did_up:
+                            did_up = True
+                            up = asyncio.ensure_future(self._tailscale_up())
+                    elif state == "NeedsMachineAuth":
+                        log.info("machine authorization required, please visit the admin panel")
+                    else:
+                        log.info("tailscaled in state %r, waiting", state)
         except TimeoutError:
+            if up is not None and not up.done():
+                raise AgentError(f"tailscale up did not finish within TS_BOOT_TIMEOUT ({s.boot_timeout:g}s); "
+                                 "check the auth key and that the control server is reachable") from None
             raise AgentError(f"tailscaled did not reach the Running state within TS_BOOT_TIMEOUT "
                              f"({s.boot_timeout:g}s); last state {last_state or 'unknown'!r}") from None
         except LocalAPIError as e:
             raise AgentError(f"failed to watch tailscaled for updates: {e}") from None
+        finally:
+            for fut in (nxt, up):
+                if fut is not None and not fut.done():
+                    fut.cancel()    # a cancelled `tailscale up` is killed (run_cli)
+                    try:
+                        await fut
+                    except BaseException:
+                        pass
+            await stream.aclose()
+        self._login_node = node
+
+    async def _fold_notify(self, node: NodeState, n: dict) -> NodeState:
+        """One bus notification folded into the node state (and tailscaled's DNS config after a new netmap)."""
+        node = apply_notify(node, n, time.time())
+        if n.get("SelfChange"):
+            assert self.api is not None
+            try:
+                node = with_dns_config(node, await self.api.dns_config())
+            except LocalAPIError as e:
+                log.info("error refreshing DNS config from tailscaled: %s", e)
+        return node
+
+    def _early_rules_allowed(self) -> bool:
+        """Whether the rules may go in before Running. Not with a state Secret (the device ID is written before
+        any rule, and upstream writes it only once Running) nor with ProxyGroup services files (their first
+        read is awaited before the first pass); those configurations install the rules after Running."""
+        s = self.s
+        return (self.secret is None and not s.egress_proxies_config_path and not s.ingress_proxies_config_path
+                and self._firewall_task is not None)
+
+    def _make_reconciler(self) -> Reconciler:
+        rules_file = os.path.join(os.path.dirname(self.s.socket) or ".", "containerboot-rules.json")
+        return Reconciler(self.s, self.firewall, rules_file=rules_file,
+                          ensure_forwarding=None if self.s.userspace else self._ensure_forwarding,
+                          on_converged=self._on_converged, before_rules=self._before_rules)
+
+    async def _early_rules(self, node: NodeState) -> None:
+        """The node has its addresses (first netmap, state Starting): install the rules now, not at Running.
+
+        tailscaled spends the seconds between its first netmap and Running on its network check and the home
+        DERP connection; the rules depend only on the addresses, so the data path is ready when Running comes
+        and start-up completes right then. Nothing reaches the node's addresses before Running (peers learn
+        its endpoints from that same check), and a login that fails afterwards ends in the normal shutdown,
+        which removes the rules. "Startup complete" still waits for Running (`_on_converged`)."""
+        if not node.tailnet_ips or not self._early_rules_allowed():
+            return
+        assert self._firewall_task is not None
+        if not self._firewall_task.done():
+            return          # detection still running (it is normally done long before the first netmap)
+        if self._firewall_task.exception() is not None:
+            return          # reported by the steady state, in order
+        if self.reconciler is None:
+            self.reconciler = self._make_reconciler()
+        self.reconciler.set_node(node)
+        await self.reconciler.reconcile_once()
 
     async def _reissue(self, reason: str) -> None:
         """Ask the operator for a new auth key and wait for it; the agent then exits 0 to restart with it."""
@@ -514,11 +599,14 @@ class Agent:
         await self._until_stop(self._after_login())
         if self._firewall_task is not None:
             await self._until_stop(self._firewall_task)
-        rules_file = os.path.join(os.path.dirname(self.s.socket) or ".", "containerboot-rules.json")
-        self.reconciler = Reconciler(self.s, self.firewall, rules_file=rules_file,
-                                     ensure_forwarding=None if self.s.userspace else self._ensure_forwarding,
-                                     on_converged=self._on_converged,
-                                     before_rules=self._before_rules)
+        if self.reconciler is None:
+            self.reconciler = self._make_reconciler()
+        if self._early_rules_allowed() and self._login_node.tailnet_ips:
+            # The login's own view of the node (Running): with the rules already in (`_early_rules`), this pass
+            # only confirms them and completes start-up, without waiting for the steady-state watch's first
+            # notification.
+            self.reconciler.set_node(self._login_node)
+            await self._until_stop(self.reconciler.reconcile_once())
         fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         first_reads = {which: asyncio.Event() for which, path in (("egress", self.s.egress_proxies_config_path),
                                                                    ("ingress", self.s.ingress_proxies_config_path))
@@ -565,17 +653,12 @@ class Agent:
         node = NodeState()
         try:
             async for n in self.api.watch_ipn_bus(WATCH_MASK):
-                node = apply_notify(node, n, time.time())
                 state = notify_backend_state(n)
                 if state is not None and state != "Running":
                     # Upstream's design: a proxy that lost its login restarts, and Kubernetes restarts it.
                     _set(fatal, f"tailscaled left running state (now in state {state!r}), exiting")
                     return
-                if n.get("SelfChange"):
-                    try:
-                        node = with_dns_config(node, await self.api.dns_config())
-                    except LocalAPIError as e:
-                        log.info("error refreshing DNS config from tailscaled: %s", e)
+                node = await self._fold_notify(node, n)
                 if carries_netmap(n) or state is not None:
                     self.reconciler.set_node(node)
                     if self.serve_loop is not None:
@@ -661,8 +744,8 @@ class Agent:
             from . import memtrim
             self._trimmed_at_applies = rec.stats.rule_applies
             memtrim.trim()
-        if self.startup_complete.is_set() or not routed:
-            return
+        if self.startup_complete.is_set() or not routed or node.backend_state != "Running":
+            return      # rules installed before Running (`_early_rules`) do not complete start-up yet
         if self.kube_store and self.secret is not None and not self.secret.has_written("device_id", "device_fqdn"):
             return
         self.startup_complete.set()
