@@ -67,6 +67,7 @@ class Agent:
         self._stop_signal: int | None = None
         self._tasks: list[asyncio.Task] = []
         self._firewall_task: asyncio.Task | None = None
+        self._firewall_wanted = False   # the configuration has rules; detection starts at `_start_firewall`
         self._linked = False
         self._did_up = False
         self.endpoints = None
@@ -172,10 +173,12 @@ class Agent:
                 except ForwardingError as e:
                     raise AgentError(str(e)) from None
         if s.is_l3_proxy and (not s.userspace or s.test_fake_netfilter):
-            # Detecting the firewall mode probes the kernel (about 0.3 s); it runs while tailscaled starts
-            # and logs in, since rules are needed only once the node has addresses. The test hook's
-            # in-memory firewall stands in for a kernel one in either networking mode, as upstream's does.
-            self._firewall_task = asyncio.create_task(self._open_firewall())
+            # Detecting the firewall mode probes the kernel (tens of milliseconds of CPU, firewall tools run);
+            # rules are needed only once the node has addresses, so it runs in the idle second of the login
+            # (`_start_firewall`), not while tailscaled starts up and sends the login request, which it would
+            # slow down on a small node. The test hook's in-memory firewall stands in for a kernel one in
+            # either networking mode, as upstream's does.
+            self._firewall_wanted = True
 
     async def _kube_setup(self) -> None:
         """RBAC, the auth key from the Secret, and the reset of the previous run's keys, before tailscaled."""
@@ -203,6 +206,11 @@ class Agent:
         if setup.authkey_from_secret:
             register(setup.authkey_from_secret)
             self.s = replace(self.s, authkey=setup.authkey_from_secret)
+
+    def _start_firewall(self) -> None:
+        """Start the firewall detection (once), in the background."""
+        if self._firewall_wanted and self._firewall_task is None:
+            self._firewall_task = asyncio.create_task(self._open_firewall())
 
     async def _open_firewall(self) -> None:
         if self.s.test_fake_netfilter:
@@ -375,6 +383,11 @@ class Agent:
                                             "disconnecting from control and requesting new key from operator")
                     node = await self._fold_notify(node, n)
                     state = notify_backend_state(n)
+                    logged_in = (state or node.backend_state) in ("Starting", "Running") or bool(node.tailnet_ips)
+                    if n.get("LoginFinished") is not None or logged_in:
+                        # Control has answered the login (headscale then takes about a second for the first
+                        # netmap), or the node was logged in already: nothing left for the detection to delay.
+                        self._start_firewall()
                     if state != "Running" and (n.get("SelfChange") or node.backend_state == "Starting"):
                         await self._early_rules(node)    # a netmap from control: the node has its addresses
                     if state is None:
@@ -438,7 +451,7 @@ class Agent:
         read is awaited before the first pass); those configurations install the rules after Running."""
         s = self.s
         return (self.secret is None and not s.egress_proxies_config_path and not s.ingress_proxies_config_path
-                and self._firewall_task is not None)
+                and self._firewall_wanted)
 
     def _make_reconciler(self) -> Reconciler:
         rules_file = os.path.join(os.path.dirname(self.s.socket) or ".", "containerboot-rules.json")
@@ -456,9 +469,9 @@ class Agent:
         which removes the rules. "Startup complete" still waits for Running (`_on_converged`)."""
         if not node.tailnet_ips or not self._early_rules_allowed():
             return
+        self._start_firewall()
         assert self._firewall_task is not None
-        if not self._firewall_task.done():
-            return          # detection still running (it is normally done long before the first netmap)
+        await asyncio.wait({self._firewall_task})   # normally done already: it started with the login's answer
         if self._firewall_task.exception() is not None:
             return          # reported by the steady state, in order
         if self.reconciler is None:
@@ -597,6 +610,7 @@ class Agent:
     # -- steady state ----------------------------------------------------------------------------------
     async def _steady_state(self) -> None:
         await self._until_stop(self._after_login())
+        self._start_firewall()
         if self._firewall_task is not None:
             await self._until_stop(self._firewall_task)
         if self.reconciler is None:
