@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nfootprint ({args.firewall}, L3 ingress):")
     print(f"  {'':48s} {'python':>9s} {'upstream':>9s} {'ratio':>7s}")
     for label, py, up in rows:
-        ratio = f"{py / up:7.2f}" if up > 0 else "      -"
+        ratio = f"{py / up:7.3f}" if up > 0 else "      -"
         print(f"  {label:48s} {py:9.3f} {up:9.3f} {ratio}")
     print(f"  {'boot spread, min-max (s)':48s} {spread('python'):>15s} {spread('upstream'):>15s}")
     rss = max(med("python", "rss_mb"), idle["python"]["rss_mb"])
