@@ -388,11 +388,14 @@ class Agent:
                         # Control has answered the login (headscale then takes about a second for the first
                         # netmap), or the node was logged in already: nothing left for the detection to delay.
                         self._start_firewall()
-                    if state != "Running" and (n.get("SelfChange") or node.backend_state == "Starting"):
+                    if state != "Running" and carries_netmap(n) \
+                            and (n.get("SelfChange") or node.backend_state == "Starting"):
                         await self._early_rules(node)    # a netmap from control: the node has its addresses
                     if state is None:
                         continue
                     last_state = self._boot_state = state
+                    if self.reconciler is not None:
+                        self.reconciler.set_node(node)   # /status shows the state; rules changed only by a netmap
                     if state == "Running":
                         if up is None or up.done():
                             if up is not None:
@@ -476,6 +479,8 @@ class Agent:
             return          # reported by the steady state, in order
         if self.reconciler is None:
             self.reconciler = self._make_reconciler()
+        elif node == self.reconciler.node:
+            return
         self.reconciler.set_node(node)
         await self.reconciler.reconcile_once()
 
