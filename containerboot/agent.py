@@ -84,6 +84,7 @@ class Agent:
         self._stopping = False
         self._self_node_known = asyncio.Event()   # the bus has delivered the node's own identity
         self._login_node = NodeState()            # the node as the login's bus watch last saw it
+        self._login_watch_closing: asyncio.Future | None = None
         self._trimmed_at_applies = 0              # rule applies seen at the last malloc_trim
         for secret in (settings.authkey, settings.client_secret, settings.id_token):
             register(secret)
@@ -358,83 +359,80 @@ class Agent:
         stream = self.api.watch_ipn_bus(FIRST_WATCH_MASK)
         nxt: asyncio.Future | None = None
         try:
-            async with asyncio.timeout(max(0.0, remaining)):
-                while True:
-                    if nxt is None:
-                        nxt = asyncio.ensure_future(anext(stream))
-                    waits = {nxt} if up is None or up.done() else {nxt, up}
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                    if up is not None and up.done():
-                        up.result()     # a failed `tailscale up` ends the boot at once (AgentError)
-                        self._did_up = True
-                        if last_state == "Running":
-                            break
-                    if not nxt.done():
-                        continue
-                    try:
-                        n = nxt.result()
-                    except StopAsyncIteration:
-                        raise AgentError("failed to read from tailscaled: the IPN bus stream ended") from None
-                    nxt = None
-                    health = n.get("Health")
-                    if s.one_step and self.kube_store and isinstance(health, dict) \
-                            and "login-state" in (health.get("Warnings") or {}):
-                        raise _NeedsReissue("Auth key failed to authenticate (may be expired or single-use), "
-                                            "disconnecting from control and requesting new key from operator")
-                    node = await self._fold_notify(node, n)
-                    state = notify_backend_state(n)
-                    logged_in = (state or node.backend_state) in ("Starting", "Running") or bool(node.tailnet_ips)
-                    if n.get("LoginFinished") is not None or logged_in:
-                        # Control has answered the login (headscale then takes about a second for the first
-                        # netmap), or the node was logged in already: nothing left for the detection to delay.
-                        self._start_firewall()
-                    if state != "Running" and carries_netmap(n) \
-                            and (n.get("SelfChange") or node.backend_state == "Starting"):
-                        await self._early_rules(node)    # a netmap from control: the node has its addresses
-                    if state is None:
-                        continue
-                    last_state = self._boot_state = state
-                    if self.reconciler is not None:
-                        self.reconciler.set_node(node)   # /status shows the state; rules changed only by a netmap
-                    if state == "Running":
-                        if up is None or up.done():
-                            if up is not None:
-                                up.result()
-                            break
-                        continue    # `tailscale up` exits as soon as it sees Running too
-                    if state == "NeedsLogin":
-                        if s.one_step and self.kube_store:
-                            raise _NeedsReissue("Auth key missing or invalid (NeedsLogin state), "
-                                                "disconnecting from control and requesting new key from "
-                                                "operator")
-                        if s.one_step:
-                            raise AgentError(
-                                "invalid state: tailscaled daemon started with a config file, but tailscale "
-                                "is not logged in: ensure you pass a valid auth key in the config file")
-                        if not did_up:
-                            did_up = True
-                            up = asyncio.ensure_future(self._tailscale_up())
-                    elif state == "NeedsMachineAuth":
-                        log.info("machine authorization required, please visit the admin panel")
-                    else:
-                        log.info("tailscaled in state %r, waiting", state)
-        except TimeoutError:
-            if up is not None and not up.done():
-                raise AgentError(f"tailscale up did not finish within TS_BOOT_TIMEOUT ({s.boot_timeout:g}s); "
-                                 "check the auth key and that the control server is reachable") from None
-            raise AgentError(f"tailscaled did not reach the Running state within TS_BOOT_TIMEOUT "
-                             f"({s.boot_timeout:g}s); last state {last_state or 'unknown'!r}") from None
-        except LocalAPIError as e:
-            raise AgentError(f"failed to watch tailscaled for updates: {e}") from None
-        finally:
-            for fut in (nxt, up):
-                if fut is not None and not fut.done():
-                    fut.cancel()    # a cancelled `tailscale up` is killed (run_cli)
-                    try:
-                        await fut
-                    except BaseException:
-                        pass
-            await stream.aclose()
+            try:
+                async with asyncio.timeout(max(0.0, remaining)):
+                    while True:
+                        if nxt is None:
+                            nxt = asyncio.ensure_future(anext(stream))
+                        waits = {nxt} if up is None or up.done() else {nxt, up}
+                        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                        if up is not None and up.done():
+                            up.result()     # a failed `tailscale up` ends the boot at once (AgentError)
+                            self._did_up = True
+                            if last_state == "Running":
+                                break
+                        if not nxt.done():
+                            continue
+                        try:
+                            n = nxt.result()
+                        except StopAsyncIteration:
+                            raise AgentError("failed to read from tailscaled: the IPN bus stream ended") from None
+                        nxt = None
+                        health = n.get("Health")
+                        if s.one_step and self.kube_store and isinstance(health, dict) \
+                                and "login-state" in (health.get("Warnings") or {}):
+                            raise _NeedsReissue("Auth key failed to authenticate (may be expired or single-use), "
+                                                "disconnecting from control and requesting new key from operator")
+                        node = await self._fold_notify(node, n)
+                        state = notify_backend_state(n)
+                        logged_in = (state or node.backend_state) in ("Starting", "Running") or bool(node.tailnet_ips)
+                        if n.get("LoginFinished") is not None or logged_in:
+                            # Control has answered the login (headscale then takes about a second for the first
+                            # netmap), or the node was logged in already: nothing left for the detection to delay.
+                            self._start_firewall()
+                        if state != "Running" and carries_netmap(n) \
+                                and (n.get("SelfChange") or node.backend_state == "Starting"):
+                            await self._early_rules(node)    # a netmap from control: the node has its addresses
+                        if state is None:
+                            continue
+                        last_state = self._boot_state = state
+                        if self.reconciler is not None:
+                            self.reconciler.set_node(node)   # /status shows the state; rules changed only by a netmap
+                        if state == "Running":
+                            if up is None or up.done():
+                                if up is not None:
+                                    up.result()
+                                break
+                            continue    # `tailscale up` exits as soon as it sees Running too
+                        if state == "NeedsLogin":
+                            if s.one_step and self.kube_store:
+                                raise _NeedsReissue("Auth key missing or invalid (NeedsLogin state), "
+                                                    "disconnecting from control and requesting new key from "
+                                                    "operator")
+                            if s.one_step:
+                                raise AgentError(
+                                    "invalid state: tailscaled daemon started with a config file, but tailscale "
+                                    "is not logged in: ensure you pass a valid auth key in the config file")
+                            if not did_up:
+                                did_up = True
+                                up = asyncio.ensure_future(self._tailscale_up())
+                        elif state == "NeedsMachineAuth":
+                            log.info("machine authorization required, please visit the admin panel")
+                        else:
+                            log.info("tailscaled in state %r, waiting", state)
+            except TimeoutError:
+                if up is not None and not up.done():
+                    raise AgentError(f"tailscale up did not finish within TS_BOOT_TIMEOUT ({s.boot_timeout:g}s); "
+                                     "check the auth key and that the control server is reachable") from None
+                raise AgentError(f"tailscaled did not reach the Running state within TS_BOOT_TIMEOUT "
+                                 f"({s.boot_timeout:g}s); last state {last_state or 'unknown'!r}") from None
+            except LocalAPIError as e:
+                raise AgentError(f"failed to watch tailscaled for updates: {e}") from None
+        except BaseException:
+            await _close_watch(stream, nxt, up)
+            raise
+        # Logged in: the watch's connection is closed in the background, after start-up (a few milliseconds).
+        self._login_watch_closing = asyncio.ensure_future(_close_watch(stream, nxt, up))
         self._login_node = node
 
     async def _fold_notify(self, node: NodeState, n: dict) -> NodeState:
@@ -795,6 +793,8 @@ class Agent:
                 await t
             except BaseException:
                 pass
+        if self._login_watch_closing is not None:
+            await self._login_watch_closing
         if self.tailscaled is not None:
             budget_end = time.monotonic() + SHUTDOWN_BUDGET
             if self.kube_store and self.secret is not None and self.tailscaled.alive():
@@ -815,6 +815,22 @@ class Agent:
             await self.api.aclose()
         if self.secret is not None:
             await self.secret.client.aclose()
+
+
+async def _close_watch(stream, *pending: asyncio.Future | None) -> None:
+    """End a bus watch and what ran beside it: cancel the pending read and a running `tailscale up` (run_cli
+    kills it), then close the stream's connection. Never raises."""
+    for fut in pending:
+        if fut is not None and not fut.done():
+            fut.cancel()
+            try:
+                await fut
+            except BaseException:
+                pass
+    try:
+        await stream.aclose()
+    except BaseException:
+        pass
 
 
 def _set(fut: asyncio.Future, msg: str) -> None:
