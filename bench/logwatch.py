@@ -13,7 +13,7 @@ import ctypes
 import os
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 IN_MODIFY = 0x00000002
 IN_CLOEXEC = 0o2000000
@@ -35,7 +35,8 @@ class LogWatch:
             os.close(self._fd)
             raise OSError(err, f"inotify_add_watch {self.path} failed")
         self._file = open(self.path, "rb")
-        self._tail = b""
+        self._text = b""                    # all read so far (an agent's boot log: tens of kilobytes)
+        self._seen: dict[str, float] = {}   # text -> time.monotonic() of the read that brought it
 
     def close(self) -> None:
         self._file.close()
@@ -52,18 +53,26 @@ class LogWatch:
 
         Raises RuntimeError when `alive()` turns false first (checked at least twice a second), TimeoutError
         after `timeout` seconds."""
-        needle = text.encode()
+        return self.wait_for_each(text, (), timeout, alive)[text]
+
+    def wait_for_each(self, text: str, also: Sequence[str], timeout: float,
+                      alive: Callable[[], bool] = lambda: True) -> dict[str, float]:
+        """Like `wait_for(text)`; also returns the time each of `also` was first read, if it was read by then
+        (texts found in the same read get the same time)."""
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         deadline = time.monotonic() + timeout
+        wanted = [text, *also]
         while True:
             data = self._file.read()      # everything written since the last read (the watch is already set)
             if data:
                 now = time.monotonic()
-                window = self._tail + data
-                if needle in window:
-                    return now
-                self._tail = window[-len(needle):]
+                self._text += data
+                for t in wanted:
+                    if t not in self._seen and t.encode() in self._text:
+                        self._seen[t] = now
+            if text in self._seen:
+                return {t: self._seen[t] for t in wanted if t in self._seen}
             if not alive():
                 raise RuntimeError(f"the process writing {self.path} exited before logging {text!r}")
             left = deadline - time.monotonic()

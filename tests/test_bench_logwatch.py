@@ -44,3 +44,34 @@ def test_writer_gone_and_timeout_are_reported(tmp_path):
             watch.wait_for("Startup complete", 10, alive=lambda: False)
         with pytest.raises(TimeoutError):
             watch.wait_for("Startup complete", 0.2)
+
+
+def test_each_text_gets_the_time_of_the_read_that_brought_it(tmp_path):
+    log = tmp_path / "agent.log"
+    log.write_bytes(b"")
+    running = "Switching ipn state Starting -> Running (WantRunning=true"
+    mark = "Startup complete, waiting for shutdown signal"
+    gate = threading.Event()
+
+    def writer() -> None:
+        with open(log, "ab", buffering=0) as f:
+            f.write(f"2026/01/01 00:00:00 {running}, nm=true)\n".encode())
+            gate.wait(10)
+            f.write(f"boot: {mark}\n".encode())
+
+    with LogWatch(log) as watch:
+        t = threading.Thread(target=writer)
+        t.start()
+        with pytest.raises(TimeoutError):     # the Running line alone does not end the wait
+            watch.wait_for_each(mark, [running], 0.3)
+        gate.set()
+        seen = watch.wait_for_each(mark, [running], 10)
+        t.join()
+    assert seen[running] < seen[mark]
+
+
+def test_a_text_that_never_came_is_left_out(tmp_path):
+    log = tmp_path / "agent.log"
+    log.write_text("boot: Startup complete, waiting for shutdown signal\n")
+    with LogWatch(log) as watch:
+        assert list(watch.wait_for_each("Startup complete", ["-> Running ("], 10)) == ["Startup complete"]
