@@ -2,16 +2,16 @@
 
 Run as root: `python -m bench.boot [--runs N] [--firewall nftables|iptables]`. Each run starts a fresh agent
 (new node, new state dir) with `TS_DEST_IP` pointing at the lab's backend, measures the time until the log
-line appears, checks that traffic flows, stops the agent and deletes the node. Prints every sample, the median
-of each agent and their ratio. No asserts: figures are for people to read.
+line appears (read as it is written, see `bench.logwatch`), checks that traffic flows, stops the agent and deletes the node. Prints every sample, the median
+of each agent with its spread (min-max) and their ratio. No asserts: figures are for people to read.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
-import time
 
+from bench.logwatch import LogWatch
 from labtools.lab import Lab, ensure_binaries
 
 MARK = "Startup complete, waiting for shutdown signal"
@@ -22,14 +22,13 @@ def boot_once(lab: Lab, agent_cmd: list[str] | None, env: dict[str, str], marker
     """One boot to "Startup complete" (seconds), checked by a curl through the proxy; the proxy is reset after."""
     agent = lab.start_agent(env, agent_cmd, image=image)
     try:
-        deadline = time.monotonic() + 120
-        while MARK not in agent.log_text():
-            if not agent.running():
-                raise RuntimeError(f"agent exited early:\n{agent.log_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("no startup within 120 s")
-            time.sleep(0.01)
-        elapsed = time.monotonic() - agent.started
+        try:
+            with LogWatch(agent.log_path) as watch:
+                elapsed = watch.wait_for(MARK, 120, agent.running) - agent.started
+        except RuntimeError:
+            raise RuntimeError(f"agent exited early:\n{agent.log_text()[-2000:]}") from None
+        except TimeoutError:
+            raise RuntimeError("no startup within 120 s") from None
         proxy_v4, _ = agent.tailnet_ips()
         lab.wait_curl("client", lab.url(proxy_v4, 8080, "/?bench"), marker, timeout=30)
         return elapsed
@@ -57,12 +56,12 @@ def main(argv: list[str] | None = None) -> int:
             for name, cmd in agents.items():  # interleaved, so drift affects both alike
                 t = boot_once(lab, cmd, env, srv.marker)
                 samples[name].append(t)
-                print(f"run {i + 1}: {name:8s} {t:6.2f} s", flush=True)
+                print(f"run {i + 1}: {name:8s} {t:7.3f} s", flush=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
     print(f"\nboot to 'Startup complete' ({args.firewall}, {args.runs} runs each, median):")
-    print(f"  python agent      {med['python']:6.2f} s")
-    print(f"  upstream (Go)     {med['upstream']:6.2f} s")
-    print(f"  ratio python/upstream = {med['python'] / med['upstream']:.2f}")
+    for name, label in (("python", "python agent "), ("upstream", "upstream (Go)")):
+        print(f"  {label}     {med[name]:7.3f} s  (min {min(samples[name]):.3f}, max {max(samples[name]):.3f})")
+    print(f"  ratio python/upstream = {med['python'] / med['upstream']:.3f}")
     return 0
 
 

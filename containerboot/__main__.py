@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         log.error("invalid configuration: %s", e)
         return 1
+    early = _early_tailscaled(settings)   # first: its start-up overlaps everything below
     from . import memtrim
     memtrim.limit_arenas()   # before the first thread: one malloc arena for all of them
-    early = _early_tailscaled(settings)
     from .agent import Agent   # the bulk of the agent's imports, while tailscaled starts
     return asyncio.run(Agent(settings, os.environ, early=early).run())
 

@@ -67,6 +67,7 @@ class Agent:
         self._stop_signal: int | None = None
         self._tasks: list[asyncio.Task] = []
         self._firewall_task: asyncio.Task | None = None
+        self._firewall_wanted = False   # the configuration has rules; detection starts at `_start_firewall`
         self._linked = False
         self._did_up = False
         self.endpoints = None
@@ -82,6 +83,8 @@ class Agent:
         self._config_loaded: str | None = None   # one-step mode: the config text tailscaled has in force
         self._stopping = False
         self._self_node_known = asyncio.Event()   # the bus has delivered the node's own identity
+        self._login_node = NodeState()            # the node as the login's bus watch last saw it
+        self._login_watch_closing: asyncio.Future | None = None
         self._trimmed_at_applies = 0              # rule applies seen at the last malloc_trim
         for secret in (settings.authkey, settings.client_secret, settings.id_token):
             register(secret)
@@ -171,10 +174,12 @@ class Agent:
                 except ForwardingError as e:
                     raise AgentError(str(e)) from None
         if s.is_l3_proxy and (not s.userspace or s.test_fake_netfilter):
-            # Detecting the firewall mode probes the kernel (about 0.3 s); it runs while tailscaled starts
-            # and logs in, since rules are needed only once the node has addresses. The test hook's
-            # in-memory firewall stands in for a kernel one in either networking mode, as upstream's does.
-            self._firewall_task = asyncio.create_task(self._open_firewall())
+            # Detecting the firewall mode probes the kernel (tens of milliseconds of CPU, firewall tools run);
+            # rules are needed only once the node has addresses, so it runs in the idle second of the login
+            # (`_start_firewall`), not while tailscaled starts up and sends the login request, which it would
+            # slow down on a small node. The test hook's in-memory firewall stands in for a kernel one in
+            # either networking mode, as upstream's does.
+            self._firewall_wanted = True
 
     async def _kube_setup(self) -> None:
         """RBAC, the auth key from the Secret, and the reset of the previous run's keys, before tailscaled."""
@@ -202,6 +207,11 @@ class Agent:
         if setup.authkey_from_secret:
             register(setup.authkey_from_secret)
             self.s = replace(self.s, authkey=setup.authkey_from_secret)
+
+    def _start_firewall(self) -> None:
+        """Start the firewall detection (once), in the background."""
+        if self._firewall_wanted and self._firewall_task is None:
+            self._firewall_task = asyncio.create_task(self._open_firewall())
 
     async def _open_firewall(self) -> None:
         if self.s.test_fake_netfilter:
@@ -330,30 +340,70 @@ class Agent:
             raise AgentError(f"failed to auth tailscale: {e}") from None
 
     async def _login(self) -> None:
-        """Bring the backend to Running within the boot timeout."""
+        """Bring the backend to Running within the boot timeout.
+
+        One IPN bus watch for the whole login, and `tailscale up` (when needed) runs beside it rather than
+        before it: the agent sees the node's addresses as soon as tailscaled has its first netmap, seconds
+        before Running (tailscaled first waits for its network check and home DERP connection), and installs
+        the data path's rules then (see `_early_rules`). Start-up still completes only once the backend is
+        Running and `tailscale up` has exited successfully, as upstream's does."""
         s = self.s
         assert self.api is not None
+        up: asyncio.Task | None = None
         if s.always_auth:
-            await self._tailscale_up()
+            up = asyncio.ensure_future(self._tailscale_up())
         did_up = self._did_up = s.always_auth
         last_state = ""
+        node = NodeState()
         remaining = self._boot_deadline() - time.monotonic()
+        stream = self.api.watch_ipn_bus(FIRST_WATCH_MASK)
+        nxt: asyncio.Future | None = None
         try:
-            async with asyncio.timeout(max(0.0, remaining)):
-                while True:
-                    rewatch = False
-                    async for n in self.api.watch_ipn_bus(FIRST_WATCH_MASK):
+            try:
+                async with asyncio.timeout(max(0.0, remaining)):
+                    while True:
+                        if nxt is None:
+                            nxt = asyncio.ensure_future(anext(stream))
+                        waits = {nxt} if up is None or up.done() else {nxt, up}
+                        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                        if up is not None and up.done():
+                            up.result()     # a failed `tailscale up` ends the boot at once (AgentError)
+                            self._did_up = True
+                            if last_state == "Running":
+                                break
+                        if not nxt.done():
+                            continue
+                        try:
+                            n = nxt.result()
+                        except StopAsyncIteration:
+                            raise AgentError("failed to read from tailscaled: the IPN bus stream ended") from None
+                        nxt = None
                         health = n.get("Health")
                         if s.one_step and self.kube_store and isinstance(health, dict) \
                                 and "login-state" in (health.get("Warnings") or {}):
                             raise _NeedsReissue("Auth key failed to authenticate (may be expired or single-use), "
                                                 "disconnecting from control and requesting new key from operator")
+                        node = await self._fold_notify(node, n)
                         state = notify_backend_state(n)
+                        logged_in = (state or node.backend_state) in ("Starting", "Running") or bool(node.tailnet_ips)
+                        if n.get("LoginFinished") is not None or logged_in:
+                            # Control has answered the login (headscale then takes about a second for the first
+                            # netmap), or the node was logged in already: nothing left for the detection to delay.
+                            self._start_firewall()
+                        if state != "Running" and carries_netmap(n) \
+                                and (n.get("SelfChange") or node.backend_state == "Starting"):
+                            await self._early_rules(node)    # a netmap from control: the node has its addresses
                         if state is None:
                             continue
                         last_state = self._boot_state = state
+                        if self.reconciler is not None:
+                            self.reconciler.set_node(node)   # /status shows the state; rules changed only by a netmap
                         if state == "Running":
-                            return
+                            if up is None or up.done():
+                                if up is not None:
+                                    up.result()
+                                break
+                            continue    # `tailscale up` exits as soon as it sees Running too
                         if state == "NeedsLogin":
                             if s.one_step and self.kube_store:
                                 raise _NeedsReissue("Auth key missing or invalid (NeedsLogin state), "
@@ -364,22 +414,73 @@ class Agent:
                                     "invalid state: tailscaled daemon started with a config file, but tailscale "
                                     "is not logged in: ensure you pass a valid auth key in the config file")
                             if not did_up:
-                                did_up = rewatch = True
-                                break
+                                did_up = True
+                                up = asyncio.ensure_future(self._tailscale_up())
                         elif state == "NeedsMachineAuth":
                             log.info("machine authorization required, please visit the admin panel")
                         else:
                             log.info("tailscaled in state %r, waiting", state)
-                    if rewatch:
-                        await self._tailscale_up()
-                        self._did_up = True
-                        continue
-                    raise AgentError("failed to read from tailscaled: the IPN bus stream ended")
-        except TimeoutError:
-            raise AgentError(f"tailscaled did not reach the Running state within TS_BOOT_TIMEOUT "
-                             f"({s.boot_timeout:g}s); last state {last_state or 'unknown'!r}") from None
-        except LocalAPIError as e:
-            raise AgentError(f"failed to watch tailscaled for updates: {e}") from None
+            except TimeoutError:
+                if up is not None and not up.done():
+                    raise AgentError(f"tailscale up did not finish within TS_BOOT_TIMEOUT ({s.boot_timeout:g}s); "
+                                     "check the auth key and that the control server is reachable") from None
+                raise AgentError(f"tailscaled did not reach the Running state within TS_BOOT_TIMEOUT "
+                                 f"({s.boot_timeout:g}s); last state {last_state or 'unknown'!r}") from None
+            except LocalAPIError as e:
+                raise AgentError(f"failed to watch tailscaled for updates: {e}") from None
+        except BaseException:
+            await _close_watch(stream, nxt, up)
+            raise
+        # Logged in: the watch's connection is closed in the background, after start-up (a few milliseconds).
+        self._login_watch_closing = asyncio.ensure_future(_close_watch(stream, nxt, up))
+        self._login_node = node
+
+    async def _fold_notify(self, node: NodeState, n: dict) -> NodeState:
+        """One bus notification folded into the node state (and tailscaled's DNS config after a new netmap)."""
+        node = apply_notify(node, n, time.time())
+        if n.get("SelfChange"):
+            assert self.api is not None
+            try:
+                node = with_dns_config(node, await self.api.dns_config())
+            except LocalAPIError as e:
+                log.info("error refreshing DNS config from tailscaled: %s", e)
+        return node
+
+    def _early_rules_allowed(self) -> bool:
+        """Whether the rules may go in before Running. Not with a state Secret (the device ID is written before
+        any rule, and upstream writes it only once Running) nor with ProxyGroup services files (their first
+        read is awaited before the first pass); those configurations install the rules after Running."""
+        s = self.s
+        return (self.secret is None and not s.egress_proxies_config_path and not s.ingress_proxies_config_path
+                and self._firewall_wanted)
+
+    def _make_reconciler(self) -> Reconciler:
+        rules_file = os.path.join(os.path.dirname(self.s.socket) or ".", "containerboot-rules.json")
+        return Reconciler(self.s, self.firewall, rules_file=rules_file,
+                          ensure_forwarding=None if self.s.userspace else self._ensure_forwarding,
+                          on_converged=self._on_converged, before_rules=self._before_rules)
+
+    async def _early_rules(self, node: NodeState) -> None:
+        """The node has its addresses (first netmap, state Starting): install the rules now, not at Running.
+
+        tailscaled spends the seconds between its first netmap and Running on its network check and the home
+        DERP connection; the rules depend only on the addresses, so the data path is ready when Running comes
+        and start-up completes right then. Nothing reaches the node's addresses before Running (peers learn
+        its endpoints from that same check), and a login that fails afterwards ends in the normal shutdown,
+        which removes the rules. "Startup complete" still waits for Running (`_on_converged`)."""
+        if not node.tailnet_ips or not self._early_rules_allowed():
+            return
+        self._start_firewall()
+        assert self._firewall_task is not None
+        await asyncio.wait({self._firewall_task})   # normally done already: it started with the login's answer
+        if self._firewall_task.exception() is not None:
+            return          # reported by the steady state, in order
+        if self.reconciler is None:
+            self.reconciler = self._make_reconciler()
+        elif node == self.reconciler.node:
+            return
+        self.reconciler.set_node(node)
+        await self.reconciler.reconcile_once()
 
     async def _reissue(self, reason: str) -> None:
         """Ask the operator for a new auth key and wait for it; the agent then exits 0 to restart with it."""
@@ -512,13 +613,17 @@ class Agent:
     # -- steady state ----------------------------------------------------------------------------------
     async def _steady_state(self) -> None:
         await self._until_stop(self._after_login())
+        self._start_firewall()
         if self._firewall_task is not None:
             await self._until_stop(self._firewall_task)
-        rules_file = os.path.join(os.path.dirname(self.s.socket) or ".", "containerboot-rules.json")
-        self.reconciler = Reconciler(self.s, self.firewall, rules_file=rules_file,
-                                     ensure_forwarding=None if self.s.userspace else self._ensure_forwarding,
-                                     on_converged=self._on_converged,
-                                     before_rules=self._before_rules)
+        if self.reconciler is None:
+            self.reconciler = self._make_reconciler()
+        if self._early_rules_allowed() and self._login_node.tailnet_ips:
+            # The login's own view of the node (Running): with the rules already in (`_early_rules`), this pass
+            # only confirms them and completes start-up, without waiting for the steady-state watch's first
+            # notification.
+            self.reconciler.set_node(self._login_node)
+            await self._until_stop(self.reconciler.reconcile_once())
         fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         first_reads = {which: asyncio.Event() for which, path in (("egress", self.s.egress_proxies_config_path),
                                                                    ("ingress", self.s.ingress_proxies_config_path))
@@ -565,17 +670,12 @@ class Agent:
         node = NodeState()
         try:
             async for n in self.api.watch_ipn_bus(WATCH_MASK):
-                node = apply_notify(node, n, time.time())
                 state = notify_backend_state(n)
                 if state is not None and state != "Running":
                     # Upstream's design: a proxy that lost its login restarts, and Kubernetes restarts it.
                     _set(fatal, f"tailscaled left running state (now in state {state!r}), exiting")
                     return
-                if n.get("SelfChange"):
-                    try:
-                        node = with_dns_config(node, await self.api.dns_config())
-                    except LocalAPIError as e:
-                        log.info("error refreshing DNS config from tailscaled: %s", e)
+                node = await self._fold_notify(node, n)
                 if carries_netmap(n) or state is not None:
                     self.reconciler.set_node(node)
                     if self.serve_loop is not None:
@@ -661,8 +761,8 @@ class Agent:
             from . import memtrim
             self._trimmed_at_applies = rec.stats.rule_applies
             memtrim.trim()
-        if self.startup_complete.is_set() or not routed:
-            return
+        if self.startup_complete.is_set() or not routed or node.backend_state != "Running":
+            return      # rules installed before Running (`_early_rules`) do not complete start-up yet
         if self.kube_store and self.secret is not None and not self.secret.has_written("device_id", "device_fqdn"):
             return
         self.startup_complete.set()
@@ -693,6 +793,8 @@ class Agent:
                 await t
             except BaseException:
                 pass
+        if self._login_watch_closing is not None:
+            await self._login_watch_closing
         if self.tailscaled is not None:
             budget_end = time.monotonic() + SHUTDOWN_BUDGET
             if self.kube_store and self.secret is not None and self.tailscaled.alive():
@@ -713,6 +815,22 @@ class Agent:
             await self.api.aclose()
         if self.secret is not None:
             await self.secret.client.aclose()
+
+
+async def _close_watch(stream, *pending: asyncio.Future | None) -> None:
+    """End a bus watch and what ran beside it: cancel the pending read and a running `tailscale up` (run_cli
+    kills it), then close the stream's connection. Never raises."""
+    for fut in pending:
+        if fut is not None and not fut.done():
+            fut.cancel()
+            try:
+                await fut
+            except BaseException:
+                pass
+    try:
+        await stream.aclose()
+    except BaseException:
+        pass
 
 
 def _set(fut: asyncio.Future, msg: str) -> None:

@@ -20,14 +20,12 @@ rules depend on the parsed values. Within each phase, the first failure wins.
 """
 from __future__ import annotations
 
-import argparse
 import enum
 import ipaddress
 import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 from containerboot import conffile
@@ -109,6 +107,7 @@ def parse_go_duration(text: str) -> float:
         return 0.0
     if not s:
         raise ValueError(f"invalid duration {text!r}")
+    from fractions import Fraction   # here, not at the top: this module is imported before tailscaled starts
     total = Fraction(0)
     while s:
         m = _DURATION_NUMBER.match(s)
@@ -1105,6 +1104,7 @@ def reference_markdown() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import argparse
     parser = argparse.ArgumentParser(prog="python -m containerboot.settings",
                                      description="The agent's environment variables.")
     parser.add_argument("--markdown", action="store_true", help="print the README's variable reference")

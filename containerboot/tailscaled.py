@@ -286,7 +286,7 @@ class Tailscaled:
                 return
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"timed out waiting for tailscaled socket {self.socket_path}")
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.01)   # `tailscale up` starts as soon as the socket is there
 
     async def stop(self, timeout: float) -> int | None:
         """SIGTERM tailscaled and wait for it; SIGKILL its group if it does not exit in time."""

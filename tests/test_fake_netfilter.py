@@ -8,6 +8,7 @@ import. The rules must still be visible, in `containerboot rules` and in `/statu
 from __future__ import annotations
 
 import json
+import signal
 import os
 import subprocess
 import sys
@@ -145,3 +146,47 @@ def test_every_backend_tells_the_agent_which_families_it_translates():
     assert IptablesBackend(ipv6=False, variant="").families == (4,)
     assert IptablesBackend(ipv6=True, variant="").families == (4, 6)
     assert FakeBackend(ipv6=False).families == (4,)
+
+
+def _installed_dnats(tmp_path: Path) -> set[tuple[str, tuple[str, ...]]]:
+    """The DNATs in the in-memory firewall, as the running agent published them."""
+    from netfilter.fake import read_state, state_path
+    fw = read_state(state_path(str(tmp_path / "tailscaled.sock")))
+    return {(str(d.original_dst), tuple(map(str, d.targets))) for d in fw.rules.dnats}
+
+
+def test_rules_go_in_with_the_first_netmap_and_startup_completes_at_running(run_agent, tmp_path):
+    """tailscaled has the node's addresses seconds before Running (network check, home DERP): the rules are
+    installed then, but start-up, readiness and `tailscale up` still wait for Running."""
+    from tests.test_agent_boot import _signal_fake_tailscaled, _wait_until
+    port = _free_port()
+    a = run_agent(**hooked_env(tmp_path, FAKE_TS_INITIAL="NeedsLogin", FAKE_TS_HOLD_STARTING="1",
+                               TS_DEST_IP="10.0.0.7", TS_LOCAL_ADDR_PORT=f"127.0.0.1:{port}",
+                               TS_ENABLE_METRICS="true", TS_ENABLE_HEALTH_CHECK="true"))
+    want = {("100.64.0.5", ("10.0.0.7",))}
+    _wait_until(lambda: _installed_dnats(tmp_path) == want, what="the DNAT installed in state Starting")
+    time.sleep(0.5)   # whatever the agent would do next without Running, it has had the time to do it
+    assert "Startup complete" not in a.log()
+    code, body = _get(f"http://127.0.0.1:{port}/readyz")
+    assert code != 200, body
+    st = json.loads(_get(f"http://127.0.0.1:{port}/status")[1])
+    assert st["backend_state"] == "Starting" and st["startup_complete"] is False
+    _signal_fake_tailscaled(tmp_path, signal.SIGHUP)      # Starting -> Running
+    a.wait_for("Startup complete")
+    assert _get(f"http://127.0.0.1:{port}/readyz")[0] == 200
+    assert a.log().count("Applying rules") == 1, a.log()   # installed once, confirmed at Running
+    assert _installed_dnats(tmp_path) == want
+    assert a.stop() == 0
+    assert _installed_dnats(tmp_path) == set()
+
+
+def test_stop_before_running_removes_the_rules_installed_early(run_agent, tmp_path):
+    from tests.test_agent_boot import _wait_until
+    a = run_agent(**hooked_env(tmp_path, FAKE_TS_INITIAL="NeedsLogin", FAKE_TS_HOLD_STARTING="1",
+                               TS_DEST_IP="10.0.0.7"))
+    _wait_until(lambda: _installed_dnats(tmp_path), what="the DNAT installed in state Starting")
+    assert a.stop() == 0
+    assert _installed_dnats(tmp_path) == set()
+    assert "Removed the agent's firewall rules" in a.log()
+    assert "Startup complete" not in a.log()
+    assert (tmp_path / "tailscaled.sigterm").exists()

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A stand-in for the `tailscale` CLI in unit tests: records its argv, and `up` logs the fake backend in.
 
-FAKE_TS_UP_FAIL=1 makes `up` fail; FAKE_TS_UP_HANG=1 makes it hang (to test the boot timeout).
+FAKE_TS_UP_FAIL=1 makes `up` fail; FAKE_TS_UP_HANG=1 makes it hang (to test the boot timeout). Like the real
+`up`, it exits only once the backend is Running.
 """
 from __future__ import annotations
 
@@ -29,7 +30,20 @@ def main() -> int:
             s.sendall(b"POST /localapi/v0/fake/login HTTP/1.1\r\nHost: local-tailscaled.sock\r\n"
                       b"Content-Length: 0\r\nConnection: close\r\n\r\n")
             s.recv(4096)
+        # Like the real `tailscale up`: exit only once the backend is Running.
+        while _backend_state(sock) != "Running":
+            time.sleep(0.02)
     return 0
+
+
+def _backend_state(sock: str) -> str:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(sock)
+        s.sendall(b"GET /localapi/v0/status HTTP/1.1\r\nHost: local-tailscaled.sock\r\nConnection: close\r\n\r\n")
+        data = b""
+        while (chunk := s.recv(65536)):
+            data += chunk
+    return json.loads(data.split(b"\r\n\r\n", 1)[1] or b"{}").get("BackendState", "")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ Knobs (environment):
   FAKE_TS_INITIAL    initial backend state name
   FAKE_TS_IPS        comma-separated tailnet IPs of the self node (default 100.64.0.5,fd7a:115c:a1e0::5)
   FAKE_TS_NO_SOCKET  never create the socket (to test the boot timeout)
+  FAKE_TS_HOLD_STARTING  the login stops in Starting, with the netmap (the node's addresses) already sent, as
+                     real tailscaled does while it runs its network check; SIGHUP then moves it to Running
   FAKE_TS_CONFIG_REWRITE  write this text to the --config file right after start (an operator's rewrite
                      landing while the agent boots, after tailscaled has read the old text); written to a
                      temporary file and renamed into place, as kubelet does
@@ -19,6 +21,7 @@ Triggers (signals, sent by the test when it is ready for them, never on a timer;
 FAKE_TS_DIR/tailscaled.pid, written after the handlers are installed):
   SIGUSR1            the backend goes to NeedsLogin (a logout)
   SIGUSR2            exit with status 3 (a crash)
+  SIGHUP             Starting -> Running (with FAKE_TS_HOLD_STARTING)
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ class Backend:
 
     def self_status(self) -> dict:
         return {"ID": "nStable1", "NodeID": 1, "PublicKey": "nodekey:01", "DNSName": "proxy.tailnet.test.",
-                "TailscaleIPs": self.ips if self.state == "Running" else []}
+                "TailscaleIPs": self.ips if self.state in ("Starting", "Running") else []}
 
     def initial(self) -> dict:
         return {"Version": "fake", "InitialStatus": {
@@ -57,13 +60,22 @@ class Backend:
 
     def set_state(self, state: str) -> None:
         with self.lock:
+            if state == "Running" and self.state != "Starting":
+                self._netmap()
+            if state == "Starting":
+                self._netmap()      # tailscaled installs the netmap, then switches to Starting
             self.state = state
             self.events.append({"State": STATES.index(state)})
-            if state == "Running":
-                self.events.append({"SelfChange": {
-                    "ID": 1, "StableID": "nStable1", "Name": "proxy.tailnet.test.", "Key": "nodekey:01",
-                    "Addresses": [f"{ip}/{128 if ':' in ip else 32}" for ip in self.ips]}})
             self.lock.notify_all()
+
+    def _netmap(self) -> None:
+        self.events.append({"SelfChange": {
+            "ID": 1, "StableID": "nStable1", "Name": "proxy.tailnet.test.", "Key": "nodekey:01",
+            "Addresses": [f"{ip}/{128 if ':' in ip else 32}" for ip in self.ips]}})
+
+    def hold_released(self) -> None:
+        if self.state == "Starting":
+            self.set_state("Running")
 
 
 BACKEND: Backend
@@ -127,7 +139,7 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?")[0]
         body = self._body()
         if path == "/localapi/v0/fake/login":
-            BACKEND.set_state("Running")
+            BACKEND.set_state("Starting" if os.environ.get("FAKE_TS_HOLD_STARTING") else "Running")
             return self._reply(200)
         if path == "/localapi/v0/disconnect-control":
             with open(os.path.join(BACKEND.dir, "disconnected"), "w") as f:
@@ -198,6 +210,7 @@ def main() -> None:
     signal.signal(signal.SIGUSR1,
                   lambda *_: threading.Thread(target=BACKEND.set_state, args=("NeedsLogin",)).start())
     signal.signal(signal.SIGUSR2, lambda *_: os._exit(3))
+    signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=BACKEND.hold_released).start())
     pid_tmp = os.path.join(record_dir, ".tailscaled.pid.tmp")
     with open(pid_tmp, "w") as f:
         f.write(str(os.getpid()))
