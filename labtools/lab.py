@@ -510,6 +510,11 @@ class Lab:
     # ---------------------------------------------------------------- headscale
     def _hs_config_text(self) -> str:
         d = self.run_dir / "hs"
+        # With IPv6 in the island the DERP server advertises its IPv6 address too and STUN answers on both
+        # families: a DERP node without one makes every tailscaled's first network check wait out its whole
+        # STUN timeout for IPv6 probes nobody answers (about 3 s before Running on every boot).
+        stun = '"[::]:3478"' if self.ipv6 else f"{HS_V4}:3478"
+        derp_v6 = f"\n    ipv6: {HS_V6}" if self.ipv6 else ""
         return f"""\
 server_url: {LOGIN_SERVER}
 listen_addr: {HS_V4}:{HS_PORT}
@@ -535,10 +540,10 @@ derp:
     region_code: headscale
     region_name: Headscale Embedded DERP
     verify_clients: true
-    stun_listen_addr: {HS_V4}:3478
+    stun_listen_addr: {stun}
     private_key_path: {d}/derp_server_private.key
     automatically_add_embedded_derp_region: true
-    ipv4: {HS_V4}
+    ipv4: {HS_V4}{derp_v6}
   urls: []
   paths: []
   auto_update_enabled: false
