@@ -383,15 +383,21 @@ class Agent:
                                 and "login-state" in (health.get("Warnings") or {}):
                             raise _NeedsReissue("Auth key failed to authenticate (may be expired or single-use), "
                                                 "disconnecting from control and requesting new key from operator")
-                        node = await self._fold_notify(node, n)
                         state = notify_backend_state(n)
+                        early = state != "Running" and carries_netmap(n) \
+                            and (n.get("SelfChange") or (state or node.backend_state) == "Starting")
+                        if early and n.get("SelfChange") and not s.tailnet_target_fqdn:
+                            # The rules first, the DNS config after: tailscaled answers the DNS config request
+                            # only once it has finished its own switch to Running (about 10 ms), and only an
+                            # egress to a tailnet name (TS_TAILNET_TARGET_FQDN) reads the DNS config's records.
+                            await self._early_rules(apply_notify(node, n, time.time()))
+                        node = await self._fold_notify(node, n)
                         logged_in = (state or node.backend_state) in ("Starting", "Running") or bool(node.tailnet_ips)
                         if n.get("LoginFinished") is not None or logged_in:
                             # Control has answered the login (headscale then takes about a second for the first
                             # netmap), or the node was logged in already: nothing left for the detection to delay.
                             self._start_firewall()
-                        if state != "Running" and carries_netmap(n) \
-                                and (n.get("SelfChange") or node.backend_state == "Starting"):
+                        if early:
                             await self._early_rules(node)    # a netmap from control: the node has its addresses
                         if state is None:
                             continue
@@ -480,7 +486,9 @@ class Agent:
         elif node == self.reconciler.node:
             return
         self.reconciler.set_node(node)
-        await self.reconciler.reconcile_once()
+        # Running usually follows this netmap within milliseconds: the conntrack clean-up (a dump of tens of
+        # milliseconds) waits for the pass that completes start-up and runs right after "Startup complete".
+        await self.reconciler.reconcile_once(defer_cleanup=True)
 
     async def _reissue(self, reason: str) -> None:
         """Ask the operator for a new auth key and wait for it; the agent then exits 0 to restart with it."""

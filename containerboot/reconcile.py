@@ -149,14 +149,17 @@ class Reconciler:
             if not self._in_pass:   # a pass beats when it starts and ends; one stuck in between must show
                 self.heartbeat = self.clock()
 
-    async def reconcile_once(self, *, force: bool = False) -> Desired:
+    async def reconcile_once(self, *, force: bool = False, defer_cleanup: bool = False) -> Desired:
+        """One pass. `defer_cleanup` leaves the conntrack clean-up of a rule change to the next pass (the pass
+        before Running: the clean-up, a conntrack dump of tens of milliseconds, must not hold up the login's
+        handling of Running; the pass that completes start-up does it, right after "Startup complete")."""
         self._in_pass = True
         try:
-            return await self._reconcile_once(force)
+            return await self._reconcile_once(force, defer_cleanup)
         finally:
             self._in_pass = False
 
-    async def _reconcile_once(self, force: bool) -> Desired:
+    async def _reconcile_once(self, force: bool, defer_cleanup: bool = False) -> Desired:
         start = time.monotonic()
         self.heartbeat = self.clock()
         # One snapshot for the whole pass: events arriving meanwhile mark the state dirty for the next pass.
@@ -173,7 +176,8 @@ class Reconciler:
             self.stats.failures += 1
         if self.on_converged is not None:
             await self.on_converged(self, want, node)
-        if self.firewall is not None and getattr(self.firewall, "pending_conntrack", None) is not None:
+        if self.firewall is not None and not defer_cleanup \
+                and getattr(self.firewall, "pending_conntrack", None) is not None:
             from netfilter.backend import flush_pending_conntrack
             try:   # after the Secret and start-up bookkeeping: a conntrack dump takes tens of milliseconds
                 await asyncio.to_thread(flush_pending_conntrack, self.firewall)

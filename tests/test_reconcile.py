@@ -207,3 +207,39 @@ async def test_the_conntrack_clean_up_runs_after_the_pass_reported_the_rules(mon
     fw.apply(fw.applied[-1])
     nb.flush_pending_conntrack(fw)
     assert events[-1] == ("flush", 1, False) and fw.pending_conntrack is None
+
+
+async def test_the_pass_before_running_leaves_the_conntrack_clean_up_to_the_pass_that_completes_start_up(
+        monkeypatch):
+    """The rules installed with the first netmap (state Starting) do not run the conntrack dump: it would hold
+    up the login's handling of Running by tens of milliseconds. The next pass (at Running) finds the rules
+    unchanged, reports them (start-up), and only then cleans up, against the rule set before the early one."""
+    import netfilter.backend as nb
+
+    events: list = []
+    monkeypatch.setattr(nb, "flush_stale_conntrack", lambda rules, previous: events.append(
+        ("flush", len(rules.dnats), previous is None)) or 0)
+
+    class KernelLike(FakeFirewall):
+        previous = None
+
+        def apply(self, rules):
+            super().apply(rules)
+            nb.conntrack_after_apply(self, rules, self.previous)
+            self.previous = rules
+
+    async def converged(rec, want, node_):
+        events.append(("converged", node_.backend_state))
+
+    fw = KernelLike()
+    rec = Reconciler(load({"TS_USERSPACE": "false", "TS_DEST_IP": "10.0.0.7"}), fw, on_converged=converged)
+    starting = node("100.64.0.5")
+    from dataclasses import replace
+    rec.set_node(replace(starting, backend_state="Starting"))
+    await rec.reconcile_once(defer_cleanup=True)
+    assert events == [("converged", "Starting")] and fw.pending_conntrack is not None
+    rec.set_node(starting)                       # Running, same addresses
+    await rec.reconcile_once()
+    assert len(fw.applied) == 1                  # not re-applied
+    assert events == [("converged", "Starting"), ("converged", "Running"), ("flush", 1, True)]
+    assert fw.pending_conntrack is None
