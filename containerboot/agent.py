@@ -34,6 +34,10 @@ SHUTDOWN_BUDGET = 25.0
 #: milliseconds; the bound keeps a stuck mount from holding back the node's own rules).
 INPUTS_FIRST_READ_WAIT = 10.0
 
+#: Rules before Running: how long after the first netmap the agent waits for Running before installing them
+#: (a quick Running comes 10-40 ms after the netmap; a slow network check takes seconds).
+EARLY_RULES_DELAY = 0.1
+
 #: Auth key reissue: how often the config file is re-read when no change event arrives (upstream's 5 s ticker).
 REISSUE_POLL_INTERVAL = 5.0
 
@@ -358,6 +362,8 @@ class Agent:
         remaining = self._boot_deadline() - time.monotonic()
         stream = self.api.watch_ipn_bus(FIRST_WATCH_MASK)
         nxt: asyncio.Future | None = None
+        early_wanted = False     # a netmap came: the rules go in if Running is not there soon
+        early_timer: asyncio.Future | None = None
         try:
             try:
                 async with asyncio.timeout(max(0.0, remaining)):
@@ -365,7 +371,14 @@ class Agent:
                         if nxt is None:
                             nxt = asyncio.ensure_future(anext(stream))
                         waits = {nxt} if up is None or up.done() else {nxt, up}
+                        if early_timer is not None:
+                            waits.add(early_timer)
                         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                        if early_timer is not None and early_timer.done():
+                            early_timer = None
+                            if early_wanted and last_state != "Running":
+                                await self._early_rules(node)   # the login's latest view of the node
+                            early_wanted = False
                         if up is not None and up.done():
                             up.result()     # a failed `tailscale up` ends the boot at once (AgentError)
                             self._did_up = True
@@ -386,11 +399,6 @@ class Agent:
                         state = notify_backend_state(n)
                         early = state != "Running" and carries_netmap(n) \
                             and (n.get("SelfChange") or (state or node.backend_state) == "Starting")
-                        if early and n.get("SelfChange") and not s.tailnet_target_fqdn:
-                            # The rules first, the DNS config after: tailscaled answers the DNS config request
-                            # only once it has finished its own switch to Running (about 10 ms), and only an
-                            # egress to a tailnet name (TS_TAILNET_TARGET_FQDN) reads the DNS config's records.
-                            await self._early_rules(apply_notify(node, n, time.time()))
                         node = await self._fold_notify(node, n)
                         logged_in = (state or node.backend_state) in ("Starting", "Running") or bool(node.tailnet_ips)
                         if n.get("LoginFinished") is not None or logged_in:
@@ -398,7 +406,14 @@ class Agent:
                             # netmap), or the node was logged in already: nothing left for the detection to delay.
                             self._start_firewall()
                         if early:
-                            await self._early_rules(node)    # a netmap from control: the node has its addresses
+                            # A netmap from control: the node has its addresses. Its rules go in if Running does
+                            # not follow within EARLY_RULES_DELAY (tailscaled's network check, seconds when
+                            # slow); when it does, the rules would only compete with tailscaled's own switch to
+                            # Running (its router and DNS configuration), which they were measured to slow down
+                            # by 10-25 ms, and go in at Running instead.
+                            early_wanted = True
+                            if early_timer is None:
+                                early_timer = asyncio.ensure_future(asyncio.sleep(EARLY_RULES_DELAY))
                         if state is None:
                             continue
                         last_state = self._boot_state = state
@@ -435,8 +450,10 @@ class Agent:
             except LocalAPIError as e:
                 raise AgentError(f"failed to watch tailscaled for updates: {e}") from None
         except BaseException:
-            await _close_watch(stream, nxt, up)
+            await _close_watch(stream, nxt, up, early_timer)
             raise
+        if early_timer is not None:
+            early_timer.cancel()
         # Logged in: the watch's connection is closed in the background, after start-up (a few milliseconds).
         self._login_watch_closing = asyncio.ensure_future(_close_watch(stream, nxt, up))
         self._login_node = node

@@ -157,7 +157,8 @@ def _installed_dnats(tmp_path: Path) -> set[tuple[str, tuple[str, ...]]]:
 
 def test_rules_go_in_with_the_first_netmap_and_startup_completes_at_running(run_agent, tmp_path):
     """tailscaled has the node's addresses seconds before Running (network check, home DERP): the rules are
-    installed then, but start-up, readiness and `tailscale up` still wait for Running."""
+    installed then (when Running has not followed within EARLY_RULES_DELAY), but start-up, readiness and
+    `tailscale up` still wait for Running."""
     from tests.test_agent_boot import _signal_fake_tailscaled, _wait_until
     port = _free_port()
     a = run_agent(**hooked_env(tmp_path, FAKE_TS_INITIAL="NeedsLogin", FAKE_TS_HOLD_STARTING="1",
@@ -176,22 +177,6 @@ def test_rules_go_in_with_the_first_netmap_and_startup_completes_at_running(run_
     assert _get(f"http://127.0.0.1:{port}/readyz")[0] == 200
     assert a.log().count("Applying rules") == 1, a.log()   # installed once, confirmed at Running
     assert _installed_dnats(tmp_path) == want
-    assert a.stop() == 0
-    assert _installed_dnats(tmp_path) == set()
-
-
-def test_the_rules_do_not_wait_for_the_dns_config_that_tailscaled_answers_only_at_running(run_agent, tmp_path):
-    """Real tailscaled answers the agent's DNS config request (made after each netmap) only once it has
-    switched to Running; an L3 proxy's rules do not depend on it, so they go in before that answer."""
-    from tests.test_agent_boot import _signal_fake_tailscaled, _wait_until
-    a = run_agent(**hooked_env(tmp_path, FAKE_TS_INITIAL="NeedsLogin", FAKE_TS_HOLD_STARTING="1",
-                               FAKE_TS_HOLD_DNS_CONFIG="1", TS_DEST_IP="10.0.0.7"))
-    want = {("100.64.0.5", ("10.0.0.7",))}
-    _wait_until(lambda: _installed_dnats(tmp_path) == want, what="the DNAT installed before the DNS config")
-    assert "Startup complete" not in a.log()
-    _signal_fake_tailscaled(tmp_path, signal.SIGHUP)      # Starting -> Running; the DNS config is answered
-    a.wait_for("Startup complete")
-    assert a.log().count("Applying rules") == 1, a.log()
     assert a.stop() == 0
     assert _installed_dnats(tmp_path) == set()
 

@@ -13,8 +13,6 @@ Knobs (environment):
   FAKE_TS_NO_SOCKET  never create the socket (to test the boot timeout)
   FAKE_TS_HOLD_STARTING  the login stops in Starting, with the netmap (the node's addresses) already sent, as
                      real tailscaled does while it runs its network check; SIGHUP then moves it to Running
-  FAKE_TS_HOLD_DNS_CONFIG  with FAKE_TS_HOLD_STARTING: a dns-config request is answered only once the backend
-                     is Running (real tailscaled answers it only after its own switch to Running)
   FAKE_TS_CONFIG_REWRITE  write this text to the --config file right after start (an operator's rewrite
                      landing while the agent boots, after tailscaled has read the old text); written to a
                      temporary file and renamed into place, as kubelet does
@@ -128,9 +126,6 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/localapi/v0/prefs":
             return self._reply(200, BACKEND.prefs)
         if path == "/localapi/v0/dns-config":
-            if os.environ.get("FAKE_TS_HOLD_DNS_CONFIG"):
-                with BACKEND.lock:
-                    BACKEND.lock.wait_for(lambda: BACKEND.state == "Running")
             return self._reply(200, {"CertDomains": ["proxy.tailnet.test"], "ExtraRecords": []})
         if path == "/localapi/v0/serve-config":
             return self._reply(200, BACKEND.serve_config, {"Etag": f'"{BACKEND.serve_etag}"'})
