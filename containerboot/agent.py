@@ -503,8 +503,8 @@ class Agent:
         elif node == self.reconciler.node:
             return
         self.reconciler.set_node(node)
-        # Running usually follows this netmap within milliseconds: the conntrack clean-up (a dump of tens of
-        # milliseconds) waits for the pass that completes start-up and runs right after "Startup complete".
+        # Running may come at any moment now: the conntrack clean-up (a dump of tens of milliseconds) waits for
+        # the pass that completes start-up and runs right after "Startup complete", as without early rules.
         await self.reconciler.reconcile_once(defer_cleanup=True)
 
     async def _reissue(self, reason: str) -> None:
