@@ -121,8 +121,11 @@ def test_node_ready_and_a_clusterip_through_kube_proxy(lab, cluster):
     node = kc.get("node", kubecluster.NODE_NAME)
     assert node["status"]["nodeInfo"]["kubeletVersion"] == kubecluster.K8S_VER
     assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://1.")
-    cm = kc.get("configmap", "kube-root-ca.crt", "default")
-    assert cm["data"]["ca.crt"] == kc.ca_cert.read_text()    # the controller-manager publishes the cluster CA
+    # the controller-manager publishes the cluster CA into every namespace, asynchronously: the node can be Ready
+    # before its root-CA publisher has run for "default" (seen once with an 8 s Ready)
+    cm = wait_until(lambda: kc.get("configmap", "kube-root-ca.crt", "default"), 30, 0.2,
+                    "the controller-manager's kube-root-ca.crt in namespace default")
+    assert cm["data"]["ca.crt"] == kc.ca_cert.read_text()
     ns = "echo"
     kc.apply([kubemanifests.namespace(ns), *kubemanifests.echo_backend(ns, "echo", "echo-ok", kubecluster.ECHO_IMAGE)])
     kc.kubectl("-n", ns, "rollout", "status", "deployment/echo", "--timeout=90s", timeout=100)
