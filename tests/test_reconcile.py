@@ -173,22 +173,32 @@ async def test_the_node_snapshot_of_the_last_pass_is_kept():
     assert rec.reconciled_node == first
 
 
+class KernelLike(FakeFirewall):
+    """A fake firewall whose apply() hands the conntrack clean-up to netfilter.backend as the kernel backends do."""
+    previous = None
+
+    def apply(self, rules):
+        import netfilter.backend as nb
+        super().apply(rules)
+        nb.conntrack_after_apply(self, rules, self.previous)
+        self.previous = rules
+
+
+def _record_conntrack_flushes(monkeypatch) -> list:
+    """Replace the kernel conntrack dump with a recorder: ("flush", number of DNATs, first apply?)."""
+    import netfilter.backend as nb
+    events: list = []
+    monkeypatch.setattr(nb, "flush_stale_conntrack", lambda rules, previous: events.append(
+        ("flush", len(rules.dnats), previous is None)) or 0)
+    return events
+
+
 async def test_the_conntrack_clean_up_runs_after_the_pass_reported_the_rules(monkeypatch):
     """The UDP conntrack clean-up (a kernel dump) still runs in the same pass, but after on_converged, so that
     the Secret and "Startup complete" do not wait for it; two applies before it keep the older rule set."""
     import netfilter.backend as nb
 
-    events: list = []
-    monkeypatch.setattr(nb, "flush_stale_conntrack", lambda rules, previous: events.append(
-        ("flush", len(rules.dnats), previous is None)) or 0)
-
-    class KernelLike(FakeFirewall):
-        previous = None
-
-        def apply(self, rules):
-            super().apply(rules)
-            nb.conntrack_after_apply(self, rules, self.previous)
-            self.previous = rules
+    events = _record_conntrack_flushes(monkeypatch)
 
     async def converged(rec, want, node_):
         events.append(("converged", len(want.rules.dnats)))
@@ -214,19 +224,7 @@ async def test_the_pass_before_running_leaves_the_conntrack_clean_up_to_the_pass
     """The rules installed with the first netmap (state Starting) do not run the conntrack dump: it would hold
     up the login's handling of Running by tens of milliseconds. The next pass (at Running) finds the rules
     unchanged, reports them (start-up), and only then cleans up, against the rule set before the early one."""
-    import netfilter.backend as nb
-
-    events: list = []
-    monkeypatch.setattr(nb, "flush_stale_conntrack", lambda rules, previous: events.append(
-        ("flush", len(rules.dnats), previous is None)) or 0)
-
-    class KernelLike(FakeFirewall):
-        previous = None
-
-        def apply(self, rules):
-            super().apply(rules)
-            nb.conntrack_after_apply(self, rules, self.previous)
-            self.previous = rules
+    events = _record_conntrack_flushes(monkeypatch)
 
     async def converged(rec, want, node_):
         events.append(("converged", node_.backend_state))
