@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from . import tailscaled as ts
 from .desired import Desired
-from .localapi import FIRST_WATCH_MASK, WATCH_MASK, LocalAPI, LocalAPIError
+from .localapi import FIRST_WATCH_MASK, LOGIN_WATCH_MASK, WATCH_MASK, LocalAPI, LocalAPIError
 from .reconcile import Reconciler
 from tscommon.redact import redact, register
 from .settings import Settings
@@ -74,6 +74,9 @@ class Agent:
         self._firewall_wanted = False   # the configuration has rules; detection starts at `_start_firewall`
         self._linked = False
         self._did_up = False
+        self._logged_in = False     # the login is over (Running, `tailscale up` exited): start-up may complete
+        self._forwarding_ensured = False
+        self._login_watch: tuple = ()  # the login's bus watch and what ran beside it, closed after start-up
         self.endpoints = None
         self.started_at = time.time()
         self._boot_state = "NoState"
@@ -177,6 +180,7 @@ class Agent:
                     ensure_forwarding(*s.forwarding_families, root=s.root)
                 except ForwardingError as e:
                     raise AgentError(str(e)) from None
+                self._forwarding_ensured = True     # the reconciler's first pass need not do it again
         if s.is_l3_proxy and (not s.userspace or s.test_fake_netfilter):
             # Detecting the firewall mode probes the kernel (tens of milliseconds of CPU, firewall tools run);
             # rules are needed only once the node has addresses, so it runs in the idle second of the login
@@ -231,6 +235,12 @@ class Agent:
         except Exception as e:
             raise AgentError(f"error creating the netfilter runner: {e}") from None
         log.info("Using %s for the agent's firewall rules", self.firewall.name)
+        if (warm_up := getattr(self.firewall, "warm_up", None)) is not None:
+            # Still the idle second of the login: the first apply, at Running, then costs a warm one's time.
+            try:
+                await asyncio.to_thread(warm_up)
+            except Exception as e:   # noqa: BLE001 -- only a warm-up: the apply reports real failures
+                log.debug("firewall warm-up failed: %s", e)
 
     async def _start_tailscaled(self) -> None:
         argv = ts.tailscaled_argv(self.s)
@@ -349,8 +359,10 @@ class Agent:
         One IPN bus watch for the whole login, and `tailscale up` (when needed) runs beside it rather than
         before it: the agent sees the node's addresses as soon as tailscaled has its first netmap, seconds
         before Running (tailscaled first waits for its network check and home DERP connection), and installs
-        the data path's rules then (see `_early_rules`). Start-up still completes only once the backend is
-        Running and `tailscale up` has exited successfully, as upstream's does."""
+        the data path's rules then (see `_early_rules`), or, when Running follows at once, at Running while
+        `tailscale up` exits. Start-up still completes only once the backend is Running and `tailscale up` has
+        exited successfully, as upstream's does. The watch asks tailscaled for as little as the rules need
+        (`LOGIN_WATCH_MASK`): whatever it computes for a watcher delays its own switch to Running."""
         s = self.s
         assert self.api is not None
         up: asyncio.Task | None = None
@@ -360,17 +372,27 @@ class Agent:
         last_state = ""
         node = NodeState()
         remaining = self._boot_deadline() - time.monotonic()
-        stream = self.api.watch_ipn_bus(FIRST_WATCH_MASK)
+        stream = self.api.watch_ipn_bus(FIRST_WATCH_MASK if self._login_needs_tailnet else LOGIN_WATCH_MASK)
         nxt: asyncio.Future | None = None
         early_wanted = False     # a netmap came: the rules go in if Running is not there soon
         early_timer: asyncio.Future | None = None
+        running_rules: asyncio.Future | None = None   # rules installed at Running while `tailscale up` exits
         try:
             try:
                 async with asyncio.timeout(max(0.0, remaining)):
                     while True:
-                        if nxt is None:
+                        # Between Starting and Running tailscaled configures its router, DNS and DERP connection,
+                        # usually within 10-15 ms; every notification read then costs this process CPU that
+                        # tailscaled's switch to Running needs (measured: reading them delayed Running by 1.5-3 ms
+                        # on 2 cores). `tailscale up` exits as soon as it sees Running, so while it runs, and for at
+                        # most EARLY_RULES_DELAY, the notifications wait in the socket and are read after.
+                        quiet = last_state == "Starting" and early_timer is not None and up is not None \
+                            and not up.done()
+                        if nxt is None and not quiet:
                             nxt = asyncio.ensure_future(anext(stream))
-                        waits = {nxt} if up is None or up.done() else {nxt, up}
+                        waits = set() if nxt is None else {nxt}
+                        if up is not None and not up.done():
+                            waits.add(up)
                         if early_timer is not None:
                             waits.add(early_timer)
                         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -384,7 +406,7 @@ class Agent:
                             self._did_up = True
                             if last_state == "Running":
                                 break
-                        if not nxt.done():
+                        if nxt is None or not nxt.done():
                             continue
                         try:
                             n = nxt.result()
@@ -424,7 +446,11 @@ class Agent:
                                 if up is not None:
                                     up.result()
                                 break
-                            continue    # `tailscale up` exits as soon as it sees Running too
+                            # `tailscale up` exits as soon as it sees Running too, a few milliseconds from now
+                            # (a process exit): the rules go in meanwhile, start-up completes once it has exited.
+                            if running_rules is None:
+                                running_rules = asyncio.ensure_future(self._early_rules(node))
+                            continue
                         if state == "NeedsLogin":
                             if s.one_step and self.kube_store:
                                 raise _NeedsReissue("Auth key missing or invalid (NeedsLogin state), "
@@ -441,6 +467,8 @@ class Agent:
                             log.info("machine authorization required, please visit the admin panel")
                         else:
                             log.info("tailscaled in state %r, waiting", state)
+                    if running_rules is not None:
+                        await running_rules
             except TimeoutError:
                 if up is not None and not up.done():
                     raise AgentError(f"tailscale up did not finish within TS_BOOT_TIMEOUT ({s.boot_timeout:g}s); "
@@ -450,24 +478,33 @@ class Agent:
             except LocalAPIError as e:
                 raise AgentError(f"failed to watch tailscaled for updates: {e}") from None
         except BaseException:
-            await _close_watch(stream, nxt, up, early_timer)
+            await _close_watch(stream, nxt, up, early_timer, running_rules)
             raise
         if early_timer is not None:
             early_timer.cancel()
-        # Logged in: the watch's connection is closed in the background, after start-up (a few milliseconds).
-        self._login_watch_closing = asyncio.ensure_future(_close_watch(stream, nxt, up))
+        # Logged in: the watch's connection is closed in the background once start-up is complete (closing it
+        # takes a few milliseconds of the loop's time).
+        self._login_watch = (stream, nxt, up)
         self._login_node = node
+        self._logged_in = True
 
     async def _fold_notify(self, node: NodeState, n: dict) -> NodeState:
         """One bus notification folded into the node state (and tailscaled's DNS config after a new netmap)."""
         node = apply_notify(node, n, time.time())
-        if n.get("SelfChange"):
+        if n.get("SelfChange") and (self._logged_in or self._login_needs_tailnet):
             assert self.api is not None
             try:
                 node = with_dns_config(node, await self.api.dns_config())
             except LocalAPIError as e:
                 log.info("error refreshing DNS config from tailscaled: %s", e)
         return node
+
+    @property
+    def _login_needs_tailnet(self) -> bool:
+        """Whether the login's view of the node needs the rest of the tailnet: peers and tailscaled's DNS records
+        (a tailnet FQDN target resolves through them). Otherwise the login watches only the node itself, and
+        the steady-state watch (its initial status) brings the peers and DNS records after start-up."""
+        return bool(self.s.tailnet_target_fqdn)
 
     def _early_rules_allowed(self) -> bool:
         """Whether the rules may go in before Running. Not with a state Secret (the device ID is written before
@@ -479,12 +516,16 @@ class Agent:
 
     def _make_reconciler(self) -> Reconciler:
         rules_file = os.path.join(os.path.dirname(self.s.socket) or ".", "containerboot-rules.json")
-        return Reconciler(self.s, self.firewall, rules_file=rules_file,
-                          ensure_forwarding=None if self.s.userspace else self._ensure_forwarding,
-                          on_converged=self._on_converged, before_rules=self._before_rules)
+        rec = Reconciler(self.s, self.firewall, rules_file=rules_file,
+                         ensure_forwarding=None if self.s.userspace else self._ensure_forwarding,
+                         on_converged=self._on_converged, before_rules=self._before_rules)
+        if self._forwarding_ensured:
+            rec.applied.forwarding = self.s.forwarding_families    # by `_prepare`, before tailscaled started
+        return rec
 
     async def _early_rules(self, node: NodeState) -> None:
-        """The node has its addresses (first netmap, state Starting): install the rules now, not at Running.
+        """The node has its addresses: install the rules now, before the login is over. Called when Running does
+        not follow the first netmap within EARLY_RULES_DELAY, and at Running while `tailscale up` exits.
 
         tailscaled spends the seconds between its first netmap and Running on its network check and the home
         DERP connection; the rules depend only on the addresses, so the data path is ready when Running comes
@@ -637,10 +678,14 @@ class Agent:
 
     # -- steady state ----------------------------------------------------------------------------------
     async def _steady_state(self) -> None:
-        await self._until_stop(self._after_login())
+        if self.s.auth_once_mode:
+            await self._until_stop(self._after_login())
         self._start_firewall()
         if self._firewall_task is not None:
-            await self._until_stop(self._firewall_task)
+            if self._firewall_task.done():
+                self._firewall_task.result()     # normally done since the login's answer: no turn of the loop
+            else:
+                await self._until_stop(self._firewall_task)
         if self.reconciler is None:
             self.reconciler = self._make_reconciler()
         if self._early_rules_allowed() and self._login_node.tailnet_ips:
@@ -649,6 +694,9 @@ class Agent:
             # notification.
             self.reconciler.set_node(self._login_node)
             await self._until_stop(self.reconciler.reconcile_once())
+        if self._login_watch:
+            self._login_watch_closing = asyncio.ensure_future(_close_watch(*self._login_watch))
+            self._login_watch = ()
         fatal: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         first_reads = {which: asyncio.Event() for which, path in (("egress", self.s.egress_proxies_config_path),
                                                                    ("ingress", self.s.ingress_proxies_config_path))
@@ -786,8 +834,10 @@ class Agent:
             from . import memtrim
             self._trimmed_at_applies = rec.stats.rule_applies
             memtrim.trim()
-        if self.startup_complete.is_set() or not routed or node.backend_state != "Running":
-            return      # rules installed before Running (`_early_rules`) do not complete start-up yet
+        if self.startup_complete.is_set() or not routed or node.backend_state != "Running" or not self._logged_in:
+            # Rules installed before the login is over (`_early_rules`: at the first netmap, or at Running while
+            # `tailscale up` exits) do not complete start-up yet.
+            return
         if self.kube_store and self.secret is not None and not self.secret.has_written("device_id", "device_fqdn"):
             return
         self.startup_complete.set()
@@ -818,6 +868,9 @@ class Agent:
                 await t
             except BaseException:
                 pass
+        if self._login_watch:     # stopped between the login and start-up
+            await _close_watch(*self._login_watch)
+            self._login_watch = ()
         if self._login_watch_closing is not None:
             await self._login_watch_closing
         if self.tailscaled is not None:

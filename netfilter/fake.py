@@ -29,6 +29,7 @@ class FakeBackend:
     is an iptables runner), headed by the IP families it supports."""
 
     name = "fake (TS_TEST_FAKE_NETFILTER)"
+    in_process = True
 
     def __init__(self, *, ipv6: bool = True, state_file: str | None = None) -> None:
         self.ipv6 = ipv6

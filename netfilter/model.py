@@ -236,6 +236,10 @@ class RuleSet:
         _set(self, "clamp_mss", bool(self.clamp_mss))
         self._check_conflicts()
 
+    def entries(self) -> int:
+        """How many translations the set holds (the size of an apply)."""
+        return len(self.dnats) + len(self.egress) + len(self.port_maps) + len(self.service_dnats)
+
     def _check_conflicts(self) -> None:
         """Refuse intents that cannot all hold at once, instead of letting rule order pick silently."""
         by_dst: dict[IP, object] = {}

@@ -495,3 +495,40 @@ def test_ipv6_leftovers_removed_when_ipv6_becomes_unusable(agent, tmp_path):
     agent.ns.run(PY, "-m", "netfilter.cli", "apply", str(path), "--mode", agent.mode, "--no-ipv6", *extra)
     raw = agent.raw()
     assert TS[4] in raw and TS[6] not in raw
+
+
+# --------------------------------------------------------------------------------------- nftables warm-up
+
+_WARM_THEN_APPLY = """
+import json, sys
+from netfilter.model import RuleSet
+from netfilter.nft import NftBackend
+b = NftBackend(ipv6=True)
+b.warm_up()
+import subprocess
+after_warm_up = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True, check=True).stdout
+b.apply(RuleSet.from_json(open(sys.argv[1]).read()))
+print(json.dumps({"after_warm_up": after_warm_up, "absent": b._absent_at_warm_up}))
+"""
+
+
+@pytest.mark.parametrize("ours_before", (False, True), ids=("no-tables", "equal-rules-installed"))
+def test_nft_warm_up_changes_nothing_and_the_first_apply_still_converges(ns, tmp_path, ours_before):
+    """The agent warms libnftables up in the idle second of the login with a batch in check mode: nothing in
+    the kernel may change (foreign tables, tailscaled's chains, our own tables), and the first real apply after
+    it must install the rules, or leave equal rules untouched (not even rewritten)."""
+    agent = Agent(ns, "nftables", tmp_path)
+    ns.run("nft", "add table inet foreign; add chain inet foreign c { type filter hook input priority 0; }; "
+           "add rule inet foreign c tcp dport 22 counter accept")
+    rules = everything(4)
+    rules = RuleSet(dnats=rules.dnats + everything(6).dnats, egress=rules.egress, clamp_mss=True)
+    if ours_before:
+        agent.apply(rules)
+    before = ns.run("nft", "list", "ruleset").stdout
+    out = json.loads(ns.run(PY, "-c", _WARM_THEN_APPLY, agent._file(rules)).stdout)
+    assert out["after_warm_up"] == before            # the check-mode batch committed nothing
+    assert out["absent"] is (not ours_before)
+    assert agent.installed() == agent.render(rules)
+    if ours_before:
+        assert ns.run("nft", "list", "ruleset").stdout == before   # equal rules: nothing sent at all
+    assert "table inet foreign" in ns.run("nft", "list", "ruleset").stdout

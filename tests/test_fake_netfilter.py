@@ -16,6 +16,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.test_agent_boot import _free_port, _get
 
 FIREWALL_TOOLS = [
@@ -191,3 +193,55 @@ def test_stop_before_running_removes_the_rules_installed_early(run_agent, tmp_pa
     assert "Removed the agent's firewall rules" in a.log()
     assert "Startup complete" not in a.log()
     assert (tmp_path / "tailscaled.sigterm").exists()
+
+
+def test_rules_go_in_at_running_while_tailscale_up_exits_and_startup_waits_for_it(run_agent, tmp_path):
+    """At Running the rules are installed at once, while `tailscale up` is still exiting (it sees Running
+    too, a few milliseconds later): the proxy is ready (Running, rules in), but start-up completes only with
+    the CLI's successful exit, as upstream's."""
+    from tests.test_agent_boot import _wait_until
+    port = _free_port()
+    gate = tmp_path / "up-may-exit"
+    a = run_agent(**hooked_env(tmp_path, FAKE_TS_INITIAL="NeedsLogin", FAKE_TS_UP_EXIT_GATE=str(gate),
+                               TS_DEST_IP="10.0.0.7", TS_LOCAL_ADDR_PORT=f"127.0.0.1:{port}",
+                               TS_ENABLE_METRICS="true", TS_ENABLE_HEALTH_CHECK="true"))
+    want = {("100.64.0.5", ("10.0.0.7",))}
+    _wait_until(lambda: _installed_dnats(tmp_path) == want, what="the DNAT installed at Running")
+    assert (tmp_path / "up-may-exit.running").exists()     # the backend is Running, `tailscale up` still runs
+    time.sleep(0.3)   # whatever the agent would do next without the CLI's exit, it has had the time to do it
+    assert "Startup complete" not in a.log()
+    assert _get(f"http://127.0.0.1:{port}/readyz")[0] == 200
+    st = json.loads(_get(f"http://127.0.0.1:{port}/status")[1])
+    assert st["backend_state"] == "Running" and st["startup_complete"] is False
+    gate.touch()
+    a.wait_for("Startup complete")
+    assert json.loads(_get(f"http://127.0.0.1:{port}/status")[1])["startup_complete"] is True
+    assert a.log().count("Applying rules") == 1, a.log()
+    assert a.stop() == 0
+    assert _installed_dnats(tmp_path) == set()
+
+
+def _login_watch_mask(tmp_path: Path) -> int:
+    from urllib.parse import parse_qs, urlparse
+    for line in (tmp_path / "requests.log").read_text().splitlines():
+        req = json.loads(line)
+        if req["path"].startswith("/localapi/v0/watch-ipn-bus"):
+            return int(parse_qs(urlparse(req["path"]).query)["mask"][0])
+    raise AssertionError("no watch-ipn-bus request")
+
+
+@pytest.mark.parametrize("target, peers_wanted", [({"TS_DEST_IP": "10.0.0.7"}, False),
+                                                  ({"TS_TAILNET_TARGET_IP": "100.64.0.9"}, False),
+                                                  ({"TS_TAILNET_TARGET_FQDN": "db.tailnet.test"}, True)])
+def test_the_login_watches_peers_only_when_the_rules_need_them(run_agent, tmp_path, target, peers_wanted):
+    """Whatever tailscaled computes for a watcher delays its own switch to Running: the login's watch asks for
+    peer changes only when a target resolves through the tailnet's peers (a tailnet FQDN)."""
+    from containerboot.localapi import NOTIFY_INITIAL_HEALTH_STATE, NOTIFY_NO_NETMAP, NOTIFY_PEER_CHANGES
+    from tests.test_agent_boot import _wait_until
+    a = run_agent(**hooked_env(tmp_path, FAKE_TS_INITIAL="NeedsLogin", **target))
+    _wait_until(lambda: (tmp_path / "requests.log").exists() and "watch-ipn-bus" in
+                (tmp_path / "requests.log").read_text(), what="the login's watch")
+    mask = _login_watch_mask(tmp_path)
+    assert bool(mask & NOTIFY_PEER_CHANGES) is peers_wanted
+    assert mask & NOTIFY_NO_NETMAP and mask & NOTIFY_INITIAL_HEALTH_STATE
+    a.stop()

@@ -241,3 +241,41 @@ async def test_the_pass_before_running_leaves_the_conntrack_clean_up_to_the_pass
     assert len(fw.applied) == 1                  # not re-applied
     assert events == [("converged", "Starting"), ("converged", "Running"), ("flush", 1, True)]
     assert fw.pending_conntrack is None
+
+
+class ThreadRecordingFirewall(FakeFirewall):
+    """Records which thread ran each apply."""
+
+    def __init__(self, in_process: bool):
+        super().__init__()
+        self.in_process = in_process
+        self.threads: list[int] = []
+
+    def apply(self, rules):
+        import threading
+        self.threads.append(threading.get_ident())
+        super().apply(rules)
+
+
+async def test_small_in_process_applies_stay_on_the_loop_big_ones_and_firewall_tools_go_to_a_worker(monkeypatch):
+    """A small libnftables apply (about a millisecond) runs on the loop's thread: at Running a hand-off to a
+    worker thread cost more than the apply. Backends that run a firewall tool, and big rule sets, run in a
+    worker thread so that the loop (health, metrics, the IPN bus) keeps answering meanwhile."""
+    import threading
+
+    import containerboot.reconcile as reconcile_mod
+    loop_thread = threading.get_ident()
+    settings = load({"TS_USERSPACE": "false", "TS_DEST_IP": "10.0.0.7"})
+
+    async def apply_with(fw) -> int:
+        rec = Reconciler(settings, fw)
+        rec.set_node(node("100.64.0.5"))
+        await rec.reconcile_once()
+        assert fw.applied and fw.applied[-1].dnats
+        return fw.threads[-1]
+
+    assert await apply_with(ThreadRecordingFirewall(in_process=True)) == loop_thread
+    assert await apply_with(ThreadRecordingFirewall(in_process=False)) != loop_thread
+    monkeypatch.setattr(reconcile_mod, "INLINE_APPLY_MAX_ENTRIES", 0)    # one DNAT is now a "big" set
+    assert await apply_with(ThreadRecordingFirewall(in_process=True)) != loop_thread
+

@@ -2,7 +2,8 @@
 """A stand-in for the `tailscale` CLI in unit tests: records its argv, and `up` logs the fake backend in.
 
 FAKE_TS_UP_FAIL=1 makes `up` fail; FAKE_TS_UP_HANG=1 makes it hang (to test the boot timeout). Like the real
-`up`, it exits only once the backend is Running.
+`up`, it exits only once the backend is Running. FAKE_TS_UP_EXIT_GATE=<path>: once Running, `up` writes
+<path>.running and exits only when <path> exists (the test decides when the CLI's exit lands).
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def main() -> int:
         # Like the real `tailscale up`: exit only once the backend is Running.
         while _backend_state(sock) != "Running":
             time.sleep(0.02)
+        if (gate := os.environ.get("FAKE_TS_UP_EXIT_GATE")):
+            open(gate + ".running", "w").close()
+            while not os.path.exists(gate):
+                time.sleep(0.02)
     return 0
 
 
