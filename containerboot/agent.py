@@ -105,6 +105,8 @@ class Agent:
 
     async def _until_stop(self, aw: Awaitable[T]) -> T:
         """Run one phase; abandon it if shutdown is requested meanwhile."""
+        if isinstance(aw, asyncio.Future) and aw.done():
+            return aw.result()     # finished already: no turn of the loop (start-up waits on this path)
         task = asyncio.ensure_future(aw)
         stopper = asyncio.ensure_future(self._stop.wait())
         try:
@@ -678,14 +680,11 @@ class Agent:
 
     # -- steady state ----------------------------------------------------------------------------------
     async def _steady_state(self) -> None:
-        if self.s.auth_once_mode:
+        if self.s.auth_once_mode:    # the only mode with work after the login (a phase costs a turn of the loop)
             await self._until_stop(self._after_login())
         self._start_firewall()
         if self._firewall_task is not None:
-            if self._firewall_task.done():
-                self._firewall_task.result()     # normally done since the login's answer: no turn of the loop
-            else:
-                await self._until_stop(self._firewall_task)
+            await self._until_stop(self._firewall_task)     # normally done since the login's answer
         if self.reconciler is None:
             self.reconciler = self._make_reconciler()
         if self._early_rules_allowed() and self._login_node.tailnet_ips:

@@ -24,14 +24,15 @@ from .plan import NFT_FAMILY, TABLE, normalize_nft_text, plan_nft, render_nft
 log = logging.getLogger("containerboot")
 
 
-#: The shapes of a warm-up batch (`NftBackend.warm_up`): one of each translation the agent installs most, on
-#: documentation addresses (RFC 5737, RFC 3849). Checked only, never committed.
-_WARM_UP = {
-    4: (Dnat(ip_address("192.0.2.1"), (ip_address("192.0.2.2"),)),
-        EgressForward(ip_address("198.51.100.1"), ip_address("192.0.2.3"), (PortMatch("udp", 41641),))),
-    6: (Dnat(ip_address("2001:db8::1"), (ip_address("2001:db8::2"),)),
-        EgressForward(ip_address("2001:db8:1::1"), ip_address("2001:db8::3"), (PortMatch("udp", 41641),))),
-}
+def _warm_up_rules(families: tuple[int, ...]) -> RuleSet:
+    """The shapes of a warm-up batch (`NftBackend.warm_up`): one of each translation the agent installs most,
+    on documentation addresses (RFC 5737, RFC 3849). Checked only, never committed."""
+    addr = {4: ("192.0.2.1", "192.0.2.2", "198.51.100.1", "192.0.2.3"),
+            6: ("2001:db8::1", "2001:db8::2", "2001:db8:1::1", "2001:db8::3")}
+    ips = {v: tuple(map(ip_address, addr[v])) for v in families}
+    return RuleSet(dnats=tuple(Dnat(ips[v][0], (ips[v][1],)) for v in families),
+                   egress=tuple(EgressForward(ips[v][2], ips[v][3], (PortMatch("udp", 41641),)) for v in families),
+                   clamp_mss=True)
 
 
 def _dry_run_switch(nft) -> "Callable[[bool], None] | None":
@@ -39,7 +40,7 @@ def _dry_run_switch(nft) -> "Callable[[bool], None] | None":
     for this context, or None where neither the binding nor the library offers it."""
     setter = getattr(nft, "set_dry_run", None)      # newer python-nftables bindings
     if setter is not None:
-        return lambda on: setter(on)
+        return setter
     ctx = getattr(nft, "_Nftables__ctx", None)     # pip-nftables 1.0.2: the context is private, the C call exists
     if ctx is None:
         return None
@@ -141,12 +142,10 @@ class NftBackend:
         dry = _dry_run_switch(self._nft)
         if dry is None:
             return
-        rules = RuleSet(dnats=tuple(_WARM_UP[v][0] for v in self.families),
-                        egress=tuple(_WARM_UP[v][1] for v in self.families), clamp_mss=True)
         with self._lock:
             dry(True)
             try:
-                rc, _out, err = self._nft.json_cmd(plan_nft(rules, self.families))
+                rc, _out, err = self._nft.json_cmd(plan_nft(_warm_up_rules(self.families), self.families))
             finally:
                 dry(False)
         if rc != 0:

@@ -223,8 +223,9 @@ def test_rules_go_in_at_running_while_tailscale_up_exits_and_startup_waits_for_i
 
 def _login_watch_mask(tmp_path: Path) -> int:
     from urllib.parse import parse_qs, urlparse
-    for line in (tmp_path / "requests.log").read_text().splitlines():
-        req = json.loads(line)
+
+    from tests.test_localapi import requests
+    for req in requests(tmp_path):
         if req["path"].startswith("/localapi/v0/watch-ipn-bus"):
             return int(parse_qs(urlparse(req["path"]).query)["mask"][0])
     raise AssertionError("no watch-ipn-bus request")
