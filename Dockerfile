@@ -39,6 +39,7 @@ COPY README.md /src/
 COPY containerboot /src/containerboot
 COPY netfilter /src/netfilter
 COPY serveconfig /src/serveconfig
+COPY nameserver /src/nameserver
 COPY tscommon /src/tscommon
 COPY labtools /src/labtools
 # --no-deps: the dependencies are installed above. pip byte-compiles everything it installs, which matters: a
@@ -70,7 +71,9 @@ COPY --from=build /opt/venv /opt/venv
 # tailscaled and tailscale; a tailscaled built with ts_include_cli (the offline build's) is the CLI too when
 # called as `tailscale`, and then comes alone: the link below stands for the CLI.
 COPY --from=tailscale /usr/local/bin/tailscale* /usr/local/bin/
+# k8s-nameserver: the DNSConfig nameserver, another entrypoint of the same image (at upstream's binary name).
 RUN ln -s /opt/venv/bin/containerboot /usr/local/bin/containerboot \
+    && ln -s /opt/venv/bin/k8s-nameserver /usr/local/bin/k8s-nameserver \
     && { [ -e /usr/local/bin/tailscale ] || ln -s tailscaled /usr/local/bin/tailscale; } \
     && /usr/local/bin/tailscale version >/dev/null
 

@@ -10,6 +10,7 @@ import pytest
 
 from serveconfig import watch as watchmod
 from serveconfig.watch import watch_file
+from tests.support.kubelet import Kubelet
 
 # With inotify working, only events may wake the watcher within a test (the safety resync is far away).
 NO_RESYNC = 3600.0
@@ -32,31 +33,6 @@ async def nothing_within(gen, seconds: float) -> bool:
     return True
 
 
-class Kubelet:
-    """Mimics kubelet's atomic writer for a ConfigMap/Secret volume."""
-
-    def __init__(self, root: Path, key: str = "serve-config"):
-        self.root, self.key, self.n = root, key, 0
-        root.mkdir(parents=True, exist_ok=True)
-
-    def publish(self, content: str) -> None:
-        self.n += 1
-        ts = self.root / f"..2026_11_21_22_00_{self.n:02d}.{self.n:09d}"
-        ts.mkdir()
-        (ts / self.key).write_text(content)
-        old = os.readlink(self.root / "..data") if (self.root / "..data").is_symlink() else None
-        tmp = self.root / "..data_tmp"
-        os.symlink(ts.name, tmp)
-        os.rename(tmp, self.root / "..data")       # the atomic swap
-        link = self.root / self.key
-        if not link.is_symlink():
-            os.symlink(f"..data/{self.key}", link)
-        if old:
-            shutil.rmtree(self.root / old)
-
-    @property
-    def path(self) -> str:
-        return str(self.root / self.key)
 
 
 async def test_kubelet_atomic_symlink_swaps(tmp_path: Path) -> None:
