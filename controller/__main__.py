@@ -73,10 +73,15 @@ async def run(cfg: ControllerConfig) -> int:
     kube.write_guard = elector.is_leader
     provider = make_provider(cfg, kube)
     rec = Reconciler(kube, provider, cfg)
+    from . import dnsconfig
+    from .dnsreconcile import DNSReconciler
+    dns = DNSReconciler(kube, cfg)
 
     async def work(key) -> float | None:
         if not elector.is_leader():      # leadership is being lost: the process stops, the next leader re-runs it
             return None
+        if key == dnsconfig.QUEUE_KEY:
+            return await dns.reconcile()
         return await rec.reconcile(*key)
     state = State(cfg, rec, WorkQueue(work))
     stop = asyncio.Event()

@@ -9,6 +9,7 @@ OAuth client secrets) are read from files, never from the environment or a log l
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ class ControllerConfig:
     oauth_client_secret_file: str = "/oauth/client_secret"
     static_key_secret: str = "tailscale-auth"      # Secret in `namespace` with key `authkey`
     ingress_scheme: str = "auto"                   # L7 Ingress: auto | https | http (see ingress_http)
+    stub_zone_configmap: str = ""                  # "<ns>/<name>" of CoreDNS's ConfigMap to keep the stub zone in
 
     @property
     def server_url(self) -> str:
@@ -175,4 +177,9 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
         raise ConfigError(f"INGRESS_SCHEME={get('INGRESS_SCHEME')!r} is not a scheme; use auto (HTTPS on Tailscale, "
                           "HTTP on headscale), https or http")
     kw["ingress_scheme"] = scheme
+    stub = get("DNS_STUB_ZONE_CONFIGMAP")
+    if stub and not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?", stub):
+        raise ConfigError(f"DNS_STUB_ZONE_CONFIGMAP={stub!r} is not <namespace>/<name> of a ConfigMap; use e.g. "
+                          "kube-system/coredns, or leave it empty to add the stub zone yourself")
+    kw["stub_zone_configmap"] = stub
     return ControllerConfig(**kw)

@@ -17,6 +17,7 @@ from typing import Any
 
 import kopf
 
+from . import dnsconfig
 from .config import ControllerConfig
 from .kinds import connector
 from .model import CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, SVC
@@ -63,11 +64,17 @@ def registries(state: State, login=None) -> tuple[kopf.OperatorRegistry, kopf.Op
             key = parent_key(kind, body, state.cfg)
             if key is not None:
                 state.queue.poke(key)
+            if kind in (SVC, INGRESS):
+                state.queue.poke(dnsconfig.QUEUE_KEY)   # an egress name or an Ingress's MagicDNS name may change
         return handler
+
+    async def on_dns(**_: Any) -> None:
+        state.queue.poke(dnsconfig.QUEUE_KEY)
 
     kopf.on.event("v1", "services", registry=parents)(on_parent(SVC))
     kopf.on.event("networking.k8s.io", "v1", "ingresses", registry=parents)(on_parent(INGRESS))
     kopf.on.event(connector.GROUP, connector.VERSION, connector.PLURAL, registry=parents)(on_parent(CONNECTOR))
+    kopf.on.event(dnsconfig.GROUP, dnsconfig.VERSION, dnsconfig.PLURAL, registry=parents)(on_dns)
 
     async def on_child(body: Any, **_: Any) -> None:
         key = child_key(body)
@@ -76,6 +83,8 @@ def registries(state: State, login=None) -> tuple[kopf.OperatorRegistry, kopf.Op
 
     kopf.on.event("v1", "secrets", labels={LABEL_MANAGED: "true"}, registry=children)(on_child)
     kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_MANAGED: "true"}, registry=children)(on_child)
+    # The proxies' Pod IPs (the DNS records) as the headless Services' EndpointSlices report them.
+    kopf.on.event("discovery.k8s.io", "v1", "endpointslices", registry=children)(on_dns)
     return parents, children
 
 

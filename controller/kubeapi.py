@@ -37,6 +37,10 @@ CONNECTORS = Resource("/apis/tailscale.com/v1alpha1", "connectors", namespaced=F
 SERVICEACCOUNTS = Resource("/api/v1", "serviceaccounts")
 ROLES = Resource("/apis/rbac.authorization.k8s.io/v1", "roles")
 ROLEBINDINGS = Resource("/apis/rbac.authorization.k8s.io/v1", "rolebindings")
+CONFIGMAPS = Resource("/api/v1", "configmaps")
+DEPLOYMENTS = Resource("/apis/apps/v1", "deployments")
+ENDPOINTSLICES = Resource("/apis/discovery.k8s.io/v1", "endpointslices")
+DNSCONFIGS = Resource("/apis/tailscale.com/v1alpha1", "dnsconfigs", namespaced=False)
 
 
 class KubeError(Exception):

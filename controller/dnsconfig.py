@@ -1,0 +1,293 @@
+"""DNSConfig: the cluster's nameserver for MagicDNS names and its records (pure: objects in, objects out).
+
+Upstream's resource (``tailscale.com/v1alpha1``, kind ``DNSConfig``, cluster-scoped, one per cluster) and
+upstream's rendering: a Deployment ``nameserver`` (port 1053 UDP and TCP), its ServiceAccount, a Service
+``nameserver`` (port 53 to 1053, at ``spec.nameserver.service.clusterIP`` when set) and the ConfigMap
+``dnsrecords`` whose ``records.json`` the nameserver serves (the ``nameserver`` package). Every object is owned
+by the DNSConfig, so the garbage collector removes them with it.
+
+The records (as upstream's dnsrecords reconciler, computed whole on each pass rather than edited one by one):
+
+- each egress Service with ``tailscale.com/tailnet-fqdn``: that name -> its proxy Pods' IPs;
+- each tailnet Ingress: its MagicDNS name (``status.loadBalancer.ingress[0].hostname``) -> its proxy Pods' IPs
+  (reachable when the Ingress has ``tailscale.com/experimental-forward-cluster-traffic-via-ingress``, which makes
+  the proxy serve on its Pod IP too);
+
+the Pod IPs being the ready endpoints of the proxy's headless Service, IPv4 and IPv6. A proxy whose parent is
+gone, or whose Pods are not ready, has no record.
+
+The stub zone (``with_stub_zone``): beyond upstream, the controller can keep a marked block in CoreDNS's
+Corefile that forwards the tailnet's domain to the nameserver, touching nothing else in the file.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nameserver.records import render_records
+
+from .config import ControllerConfig
+from .kinds import labels, meta
+from .model import (ANN_TAILNET_FQDN, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE,
+                    SVC)
+from .render import _hashed
+
+GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "dnsconfigs", "DNSConfig"
+COND_NAMESERVER_READY = "NameserverReady"
+REASON_CREATED = "NameserverCreated"
+REASON_FAILED = "NameserverCreationFailed"
+REASON_MULTIPLE = "MultipleDNSConfigsPresent"
+MESSAGE_MULTIPLE = ("Multiple DNSConfig resources found in cluster. Please ensure no more than one is present.")
+
+NAME = "nameserver"                 # the Deployment, Service and ServiceAccount
+RECORDS_CONFIGMAP = "dnsrecords"
+RECORDS_KEY = "records.json"
+PORT = 1053
+APP_LABEL = {"app": NAME}
+LABEL_SERVICE_NAME = "kubernetes.io/service-name"
+#: The queue key of the single pass that keeps the nameserver and its records.
+QUEUE_KEY = ("dnsconfig", "", "")
+
+STUB_BEGIN = "# BEGIN tailscale-controller stub zone (managed by the controller; edits here are overwritten)"
+STUB_END = "# END tailscale-controller stub zone"
+
+
+class DNSConfigInvalid(ValueError):
+    """The DNSConfig asks for something that cannot be built; the message names the field, value and fix."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which DNSConfig is in force (the oldest) and which are refused for being extra."""
+    active: Mapping[str, Any] | None
+    extra: tuple[Mapping[str, Any], ...] = ()
+
+
+def choose(dnsconfigs: Iterable[Mapping[str, Any]]) -> Choice:
+    """The oldest DNSConfig (creation time, then name) is the one in force; a second one changes nothing that
+    works already and is refused with a condition."""
+    live = sorted((d for d in dnsconfigs if not meta(d).get("deletionTimestamp")),
+                  key=lambda d: (meta(d).get("creationTimestamp") or "", meta(d).get("name") or ""))
+    if not live:
+        return Choice(None)
+    return Choice(live[0], tuple(live[1:]))
+
+
+def _spec(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    return ((obj.get("spec") or {}).get("nameserver") or {})
+
+
+def validate(obj: Mapping[str, Any]) -> None:
+    """Raise DNSConfigInvalid for a spec the API server's schema let through but that cannot work."""
+    ns = _spec(obj)
+    ip = ((ns.get("service") or {}).get("clusterIP") or "").strip()
+    if ip:
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError:
+            raise DNSConfigInvalid(
+                f"spec.nameserver.service.clusterIP {ip!r} is not an IP address; set an unused address of the "
+                "cluster's Service range (e.g. 10.96.0.53) or leave it out to get one allocated") from None
+    replicas = ns.get("replicas")
+    if replicas is not None and (not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0):
+        raise DNSConfigInvalid(f"spec.nameserver.replicas {replicas!r} must be a whole number, 0 or more")
+    image = ns.get("image") or {}
+    for key in ("repo", "tag"):
+        v = image.get(key) or ""
+        if v and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*", v):
+            raise DNSConfigInvalid(f"spec.nameserver.image.{key} {v!r} is not an image {key}")
+
+
+def image(obj: Mapping[str, Any], cfg: ControllerConfig) -> tuple[str, bool]:
+    """(image, is the proxy image): the nameserver is an entrypoint of the proxy image unless the DNSConfig
+    names another image (which then must run its nameserver as its entrypoint, like upstream's)."""
+    img = _spec(obj).get("image") or {}
+    repo, tag = (img.get("repo") or "").strip(), (img.get("tag") or "").strip()
+    if not repo:
+        if not tag:
+            return cfg.proxy_image, True
+        base = cfg.proxy_image.split("@", 1)[0]
+        if ":" in base.rsplit("/", 1)[-1]:
+            base = base.rsplit(":", 1)[0]
+        return f"{base}:{tag}", True
+    return f"{repo}:{tag or 'latest'}", False
+
+
+def _labels() -> dict[str, str]:
+    return {LABEL_MANAGED: "true", LABEL_PARENT_TYPE: "nameserver", **APP_LABEL}
+
+
+def _owner(obj: Mapping[str, Any]) -> list[dict]:
+    m = meta(obj)
+    return [{"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": m.get("name", ""), "uid": m.get("uid", ""),
+             "controller": True, "blockOwnerDeletion": True}]
+
+
+def _metadata(name: str, obj: Mapping[str, Any], cfg: ControllerConfig) -> dict:
+    return {"name": name, "namespace": cfg.namespace, "labels": _labels(), "ownerReferences": _owner(obj)}
+
+
+@dataclass(frozen=True)
+class Nameserver:
+    service_account: dict
+    deployment: dict
+    service: dict
+
+
+def render(obj: Mapping[str, Any], cfg: ControllerConfig, domain: str) -> Nameserver:
+    """The nameserver's objects for the DNSConfig in force (validated first). `domain`: the tailnet's domain,
+    "" to let the nameserver take it from its record names."""
+    validate(obj)
+    ns = _spec(obj)
+    img, ours = image(obj, cfg)
+    pod = ns.get("pod") or {}
+    container: dict[str, Any] = {
+        "name": NAME, "image": img, "imagePullPolicy": cfg.image_pull_policy,
+        "ports": [{"name": "dns", "containerPort": PORT, "protocol": "UDP"},
+                  {"name": "dns-tcp", "containerPort": PORT, "protocol": "TCP"}],
+        "volumeMounts": [{"name": "config", "mountPath": "/config", "readOnly": True}],
+        "readinessProbe": {"tcpSocket": {"port": PORT}, "periodSeconds": 5},
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
+        # No privileges: an unprivileged port, nothing written.
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    if ours:
+        container["command"] = ["/usr/local/bin/k8s-nameserver"]
+    if domain:
+        container["env"] = [{"name": "TS_NAMESERVER_DOMAIN", "value": domain}]
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": NAME, "automountServiceAccountToken": False,
+        "containers": [container],
+        "volumes": [{"name": "config", "configMap": {"name": RECORDS_CONFIGMAP}}],
+    }
+    for k in ("tolerations", "affinity", "nodeSelector"):
+        if pod.get(k):
+            pod_spec[k] = pod[k]
+    replicas = ns.get("replicas")
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(NAME, obj, cfg),
+        "spec": {"replicas": 1 if replicas is None else replicas, "revisionHistoryLimit": 3,
+                 "selector": {"matchLabels": dict(APP_LABEL)},
+                 "template": {"metadata": {"labels": _labels()}, "spec": pod_spec}},
+    }
+    svc_spec: dict[str, Any] = {"type": "ClusterIP", "selector": dict(APP_LABEL),
+                                "ports": [{"name": "dns", "port": 53, "targetPort": PORT, "protocol": "UDP"},
+                                          {"name": "dns-tcp", "port": 53, "targetPort": PORT, "protocol": "TCP"}]}
+    cip = ((ns.get("service") or {}).get("clusterIP") or "").strip()
+    if cip:
+        svc_spec["clusterIP"] = cip
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(NAME, obj, cfg), "spec": svc_spec}
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(NAME, obj, cfg),
+          "automountServiceAccountToken": False}
+    return Nameserver(_hashed(sa), _hashed(deployment), _hashed(service))
+
+
+def records_configmap(obj: Mapping[str, Any], cfg: ControllerConfig, text: str) -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(RECORDS_CONFIGMAP, obj, cfg),
+            "data": {RECORDS_KEY: text}}
+
+
+# ---- records -------------------------------------------------------------------------------------------------
+
+def _ready(ep: Mapping[str, Any]) -> bool:
+    """An endpoint takes new traffic unless it says otherwise (EndpointSlice conditions: nil means yes)."""
+    c = ep.get("conditions") or {}
+    return c.get("ready") is not False and c.get("serving") is not False and c.get("terminating") is not True
+
+
+def proxy_ips(slices: Iterable[Mapping[str, Any]], service: str) -> list[str]:
+    out: list[str] = []
+    for s in slices:
+        if labels(s).get(LABEL_SERVICE_NAME) != service:
+            continue
+        for ep in s.get("endpoints") or []:
+            if _ready(ep):
+                out += [a for a in ep.get("addresses") or [] if a not in out]
+    return out
+
+
+def record_name(headless: Mapping[str, Any], parents: Mapping[tuple[str, str, str], Mapping[str, Any]]) -> str:
+    """The MagicDNS name a proxy's headless Service carries a record for, or ""."""
+    lb = labels(headless)
+    kind = lb.get(LABEL_PARENT_TYPE)
+    parent = parents.get((kind or "", lb.get(LABEL_PARENT_NS, ""), lb.get(LABEL_PARENT_NAME, "")))
+    if parent is None or meta(parent).get("deletionTimestamp"):
+        return ""
+    if kind == SVC:
+        return (meta(parent).get("annotations") or {}).get(ANN_TAILNET_FQDN, "").strip().rstrip(".").lower()
+    if kind == INGRESS:
+        ing = ((parent.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
+        return (ing[0].get("hostname") or "").strip().rstrip(".").lower() if ing else ""
+    return ""
+
+
+def records(headless: Sequence[Mapping[str, Any]], parents: Mapping[tuple[str, str, str], Mapping[str, Any]],
+            slices: Sequence[Mapping[str, Any]]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(ip4, ip6) for every proxy with a MagicDNS name and ready Pods."""
+    ip4: dict[str, list[str]] = {}
+    ip6: dict[str, list[str]] = {}
+    for h in sorted(headless, key=lambda o: meta(o).get("name", "")):
+        if meta(h).get("deletionTimestamp"):
+            continue
+        name = record_name(h, parents)
+        if not name:
+            continue
+        for ip in proxy_ips(slices, meta(h).get("name", "")):
+            fam = ip4 if ipaddress.ip_address(ip).version == 4 else ip6
+            if ip not in fam.setdefault(name, []):
+                fam[name].append(ip)
+    return ({k: sorted(v) for k, v in ip4.items() if v}, {k: sorted(v) for k, v in ip6.items() if v})
+
+
+def records_text(headless: Sequence[Mapping[str, Any]], parents: Mapping[tuple[str, str, str], Mapping[str, Any]],
+                 slices: Sequence[Mapping[str, Any]]) -> str:
+    return render_records(*records(headless, parents, slices))
+
+
+def parent_keys(headless: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
+    """The parents to read for these headless Services: egress Services and Ingresses."""
+    out = []
+    for h in headless:
+        lb = labels(h)
+        key = (lb.get(LABEL_PARENT_TYPE, ""), lb.get(LABEL_PARENT_NS, ""), lb.get(LABEL_PARENT_NAME, ""))
+        if key[0] in (SVC, INGRESS) and key not in out:
+            out.append(key)
+    return out
+
+
+def domain(cfg: ControllerConfig, names: Iterable[str]) -> str:
+    """The tailnet's domain: TS_MAGICDNS_SUFFIX when set, else the one domain the record names share ("" when
+    there is none yet, or several)."""
+    if cfg.magicdns_suffix:
+        return cfg.magicdns_suffix.strip(".").lower()
+    parents = {n.split(".", 1)[1] for n in names if n.count(".") >= 2}
+    return parents.pop() if len(parents) == 1 else ""
+
+
+# ---- the stub zone -------------------------------------------------------------------------------------------
+
+def stub_zone_block(zone: str, nameserver_ip: str) -> str:
+    """The Corefile server block that forwards the tailnet's domain to the nameserver (no cache: the records
+    change as proxy Pods move)."""
+    return (f"{STUB_BEGIN}\n{zone}:53 {{\n    errors\n    forward . {nameserver_ip}\n}}\n{STUB_END}\n")
+
+
+_BLOCK = re.compile(rf"\n?{re.escape(STUB_BEGIN)}\n.*?{re.escape(STUB_END)}\n?", re.S)
+
+
+def with_stub_zone(corefile: str, zone: str, nameserver_ip: str) -> str:
+    """`corefile` with the controller's own block replaced (or added, or removed when `zone` or the address is
+    empty); everything outside the markers is kept byte for byte."""
+    rest = _BLOCK.sub("\n", corefile) if STUB_BEGIN in corefile else corefile
+    if STUB_BEGIN in corefile and not rest.strip("\n"):
+        rest = ""
+    if not (zone and nameserver_ip):
+        return rest
+    if rest and not rest.endswith("\n"):
+        rest += "\n"
+    return rest + stub_zone_block(zone, nameserver_ip)
