@@ -271,16 +271,16 @@ def domain(cfg: ControllerConfig, names: Iterable[str]) -> str:
 
 # ---- the stub zone -------------------------------------------------------------------------------------------
 
-def stub_zone_block(zone: str, nameserver_ip: str) -> str:
-    """The Corefile server block that forwards the tailnet's domain to the nameserver (no cache: the records
-    change as proxy Pods move)."""
-    return (f"{STUB_BEGIN}\n{zone}:53 {{\n    errors\n    forward . {nameserver_ip}\n}}\n{STUB_END}\n")
+def stub_zone_block(zone: str, nameserver: str, port: int = 53) -> str:
+    """The Corefile server block (on CoreDNS's `port`) that forwards the tailnet's domain to the nameserver
+    (no cache: the records change as proxy Pods move)."""
+    return (f"{STUB_BEGIN}\n{zone}:{port} {{\n    errors\n    forward . {nameserver}\n}}\n{STUB_END}\n")
 
 
 _BLOCK = re.compile(rf"\n?{re.escape(STUB_BEGIN)}\n.*?{re.escape(STUB_END)}\n?", re.S)
 
 
-def with_stub_zone(corefile: str, zone: str, nameserver_ip: str) -> str:
+def with_stub_zone(corefile: str, zone: str, nameserver_ip: str, *, port: int = 53) -> str:
     """`corefile` with the controller's own block replaced (or added, or removed when `zone` or the address is
     empty); everything outside the markers is kept byte for byte."""
     rest = _BLOCK.sub("\n", corefile) if STUB_BEGIN in corefile else corefile
@@ -290,4 +290,4 @@ def with_stub_zone(corefile: str, zone: str, nameserver_ip: str) -> str:
         return rest
     if rest and not rest.endswith("\n"):
         rest += "\n"
-    return rest + stub_zone_block(zone, nameserver_ip)
+    return rest + stub_zone_block(zone, nameserver_ip, port)

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from labtools import ociimage
+from labtools import coredns, ociimage
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INSTALL_SCRIPT = REPO_ROOT / "scripts" / "install-kubernetes.sh"
@@ -148,6 +148,7 @@ class ClusterConfig:
     token: str = ""
     audit_users: tuple[str, ...] = ()     # also audit every request of these users (not only Secrets)
     controllers: tuple[str, ...] = ()     # kube-controller-manager's --controllers; () = its default set
+    cluster_dns: str = ""                 # the kubelet's clusterDNS (CoreDNS's Service), "" = no cluster DNS
 
     @property
     def server(self) -> str:
@@ -293,6 +294,7 @@ def kubelet_config(cfg: ClusterConfig) -> dict:
         "enforceNodeAllocatable": ["pods"], "failCgroupV1": False, "failSwapOn": False,
         "containerRuntimeEndpoint": f"unix://{cfg.containerd_socket}",
         "clusterDomain": "cluster.local", "resolvConf": str(cfg.run_dir / "node" / "resolv.conf"),
+        **({"clusterDNS": [cfg.cluster_dns]} if cfg.cluster_dns else {}),
         # a test node on a shared machine: never evict, and never collect imported images (no registry
         # could bring them back)
         "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "nodefs.inodesFree": "1%",
@@ -494,13 +496,14 @@ class KubeCluster:
     def start(cls, *, lab: Any = None, node: bool = False, proxy_mode: str = "iptables",
               run_dir: str | Path | None = None, bin_dir: str | Path | None = None, name: str | None = None,
               timeout: float = 90.0, service_cidr: str = ClusterConfig.service_cidr,
-              audit_users: Sequence[str] = (), controllers: Sequence[str] = ()) -> "KubeCluster":
+              audit_users: Sequence[str] = (), controllers: Sequence[str] = (), dns: bool = True) -> "KubeCluster":
         """Start a control plane (and with ``node=True``, which needs ``lab``, a node) and wait until it is
         ready (with a node: Node Ready and the ``default`` ServiceAccount present). ``service_cidr``
         "v4,v6" makes Services dual-stack; ``audit_users``: ``audit(user=...)`` then has every request of
         those users, not only those on Secrets; ``controllers``: only these of kube-controller-manager (e.g.
-        a test that writes a StatefulSet's status itself runs without the statefulset controller). On failure everything
-        started is torn down and ClusterError says which component failed, with its log."""
+        a test that writes a StatefulSet's status itself runs without the statefulset controller); ``dns``: with a
+        node, CoreDNS as the cluster DNS (``labtools.coredns``; started, not waited for: ``wait_dns``). On failure
+        everything started is torn down and ClusterError says which component failed, with its log."""
         if os.geteuid() != 0:
             raise ClusterError("the cluster needs root")
         if node and lab is None:
@@ -508,6 +511,9 @@ class KubeCluster:
         if proxy_mode not in ("iptables", "nftables"):
             raise ClusterError(f"proxy_mode={proxy_mode!r}: use iptables or nftables")
         bdir = Path(bin_dir) if bin_dir else ensure_binaries()
+        dns_ip = coredns.cluster_dns_ip(service_cidr) if node and dns else ""
+        if dns_ip:
+            coredns.ensure_binary()
         import secrets as _secrets
         name = name or (f"{lab.prefix}k" if lab is not None else "k" + _secrets.token_hex(3))
         if lab is not None:
@@ -515,13 +521,13 @@ class KubeCluster:
             host = lab.namespaces["hs"].ipv4.rsplit(".", 1)[0] + f".{NODE_HOST}"
             cfg = ClusterConfig(name, rdir, bdir, host, proxy_mode=proxy_mode, token=_secrets.token_hex(16),
                                 service_cidr=service_cidr, audit_users=tuple(audit_users),
-                                controllers=tuple(controllers))
+                                controllers=tuple(controllers), cluster_dns=dns_ip)
         else:
             rdir = Path(run_dir) if run_dir else Path("/tmp") / f"cbpy-{name}"
             cfg = ClusterConfig(name, rdir, bdir, "127.0.0.1", api_port=_free_port(), etcd_port=_free_port(),
                                 etcd_peer_port=_free_port(), proxy_mode=proxy_mode, token=_secrets.token_hex(16),
                                 service_cidr=service_cidr, audit_users=tuple(audit_users),
-                                controllers=tuple(controllers))
+                                controllers=tuple(controllers), cluster_dns=dns_ip)
         kc = cls(cfg, lab=lab)
         _LIVE.add(kc)
         try:
@@ -793,6 +799,11 @@ class KubeCluster:
                                                      ["/pause"]), "pause.tar")
         self.import_image_bytes(ociimage.oci_archive(ECHO_IMAGE, [ociimage.File("lab-echo", (cfg.bin_dir / "lab-echo").read_bytes())],
                                                      ["/lab-echo"]), "lab-echo.tar")
+        if cfg.cluster_dns:
+            self.import_image_bytes(coredns.image_archive(coredns.binary_path()), "coredns.tar")
+            # Before the kubelet: the Service takes its fixed address before any other Service can, and the
+            # Pod is scheduled as soon as the node is Ready.
+            self.apply(coredns.manifests(cfg.cluster_dns))
         self.timings["images"] = time.monotonic() - t
         t_kubelet = time.monotonic()
         kubelet = self._spawn("kubelet", kubelet_argv(cfg), in_node=True)
@@ -831,6 +842,18 @@ class KubeCluster:
     def wait_node_ready(self, timeout: float = 60.0) -> None:
         _wait(self.node_ready, timeout, f"node {self.cfg.node_name} Ready", 0.3,
               procs=[self.procs[n] for n in ("kubelet", "containerd") if n in self.procs])
+
+    def dns_ready(self) -> bool:
+        d = self.get("deployment", "coredns", coredns.NAMESPACE)
+        return bool(((d or {}).get("status") or {}).get("readyReplicas"))
+
+    def wait_dns(self, timeout: float = 60.0) -> None:
+        """Until CoreDNS answers (its Deployment has a ready Pod); a cluster started with ``dns=False`` fails."""
+        if not self.cfg.cluster_dns:
+            raise ClusterError("this cluster was started without cluster DNS (dns=False)")
+        t = time.monotonic()
+        _wait(self.dns_ready, timeout, "CoreDNS Ready", 0.3)
+        self.timings.setdefault("dns_ready_wait", time.monotonic() - t)
 
     def wait_pod_ready(self, namespace: str, name: str, timeout: float = 90.0) -> dict:
         def ready() -> dict | None:

@@ -43,7 +43,7 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*; touch "$stamp"
 fi
 
-# 3. tailscaled, tailscale, upstream containerboot, headscale, Kubernetes and helm, built once into a cache outside
+# 3. tailscaled, tailscale, upstream containerboot, headscale, Kubernetes, helm and CoreDNS, built once into a cache outside
 #    the repo.
 if [ $want_binaries = 1 ]; then
   if command -v go >/dev/null 2>&1; then
@@ -52,6 +52,8 @@ if [ $want_binaries = 1 ]; then
     bash scripts/install-kubernetes.sh >/dev/null || log "building Kubernetes failed; the real-cluster tests will be skipped"
     # helm v3.19.0 for the controller's chart (charts/tailscale-controller; about 2 min cold)
     bash scripts/install-helm.sh >/dev/null || log "building helm failed; the chart tests will be skipped"
+    # CoreDNS v1.12.1, the lab cluster's DNS (labtools/coredns.py; about 3 min cold)
+    bash scripts/install-coredns.sh >/dev/null || log "building CoreDNS failed; the lab cluster will have no DNS"
   else
     log "no Go toolchain: the end-to-end tests will be skipped"
   fi
