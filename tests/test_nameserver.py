@@ -259,3 +259,16 @@ async def test_reload_on_kubelet_swap_and_bad_file_keeps_last_good_records(tmp_p
         watch.cancel()
         transport.close()
         srv.close()
+
+
+def test_repeated_question_keeps_its_own_id_and_follows_new_records():
+    ns = NameServer([ZONE], RECORDS)
+    q1 = dns.message.make_query("web.tail.example", "A")
+    q2 = dns.message.make_query("web.tail.example", "A")
+    q2.id = (q1.id + 1) % 65536
+    a1 = dns.message.from_wire(ns.handle(q1.to_wire(), udp=True))
+    a2 = dns.message.from_wire(ns.handle(q2.to_wire(), udp=True))
+    assert (a1.id, a2.id) == (q1.id, q2.id) and addrs(a1) == addrs(a2) == ["10.1.0.7", "10.1.0.8"]
+    ns.set_records(parse_records(doc(ip4={"web.tail.example": ["10.9.9.9"]})))
+    assert addrs(dns.message.from_wire(ns.handle(q1.to_wire(), udp=True))) == ["10.9.9.9"]
+    assert ns.handle(b"\x00\x01" + b"\xff" * 20, udp=True) is None
