@@ -8,7 +8,8 @@ Both servers run as their own processes on loopback (no namespace needed: nothin
 - the nameserver (``python -m nameserver``) with ``--names`` records of ``tail.example`` in a records.json
   laid out as the kubelet mounts a ConfigMap (``..data`` swap);
 - the anchor, CoreDNS (the lab's build, scripts/install-coredns.sh) answering the same names from a ``hosts``
-  block in a ``tail.example`` server block, no cache (every query answered from the table, like ours; TTL 1 s, the smallest its hosts plugin takes).
+  block in a ``tail.example`` server block, no cache (every query answered from the table, like ours; TTL
+  1 s, the smallest its hosts plugin takes).
 
 Load: dnspython's stub resolver (``dns.asyncresolver.Resolver``, no cache), ``--procs`` processes with
 ``--concurrency`` queries in flight each, A queries for the names in turn, for ``--seconds`` per run; runs
