@@ -44,6 +44,8 @@ PROXY_IMAGE = os.environ.get("LAB_PROXY_IMAGE") or "localhost/containerboot-py:l
 CONTROLLER_IMAGE = os.environ.get("LAB_CONTROLLER_IMAGE") or DEPLOY_CONTROLLER_IMAGE
 CONTROLLER_DOCKERFILE = "images/controller/Dockerfile"
 NS = "tailscale"
+#: Where a lab cluster with CoreDNS (labtools.coredns) has its Corefile: the controller keeps the stub zone there.
+STUB_ZONE = "kube-system/coredns"
 #: tailscaled's knobs for the lab's island (as labtools.lab.Lab.tailscaled_env), and the API server by address
 LAB_PROXY_ENV = {"TS_NO_LOGS_NO_SUPPORT": "true", "TS_DEBUG_USE_DERP_HTTP": "true", "TS_DISABLE_PORTMAPPER": "1",
                  "TS_ASSUME_NETWORK_UP_FOR_TEST": "1", "TS_KUBERNETES_READ_API_SERVER_ADDRESS_FROM_ENV": "true"}
@@ -72,8 +74,9 @@ def build_images() -> tuple[Path, Path]:
     return _build("--name", PROXY_IMAGE), _build("--dockerfile", CONTROLLER_DOCKERFILE, "--name", CONTROLLER_IMAGE)
 
 
-def lab_values(firewall: str = "", api_key: str = "") -> dict:
-    """The chart's values for the lab: its headscale, the project's proxy image (imported, never pulled)."""
+def lab_values(firewall: str = "", api_key: str = "", stub_zone: str = "") -> dict:
+    """The chart's values for the lab: its headscale, the project's proxy image (imported, never pulled);
+    `stub_zone`: CoreDNS's ConfigMap for the DNSConfig stub zone (a cluster with CoreDNS)."""
     repo, _, tag = PROXY_IMAGE.rpartition(":")
     crepo, _, ctag = CONTROLLER_IMAGE.rpartition(":")
     v: dict = {"image": {"repository": crepo, "tag": ctag, "pullPolicy": "Never"}, "provider": "headscale", "headscale": {"url": labmod.LOGIN_SERVER}, "magicDNSSuffix": "tailnet.test",
@@ -81,6 +84,8 @@ def lab_values(firewall: str = "", api_key: str = "") -> dict:
                          "env": LAB_PROXY_ENV}}
     if api_key:
         v["credentials"] = {"headscaleAPIKey": api_key}
+    if stub_zone:
+        v["dns"] = {"stubZoneConfigMap": stub_zone}
     return v
 
 
@@ -108,7 +113,8 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
     if method == "helm":
         # the key goes in through stdin (a values file "-"), never on a command line
         cp = helm(kc, "install", helmchart.RELEASE, str(helmchart.CHART), "--namespace", NS, "--create-namespace",
-                  "-f", "-", input=json.dumps(lab_values(firewall, key)), timeout=timeout)
+                  "-f", "-", input=json.dumps(lab_values(firewall, key, STUB_ZONE if kc.cfg.cluster_dns else "")),
+                  timeout=timeout)
         kc.helm_output = cp.stdout + cp.stderr
     elif method == "kubectl":
         kc.kubectl("apply", "-R", "-f", str(DEPLOY), timeout=60)
