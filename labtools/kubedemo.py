@@ -67,8 +67,9 @@ def run(firewall: str, once: bool, timeout: float = 120.0) -> int:
                         "TS_EXTRA_ARGS": f"--login-server={labmod.LOGIN_SERVER}",
                         "TS_TAILSCALED_EXTRA_ARGS": "--no-logs-no-support --port=41641"})
             kc.apply([*kubemanifests.proxy_rbac("demo", "proxy", "proxy-0"), kubemanifests.secret("demo", "proxy-0")])
+            kc.wait_dns()
             kc.apply(kubemanifests.proxy_statefulset("demo", "proxy", IMAGE, service_account="proxy", dest_ip=cip,
-                                                     api_ip=kc.cfg.kubernetes_service_ip, env=env))
+                                                     env=env))
             t0 = time.monotonic()
             try:
                 pod = kc.wait_pod_ready("demo", "proxy-0", timeout)

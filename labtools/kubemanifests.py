@@ -10,9 +10,9 @@
 * ``proxy_statefulset``: the agent as a one-replica StatefulSet Pod, privileged with /dev/net/tun as upstream's
   operator runs proxies, state in the Secret named after the Pod (``TS_KUBE_SECRET=$(POD_NAME)``).
 
-There is no cluster DNS (CoreDNS) in the lab: the Pods find ``kubernetes.default.svc`` through
-``hostAliases`` (an /etc/hosts entry for the ``kubernetes`` Service's ClusterIP) and the tailnet's control
-server by IP.
+The lab's cluster runs CoreDNS (labtools.coredns): the Pods find ``kubernetes.default.svc`` (where upstream's
+containerboot sends its API requests) and Services by name as in any cluster; the tailnet's control server is
+reached by IP.
 """
 from __future__ import annotations
 
@@ -79,9 +79,10 @@ def proxy_config_secret(namespace: str, name: str, config_text: str) -> dict:
 
 
 def proxy_statefulset(namespace: str, name: str, image: str, *, service_account: str, dest_ip: str,
-                      api_ip: str, env: Mapping[str, str] | None = None, config_secret: str | None = None,
+                      env: Mapping[str, str] | None = None, config_secret: str | None = None,
                       privileged: bool = True) -> dict:
-    """The agent's StatefulSet (one replica: Pod ``<name>-0``, state Secret ``<name>-0``)."""
+    """The agent's StatefulSet (one replica: Pod ``<name>-0``, state Secret ``<name>-0``). The cluster's DNS
+    must answer for ``kubernetes.default.svc`` (``KubeCluster.wait_dns``) before its Pod starts."""
     field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
     e: list[dict] = [
         {"name": "POD_NAME", **field("metadata.name")}, {"name": "POD_UID", **field("metadata.uid")},
@@ -105,8 +106,6 @@ def proxy_statefulset(namespace: str, name: str, image: str, *, service_account:
         "spec": {"replicas": 1, "serviceName": name, "selector": {"matchLabels": labels},
                  "template": {"metadata": {"labels": labels}, "spec": {
                      "serviceAccountName": service_account, "terminationGracePeriodSeconds": 30,
-                     "hostAliases": [{"ip": api_ip, "hostnames": ["kubernetes.default.svc",
-                                                                  "kubernetes.default.svc.cluster.local"]}],
                      "containers": [{"name": "tailscale", "image": image, "imagePullPolicy": "Never",
                                      "env": e, "securityContext": sc, "volumeMounts": mounts}],
                      "volumes": volumes}}},

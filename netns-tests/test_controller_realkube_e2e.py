@@ -26,21 +26,24 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
 3. A Connector asking for subnet routes and an exit node is refused by the real API server (the CRD's CEL
    rule), with the message saying to create two Connectors; nothing is created.
 4. L3 egress: a Service annotated ``tailscale.com/tailnet-ip`` (the lab client's tailnet IP) is rewritten to an
-   ExternalName for the proxy's headless Service; a Pod asks for it by its short name (labtools.clusterdns,
-   used by that Pod alone through its dnsConfig: the lab has no CoreDNS) and reaches the HTTP server on the
-   tailnet node, which sees the proxy's tailnet address. Deleting the Service leaves nothing.
+   ExternalName for the proxy's headless Service; a Pod asks for it by its short name (the cluster's CoreDNS)
+   and reaches the HTTP server on the tailnet node, which sees the proxy's tailnet address. Deleting the
+   Service leaves nothing.
 5. L7 Ingress on headscale, over plain HTTP on port 80 (headscale issues no certificates, so HTTPS could never
    serve; ``INGRESS_SCHEME=auto``): the userspace proxy applies a serve config for its MagicDNS name, the
    Ingress's status gets that name on port 80, and the tailnet client reaches the default backend and a path
    rule's backend through it by that name; a bare-IP request gets tailscaled's 404. Deletion leaves nothing.
-6. Two controller replicas: one holds the leader Lease, the other stands by; the leader's Pod is deleted, and
+6. DNSConfig with the cluster's CoreDNS: MagicDNS names of an egress Service's target and of a tailnet Ingress
+   resolve in Pods through the controller's stub zone and nameserver, and stop resolving when their parent
+   goes (docs/dns.md).
+7. Two controller replicas: one holds the leader Lease, the other stands by; the leader's Pod is deleted, and
    a live replica (the standby or the Deployment's replacement Pod) takes the Lease over and gives a new
    annotated Service its proxy (a tailnet IP in its status); deleting it leaves nothing.
 """
 from __future__ import annotations
 
 import json
-import subprocess
+import sys
 import time
 
 import pytest
@@ -277,75 +280,68 @@ def test_egress_pod_reaches_a_tailnet_node_through_the_rewritten_service(lab, ku
     """L3 egress: a Service annotated ``tailscale.com/tailnet-ip`` (the lab client's tailnet IP) → the controller
     renders the egress proxy and rewrites the Service to an ExternalName for the proxy's headless Service; a Pod
     in the cluster asks for the Service by name and reaches the HTTP server on the tailnet node through the
-    proxy. The name is resolved by labtools.clusterdns (the lab has no CoreDNS; only this client Pod uses it,
-    through its dnsConfig), answering as CoreDNS would: ExternalName → CNAME → the headless Service's ready
-    endpoints (the proxy Pod)."""
-    import sys
-    from labtools import clusterdns
+    proxy. The cluster's CoreDNS answers: ExternalName → CNAME → the headless Service's ready endpoints (the
+    proxy Pod)."""
     kc = kube
+    kc.wait_dns()
     v4, _ = lab.tailnet_ips("client")
     marker = f"tailnet-node-ok-{lab.prefix}"
     lab.start_http_server("client", v4, 18080, marker)
-    token = kc.run_dir / "clusterdns.token"
-    token.write_text(kc.token)
-    token.chmod(0o600)
-    dns_ip = kc.cfg.api_host
-    dnsp = kc.popen([sys.executable, "-m", "labtools.clusterdns", "--listen", dns_ip, "--server", kc.server,
-                     "--token-file", str(token), "--ca", str(kc.ca_cert)],
-                    env={"PYTHONPATH": str(kubecontroller.REPO)}, stdout=open(kc.run_dir / "clusterdns.log", "w"),
-                    stderr=subprocess.STDOUT)
     lab.delete_node("apps-to-client")
+    kc.apply(_service("to-client", {"tailscale.com/tailnet-ip": v4, "tailscale.com/hostname": "apps-to-client"},
+                      type="ClusterIP"))
+
+    def rewritten():
+        s = kc.get("service", "to-client", "apps")
+        conds = (s or {}).get("status", {}).get("conditions") or []
+        ok = any(c["type"] == "TailscaleProxyReady" and c["status"] == "True" for c in conds)
+        return s if ok and s["spec"].get("type") == "ExternalName" else None
     try:
-        kc.apply(_service("to-client", {"tailscale.com/tailnet-ip": v4, "tailscale.com/hostname": "apps-to-client"},
-                          type="ClusterIP"))
+        svc = wait_until(rewritten, 180, 0.5, "the egress Service rewritten and its proxy ready")
+    except TimeoutError:
+        raise AssertionError(_fail_report(kc, "apps", "to-client")) from None
+    made = kubecontroller.children(kc, "apps", "to-client")
+    assert svc["spec"]["externalName"] == f"{made['services'][0]}.tailscale.svc.cluster.local", svc["spec"]
+    proxy = kc.get("pod", made["pods"][0], kubecontroller.NS)
+    # a Pod in the cluster: the Service by its short name, through the cluster DNS, the proxy, the tailnet
+    out = _pod_run(kc, "egress-client", "to-client", "http://to-client:18080/from-pod")
+    assert f"resolved to-client {proxy['status']['podIP']}" in out and marker in out, out
+    # the tailnet node saw the proxy's tailnet address (SNAT), not the Pod's
+    (node,) = _hs_nodes_named(lab, "apps-to-client")
+    peers = [e.get("peer", "") for e in lab.http_peer_log("client", 18080)]
+    assert peers and all(p in node["ip_addresses"] for p in peers), (peers, node["ip_addresses"])
 
-        def rewritten():
-            s = kc.get("service", "to-client", "apps")
-            conds = (s or {}).get("status", {}).get("conditions") or []
-            ok = any(c["type"] == "TailscaleProxyReady" and c["status"] == "True" for c in conds)
-            return s if ok and s["spec"].get("type") == "ExternalName" else None
-        try:
-            svc = wait_until(rewritten, 180, 0.5, "the egress Service rewritten and its proxy ready")
-        except TimeoutError:
-            raise AssertionError(_fail_report(kc, "apps", "to-client")) from None
-        made = kubecontroller.children(kc, "apps", "to-client")
-        assert svc["spec"]["externalName"] == f"{made['services'][0]}.tailscale.svc.cluster.local", svc["spec"]
-        proxy = kc.get("pod", made["pods"][0], kubecontroller.NS)
-        # a Pod in the cluster: the Service by its short name, through the cluster DNS, the proxy, the tailnet
-        script = ("import socket, urllib.request; print('resolved', socket.gethostbyname('to-client')); "
-                  "print(urllib.request.urlopen('http://to-client:18080/from-pod', timeout=10).read().decode())")
-        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "egress-client", "namespace": "apps"},
-               "spec": {"restartPolicy": "OnFailure", "terminationGracePeriodSeconds": 1,
-                        **clusterdns.pod_dns_config(dns_ip, "apps"),
-                        "containers": [{"name": "c", "image": kubecontroller.PROXY_IMAGE, "imagePullPolicy": "Never",
-                                        "command": ["python3", "-c", script]}]}}
-        kc.apply(pod)
+    kc.kubectl("-n", "apps", "delete", "service", "to-client", "--wait=false")
+    wait_until(lambda: kc.get("service", "to-client", "apps") is None, 120, 0.5, "the Service gone")
+    assert kubecontroller.children(kc, "apps", "to-client") == kubecontroller.NO_CHILDREN
+    assert _hs_nodes_named(lab, "apps-to-client") == []
 
-        def done():
-            p = kc.get("pod", "egress-client", "apps") or {}
-            return p if p.get("status", {}).get("phase") == "Succeeded" else None
-        try:
-            wait_until(done, 120, 1, "the egress client Pod's request")
-        except TimeoutError:
-            out = kc.kubectl("-n", "apps", "logs", "egress-client", check=False)
-            raise AssertionError(f"{out.stdout}{out.stderr}\n{(kc.run_dir / 'clusterdns.log').read_text()}\n"
-                                 f"{_fail_report(kc, 'apps', 'to-client')}") from None
-        out = kc.kubectl("-n", "apps", "logs", "egress-client").stdout
-        print(out)
-        assert f"resolved {proxy['status']['podIP']}" in out and marker in out, out
-        # the tailnet node saw the proxy's tailnet address (SNAT), not the Pod's
-        (node,) = _hs_nodes_named(lab, "apps-to-client")
-        peers = [e.get("peer", "") for e in lab.http_peer_log("client", 18080)]
-        assert peers and all(p in node["ip_addresses"] for p in peers), (peers, node["ip_addresses"])
 
-        kc.kubectl("-n", "apps", "delete", "pod", "egress-client", "--wait=false")
-        kc.kubectl("-n", "apps", "delete", "service", "to-client", "--wait=false")
-        wait_until(lambda: kc.get("service", "to-client", "apps") is None, 120, 0.5, "the Service gone")
-        assert kubecontroller.children(kc, "apps", "to-client") == kubecontroller.NO_CHILDREN
-        assert _hs_nodes_named(lab, "apps-to-client") == []
-    finally:
-        dnsp.terminate()
-        dnsp.wait(10)
+#: A Pod's program: resolve a name (the Pod's resolv.conf: the cluster DNS), then GET a URL; prints both.
+_POD_SCRIPT = ("import socket, sys, urllib.request; name, url = sys.argv[1], sys.argv[2]; "
+               "print('resolved', name, socket.gethostbyname(name), flush=True); "
+               "print(urllib.request.urlopen(url, timeout=10).read().decode())")
+
+
+def _pod_run(kc, name: str, host: str, url: str, timeout: float = 120) -> str:
+    """Run a Pod (the proxy image's python3) that resolves `host` and GETs `url`; its output once it succeeded."""
+    kc.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "apps"},
+              "spec": {"restartPolicy": "OnFailure", "terminationGracePeriodSeconds": 1,
+                       "containers": [{"name": "c", "image": kubecontroller.PROXY_IMAGE, "imagePullPolicy": "Never",
+                                       "command": ["python3", "-c", _POD_SCRIPT, host, url]}]}})
+
+    def done():
+        p = kc.get("pod", name, "apps") or {}
+        return p if p.get("status", {}).get("phase") == "Succeeded" else None
+    try:
+        wait_until(done, timeout, 1, f"Pod {name}'s request")
+    except TimeoutError:
+        out = kc.kubectl("-n", "apps", "logs", name, check=False)
+        raise AssertionError(f"{out.stdout}{out.stderr}\n{kubecontroller.controller_log(kc)}") from None
+    out = kc.kubectl("-n", "apps", "logs", name).stdout
+    print(out)
+    kc.kubectl("-n", "apps", "delete", "pod", name, "--wait=false")
+    return out
 
 
 def _curl_until(lab, url: str, expect: str, extra: list[str], timeout: float = 60.0) -> str:
@@ -436,6 +432,110 @@ def test_l7_ingress_on_headscale_over_http_by_magicdns_name(lab, kube):
     wait_until(lambda: kc.get("ingress", "web", "apps") is None, 120, 0.5, "the Ingress gone")
     assert kubecontroller.children(kc, "apps", "web", "ingress") == kubecontroller.NO_CHILDREN
     assert _hs_nodes_named(lab, host) == []
+
+
+def _ask_cluster_dns(kc, name: str, rdtype: str = "A") -> tuple[str, list[str]]:
+    """(rcode, addresses) for `name` from the cluster DNS (CoreDNS's Service), asked from the node."""
+    script = ("import sys, dns.message, dns.query, dns.rcode; "
+              "r = dns.query.udp(dns.message.make_query(sys.argv[1], sys.argv[2]), sys.argv[3], timeout=3); "
+              "print(dns.rcode.to_text(r.rcode()), *[rd.to_text() for rr in r.answer for rd in rr])")
+    cp = kc.run([sys.executable, "-c", script, name, rdtype, kc.cfg.cluster_dns], check=False, timeout=15)
+    words = cp.stdout.split() or [f"error: {cp.stderr.strip()[-200:]}"]
+    return words[0], words[1:]
+
+
+def test_dnsconfig_magicdns_names_resolve_in_pods_through_coredns_stub_zone(lab, kube):
+    """DNSConfig on headscale with the cluster's real CoreDNS: the controller deploys the nameserver (the proxy
+    image's k8s-nameserver entrypoint) and, as the chart was told (dns.stubZoneConfigMap), adds its stub zone for
+    headscale's domain (tailnet.test) to CoreDNS's Corefile. A Pod resolves the tailnet client's MagicDNS name,
+    the tailnet-fqdn of an egress Service, to the egress proxy's Pod IP (CoreDNS -> stub zone -> nameserver)
+    and fetches a page from the tailnet node by that name; a second Pod reaches a tailnet Ingress (annotated to
+    accept cluster traffic) by its MagicDNS name. Deleting the egress Service makes the name NXDOMAIN within
+    the time docs/dns.md states for the lab (60 s); deleting the DNSConfig removes the nameserver and the stub
+    zone, leaving the rest of the Corefile as it was."""
+    kc = kube
+    kc.wait_dns()
+    corefile_before = kc.get("configmap", "coredns", "kube-system")["data"]["Corefile"]
+    # CoreDNS answers the cluster's own names
+    assert _ask_cluster_dns(kc, "kubernetes.default.svc.cluster.local") == ("NOERROR", [kc.cfg.kubernetes_service_ip])
+    kc.apply({"apiVersion": "tailscale.com/v1alpha1", "kind": "DNSConfig", "metadata": {"name": "ts-dns"},
+              "spec": {"nameserver": {}}})
+    try:
+        def nameserver_ready():
+            d = kc.get("dnsconfig", "ts-dns") or {}
+            conds = d.get("status", {}).get("conditions") or []
+            ok = any(c["type"] == "NameserverReady" and c["status"] == "True" for c in conds)
+            return d if ok and d["status"].get("nameserver", {}).get("ip") else None
+        dcfg = wait_until(nameserver_ready, 60, 0.5, "DNSConfig NameserverReady")
+        ns_ip = dcfg["status"]["nameserver"]["ip"]
+        kc.kubectl("-n", kubecontroller.NS, "rollout", "status", "deployment/nameserver", "--timeout=90s", timeout=100)
+        corefile = wait_until(lambda: (lambda c: c if "tailnet.test:53" in c else None)(
+            kc.get("configmap", "coredns", "kube-system")["data"]["Corefile"]), 30, 0.5, "the stub zone")
+        assert corefile.startswith(corefile_before) and f"forward . {ns_ip}" in corefile, corefile
+    except TimeoutError:
+        raise AssertionError(kubecontroller.controller_log(kc)) from None
+
+    # an egress Service for the tailnet client by its MagicDNS name
+    fqdn = lab.status("client")["Self"]["DNSName"].rstrip(".")
+    v4, _ = lab.tailnet_ips("client")
+    marker = f"magicdns-ok-{lab.prefix}"
+    lab.start_http_server("client", v4, 18081, marker)
+    lab.delete_node("apps-to-client-fqdn")
+    t0 = time.monotonic()
+    kc.apply(_service("client-fqdn", {"tailscale.com/tailnet-fqdn": fqdn,
+                                      "tailscale.com/hostname": "apps-to-client-fqdn"}, type="ClusterIP"))
+    try:
+        def resolves():
+            made = kubecontroller.children(kc, "apps", "client-fqdn")
+            pod = kc.get("pod", made["pods"][0], kubecontroller.NS) if made["pods"] else None
+            ip = ((pod or {}).get("status") or {}).get("podIP")
+            return ip if ip and _ask_cluster_dns(kc, fqdn) == ("NOERROR", [ip]) else None
+        proxy_ip = wait_until(resolves, 240, 1, f"{fqdn} resolving to the egress proxy's Pod IP")
+    except TimeoutError:
+        cm = kc.get("configmap", "dnsrecords", kubecontroller.NS)
+        raise AssertionError(f"{_ask_cluster_dns(kc, fqdn)}\n{(cm or {}).get('data')}\n"
+                             f"{_fail_report(kc, 'apps', 'client-fqdn')}") from None
+    print(f"{fqdn} -> {proxy_ip} (egress proxy Pod) {time.monotonic() - t0:.1f}s after the Service was applied")
+    out = _pod_run(kc, "magicdns-client", fqdn, f"http://{fqdn}:18081/by-magicdns-name")
+    assert f"resolved {fqdn} {proxy_ip}" in out and marker in out, out
+
+    # a tailnet Ingress that accepts cluster traffic, reached from a Pod by its MagicDNS name
+    host = "apps-dns-ingress"
+    lab.delete_node(host)
+    kc.apply({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+              "metadata": {"name": "dns-web", "namespace": "apps", "annotations": {
+                  "tailscale.com/experimental-forward-cluster-traffic-via-ingress": "true"}},
+              "spec": {"ingressClassName": "tailscale", "tls": [{"hosts": [host]}],
+                       "defaultBackend": {"service": {"name": "echo", "port": {"number": 8080}}}}})
+    ing_fqdn = f"{host}.tailnet.test"
+    try:
+        def ingress_resolves():
+            made = kubecontroller.children(kc, "apps", "dns-web", "ingress")
+            pod = kc.get("pod", made["pods"][0], kubecontroller.NS) if made["pods"] else None
+            ip = ((pod or {}).get("status") or {}).get("podIP")
+            return ip if ip and _ask_cluster_dns(kc, ing_fqdn) == ("NOERROR", [ip]) else None
+        ing_ip = wait_until(ingress_resolves, 240, 1, f"{ing_fqdn} resolving to the Ingress proxy's Pod IP")
+    except TimeoutError:
+        raise AssertionError(f"{_ask_cluster_dns(kc, ing_fqdn)}\n{_fail_report(kc, 'apps', 'dns-web')}") from None
+    out = _pod_run(kc, "magicdns-ingress-client", ing_fqdn, f"http://{ing_fqdn}/via-ingress-name")
+    assert f"resolved {ing_fqdn} {ing_ip}" in out and kc.marker in out, out
+
+    # the egress Service goes: its name stops resolving within the stated time
+    kc.kubectl("-n", "apps", "delete", "service", "client-fqdn", "--wait=false")
+    t0 = time.monotonic()
+    wait_until(lambda: _ask_cluster_dns(kc, fqdn)[0] == "NXDOMAIN", 60, 0.5, f"{fqdn} NXDOMAIN")
+    print(f"egress Service deleted: {fqdn} NXDOMAIN after {time.monotonic() - t0:.1f}s")
+    assert _ask_cluster_dns(kc, ing_fqdn) == ("NOERROR", [ing_ip])     # the other record stays
+    kc.kubectl("-n", "apps", "delete", "ingress", "dns-web", "--wait=false")
+    wait_until(lambda: kc.get("ingress", "dns-web", "apps") is None, 120, 0.5, "the Ingress gone")
+
+    # the DNSConfig goes: the nameserver with it (owner references) and the stub zone, nothing else
+    kc.kubectl("delete", "dnsconfig", "ts-dns")
+    wait_until(lambda: kc.get("configmap", "coredns", "kube-system")["data"]["Corefile"] == corefile_before, 30, 0.5,
+               "the stub zone removed")
+    wait_until(lambda: all(kc.get(k, n, kubecontroller.NS) is None for k, n in (
+        ("deployment", "nameserver"), ("service", "nameserver"), ("configmap", "dnsrecords"))), 60, 0.5,
+        "the nameserver's objects gone")
 
 
 def _lease_holder_pod(kc) -> tuple[str, int]:

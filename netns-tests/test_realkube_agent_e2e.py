@@ -107,8 +107,9 @@ def _deploy_proxy(lab, kc, ns: str, name: str, *, verbs=("get", "update", "patch
     objs = [kubemanifests.namespace(ns), *kubemanifests.proxy_rbac(ns, name, f"{name}-0", verbs=verbs),
             kubemanifests.secret(ns, f"{name}-0", secret_data)]
     kc.apply(objs)
+    kc.wait_dns()    # upstream's containerboot asks https://kubernetes.default.svc (CoreDNS answers)
     kc.apply(kubemanifests.proxy_statefulset(ns, name, IMAGE, service_account=name, dest_ip=kc.backend_ip,
-                                             api_ip=kc.cfg.kubernetes_service_ip, env=e, config_secret=config_secret))
+                                             env=e, config_secret=config_secret))
 
 
 def _wait_device(kc, ns: str, secret: str, timeout: float = 120) -> dict[str, bytes]:
