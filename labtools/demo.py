@@ -1,14 +1,15 @@
 """Demo: a proxy Pod's agent exposing a backend to the tailnet, in an island of network namespaces.
 
     sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
-                                           [--image [IMAGE]] [--kube | --controller]
+                                           [--image [IMAGE]] [--kube | --controller | --dns]
 
 Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
 namespace with TS_DEST_IP=<backend IPv4>[,<backend IPv6>] (--dest; dual-stack by default for our agent), prints
 the proxy's tailnet IPs and the result of curl from the client through the proxy (IPv4, and IPv6 when the
 destination has an IPv6 address), then waits for Ctrl-C (or exits at once
 with --once) and tears everything down. Exit status: 0 if every curl that was expected to work worked.
---kube (labtools.kubedemo) and --controller (labtools.controllerdemo) run the same story in a real Kubernetes.
+--kube (labtools.kubedemo) and --controller (labtools.controllerdemo) run the same story in a real Kubernetes;
+--dns (labtools.dnsdemo) shows a tailnet name resolving in a Pod through a DNSConfig.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diagnostics", action="store_true", help="print lab diagnostics at the end")
     ap.add_argument("--kube", action="store_true", help="the agent as a StatefulSet Pod in a real Kubernetes "
                     "exposing a backend Deployment's ClusterIP (labtools.kubedemo)")
+    ap.add_argument("--dns", action="store_true", help="a DNSConfig in a real Kubernetes with CoreDNS: a Pod "
+                    "resolves a tailnet node's MagicDNS name and fetches its page (labtools.dnsdemo)")
     ap.add_argument("--controller", action="store_true", help="the companion controller installed from deploy/ "
                     "in a real Kubernetes exposes an annotated Service (labtools.controllerdemo)")
     a = ap.parse_args(argv)
@@ -73,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C must unwind even if we were started with SIGINT ignored (e.g. as a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    if a.kube or a.controller:
-        from labtools import controllerdemo, kubedemo
+    if a.kube or a.controller or a.dns:
+        from labtools import controllerdemo, dnsdemo, kubedemo
         try:
+            if a.dns:
+                return dnsdemo.run(a.firewall, a.once)
             return controllerdemo.run(a.firewall, a.once) if a.controller else kubedemo.run(a.firewall, a.once)
         except KeyboardInterrupt:
             _say("\ninterrupted; lab and cluster torn down")

@@ -43,12 +43,11 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import pytest
 
-from labtools import helmchart, kubecluster, kubecontroller, kubemanifests
+from labtools import helmchart, kubecluster, kubecontroller, kubedns, kubemanifests
 from labtools.lab import wait_until
 from needs import unavailable  # noqa: E402
 
@@ -304,7 +303,9 @@ def test_egress_pod_reaches_a_tailnet_node_through_the_rewritten_service(lab, ku
     assert svc["spec"]["externalName"] == f"{made['services'][0]}.tailscale.svc.cluster.local", svc["spec"]
     proxy = kc.get("pod", made["pods"][0], kubecontroller.NS)
     # a Pod in the cluster: the Service by its short name, through the cluster DNS, the proxy, the tailnet
-    out = _pod_run(kc, "egress-client", "to-client", "http://to-client:18080/from-pod")
+    out = kubedns.pod_fetch(kc, "apps", "egress-client", "to-client", "http://to-client:18080/from-pod",
+                            kubecontroller.PROXY_IMAGE)
+    print(out)
     assert f"resolved to-client {proxy['status']['podIP']}" in out and marker in out, out
     # the tailnet node saw the proxy's tailnet address (SNAT), not the Pod's
     (node,) = _hs_nodes_named(lab, "apps-to-client")
@@ -315,33 +316,6 @@ def test_egress_pod_reaches_a_tailnet_node_through_the_rewritten_service(lab, ku
     wait_until(lambda: kc.get("service", "to-client", "apps") is None, 120, 0.5, "the Service gone")
     assert kubecontroller.children(kc, "apps", "to-client") == kubecontroller.NO_CHILDREN
     assert _hs_nodes_named(lab, "apps-to-client") == []
-
-
-#: A Pod's program: resolve a name (the Pod's resolv.conf: the cluster DNS), then GET a URL; prints both.
-_POD_SCRIPT = ("import socket, sys, urllib.request; name, url = sys.argv[1], sys.argv[2]; "
-               "print('resolved', name, socket.gethostbyname(name), flush=True); "
-               "print(urllib.request.urlopen(url, timeout=10).read().decode())")
-
-
-def _pod_run(kc, name: str, host: str, url: str, timeout: float = 120) -> str:
-    """Run a Pod (the proxy image's python3) that resolves `host` and GETs `url`; its output once it succeeded."""
-    kc.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "apps"},
-              "spec": {"restartPolicy": "OnFailure", "terminationGracePeriodSeconds": 1,
-                       "containers": [{"name": "c", "image": kubecontroller.PROXY_IMAGE, "imagePullPolicy": "Never",
-                                       "command": ["python3", "-c", _POD_SCRIPT, host, url]}]}})
-
-    def done():
-        p = kc.get("pod", name, "apps") or {}
-        return p if p.get("status", {}).get("phase") == "Succeeded" else None
-    try:
-        wait_until(done, timeout, 1, f"Pod {name}'s request")
-    except TimeoutError:
-        out = kc.kubectl("-n", "apps", "logs", name, check=False)
-        raise AssertionError(f"{out.stdout}{out.stderr}\n{kubecontroller.controller_log(kc)}") from None
-    out = kc.kubectl("-n", "apps", "logs", name).stdout
-    print(out)
-    kc.kubectl("-n", "apps", "delete", "pod", name, "--wait=false")
-    return out
 
 
 def _curl_until(lab, url: str, expect: str, extra: list[str], timeout: float = 60.0) -> str:
@@ -434,16 +408,6 @@ def test_l7_ingress_on_headscale_over_http_by_magicdns_name(lab, kube):
     assert _hs_nodes_named(lab, host) == []
 
 
-def _ask_cluster_dns(kc, name: str, rdtype: str = "A") -> tuple[str, list[str]]:
-    """(rcode, addresses) for `name` from the cluster DNS (CoreDNS's Service), asked from the node."""
-    script = ("import sys, dns.message, dns.query, dns.rcode; "
-              "r = dns.query.udp(dns.message.make_query(sys.argv[1], sys.argv[2]), sys.argv[3], timeout=3); "
-              "print(dns.rcode.to_text(r.rcode()), *[rd.to_text() for rr in r.answer for rd in rr])")
-    cp = kc.run([sys.executable, "-c", script, name, rdtype, kc.cfg.cluster_dns], check=False, timeout=15)
-    words = cp.stdout.split() or [f"error: {cp.stderr.strip()[-200:]}"]
-    return words[0], words[1:]
-
-
 def test_dnsconfig_magicdns_names_resolve_in_pods_through_coredns_stub_zone(lab, kube):
     """DNSConfig on headscale with the cluster's real CoreDNS: the controller deploys the nameserver (the proxy
     image's k8s-nameserver entrypoint) and, as the chart was told (dns.stubZoneConfigMap), adds its stub zone for
@@ -457,20 +421,13 @@ def test_dnsconfig_magicdns_names_resolve_in_pods_through_coredns_stub_zone(lab,
     kc.wait_dns()
     corefile_before = kc.get("configmap", "coredns", "kube-system")["data"]["Corefile"]
     # CoreDNS answers the cluster's own names
-    assert _ask_cluster_dns(kc, "kubernetes.default.svc.cluster.local") == ("NOERROR", [kc.cfg.kubernetes_service_ip])
-    kc.apply({"apiVersion": "tailscale.com/v1alpha1", "kind": "DNSConfig", "metadata": {"name": "ts-dns"},
-              "spec": {"nameserver": {}}})
+    api = kubedns.ask_cluster_dns(kc, "kubernetes.default.svc.cluster.local")
+    assert api == ("NOERROR", [kc.cfg.kubernetes_service_ip]), api
+    kc.apply(kubedns.dnsconfig("ts-dns"))
     try:
-        def nameserver_ready():
-            d = kc.get("dnsconfig", "ts-dns") or {}
-            conds = d.get("status", {}).get("conditions") or []
-            ok = any(c["type"] == "NameserverReady" and c["status"] == "True" for c in conds)
-            return d if ok and d["status"].get("nameserver", {}).get("ip") else None
-        dcfg = wait_until(nameserver_ready, 60, 0.5, "DNSConfig NameserverReady")
-        ns_ip = dcfg["status"]["nameserver"]["ip"]
+        ns_ip = kubedns.wait_nameserver(kc, "ts-dns")
         kc.kubectl("-n", kubecontroller.NS, "rollout", "status", "deployment/nameserver", "--timeout=90s", timeout=100)
-        corefile = wait_until(lambda: (lambda c: c if "tailnet.test:53" in c else None)(
-            kc.get("configmap", "coredns", "kube-system")["data"]["Corefile"]), 30, 0.5, "the stub zone")
+        corefile = kubedns.wait_stub_zone(kc, "tailnet.test")
         assert corefile.startswith(corefile_before) and f"forward . {ns_ip}" in corefile, corefile
     except TimeoutError:
         raise AssertionError(kubecontroller.controller_log(kc)) from None
@@ -486,17 +443,17 @@ def test_dnsconfig_magicdns_names_resolve_in_pods_through_coredns_stub_zone(lab,
                                       "tailscale.com/hostname": "apps-to-client-fqdn"}, type="ClusterIP"))
     try:
         def resolves():
-            made = kubecontroller.children(kc, "apps", "client-fqdn")
-            pod = kc.get("pod", made["pods"][0], kubecontroller.NS) if made["pods"] else None
-            ip = ((pod or {}).get("status") or {}).get("podIP")
-            return ip if ip and _ask_cluster_dns(kc, fqdn) == ("NOERROR", [ip]) else None
+            ip = kubedns.proxy_pod_ip(kc, "apps", "client-fqdn")
+            return ip if ip and kubedns.ask_cluster_dns(kc, fqdn) == ("NOERROR", [ip]) else None
         proxy_ip = wait_until(resolves, 240, 1, f"{fqdn} resolving to the egress proxy's Pod IP")
     except TimeoutError:
         cm = kc.get("configmap", "dnsrecords", kubecontroller.NS)
-        raise AssertionError(f"{_ask_cluster_dns(kc, fqdn)}\n{(cm or {}).get('data')}\n"
+        raise AssertionError(f"{kubedns.ask_cluster_dns(kc, fqdn)}\n{(cm or {}).get('data')}\n"
                              f"{_fail_report(kc, 'apps', 'client-fqdn')}") from None
     print(f"{fqdn} -> {proxy_ip} (egress proxy Pod) {time.monotonic() - t0:.1f}s after the Service was applied")
-    out = _pod_run(kc, "magicdns-client", fqdn, f"http://{fqdn}:18081/by-magicdns-name")
+    out = kubedns.pod_fetch(kc, "apps", "magicdns-client", fqdn, f"http://{fqdn}:18081/by-magicdns-name",
+                            kubecontroller.PROXY_IMAGE)
+    print(out)
     assert f"resolved {fqdn} {proxy_ip}" in out and marker in out, out
 
     # a tailnet Ingress that accepts cluster traffic, reached from a Pod by its MagicDNS name
@@ -510,22 +467,23 @@ def test_dnsconfig_magicdns_names_resolve_in_pods_through_coredns_stub_zone(lab,
     ing_fqdn = f"{host}.tailnet.test"
     try:
         def ingress_resolves():
-            made = kubecontroller.children(kc, "apps", "dns-web", "ingress")
-            pod = kc.get("pod", made["pods"][0], kubecontroller.NS) if made["pods"] else None
-            ip = ((pod or {}).get("status") or {}).get("podIP")
-            return ip if ip and _ask_cluster_dns(kc, ing_fqdn) == ("NOERROR", [ip]) else None
+            ip = kubedns.proxy_pod_ip(kc, "apps", "dns-web", "ingress")
+            return ip if ip and kubedns.ask_cluster_dns(kc, ing_fqdn) == ("NOERROR", [ip]) else None
         ing_ip = wait_until(ingress_resolves, 240, 1, f"{ing_fqdn} resolving to the Ingress proxy's Pod IP")
     except TimeoutError:
-        raise AssertionError(f"{_ask_cluster_dns(kc, ing_fqdn)}\n{_fail_report(kc, 'apps', 'dns-web')}") from None
-    out = _pod_run(kc, "magicdns-ingress-client", ing_fqdn, f"http://{ing_fqdn}/via-ingress-name")
+        raise AssertionError(f"{kubedns.ask_cluster_dns(kc, ing_fqdn)}\n"
+                             f"{_fail_report(kc, 'apps', 'dns-web')}") from None
+    out = kubedns.pod_fetch(kc, "apps", "magicdns-ingress-client", ing_fqdn, f"http://{ing_fqdn}/via-ingress-name",
+                            kubecontroller.PROXY_IMAGE)
+    print(out)
     assert f"resolved {ing_fqdn} {ing_ip}" in out and kc.marker in out, out
 
     # the egress Service goes: its name stops resolving within the stated time
     kc.kubectl("-n", "apps", "delete", "service", "client-fqdn", "--wait=false")
     t0 = time.monotonic()
-    wait_until(lambda: _ask_cluster_dns(kc, fqdn)[0] == "NXDOMAIN", 60, 0.5, f"{fqdn} NXDOMAIN")
+    wait_until(lambda: kubedns.ask_cluster_dns(kc, fqdn)[0] == "NXDOMAIN", 60, 0.5, f"{fqdn} NXDOMAIN")
     print(f"egress Service deleted: {fqdn} NXDOMAIN after {time.monotonic() - t0:.1f}s")
-    assert _ask_cluster_dns(kc, ing_fqdn) == ("NOERROR", [ing_ip])     # the other record stays
+    assert kubedns.ask_cluster_dns(kc, ing_fqdn) == ("NOERROR", [ing_ip])     # the other record stays
     kc.kubectl("-n", "apps", "delete", "ingress", "dns-web", "--wait=false")
     wait_until(lambda: kc.get("ingress", "dns-web", "apps") is None, 120, 0.5, "the Ingress gone")
 
