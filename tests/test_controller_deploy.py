@@ -25,7 +25,7 @@ def by_kind(kind):
 
 
 def test_connector_crd_matches_upstream_names_and_refuses_both():
-    (crd,) = by_kind("CustomResourceDefinition")
+    (crd,) = [c for c in by_kind("CustomResourceDefinition") if c["metadata"]["name"] == "connectors.tailscale.com"]
     assert crd["metadata"]["name"] == "connectors.tailscale.com" and crd["spec"]["scope"] == "Cluster"
     (v,) = crd["spec"]["versions"]
     assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
@@ -35,6 +35,18 @@ def test_connector_crd_matches_upstream_names_and_refuses_both():
     both = [r for r in spec["x-kubernetes-validations"] if "exitNode" in r["rule"] and "subnetRouter" in r["rule"]
             and r["rule"].startswith("!(")]
     assert len(both) == 1 and "create two Connectors" in both[0]["message"]
+
+
+def test_dnsconfig_crd_has_upstreams_names():
+    (crd,) = [c for c in by_kind("CustomResourceDefinition") if c["metadata"]["name"] == "dnsconfigs.tailscale.com"]
+    assert crd["spec"]["scope"] == "Cluster" and crd["spec"]["names"]["kind"] == "DNSConfig"
+    (v,) = crd["spec"]["versions"]
+    assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
+    ns = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["nameserver"]["properties"]
+    assert {"image", "service", "pod", "replicas"} <= set(ns)
+    assert set(ns["image"]["properties"]) == {"repo", "tag"} and "clusterIP" in ns["service"]["properties"]
+    status = v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert "ip" in status["nameserver"]["properties"]
 
 
 def _covered(rules, group, resource, verb):
@@ -62,6 +74,14 @@ def test_rbac_covers_the_controllers_calls():
     assert leb["subjects"] == [{"kind": "ServiceAccount", "name": "tailscale-controller", "namespace": "tailscale"}]
     for res in (kubeapi.SERVICEACCOUNTS, kubeapi.ROLES, kubeapi.ROLEBINDINGS):
         for verb in ("get", "list", "create", "patch", "delete"):
+            assert _covered(role["rules"], group(res), res.plural, verb), (res.plural, verb)
+    # DNSConfig: watched cluster-wide with its status; the nameserver's objects in the namespace; EndpointSlices
+    for verb in ("get", "list", "watch"):
+        assert _covered(cr["rules"], "tailscale.com", "dnsconfigs", verb), verb
+        assert _covered(role["rules"], "discovery.k8s.io", "endpointslices", verb), verb
+    assert _covered(cr["rules"], "tailscale.com", "dnsconfigs/status", "patch")
+    for res in (kubeapi.CONFIGMAPS, kubeapi.DEPLOYMENTS):
+        for verb in ("get", "list", "watch", "create", "patch", "delete"):
             assert _covered(role["rules"], group(res), res.plural, verb), (res.plural, verb)
 
 

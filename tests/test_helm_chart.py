@@ -190,6 +190,8 @@ def test_rbac_in_another_namespace_equals_deploys():
     ({"provider": "tailscale", "ingressScheme": "ftp"}, 'ingressScheme="ftp" is not a scheme; use auto, https or http'),
     ({"provider": "tailscale", "credentials": {"oauthClientSecret": "only-the-secret"}},
      "credentials.oauthClientID and credentials.oauthClientSecret go together"),
+    ({"provider": "tailscale", "dns": {"stubZoneConfigMap": "coredns"}},
+     'dns.stubZoneConfigMap="coredns" is not <namespace>/<name> of a ConfigMap; use e.g. kube-system/coredns'),
 ])
 def test_bad_values_stop_with_the_value_and_the_fix(values, message):
     with pytest.raises(helmchart.HelmError) as e:
@@ -203,3 +205,17 @@ def test_helm_is_the_pinned_version():
                          check=True).stdout.strip()
     assert out == "v3.19.0"
     assert pathlib.Path(helmchart.helm_bin()).parent.name == "helm-v3.19.0"
+
+
+def test_stub_zone_setting_grants_that_one_configmap_only():
+    objs = render({**helmchart.DEPLOY_VALUES, "dns": {"stubZoneConfigMap": "kube-system/coredns"}})
+    assert env_of(objs)["DNS_STUB_ZONE_CONFIGMAP"] == "kube-system/coredns"
+    role = one(objs, "Role", "tailscale-controller-stub-zone")
+    assert role["metadata"]["namespace"] == "kube-system"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["coredns"],
+                              "verbs": ["get", "patch"]}]
+    rb = one(objs, "RoleBinding", "tailscale-controller-stub-zone")
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "tailscale-controller", "namespace": "tailscale"}]
+    # off by default: no access to kube-system at all
+    assert "DNS_STUB_ZONE_CONFIGMAP" not in env_of(render(helmchart.DEPLOY_VALUES))
+    assert [o for o in render(helmchart.DEPLOY_VALUES) if o["metadata"].get("namespace") == "kube-system"] == []

@@ -17,4 +17,9 @@
 {{- if not (has .Values.proxy.firewallMode (list "" "auto" "iptables" "nftables")) -}}
 {{- fail (printf "proxy.firewallMode=%q is not a firewall mode; use auto, iptables or nftables (or \"\")" .Values.proxy.firewallMode) -}}
 {{- end -}}
+{{- with .Values.dns.stubZoneConfigMap -}}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-.a-z0-9]*[a-z0-9])?$" .) -}}
+{{- fail (printf "dns.stubZoneConfigMap=%q is not <namespace>/<name> of a ConfigMap; use e.g. kube-system/coredns, or \"\" to add the stub zone yourself" .) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
