@@ -48,7 +48,7 @@ def _zone_of(name: dns.name.Name, zones: Iterable[dns.name.Name]) -> dns.name.Na
 
 
 def _reply(query: dns.message.Message, rcode: dns.rcode.Rcode, *, authoritative: bool) -> dns.message.Message:
-    resp = dns.message.make_response(query, recursion_available=False)
+    resp = dns.message.make_response(query, recursion_available=False, our_payload=UDP_MAX_PAYLOAD)
     resp.set_rcode(rcode)
     if authoritative:
         resp.flags |= dns.flags.AA
