@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nameserver.records import render_records
+from tscommon.dnsrecords import CONFIGMAP as RECORDS_CONFIGMAP, KEY as RECORDS_KEY, render as render_records
 
 from .config import ControllerConfig
 from .kinds import labels, meta
@@ -43,8 +43,6 @@ REASON_MULTIPLE = "MultipleDNSConfigsPresent"
 MESSAGE_MULTIPLE = ("Multiple DNSConfig resources found in cluster. Please ensure no more than one is present.")
 
 NAME = "nameserver"                 # the Deployment, Service and ServiceAccount
-RECORDS_CONFIGMAP = "dnsrecords"
-RECORDS_KEY = "records.json"
 PORT = 1053
 APP_LABEL = {"app": NAME}
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"

@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 import dns.exception
 import dns.name
 
-__all__ = ["VERSION", "Records", "RecordsError", "parse_records", "render_records", "zones_of"]
+from tscommon.dnsrecords import VERSION, render as render_records
 
-#: The only records file version there is (upstream's ``operatorutils.Alpha1Version``).
-VERSION = "v1alpha1"
+__all__ = ["VERSION", "Records", "RecordsError", "parse_records", "render_records", "zones_of"]
 
 
 class RecordsError(ValueError):
@@ -109,13 +108,6 @@ def parse_records(text: str | None) -> Records:
             if good:
                 out[name] = tuple(out.get(name, ())) + tuple(good)   # type: ignore[assignment]
     return Records(ip4=ip4, ip6=ip6, warnings=tuple(warnings))
-
-
-def render_records(ip4: Mapping[str, list[str]], ip6: Mapping[str, list[str]]) -> str:
-    """The records.json text for these maps (deterministic: sorted keys and addresses)."""
-    def norm(m: Mapping[str, list[str]]) -> dict[str, list[str]]:
-        return {k.rstrip(".").lower(): sorted(set(v)) for k, v in sorted(m.items()) if v}
-    return json.dumps({"version": VERSION, "ip4": norm(ip4), "ip6": norm(ip6)}, sort_keys=True, indent=2) + "\n"
 
 
 def zones_of(records: Records) -> frozenset[dns.name.Name]:
