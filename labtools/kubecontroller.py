@@ -17,9 +17,8 @@ What ``install`` sets is the README's headscale user story, nothing test-only in
 deploy/``, the key in Secret ``headscale-api`` and ``kubectl set env`` of the same settings. Either way the
 controller image is imported into the node's containerd (no registry). What the lab itself needs is
 ``PROXY_ENV`` (chart value ``proxy.env``, upstream's ProxyClass ``tailscaleContainer.env``): tailscaled's lab
-knobs (DERP over plain HTTP to headscale's embedded DERP, no log upload, no port mapper), and
-``TS_KUBERNETES_READ_API_SERVER_ADDRESS_FROM_ENV=true`` because the lab has no cluster DNS to resolve
-``kubernetes.default.svc``.
+knobs (DERP over plain HTTP to headscale's embedded DERP, no log upload, no port mapper). The proxies find the
+API server as in any cluster, at ``kubernetes.default.svc`` through the cluster's CoreDNS.
 """
 from __future__ import annotations
 
@@ -46,9 +45,9 @@ CONTROLLER_DOCKERFILE = "images/controller/Dockerfile"
 NS = "tailscale"
 #: Where a lab cluster with CoreDNS (labtools.coredns) has its Corefile: the controller keeps the stub zone there.
 STUB_ZONE = "kube-system/coredns"
-#: tailscaled's knobs for the lab's island (as labtools.lab.Lab.tailscaled_env), and the API server by address
+#: tailscaled's knobs for the lab's island (as labtools.lab.Lab.tailscaled_env)
 LAB_PROXY_ENV = {"TS_NO_LOGS_NO_SUPPORT": "true", "TS_DEBUG_USE_DERP_HTTP": "true", "TS_DISABLE_PORTMAPPER": "1",
-                 "TS_ASSUME_NETWORK_UP_FOR_TEST": "1", "TS_KUBERNETES_READ_API_SERVER_ADDRESS_FROM_ENV": "true"}
+                 "TS_ASSUME_NETWORK_UP_FOR_TEST": "1"}
 
 
 def _build(*args: str) -> Path:
