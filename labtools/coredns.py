@@ -17,7 +17,7 @@ API::
     cluster_dns_ip("10.96.0.0/16")       # "10.96.0.10"
     corefile("cluster.local")            # the Corefile text
     manifests(dns_ip, "cluster.local")   # the objects, for KubeCluster.apply
-    image_archive(binary)                # the OCI archive of IMAGE
+    image_archive_path()                 # the OCI archive of IMAGE (cached next to the binary)
 """
 from __future__ import annotations
 
@@ -94,6 +94,18 @@ def corefile(cluster_domain: str = "cluster.local") -> str:
 
 def image_archive(binary: Path) -> bytes:
     return ociimage.oci_archive(IMAGE, [ociimage.File("coredns", binary.read_bytes())], ["/coredns"])
+
+
+def image_archive_path() -> Path:
+    """The image's archive, next to the binary: made once (a second of hashing 50 MB), then reused by every
+    cluster (the archive is a pure function of the binary)."""
+    binary = binary_path()
+    p = binary.with_name("coredns-image.oci.tar")
+    if not p.exists() or p.stat().st_mtime < binary.stat().st_mtime:
+        tmp = p.with_name(f".{p.name}.{os.getpid()}")
+        tmp.write_bytes(image_archive(binary))
+        os.replace(tmp, p)
+    return p
 
 
 def manifests(dns_ip: str, cluster_domain: str = "cluster.local", *, replicas: int = 1) -> list[dict]:

@@ -800,7 +800,7 @@ class KubeCluster:
         self.import_image_bytes(ociimage.oci_archive(ECHO_IMAGE, [ociimage.File("lab-echo", (cfg.bin_dir / "lab-echo").read_bytes())],
                                                      ["/lab-echo"]), "lab-echo.tar")
         if cfg.cluster_dns:
-            self.import_image_bytes(coredns.image_archive(coredns.binary_path()), "coredns.tar")
+            self.import_image(coredns.image_archive_path())
             # Before the kubelet: the Service takes its fixed address before any other Service can, and the
             # Pod is scheduled as soon as the node is Ready.
             self.apply(coredns.manifests(cfg.cluster_dns))
