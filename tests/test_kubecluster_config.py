@@ -90,3 +90,12 @@ def test_control_plane_options_default_to_the_lab_cluster_and_add_only_what_is_a
     # that user's every request first, once per request (no ResponseStarted for watches); Secrets as before
     assert rules[0] == {"level": "Metadata", "users": [user], "omitStages": ["RequestReceived", "ResponseStarted"]}
     assert rules[1:] == kc.AUDIT_POLICY["rules"]
+
+
+def test_the_kubelet_points_pods_at_the_cluster_dns_only_when_there_is_one(tmp_path):
+    import dataclasses
+    cfg = _cfg(tmp_path)
+    assert "clusterDNS" not in kc.kubelet_config(cfg)
+    with_dns = dataclasses.replace(cfg, cluster_dns="10.96.0.10")
+    assert kc.kubelet_config(with_dns)["clusterDNS"] == ["10.96.0.10"]
+    assert kc.kubelet_config(with_dns)["clusterDomain"] == "cluster.local"
