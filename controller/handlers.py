@@ -20,7 +20,8 @@ import kopf
 from . import dnsconfig
 from .config import ControllerConfig
 from .kinds import connector
-from .model import CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, SVC
+from .model import (CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE,
+                    SVC)
 from .queue import WorkQueue
 from .reconcile import Reconciler, handled
 

@@ -77,7 +77,7 @@ def answer(wire: bytes, records: Records, zones: Iterable[dns.name.Name], *, udp
         query = dns.message.from_wire(wire, ignore_trailing=False)
     except dns.exception.DNSException:
         return None
-    except Exception:   # noqa: BLE001 -- dnspython can raise ValueError/IndexError on some garbage
+    except Exception:   # dnspython can raise ValueError or IndexError on some garbage, not only DNSException
         return None
     if query.flags & dns.flags.QR:
         return None   # a response, not a query: answering responses invites loops
