@@ -47,6 +47,7 @@ bench: setup-bin
 	$(PY) -m bench.rules
 	$(PY) -m bench.controller
 	$(PY) -m bench.footprint
+	$(PY) -m bench.dns
 
 ## clean-lab: remove namespaces left by an interrupted lab run (only ones this project created).
 clean-lab:
