@@ -424,7 +424,25 @@ def test_dnsconfig_magicdns_names_resolve_in_pods_through_coredns_stub_zone(lab,
     # CoreDNS answers the cluster's own names
     api = kubedns.ask_cluster_dns(kc, "kubernetes.default.svc.cluster.local")
     assert api == ("NOERROR", [kc.cfg.kubernetes_service_ip]), api
-    kc.apply(kubedns.dnsconfig("ts-dns"))
+    # the DNSConfig, an egress Service for the tailnet client by its MagicDNS name and a tailnet Ingress that
+    # accepts cluster traffic, all at once (their proxies start side by side)
+    fqdn = lab.status("client")["Self"]["DNSName"].rstrip(".")
+    v4, _ = lab.tailnet_ips("client")
+    marker = f"magicdns-ok-{lab.prefix}"
+    lab.start_http_server("client", v4, 18081, marker)
+    host = "apps-dns-ingress"
+    ing_fqdn = f"{host}.tailnet.test"
+    for n in ("apps-to-client-fqdn", host):
+        lab.delete_node(n)
+    t0 = time.monotonic()
+    kc.apply([kubedns.dnsconfig("ts-dns"),
+              _service("client-fqdn", {"tailscale.com/tailnet-fqdn": fqdn,
+                                        "tailscale.com/hostname": "apps-to-client-fqdn"}, type="ClusterIP"),
+              {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+               "metadata": {"name": "dns-web", "namespace": "apps", "annotations": {
+                   "tailscale.com/experimental-forward-cluster-traffic-via-ingress": "true"}},
+               "spec": {"ingressClassName": "tailscale", "tls": [{"hosts": [host]}],
+                        "defaultBackend": {"service": {"name": "echo", "port": {"number": 8080}}}}}])
     try:
         ns_ip = kubedns.wait_nameserver(kc, "ts-dns")
         kc.kubectl("-n", kubecontroller.NS, "rollout", "status", "deployment/nameserver", "--timeout=90s", timeout=100)
@@ -433,15 +451,7 @@ def test_dnsconfig_magicdns_names_resolve_in_pods_through_coredns_stub_zone(lab,
     except TimeoutError:
         raise AssertionError(kubecontroller.controller_log(kc)) from None
 
-    # an egress Service for the tailnet client by its MagicDNS name
-    fqdn = lab.status("client")["Self"]["DNSName"].rstrip(".")
-    v4, _ = lab.tailnet_ips("client")
-    marker = f"magicdns-ok-{lab.prefix}"
-    lab.start_http_server("client", v4, 18081, marker)
-    lab.delete_node("apps-to-client-fqdn")
-    t0 = time.monotonic()
-    kc.apply(_service("client-fqdn", {"tailscale.com/tailnet-fqdn": fqdn,
-                                      "tailscale.com/hostname": "apps-to-client-fqdn"}, type="ClusterIP"))
+    # the egress Service's tailnet name resolves to its proxy's Pod IP, and a Pod fetches a page by that name
     try:
         def resolves():
             ip = kubedns.proxy_pod_ip(kc, "apps", "client-fqdn")
@@ -451,21 +461,13 @@ def test_dnsconfig_magicdns_names_resolve_in_pods_through_coredns_stub_zone(lab,
         cm = kc.get("configmap", "dnsrecords", kubecontroller.NS)
         raise AssertionError(f"{kubedns.ask_cluster_dns(kc, fqdn)}\n{(cm or {}).get('data')}\n"
                              f"{_fail_report(kc, 'apps', 'client-fqdn')}") from None
-    print(f"{fqdn} -> {proxy_ip} (egress proxy Pod) {time.monotonic() - t0:.1f}s after the Service was applied")
+    print(f"{fqdn} -> {proxy_ip} (egress proxy Pod) {time.monotonic() - t0:.1f}s after it was applied")
     out = kubedns.pod_fetch(kc, "apps", "magicdns-client", fqdn, f"http://{fqdn}:18081/by-magicdns-name",
                             kubecontroller.PROXY_IMAGE)
     print(out)
     assert f"resolved {fqdn} {proxy_ip}" in out and marker in out, out
 
-    # a tailnet Ingress that accepts cluster traffic, reached from a Pod by its MagicDNS name
-    host = "apps-dns-ingress"
-    lab.delete_node(host)
-    kc.apply({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
-              "metadata": {"name": "dns-web", "namespace": "apps", "annotations": {
-                  "tailscale.com/experimental-forward-cluster-traffic-via-ingress": "true"}},
-              "spec": {"ingressClassName": "tailscale", "tls": [{"hosts": [host]}],
-                       "defaultBackend": {"service": {"name": "echo", "port": {"number": 8080}}}}})
-    ing_fqdn = f"{host}.tailnet.test"
+    # the Ingress, reached from a Pod by its MagicDNS name
     try:
         def ingress_resolves():
             ip = kubedns.proxy_pod_ip(kc, "apps", "dns-web", "ingress")
