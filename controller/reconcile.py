@@ -20,15 +20,17 @@ from tscommon.redact import redact
 
 from . import proxyrbac, render, status as st
 from .config import ControllerConfig
-from .kinds import annotations, connector, ingress, meta, service
-from .kubeapi import (CONNECTORS, EVENTS, INGRESSES, ROLEBINDINGS, ROLES, SECRETS, SERVICEACCOUNTS, SERVICES,
-                      STATEFULSETS, Kube, KubeError, Resource)
-from .model import CONNECTOR, FINALIZER, INGRESS, SVC, Decision, Invalid, Parent, Pending, ProxySpec
+from .kinds import connector, egress, ingress, meta, service
+from .kubeapi import (CONNECTORS, EVENTS, INGRESSES, PROXYGROUPS, ROLEBINDINGS, ROLES, SECRETS, SERVICEACCOUNTS,
+                      SERVICES, STATEFULSETS, Kube, KubeError, Resource)
+from .model import (CONNECTOR, FINALIZER, INGRESS, LABEL_PROXY_GROUP, PROXYGROUP, SVC, Decision, Invalid, Parent,
+                    Pending, ProxySpec)
+from .pgreconcile import GroupReconciler
 from .providers import Provider, ProviderError
 
 log = logging.getLogger("controller")
 
-RESOURCES: dict[str, Resource] = {SVC: SERVICES, INGRESS: INGRESSES, CONNECTOR: CONNECTORS}
+RESOURCES: dict[str, Resource] = {SVC: SERVICES, INGRESS: INGRESSES, CONNECTOR: CONNECTORS, PROXYGROUP: PROXYGROUPS}
 #: A proxy's own identity (controller/proxyrbac.py), in creation order.
 RBAC_RESOURCES = (SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
 #: Safety-net re-checks of a parent whose proxy is not ready yet and of a ready one: the watches on the proxies'
@@ -61,6 +63,10 @@ def same(cur: Any, want: Any) -> bool:
 
 
 def handled(kind: str, obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
+    if kind == PROXYGROUP:
+        return True
+    if kind == SVC and egress.handled(obj):
+        return True
     return {SVC: service.handled, INGRESS: ingress.handled, CONNECTOR: connector.handled}[kind](obj, cfg)
 
 
@@ -70,22 +76,30 @@ class Reconciler:
         self.kube, self.provider, self.cfg, self.now, self.clock = kube, provider, cfg, now, clock
         self._warned: dict[str, set[str]] = {}     # parent UID -> problems already sent as Warning events
         self._tags_ok: dict[str, tuple[tuple[str, ...], float]] = {}   # device -> (tags seen equal, when)
+        self.groups = GroupReconciler(self)     # ProxyGroups and the egress Services on them
 
     # ---- entry point
 
     async def reconcile(self, kind: str, namespace: str, name: str) -> float | None:
         """One pass; returns seconds until the next check (None: wait for an event). Raises on API or control
         plane errors (the caller retries with backoff)."""
+        if kind == PROXYGROUP:
+            return await self.groups.reconcile_group(name)
         obj = await self.kube.get(RESOURCES[kind], name, namespace)
         if obj is None:
             return None
         m = meta(obj)
         if m.get("deletionTimestamp") or not handled(kind, obj, self.cfg):
             if FINALIZER in (m.get("finalizers") or []):
+                if kind == SVC:
+                    await self.groups.cleanup_service(obj)
+                    obj = dict(await self.groups.clear_conditions(obj))
                 if not await self.cleanup(kind, obj):
                     return 2.0
                 await self._remove_finalizer(kind, obj)
             return None
+        if kind == SVC and egress.handled(obj):
+            return await self.groups.reconcile_service(obj)
         try:
             decision = await self._decide(kind, obj)
         except Invalid as e:
@@ -266,6 +280,8 @@ class Reconciler:
             await self._delete_device_of(_decode(s))
             await self.kube.delete(SECRETS, s["metadata"]["name"], ns)
         for s in await self.kube.list(SERVICES, ns, sel):
+            if (s["metadata"].get("labels") or {}).get(LABEL_PROXY_GROUP):
+                continue        # a ProxyGroup egress Service's (GroupReconciler.cleanup_service)
             await self.kube.delete(SERVICES, s["metadata"]["name"], ns)
         for res in reversed(RBAC_RESOURCES):
             for o in await self.kube.list(res, ns, sel):
@@ -346,8 +362,9 @@ class Reconciler:
         self._warned.setdefault(uid, set()).add(key)
         ns = m.get("namespace") or "default"
         now = self.now()
-        api = {SVC: "v1", INGRESS: "networking.k8s.io/v1", CONNECTOR: "tailscale.com/v1alpha1"}[kind]
-        k8s_kind = {SVC: "Service", INGRESS: "Ingress", CONNECTOR: "Connector"}[kind]
+        api = {SVC: "v1", INGRESS: "networking.k8s.io/v1", CONNECTOR: "tailscale.com/v1alpha1",
+               PROXYGROUP: "tailscale.com/v1alpha1"}[kind]
+        k8s_kind = {SVC: "Service", INGRESS: "Ingress", CONNECTOR: "Connector", PROXYGROUP: "ProxyGroup"}[kind]
         ev = {"apiVersion": "v1", "kind": "Event",
               "metadata": {"generateName": f"{m.get('name', 'x')}.", "namespace": ns},
               "involvedObject": {"apiVersion": api, "kind": k8s_kind, "name": m.get("name", ""),

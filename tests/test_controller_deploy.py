@@ -25,7 +25,7 @@ def by_kind(kind):
 
 
 def test_connector_crd_matches_upstream_names_and_refuses_both():
-    (crd,) = by_kind("CustomResourceDefinition")
+    (crd,) = [d for d in by_kind("CustomResourceDefinition") if d["metadata"]["name"] == "connectors.tailscale.com"]
     assert crd["metadata"]["name"] == "connectors.tailscale.com" and crd["spec"]["scope"] == "Cluster"
     (v,) = crd["spec"]["versions"]
     assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
