@@ -320,11 +320,16 @@ class GroupReconciler:
             await rec.kube.patch(SERVICES, m["name"], {"status": {"conditions": conds or None}},
                                  m.get("namespace", ""), subresource="status")
 
+    @staticmethod
+    def has_conditions(svc: Mapping[str, Any]) -> bool:
+        """The Service carries the egress conditions: it was (or was refused as) an egress Service on a group."""
+        conds = (svc.get("status") or {}).get("conditions") or []
+        return any(c.get("type") in (COND_EGRESS_VALID, COND_EGRESS_CONFIGURED) for c in conds)
+
     async def clear_conditions(self, svc: Mapping[str, Any]) -> Mapping[str, Any]:
         """The Service no longer asks for a group: its egress conditions go (the Service stays as it is)."""
         conds = (svc.get("status") or {}).get("conditions") or []
-        if not any(c.get("type") in (COND_EGRESS_VALID, COND_EGRESS_CONFIGURED) for c in conds) or \
-                meta(svc).get("deletionTimestamp"):
+        if not self.has_conditions(svc) or meta(svc).get("deletionTimestamp"):
             return svc
         m = meta(svc)
         rest = [c for c in conds if c.get("type") not in (COND_EGRESS_VALID, COND_EGRESS_CONFIGURED)]

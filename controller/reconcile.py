@@ -100,6 +100,10 @@ class Reconciler:
             return None
         if kind == SVC and egress.handled(obj):
             return await self.groups.reconcile_service(obj)
+        if kind == SVC and self.groups.has_conditions(obj):
+            # It named a ProxyGroup until now and asks for a proxy of its own instead.
+            await self.groups.cleanup_service(obj)
+            obj = dict(await self.groups.clear_conditions(obj))
         try:
             decision = await self._decide(kind, obj)
         except Invalid as e:
