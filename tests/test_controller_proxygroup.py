@@ -369,7 +369,8 @@ async def test_invalid_egress_service_condition_event_nothing_made(env, ann, por
     before = {k for k in kube.objects if k[1] == NS}
     assert await rec.reconcile("svc", "apps", "db") is None
     cond = {c["type"]: c for c in kube.obj(SERVICES, "db", "apps")["status"]["conditions"]}
-    assert cond["TailscaleEgressSvcValid"]["status"] == "False" and fragment in cond["TailscaleEgressSvcValid"]["message"]
+    valid = cond["TailscaleEgressSvcValid"]
+    assert valid["status"] == "False" and fragment in valid["message"]
     assert "TailscaleEgressSvcConfigured" not in cond
     (ev,) = [e for e in kube.of(EVENTS) if e["involvedObject"]["name"] == "db"]
     assert ev["type"] == "Warning" and fragment in ev["message"]
