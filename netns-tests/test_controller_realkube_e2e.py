@@ -492,6 +492,182 @@ def test_two_controller_replicas_one_leads_and_the_other_takes_over_when_its_pod
         kc.kubectl("-n", kubecontroller.NS, "scale", "deployment/tailscale-controller", "--replicas=1", check=False)
 
 
+def _pg_children(kc, name: str) -> dict[str, list[str]]:
+    out = kubecontroller.children(kc, "", name, "proxygroup")
+    cp = kc.kubectl("-n", kubecontroller.NS, "get", "configmaps", "-l", f"tailscale.com/parent-resource={name}",
+                    "-o", "name")
+    out["configmaps"] = cp.stdout.split()
+    return out
+
+
+def _egress_children(kc) -> list[str]:
+    cp = kc.kubectl("-n", kubecontroller.NS, "get", "services,endpointslices", "-l", "tailscale.com/svc-type=egress",
+                    "-o", "name")
+    return cp.stdout.split()
+
+
+def test_proxygroup_egress_services_scale_and_cleanup(lab, kube):
+    """A ProxyGroup of 2 (type egress) and three egress Services on it (two tailnet nodes by IP, one by MagicDNS
+    name): a client Pod reaches all three through the replicas; each Service's EndpointSlice lists the replicas
+    that report its rules; scaling 2 → 3 → 1 adds and removes devices in headscale; deleting the Services and
+    the group leaves nothing in the cluster or in headscale."""
+    import sys
+    from labtools import clusterdns
+    import labextras as lx
+    kc = kube
+    pg, prefix = "egress", "egpg"
+    c4, _ = lab.tailnet_ips("client")
+    lab.add_namespace("pgt")
+    lab.start_node("pg-target", "pgt")
+    t4, _ = lab.tailnet_ips("pg-target")
+    fqdn = lx.magicdns_name(lab, "client")
+    marks = {n: f"{n}-ok-{lab.prefix}" for n in ("pga", "pgb", "pgc")}
+    lab.start_http_server("client", c4, 18090, marks["pga"])
+    lab.start_http_server("pgt", ("0.0.0.0",), 18091, marks["pgb"])
+    lab.start_http_server("client", ("0.0.0.0",), 18092, marks["pgc"])
+    token = kc.run_dir / "clusterdns-pg.token"
+    token.write_text(kc.token)
+    token.chmod(0o600)
+    dns_ip = kc.cfg.api_host
+    dnsp = kc.popen([sys.executable, "-m", "labtools.clusterdns", "--listen", dns_ip, "--server", kc.server,
+                     "--token-file", str(token), "--ca", str(kc.ca_cert)],
+                    env={"PYTHONPATH": str(kubecontroller.REPO)}, stdout=open(kc.run_dir / "clusterdns-pg.log", "w"),
+                    stderr=subprocess.STDOUT)
+
+    def report() -> str:
+        logs = kc.kubectl("-n", kubecontroller.NS, "logs", "-l", f"tailscale.com/parent-resource={pg}",
+                          "--tail=40", "--all-containers", "--prefix", check=False)
+        got = kc.kubectl("-n", kubecontroller.NS, "get", "pods,endpointslices,services,configmaps", "-o", "wide",
+                         check=False).stdout
+        return f"{kubecontroller.controller_log(kc, 120)}\n--- objects\n{got}\n--- replicas\n{logs.stdout}{logs.stderr}"
+
+    def hs_pg_nodes() -> list[str]:
+        return sorted(n.get("given_name") or n.get("name") for n in lab.hs_nodes()
+                      if (n.get("given_name") or n.get("name") or "").startswith(prefix))
+
+    def svc(name: str, ann: dict[str, str], port: int) -> dict:
+        return {"apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": name, "namespace": "apps",
+                             "annotations": {"tailscale.com/proxy-group": pg, **ann}},
+                "spec": {"type": "ExternalName", "externalName": "placeholder",
+                         "ports": [{"name": "http", "port": port, "protocol": "TCP"}]}}
+    try:
+        t0 = time.monotonic()
+        kc.apply({"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyGroup", "metadata": {"name": pg},
+                  "spec": {"type": "egress", "replicas": 2, "hostnamePrefix": prefix}})
+        kc.apply([svc("pga", {"tailscale.com/tailnet-ip": c4}, 18090),
+                  svc("pgb", {"tailscale.com/tailnet-ip": t4}, 18091),
+                  svc("pgc", {"tailscale.com/tailnet-fqdn": fqdn}, 18092)])
+
+        def group_ready(n: int):
+            def pred():
+                g = kc.get("proxygroup", pg) or {}
+                conds = {c["type"]: c for c in (g.get("status") or {}).get("conditions") or []}
+                ok = conds.get("ProxyGroupReady", {}).get("status") == "True"
+                return g if ok and len((g.get("status") or {}).get("devices") or []) == n else None
+            return pred
+        try:
+            g = wait_until(group_ready(2), 240, 1, "the ProxyGroup ready with 2 devices")
+        except TimeoutError:
+            raise AssertionError(report()) from None
+        print(f"ProxyGroup {pg} ready with 2 devices {time.monotonic() - t0:.1f}s after it was created")
+        assert [d["hostname"] for d in g["status"]["devices"]] == [f"{prefix}-{i}.tailnet.test" for i in range(2)]
+        assert hs_pg_nodes() == [f"{prefix}-0", f"{prefix}-1"]
+        made = _pg_children(kc, pg)
+        assert sorted(made["secrets"]) == [f"{pg}-0", f"{pg}-0-config", f"{pg}-1", f"{pg}-1-config"], made
+        assert made["statefulsets"] == [pg] and made["configmaps"] == [f"configmap/{pg}-egress-config"], made
+        assert made["serviceaccounts"] == made["roles"] == made["rolebindings"] == [pg], made
+
+        def all_served():
+            out = {}
+            for name in marks:
+                s = kc.get("service", name, "apps") or {}
+                target = (s.get("spec") or {}).get("externalName", "").split(".")[0]
+                eps = kc.get("endpointslice", f"{target}-ipv4", kubecontroller.NS) or {}
+                if len(eps.get("endpoints") or []) != 2:
+                    return None
+                out[name] = eps
+            return out
+        try:
+            slices = wait_until(all_served, 180, 1, "both replicas in each egress Service's EndpointSlice")
+        except TimeoutError:
+            raise AssertionError(report()) from None
+        print(f"three egress Services served by both replicas {time.monotonic() - t0:.1f}s after creation")
+        pod_ips = sorted(p["status"]["podIP"] for p in json.loads(kc.kubectl(
+            "-n", kubecontroller.NS, "get", "pods", "-l", f"tailscale.com/parent-resource={pg}", "-o", "json").stdout
+        )["items"])
+        for eps in slices.values():
+            assert sorted(e["addresses"][0] for e in eps["endpoints"]) == pod_ips
+        for name in marks:
+            cond = {c["type"]: c for c in kc.get("service", name, "apps")["status"]["conditions"]}
+            assert cond["TailscaleEgressSvcConfigured"]["status"] == "True", cond
+
+        script = ("import urllib.request\n"
+                  "for n, p in (('pga', 18090), ('pgb', 18091), ('pgc', 18092)):\n"
+                  "    for i in range(4):\n"
+                  "        print(n, urllib.request.urlopen(f'http://{n}:{p}/pg-{i}', timeout=10).read().decode()"
+                  ".replace(chr(10), ' '))\n")
+        kc.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "pg-client", "namespace": "apps"},
+                  "spec": {"restartPolicy": "OnFailure", "terminationGracePeriodSeconds": 1,
+                           **clusterdns.pod_dns_config(dns_ip, "apps"),
+                           "containers": [{"name": "c", "image": kubecontroller.PROXY_IMAGE,
+                                           "imagePullPolicy": "Never", "command": ["python3", "-c", script]}]}})
+
+        def done():
+            p = kc.get("pod", "pg-client", "apps") or {}
+            return p if p.get("status", {}).get("phase") == "Succeeded" else None
+        try:
+            wait_until(done, 120, 1, "the client Pod's requests")
+        except TimeoutError:
+            out = kc.kubectl("-n", "apps", "logs", "pg-client", check=False)
+            raise AssertionError(f"{out.stdout}{out.stderr}\n{report()}") from None
+        out = kc.kubectl("-n", "apps", "logs", "pg-client").stdout
+        print(out)
+        for name, mark in marks.items():
+            assert out.count(f"{name} {mark}") == 4, out
+        # the tailnet nodes saw the replicas' tailnet addresses (SNAT), not Pod addresses
+        dev_ips = {ip for d in g["status"]["devices"] for ip in d["tailnetIPs"]}
+        peers = {e.get("peer", "") for e in lab.http_peer_log("client", 18090) + lab.http_peer_log("pgt", 18091)}
+        assert peers and peers <= dev_ips, (peers, dev_ips)
+        kc.kubectl("-n", "apps", "delete", "pod", "pg-client", "--wait=false")
+
+        # scale 2 -> 3 -> 1: devices follow in headscale, the removed replicas' Secrets go
+        kc.kubectl("patch", "proxygroup", pg, "--type=merge", "-p", '{"spec":{"replicas":3}}')
+        try:
+            wait_until(group_ready(3), 240, 1, "the ProxyGroup ready with 3 devices")
+        except TimeoutError:
+            raise AssertionError(report()) from None
+        assert hs_pg_nodes() == [f"{prefix}-0", f"{prefix}-1", f"{prefix}-2"]
+        kc.kubectl("patch", "proxygroup", pg, "--type=merge", "-p", '{"spec":{"replicas":1}}')
+        try:
+            wait_until(lambda: hs_pg_nodes() == [f"{prefix}-0"] and sorted(_pg_children(kc, pg)["secrets"]) == [
+                f"{pg}-0", f"{pg}-0-config"], 420, 1, "replicas 1 and 2 gone (devices, Secrets)")
+        except TimeoutError:
+            raise AssertionError(f"{hs_pg_nodes()}\n{report()}") from None
+        assert len(kc.get("proxygroup", pg)["status"]["devices"]) == 1
+        cm = kc.get("configmap", f"{pg}-egress-config", kubecontroller.NS)
+        assert cm["data"]["hep-pings"] == "3" and len(json.loads(cm["data"]["egress-services"])) == 3
+
+        # cleanup: the Services, then the group: nothing left, in the cluster or in headscale
+        kc.kubectl("-n", "apps", "delete", "service", "pga", "pgb", "pgc", "--wait=false")
+        wait_until(lambda: not any(kc.get("service", n, "apps") for n in marks), 60, 0.5, "the Services gone")
+        assert _egress_children(kc) == []
+        cm = kc.get("configmap", f"{pg}-egress-config", kubecontroller.NS)
+        assert json.loads(cm["data"]["egress-services"]) == {}
+        kc.kubectl("delete", "proxygroup", pg, "--wait=false")
+        try:
+            wait_until(lambda: kc.get("proxygroup", pg) is None, 420, 1, "the ProxyGroup gone")
+        except TimeoutError:
+            raise AssertionError(report()) from None
+        assert _pg_children(kc, pg) == {**kubecontroller.NO_CHILDREN, "configmaps": []}
+        assert hs_pg_nodes() == []
+    finally:
+        dnsp.terminate()
+        dnsp.wait(10)
+        lx.stop_node(lab, "pg-target")
+        lab.delete_node("pg-target")
+
+
 def test_helm_uninstall_leaves_nothing_of_the_release(kube):
     """Last: ``helm uninstall`` removes every object the chart made (the credentials Secret included); the
     Connector CRD stays, as helm never deletes what a chart's crds/ installed."""
