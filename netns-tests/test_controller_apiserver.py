@@ -83,7 +83,8 @@ def running(kube, tmp_path_factory):
     d = tmp_path_factory.mktemp("ctl")
     cp = kube.kubectl("apply", "-R", "-f", os.path.join(REPO, "deploy"))
     assert "customresourcedefinition.apiextensions.k8s.io/connectors.tailscale.com" in cp.stdout
-    kube.kubectl("wait", "--for=condition=Established", "crd/connectors.tailscale.com", "--timeout=30s")
+    kube.kubectl("wait", "--for=condition=Established", "crd/connectors.tailscale.com", "crd/proxygroups.tailscale.com",
+                 "--timeout=30s")
     # the deployed ServiceAccount's own token: its RBAC from deploy/ allows or denies every call
     (d / "token").write_text(kube.service_account_token("tailscale", "tailscale-controller"))
     (d / "id").write_text("kCLIENTID")

@@ -37,6 +37,33 @@ def test_connector_crd_matches_upstream_names_and_refuses_both():
     assert len(both) == 1 and "create two Connectors" in both[0]["message"]
 
 
+def test_proxygroup_crd_matches_upstream_names():
+    (crd,) = [d for d in by_kind("CustomResourceDefinition") if d["metadata"]["name"] == "proxygroups.tailscale.com"]
+    assert crd["spec"]["scope"] == "Cluster" and crd["spec"]["names"]["shortNames"] == ["pg"]
+    (v,) = crd["spec"]["versions"]
+    assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
+    spec = v["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["required"] == ["type"]
+    assert {"type", "replicas", "hostnamePrefix", "tags", "proxyClass"} <= set(spec["properties"])
+    t = spec["properties"]["type"]
+    assert t["enum"] == ["egress", "ingress", "kube-apiserver"]
+    assert t["x-kubernetes-validations"] == [{"rule": "self == oldSelf", "message": "ProxyGroup type is immutable"}]
+    status = v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert set(status["devices"]["items"]["properties"]) == {"hostname", "tailnetIPs"}
+
+
+def test_rbac_covers_proxygroups_and_their_egress_objects():
+    (cr,) = [d for d in by_kind("ClusterRole") if d["metadata"]["name"] == "tailscale-controller"]
+    (role,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "tailscale-controller"]
+    for verb in ("get", "list", "watch", "patch"):
+        assert _covered(cr["rules"], "tailscale.com", "proxygroups", verb), verb
+    assert _covered(cr["rules"], "tailscale.com", "proxygroups/status", "patch")
+    for res, grp in ((kubeapi.CONFIGMAPS, ""), (kubeapi.ENDPOINTSLICES, "discovery.k8s.io")):
+        for verb in ("get", "list", "create", "patch", "delete"):
+            assert _covered(role["rules"], grp, res.plural, verb), (res.plural, verb)
+    assert _covered(role["rules"], "", "pods", "watch")
+
+
 def _covered(rules, group, resource, verb):
     return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules)
 

@@ -96,3 +96,14 @@ def test_kopf_registries_and_server_side_child_filter():
     assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/managed=true"] * 2 + [
         "tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]
     assert not settings(False).posting.enabled
+
+
+def test_a_proxygroup_event_brings_a_pass_of_the_services_that_name_it():
+    s = State(ControllerConfig(), None, None)
+    s.index_service(("svc", "apps", "a"), "pg")
+    s.index_service(("svc", "apps", "b"), "pg")
+    s.index_service(("svc", "apps", "c"), "other")
+    assert s.group_services == {"pg": {("svc", "apps", "a"), ("svc", "apps", "b")}, "other": {("svc", "apps", "c")}}
+    s.index_service(("svc", "apps", "a"), "other")     # moved to another group
+    s.index_service(("svc", "apps", "b"), "")          # no longer names one (or deleted)
+    assert s.group_services == {"other": {("svc", "apps", "a"), ("svc", "apps", "c")}}
