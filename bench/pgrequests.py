@@ -25,18 +25,15 @@ import argparse
 import asyncio
 import base64
 import json
-import pathlib
 import sys
 from collections import Counter
 from typing import Any, cast
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from controller.config import ControllerConfig  # noqa: E402
-from controller.kubeapi import CONFIGMAPS, PODS, PROXYGROUPS, SECRETS, SERVICES, STATEFULSETS  # noqa: E402
-from controller.pgreconcile import group_labels  # noqa: E402
-from controller.reconcile import Reconciler  # noqa: E402
-from tests.support.fakekube import FakeKube, FakeProvider  # noqa: E402
+from controller.config import ControllerConfig
+from controller.kubeapi import CONFIGMAPS, PODS, PROXYGROUPS, SECRETS, SERVICES, STATEFULSETS
+from controller.pgreconcile import group_labels
+from controller.reconcile import Reconciler
+from tests.support.fakekube import FakeKube, FakeProvider
 
 CFG = ControllerConfig(namespace="tailscale", proxy_image="proxy:1", login_server="http://hs.test:8080")
 NS = "tailscale"
