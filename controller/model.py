@@ -35,6 +35,8 @@ ANN_LAST_TAILNET_FQDN = "tailscale.com/operator-last-set-ts-tailnet-target-fqdn"
 
 # Parent types as written in LABEL_PARENT_TYPE.
 SVC, INGRESS, CONNECTOR = "svc", "ingress", "connector"
+#: The work-queue kind of a ProxyClass (not a parent: it has no proxy of its own).
+PROXYCLASS = "proxyclass"
 
 # Conditions and reasons (upstream's names).
 COND_PROXY_READY = "TailscaleProxyReady"

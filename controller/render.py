@@ -82,6 +82,12 @@ def secret_string_data(spec: ProxySpec, cfg: ControllerConfig, i: int, authkey: 
     return out
 
 
+def rehash(obj: dict) -> dict:
+    """The object's SPEC_HASH again, after a later step (a ProxyClass) changed it."""
+    (obj["metadata"].get("annotations") or {}).pop(SPEC_HASH, None)
+    return _hashed(obj)
+
+
 def _hashed(obj: dict) -> dict:
     h = hashlib.sha256(dumps(obj).encode()).hexdigest()[:16]
     obj["metadata"].setdefault("annotations", {})[SPEC_HASH] = h
