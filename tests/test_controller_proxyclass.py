@@ -365,3 +365,41 @@ async def test_a_connector_names_its_class_in_spec(env):
     await rec.reconcile("connector", "", "lan")
     (sts,) = kube.of(STATEFULSETS)
     assert sts["spec"]["template"]["metadata"]["labels"]["v"] == "1"
+
+
+# ---- the agent's side: every env a class sets on the proxy container works
+
+def kubelet_env(env: list[dict], fields: dict[str, str]) -> dict[str, str]:
+    """The container's environment as the kubelet makes it: fieldRefs resolved, $(VAR) expanded from the entries
+    before it, a later duplicate replacing an earlier one."""
+    import re
+    out: dict[str, str] = {}
+    for e in env:
+        if "valueFrom" in e:
+            out[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            out[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: out.get(m.group(1), m.group(0)), e.get("value", ""))
+    return out
+
+
+def test_the_class_env_on_a_rendered_proxy_boots_the_agent_with_metrics_debug_and_acme(tmp_path):
+    from containerboot.settings import SETTINGS, load
+    from containerboot.tailscaled import child_env, tailscaled_argv
+    spec = {**FULL, "statefulSet": {"pod": {"tailscaleContainer": {
+        "env": [{"name": "TS_EXTRA_ARGS", "value": "--advertise-tags=tag:prod"}], "debug": {"enable": True}}}}}
+    pc = pcl.ProxyClass.from_object(klass(spec=spec))
+    sts = render.rehash(pcl.apply_to_statefulset(render.statefulset(SPEC, CFG), pc, pcl.Target(True, True)))
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    names = {e["name"] for e in c["env"]}
+    assert names <= {s.name for s in SETTINGS} | set(render.TAILSCALED_ENV) | {"POD_IP", "POD_NAME", "POD_UID"}
+    env = kubelet_env(c["env"], {"status.podIP": "10.1.2.3", "metadata.name": "ts-web-0", "metadata.uid": "u"})
+    (tmp_path / "cap-107.hujson").write_text(render.dumps(render.tailscaled_config(SPEC, CFG, 0, "", 107)))
+    env["TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR"] = str(tmp_path)
+    env["TS_KUBE_SECRET"] = ""       # no API server here; the state Secret is not what this checks
+    s = load(env)
+    assert s.enable_metrics and s.local_addr_port == "10.1.2.3:9002"
+    assert s.debug_addr_port == "10.1.2.3:9001"
+    argv = tailscaled_argv(s)
+    assert [a for a in argv if a.startswith("--debug")] == ["--debug=10.1.2.3:9001"]
+    assert child_env(s, env)["TS_DEBUG_ACME_DIRECTORY_URL"] == pcl.LETS_ENCRYPT_STAGING
+    assert not s.extra_args, "TS_EXTRA_ARGS is carried over by the controller, never passed on"
