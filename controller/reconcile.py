@@ -102,9 +102,25 @@ class Reconciler:
             return PENDING_RECHECK
         sel = pcl.select(kind == CONNECTOR, obj, self.cfg.default_proxy_class)
         if sel.misplaced:
-            k8s_kind = {SVC: "Service", INGRESS: "Ingress"}.get(kind, kind)
             decision = dataclasses.replace(decision, notices=decision.notices + (
-                ("Warning", pcl.REASON_ANNOTATION, pcl.annotation_message(k8s_kind, sel.misplaced)),))
+                ("Warning", pcl.REASON_ANNOTATION, pcl.annotation_message(_k8s_kind(kind), sel.misplaced)),))
+        pc: pcl.ProxyClass | None = None
+        spec = decision.spec
+        waiting = ""                  # why the class cannot be used (missing, or not valid)
+        crd_missing = False
+        if sel.name:
+            pc_obj, v = await self._class_state(sel.name)
+            if pc_obj is None or not v.ok:
+                running = await self.kube.get(STATEFULSETS, render.base_name(spec.parent), self.cfg.namespace)
+                waiting = pcl.not_ready_message(sel.name, pc_obj, running=running is not None, validation=v)
+                crd_missing = pc_obj is not None and v.crd_missing
+                decision = dataclasses.replace(decision, notices=decision.notices + (
+                    ("Warning", pcl.REASON_NOT_READY, waiting),))
+            else:
+                pc = pcl.ProxyClass.from_object(pc_obj)
+                if pc.tags and spec.tags == self.cfg.proxy_tags:
+                    # the class's TS_EXTRA_ARGS --advertise-tags: under the parent's own tags, over PROXY_TAGS
+                    spec = dataclasses.replace(spec, tags=pc.tags)
         # Only what this pass still reports stays remembered: a problem that goes and comes back is sent again.
         current = {f"InvalidBackend:{w}" for w in decision.warnings} | {f"{r}:{t}" for _, r, t in decision.notices}
         if (seen := self._warned.get(m.get("uid", ""))) is not None:
@@ -113,23 +129,12 @@ class Reconciler:
             await self._warn(obj, kind, "InvalidBackend", w)
         for etype, reason, message in decision.notices:
             await self._warn(obj, kind, reason, message, etype=etype)
-        pc: pcl.ProxyClass | None = None
-        spec = decision.spec
-        if sel.name:
-            pc_obj, v = await self._class_state(sel.name)
-            if pc_obj is None or not v.ok:
-                # Nothing is created or changed until the class is there and valid; a running proxy keeps running
-                # as it was. The class's watch brings the next pass.
-                running = await self.kube.get(STATEFULSETS, render.base_name(spec.parent), self.cfg.namespace)
-                msg = pcl.not_ready_message(sel.name, pc_obj, running=running is not None, validation=v)
-                await self._warn(obj, kind, pcl.REASON_NOT_READY, msg)
-                await self._write_status(kind, obj, None, [], st.Readiness(False, pcl.REASON_NOT_READY, msg),
-                                         condition_only=True)
-                return None if pc_obj is None or not v.crd_missing else PENDING_RECHECK
-            pc = pcl.ProxyClass.from_object(pc_obj)
-            if pc.tags and spec.tags == self.cfg.proxy_tags:
-                # the class's TS_EXTRA_ARGS --advertise-tags: under the parent's own tags, over PROXY_TAGS
-                spec = dataclasses.replace(spec, tags=pc.tags)
+        if waiting:
+            # Nothing is created or changed until the class is there and valid; a running proxy keeps running as
+            # it was. The class's watch brings the next pass (a missing ServiceMonitor CRD has none: re-checked).
+            await self._write_status(kind, obj, None, [], st.Readiness(False, pcl.REASON_NOT_READY, waiting),
+                                     condition_only=True)
+            return PENDING_RECHECK if crd_missing else None
         await self._ensure_finalizer(kind, obj)
         return await self._provision(kind, obj, spec, pc, sel.misplaced)
 

@@ -403,3 +403,32 @@ def test_the_class_env_on_a_rendered_proxy_boots_the_agent_with_metrics_debug_an
     assert [a for a in argv if a.startswith("--debug")] == ["--debug=10.1.2.3:9001"]
     assert child_env(s, env)["TS_DEBUG_ACME_DIRECTORY_URL"] == pcl.LETS_ENCRYPT_STAGING
     assert not s.extra_args, "TS_EXTRA_ARGS is carried over by the controller, never passed on"
+
+
+async def test_a_waiting_parent_is_warned_once_however_many_passes(env):
+    kube, prov, rec, poked = env
+    labelled_svc(kube)
+    for _ in range(3):
+        await rec.reconcile("svc", "apps", "web")
+    assert len(warnings(kube, "ProxyClassNotReady")) == 1
+
+
+async def test_an_ingress_takes_its_class_from_its_label(env):
+    from controller.kubeapi import INGRESSES
+    kube, prov, rec, poked = env
+    rec.cfg = dataclasses.replace(CFG, ingress_scheme="https")
+    kube.put(PROXYCLASSES, klass(spec={"statefulSet": {"pod": {"labels": {"v": "1"}}},
+                                       "useLetsEncryptStagingEnvironment": True}))
+    kube.put(SERVICES, {"metadata": {"name": "be", "namespace": "apps"},
+                        "spec": {"clusterIP": "10.96.0.20", "ports": [{"port": 80}]}})
+    kube.put(INGRESSES, {"metadata": {"name": "ing", "namespace": "apps", "uid": "uid-ing",
+                                      "labels": {pcl.LABEL_PROXY_CLASS: "prod"}},
+                         "spec": {"ingressClassName": "tailscale",
+                                  "defaultBackend": {"service": {"name": "be", "port": {"number": 80}}}}})
+    await rec.reconcile("proxyclass", "", "prod")
+    assert poked == [("ingress", "apps", "ing")]
+    await rec.reconcile("ingress", "apps", "ing")
+    (sts,) = kube.of(STATEFULSETS)
+    assert sts["spec"]["template"]["metadata"]["labels"]["v"] == "1"
+    env_ = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env_["TS_DEBUG_ACME_DIRECTORY_URL"] == pcl.LETS_ENCRYPT_STAGING
