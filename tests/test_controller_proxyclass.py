@@ -432,3 +432,11 @@ async def test_an_ingress_takes_its_class_from_its_label(env):
     assert sts["spec"]["template"]["metadata"]["labels"]["v"] == "1"
     env_ = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env_["TS_DEBUG_ACME_DIRECTORY_URL"] == pcl.LETS_ENCRYPT_STAGING
+
+
+def test_proxy_default_class_is_a_setting_with_a_clear_error():
+    from controller.config import ConfigError, load
+    assert load({"PROXY_DEFAULT_CLASS": "prod"}).default_proxy_class == "prod"
+    assert load({}).default_proxy_class == ""
+    with pytest.raises(ConfigError, match="PROXY_DEFAULT_CLASS='Prod_1' is not a ProxyClass name"):
+        load({"PROXY_DEFAULT_CLASS": "Prod_1"})
