@@ -245,10 +245,10 @@ def _show(v: Any) -> str:
 
 
 def _type(path: str, v: Any, want: type | tuple[type, ...], what: str, problems: list[str]) -> bool:
+    """Whether `v` is given and of the wanted type; a value of another type is a problem (None: not given)."""
     if v is None:
         return False
-    if not isinstance(v, want) or (want is not bool and isinstance(v, bool) and bool not in (
-            want if isinstance(want, tuple) else (want,))):
+    if not isinstance(v, want):
         problems.append(f"{path}: {_show(v)} is not {what}")
         return False
     return True
