@@ -496,8 +496,9 @@ def test_proxyclass_applied_to_service_ingress_and_connector_tags_metrics_and_a_
                     "env": [{"name": "TS_EXTRA_ARGS", "value": "--advertise-tags=tag:edge"}]}}},
                 "metrics": {"enable": True}}}
     # the class does not exist yet: the Service waits for it
-    kc.apply({**_service("pc-web", {}, type="LoadBalancer"),
-              "metadata": {"name": "pc-web", "namespace": "apps", "labels": {"tailscale.com/proxy-class": "edge"}}})
+    web = _service("pc-web", {"tailscale.com/expose": "true"}, type="LoadBalancer")
+    web["metadata"]["labels"] = {"tailscale.com/proxy-class": "edge"}
+    kc.apply(web)
     cond = wait_until(lambda: next((c for c in ((kc.get("service", "pc-web", "apps") or {}).get("status") or {})
                                     .get("conditions") or [] if c["reason"] == "ProxyClassNotReady"), None),
                       60, 0.5, "the Service waiting for its class")
