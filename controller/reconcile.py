@@ -21,7 +21,7 @@ from tscommon.redact import redact
 
 from . import proxyclass as pcl, proxyrbac, render, status as st
 from .config import ControllerConfig
-from .kinds import annotations, connector, ingress, meta, service
+from .kinds import connector, ingress, meta, service
 from .kubeapi import (CONNECTORS, CRDS, EVENTS, INGRESSES, PROXYCLASSES, ROLEBINDINGS, ROLES, SECRETS,
                       SERVICEACCOUNTS, SERVICEMONITORS, SERVICES, STATEFULSETS, Kube, KubeError, Resource)
 from .model import (CONNECTOR, FINALIZER, INGRESS, PROXYCLASS, SVC, Decision, Invalid, Parent, Pending,

@@ -13,14 +13,14 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from controller import proxyclass as pcl  # noqa: E402
-from controller import render  # noqa: E402
-from controller.config import ControllerConfig  # noqa: E402
-from controller.kubeapi import (CONNECTORS, CRDS, EVENTS, PROXYCLASSES, SECRETS, SERVICEMONITORS,  # noqa: E402
+from controller import proxyclass as pcl
+from controller import render
+from controller.config import ControllerConfig
+from controller.kubeapi import (CONNECTORS, CRDS, EVENTS, PROXYCLASSES, SECRETS, SERVICEMONITORS,
                                 SERVICES, STATEFULSETS)
-from controller.model import SVC, Parent, ProxySpec  # noqa: E402
-from controller.reconcile import Reconciler, proxy_target  # noqa: E402
-from tests.support.fakekube import FakeKube, FakeProvider  # noqa: E402
+from controller.model import SVC, Parent, ProxySpec
+from controller.reconcile import Reconciler, proxy_target
+from tests.support.fakekube import FakeKube, FakeProvider
 
 CFG = ControllerConfig(namespace="tailscale", proxy_image="registry.local/proxy:1",
                        login_server="http://hs.test:8080")
