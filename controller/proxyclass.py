@@ -3,7 +3,13 @@ the class merged into a proxy's rendered objects (pure: objects in, objects out)
 
 The merge is generic over what `render` (or any other renderer) made: a StatefulSet whose main container is
 named `tailscale` and whose init container is `sysctler`, and config Secrets with `cap-<N>.hujson` keys, so
-every kind of proxy (Service, Ingress, Connector, a group of replicas) gets it by calling `apply`. It follows
+every kind of proxy (Service, Ingress, Connector, a group of replicas) gets it the same way::
+
+    sel = select(is_connector_like, parent_obj, cfg.default_proxy_class)     # which class, and mistakes
+    v = validate(class_obj)                                                  # ProxyClassReady, problems
+    sts = apply_to_statefulset(sts, ProxyClass.from_object(class_obj), Target(endpoints=..., acme=...))
+    secret = apply_to_config_secret(secret, pc)                             # per config Secret
+    metrics_service(sts, ...), service_monitor(svc, pc)                     # when pc.metrics / .service_monitor It follows
 upstream's `applyProxyClassToStatefulSet`: labels and annotations merged with the controller's own winning
 (its selector labels are never replaced), Pod scheduling fields replaced, the class's env appended after the
 rendered env (a later duplicate wins in Kubernetes, so the user wins), image, pull policy, resources and
