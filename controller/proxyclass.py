@@ -9,8 +9,9 @@ every kind of proxy (Service, Ingress, Connector, a group of replicas) gets it t
     v = validate(class_obj)                                                  # ProxyClassReady, problems
     sts = apply_to_statefulset(sts, ProxyClass.from_object(class_obj), Target(endpoints=..., acme=...))
     secret = apply_to_config_secret(secret, pc)                             # per config Secret
-    metrics_service(sts, ...), service_monitor(svc, pc)                     # when pc.metrics / .service_monitor It follows
-upstream's `applyProxyClassToStatefulSet`: labels and annotations merged with the controller's own winning
+    metrics_service(sts, ...), service_monitor(svc, pc)                     # when pc.metrics / .service_monitor
+
+It follows upstream's `applyProxyClassToStatefulSet`: labels and annotations merged with the controller's own winning
 (its selector labels are never replaced), Pod scheduling fields replaced, the class's env appended after the
 rendered env (a later duplicate wins in Kubernetes, so the user wins), image, pull policy, resources and
 security context replaced where the class gives them; `metrics.enable` → the proxy's metrics endpoint on
