@@ -5,8 +5,9 @@ The group's pass: auth keys (one per new replica, never again for a replica that
 the ConfigMap, per-replica config and state Secrets, the group's own ServiceAccount/Role/RoleBinding, the
 StatefulSet, all with the group's ProxyClass merged in (spec.proxyClass or PROXY_DEFAULT_CLASS; nothing is
 made or changed while it is missing or invalid), and its metrics Service when the class asks; replicas scaled
-away lose their device and Secrets once their Pod is gone; the status lists the devices from the state Secrets; and every egress Service's EndpointSlices are brought to what the replicas
-report (their state Secrets' `egress-services`), so one replica's change costs one pass of the group.
+away lose their device and Secrets once their Pod is gone; the status lists the devices from the state Secrets;
+and every egress Service's EndpointSlices are brought to what the replicas report (their state Secrets'
+`egress-services`), so one replica's change costs one pass of the group.
 
 An egress Service's pass: its ClusterIP Service with allocated ports, its entry in the group's ConfigMap (writes
 to one group's ConfigMap are serialised in this process and guarded by its resourceVersion), its
