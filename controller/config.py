@@ -2,8 +2,9 @@
 
 Names follow upstream's operator where it has one (OPERATOR_NAMESPACE, PROXY_IMAGE, PROXY_TAGS,
 PROXY_FIREWALL_MODE, OPERATOR_LOGIN_SERVER, OPERATOR_DEFAULT_LOAD_BALANCER, OPERATOR_INGRESS_CLASS_NAME);
-the control plane provider and the proxy defaults (the "default ProxyClass": image, firewall mode,
-resources) are ours. A bad value is one error naming the variable, the value and the fix; secrets (API keys,
+the control plane provider and the proxy settings under every ProxyClass (image, firewall mode, resources,
+env: what a proxy gets where its class says nothing) are ours; PROXY_DEFAULT_CLASS names the class of parents
+that name none, as upstream. A bad value is one error naming the variable, the value and the fix; secrets (API keys,
 OAuth client secrets) are read from files, never from the environment or a log line.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ FIREWALL_MODES = ("", "auto", "iptables", "nftables")
 INGRESS_SCHEMES = ("auto", "https", "http")
 DEFAULT_RESOURCES = {"requests": {"cpu": "1m", "memory": "1Mi"}}
 TAILSCALE_LOGIN_SERVER = "https://controlplane.tailscale.com"
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class ControllerConfig:
     static_key_secret: str = "tailscale-auth"      # Secret in `namespace` with key `authkey`
     ingress_scheme: str = "auto"                   # L7 Ingress: auto | https | http (see ingress_http)
     stub_zone_configmap: str = ""                  # "<ns>/<name>" of CoreDNS's ConfigMap to keep the stub zone in
+    default_proxy_class: str = ""                  # PROXY_DEFAULT_CLASS: the ProxyClass of parents naming none
 
     @property
     def server_url(self) -> str:
@@ -183,4 +186,9 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
         raise ConfigError(f"DNS_STUB_ZONE_CONFIGMAP={stub!r} is not <namespace>/<name> of a ConfigMap; use e.g. "
                           "kube-system/coredns, or leave it empty to add the stub zone yourself")
     kw["stub_zone_configmap"] = stub
+    default_class = get("PROXY_DEFAULT_CLASS")
+    if default_class and not _DNS_SUBDOMAIN.match(default_class):
+        raise ConfigError(f"PROXY_DEFAULT_CLASS={default_class!r} is not a ProxyClass name; use a lower-case DNS "
+                          "name such as 'prod' (kubectl get proxyclasses)")
+    kw["default_proxy_class"] = default_class
     return ControllerConfig(**kw)

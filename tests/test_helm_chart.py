@@ -219,3 +219,13 @@ def test_stub_zone_setting_grants_that_one_configmap_only():
     # off by default: no access to kube-system at all
     assert "DNS_STUB_ZONE_CONFIGMAP" not in env_of(render(helmchart.DEPLOY_VALUES))
     assert [o for o in render(helmchart.DEPLOY_VALUES) if o["metadata"].get("namespace") == "kube-system"] == []
+
+
+def test_default_proxy_class_value_sets_the_controllers_default():
+    objs = render({"provider": "tailscale", "proxy": {"defaultProxyClass": "prod"}})
+    assert env_of(objs)["PROXY_DEFAULT_CLASS"] == "prod"
+    assert cconfig.load(env_of(objs)).default_proxy_class == "prod"
+    assert "PROXY_DEFAULT_CLASS" not in env_of(render({"provider": "tailscale"}))
+    (crd,) = [o for o in objs if o["kind"] == "CustomResourceDefinition" and
+              o["metadata"]["name"] == "proxyclasses.tailscale.com"]
+    assert crd["spec"]["scope"] == "Cluster"
