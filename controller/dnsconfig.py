@@ -13,8 +13,9 @@ The records (as upstream's dnsrecords reconciler, computed whole on each pass ra
   (reachable when the Ingress has ``tailscale.com/experimental-forward-cluster-traffic-via-ingress``, which makes
   the proxy serve on its Pod IP too);
 
-the Pod IPs being the ready endpoints of the proxy's headless Service, IPv4 and IPv6. A proxy whose parent is
-gone, or whose Pods are not ready, has no record.
+the Pod IPs being the ready endpoints of the proxy's headless Service, IPv4 and IPv6; an egress Service on a
+ProxyGroup gets its ClusterIP Service's addresses instead (as upstream). A proxy whose parent is gone, or whose
+Pods are not ready, has no record.
 
 The stub zone (``with_stub_zone``): beyond upstream, the controller can keep a marked block in CoreDNS's
 Corefile that forwards the tailnet's domain to the nameserver, touching nothing else in the file.
@@ -32,7 +33,7 @@ from tscommon.dnsrecords import CONFIGMAP as RECORDS_CONFIGMAP, KEY as RECORDS_K
 from .config import ControllerConfig
 from .kinds import labels, meta
 from .model import (ANN_TAILNET_FQDN, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE,
-                    SVC)
+                    LABEL_SVC_TYPE, SVC)
 from .render import _hashed
 
 GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "dnsconfigs", "DNSConfig"
@@ -224,18 +225,30 @@ def record_name(headless: Mapping[str, Any], parents: Mapping[tuple[str, str, st
     return ""
 
 
-def records(headless: Sequence[Mapping[str, Any]], parents: Mapping[tuple[str, str, str], Mapping[str, Any]],
+def _addresses(svc: Mapping[str, Any], slices: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Where a proxy's Service sends cluster traffic: a single proxy's headless Service -> its ready Pods; a
+    ProxyGroup egress Service (label ``tailscale.com/svc-type: egress``) -> its ClusterIPs, as upstream."""
+    spec = svc.get("spec") or {}
+    if spec.get("clusterIP") == "None":
+        return proxy_ips(slices, meta(svc).get("name", ""))
+    if labels(svc).get(LABEL_SVC_TYPE) == "egress":
+        return [ip for ip in spec.get("clusterIPs") or [spec.get("clusterIP")] if ip and ip != "None"]
+    return []
+
+
+def records(services: Sequence[Mapping[str, Any]], parents: Mapping[tuple[str, str, str], Mapping[str, Any]],
             slices: Sequence[Mapping[str, Any]]) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """(ip4, ip6) for every proxy with a MagicDNS name and ready Pods."""
+    """(ip4, ip6) for every proxy with a MagicDNS name and somewhere to send it (`services`: the controller's
+    Services in its namespace)."""
     ip4: dict[str, list[str]] = {}
     ip6: dict[str, list[str]] = {}
-    for h in sorted(headless, key=lambda o: meta(o).get("name", "")):
+    for h in sorted(services, key=lambda o: meta(o).get("name", "")):
         if meta(h).get("deletionTimestamp"):
             continue
         name = record_name(h, parents)
         if not name:
             continue
-        for ip in proxy_ips(slices, meta(h).get("name", "")):
+        for ip in _addresses(h, slices):
             fam = ip4 if ipaddress.ip_address(ip).version == 4 else ip6
             if ip not in fam.setdefault(name, []):
                 fam[name].append(ip)

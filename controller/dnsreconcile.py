@@ -55,8 +55,7 @@ class DNSReconciler:
             await self._refuse(obj, dc.REASON_FAILED, str(e))
             return None
         ns = self.cfg.namespace
-        headless = [s for s in await self.kube.list(SERVICES, ns, f"{LABEL_MANAGED}=true")
-                    if (s.get("spec") or {}).get("clusterIP") == "None"]
+        headless = await self.kube.list(SERVICES, ns, f"{LABEL_MANAGED}=true")
         parents: dict[tuple[str, str, str], Mapping[str, Any]] = {}
         for key in dc.parent_keys(headless):
             res = SERVICES if key[0] == SVC else INGRESSES

@@ -238,3 +238,23 @@ def test_stub_zone_setting_is_validated():
     assert load({"DNS_STUB_ZONE_CONFIGMAP": "kube-system/coredns"}).stub_zone_configmap == "kube-system/coredns"
     with pytest.raises(ConfigError, match="DNS_STUB_ZONE_CONFIGMAP='coredns'"):
         load({"DNS_STUB_ZONE_CONFIGMAP": "coredns"})
+
+
+async def test_proxygroup_egress_service_resolves_to_its_clusterip_service(env):
+    kube, rec, dns = env
+    dnsconfig(kube)
+    kube.put(SERVICES, {"metadata": {"name": "pg-db", "namespace": "apps",
+                                     "annotations": {"tailscale.com/tailnet-fqdn": "pgdb.tail.example",
+                                                     "tailscale.com/proxy-group": "egress"}},
+                        "spec": {"type": "ExternalName", "externalName": "ts-pg-db-x.tailscale.svc.cluster.local"}})
+    kube.put(SERVICES, {"metadata": {"name": "ts-pg-db-x", "namespace": "tailscale", "labels": {
+        "tailscale.com/managed": "true", "tailscale.com/parent-resource": "pg-db",
+        "tailscale.com/parent-resource-ns": "apps", "tailscale.com/parent-resource-type": "svc",
+        "tailscale.com/proxy-group": "egress", "tailscale.com/svc-type": "egress"}},
+        "spec": {"type": "ClusterIP", "clusterIP": "10.96.7.7", "clusterIPs": ["10.96.7.7"]}})
+    await dns.reconcile()
+    assert records(kube)["ip4"] == {"pgdb.tail.example": ["10.96.7.7"]}
+    # a Service of the controller's that is neither a proxy's headless Service nor a group's egress one: no record
+    kube.objects[("services", "tailscale", "ts-pg-db-x")]["metadata"]["labels"]["tailscale.com/svc-type"] = "other"
+    await dns.reconcile()
+    assert records(kube)["ip4"] == {}
