@@ -151,33 +151,17 @@ class Agent:
     # -- boot ------------------------------------------------------------------------------------------
     async def _kube_setup(self) -> None:
         """RBAC, the auth key from the Secret, and the reset of the previous run's keys, before tailscaled."""
-        s = self.s
-        if s.one_step:
+        from .publish import connect
+        if self.s.one_step:
             from .conffile import authkey_from_config
-            self._config_authkey = authkey_from_config(s.tailscaled_config_path)
+            self._config_authkey = authkey_from_config(self.s.tailscaled_config_path)
             register(self._config_authkey)
-        if not s.kube_secret:
-            return
-        from dataclasses import replace
-
-        from .kube.client import KubeClient, KubeError
-        from .kube.state import KubeSetupError, SecretState
-        from .publish import SecretPublisher, UnwritableSecret
-        try:
-            client = KubeClient.from_environment(self.env, root=s.root, url=s.kube_api_url)
-        except KubeError as e:
-            raise AgentError(f"error initializing kube client: {e}") from None
-        secret = SecretState(client, s.kube_secret)
-        self.publisher = UnwritableSecret(secret)     # closed at shutdown whatever the set-up finds
-        try:
-            setup = await secret.setup(s, self._boot_deadline(), config_authkey=self._config_authkey)
-        except KubeSetupError as e:
-            raise AgentError(str(e)) from None
-        if setup.has_state_store:
-            self.publisher = SecretPublisher(secret)
-        if setup.authkey_from_secret:
-            register(setup.authkey_from_secret)
-            self.s = replace(self.s, authkey=setup.authkey_from_secret)
+        self.publisher, authkey = await connect(self.s, self.env, self._boot_deadline(),
+                                                config_authkey=self._config_authkey)
+        if authkey:
+            from dataclasses import replace
+            register(authkey)
+            self.s = replace(self.s, authkey=authkey)
 
     async def _start_tailscaled(self) -> None:
         argv = ts.tailscaled_argv(self.s)
@@ -313,38 +297,19 @@ class Agent:
     def _make_reconciler(self) -> Reconciler:
         rules_file = os.path.join(os.path.dirname(self.s.socket) or ".", "containerboot-rules.json")
         rec = Reconciler(self.s, self.firewall.backend, rules_file=rules_file,
-                         ensure_forwarding=None if self.s.userspace else self._ensure_forwarding,
+                         ensure_forwarding=None if self.s.userspace else boot.forwarding_ensurer(self.s),
                          on_converged=self._on_converged, before_rules=self._before_rules)
         if self._forwarding_ensured:
             rec.applied.forwarding = self.s.forwarding_families    # by `boot.prepare`, before tailscaled started
         return rec
-
-    def _ensure_forwarding(self, v4: bool, v6: bool) -> None:
-        from netfilter.sysctl import ensure_forwarding
-        ensure_forwarding(v4, v6, root=self.s.root)
-
-    async def _after_login(self) -> None:
-        """TS_AUTH_ONCE: `tailscale set` for the flags a logged-in node still takes, and the key's removal."""
-        argv, skipped = ts.tailscale_set_argv(self.s)
-        if skipped and not (self._login is not None and self._login.ran_up):
-            log.info("TS_EXTRA_ARGS flags %s apply only to the first `tailscale up` and were not re-applied",
-                     " ".join(skipped))
-        try:
-            await ts.run_cli(argv, self.child_env, None)
-        except RuntimeError as e:
-            raise AgentError(f"failed to auth tailscale: tailscale set failed: {e}") from None
-        from .kube.state import KubeSetupError
-        try:
-            await self.publisher.delete_authkey()
-        except KubeSetupError as e:
-            raise AgentError(str(e)) from None
 
     # -- steady state ----------------------------------------------------------------------------------
     async def _steady_state(self) -> None:
         from .steady import SteadyState
 
         if self.s.auth_once_mode:    # the only mode with work after the login (a phase costs a turn of the loop)
-            await self._until_stop(self._after_login())
+            await self._until_stop(boot.after_login(self.s, self.child_env, self.publisher,
+                                                    ran_up=self._login is not None and self._login.ran_up))
         if (detection := self.firewall.start()) is not None:
             await self._until_stop(detection)     # normally done since the login's answer
         if self.reconciler is None:
@@ -379,14 +344,9 @@ class Agent:
     async def _on_converged(self, rec: Reconciler, want: Desired, node: NodeState) -> None:
         routed = node.self_node is not None and bool(node.tailnet_ips) \
             and (rec.firewall is None or rec.ready_to_serve(want))
-        if routed:
-            # FQDN and IPs only once traffic can flow: the operator reads them as "this proxy works".
-            await self.publisher.device_endpoints(node, (self.api.capver if self.api is not None else None) or 0)
-        svc = want.services
-        if svc is not None and rec.rules_installed_for(want):
-            # Per-service records only once their rules are in: the operator routes a service to this Pod
-            # when the record matches what it asked for.
-            await self.publisher.service_records(svc.egress_status, svc.ingress_status)
+        await self.publisher.after_pass(node, routed=routed, services=want.services,
+                                        services_in=rec.rules_installed_for(want),
+                                        capver=(self.api.capver if self.api is not None else None) or 0)
         if rec.stats.rule_applies != self._trimmed_at_applies and self.startup_complete.is_set():
             # A rule change parsed the kernel's answers (netlink dumps, libnftables' cache): give the freed
             # memory back instead of keeping the peak for the agent's whole life.

@@ -3,7 +3,7 @@ endpoints (health, metrics, /status, the egress pre-shutdown hook) once tailscal
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import tailscaled as ts
@@ -12,6 +12,7 @@ from .settings import Settings
 
 if TYPE_CHECKING:
     from .endpoints import EndpointServer
+    from .publish import NullPublisher
     from .localapi import LocalAPI
     from .status import AgentStatus
 
@@ -81,3 +82,29 @@ async def start_endpoints(s: Settings, status: Callable[[], "AgentStatus"],
         raise AgentError(f"failed to start the HTTP endpoints: {e}; check TS_LOCAL_ADDR_PORT / "
                          "TS_HEALTHCHECK_ADDR_PORT (is the port in use?)") from None
     return server
+
+
+def forwarding_ensurer(s: Settings) -> Callable[[bool, bool], None]:
+    """What the reconciler calls when the rules need IP forwarding (a worker thread: it writes sysctls)."""
+    def ensure(v4: bool, v6: bool) -> None:
+        from netfilter.sysctl import ensure_forwarding
+        ensure_forwarding(v4, v6, root=s.root)
+    return ensure
+
+
+async def after_login(s: Settings, child_env: Mapping[str, str], publisher: "NullPublisher", *, ran_up: bool) -> None:
+    """TS_AUTH_ONCE: `tailscale set` for the flags a logged-in node still takes, then the key's removal from the
+    Secret (it has done its job)."""
+    argv, skipped = ts.tailscale_set_argv(s)
+    if skipped and not ran_up:
+        log.info("TS_EXTRA_ARGS flags %s apply only to the first `tailscale up` and were not re-applied",
+                 " ".join(skipped))
+    try:
+        await ts.run_cli(argv, child_env, None)
+    except RuntimeError as e:
+        raise AgentError(f"failed to auth tailscale: tailscale set failed: {e}") from None
+    from .kube.state import KubeSetupError
+    try:
+        await publisher.delete_authkey()
+    except KubeSetupError as e:
+        raise AgentError(str(e)) from None

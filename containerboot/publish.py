@@ -12,10 +12,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Mapping
 
+from .errors import AgentError
+from .settings import Settings
 from .state import NodeState
 
 if TYPE_CHECKING:
     from .kube.state import SecretState
+    from .proxyservices import ServicesDesired
 
 
 class NullPublisher:
@@ -35,6 +38,16 @@ class NullPublisher:
 
     async def service_records(self, egress: bytes | None, ingress: bytes | None) -> None:
         """Once their rules are in: the ProxyGroup's per-service records."""
+
+    async def after_pass(self, node: NodeState, *, routed: bool, services: "ServicesDesired | None",
+                         services_in: bool, capver: int) -> None:
+        """What a reconcile pass lets the agent publish: the FQDN and IPs only once traffic can flow (`routed`;
+        the operator reads them as "this proxy works"), the per-service records only once their rules are in
+        (`services_in`; the operator routes a service to this Pod when the record matches what it asked for)."""
+        if routed:
+            await self.device_endpoints(node, capver)
+        if services is not None and services_in:
+            await self.service_records(services.egress_status, services.ingress_status)
 
     async def https_endpoint(self, endpoint: str) -> None:
         """The serve config's HTTPS endpoint (or "no-https")."""
@@ -109,3 +122,27 @@ class SecretPublisher(NullPublisher):
 
 
 Publisher = NullPublisher   # the interface: NullPublisher's methods, overridden by the Secret's publishers
+
+
+async def connect(s: Settings, env: Mapping[str, str], deadline: float, *,
+                  config_authkey: str = "") -> tuple[NullPublisher, str]:
+    """The publisher for this configuration, after the state Secret's boot set-up (RBAC, the auth key it may
+    hold, the reset of the previous run's keys); and the auth key found in the Secret ("" when none)."""
+    if not s.kube_secret:
+        return NullPublisher(), ""
+    from .kube.client import KubeClient, KubeError
+    from .kube.state import KubeSetupError, SecretState
+    try:
+        client = KubeClient.from_environment(env, root=s.root, url=s.kube_api_url)
+    except KubeError as e:
+        raise AgentError(f"error initializing kube client: {e}") from None
+    secret = SecretState(client, s.kube_secret)
+    try:
+        setup = await secret.setup(s, deadline, config_authkey=config_authkey)
+    except BaseException as e:
+        await client.aclose()
+        if isinstance(e, KubeSetupError):
+            raise AgentError(str(e)) from None
+        raise
+    publisher = SecretPublisher(secret) if setup.has_state_store else UnwritableSecret(secret)
+    return publisher, setup.authkey_from_secret
