@@ -186,8 +186,12 @@ def _record_conntrack_flushes(monkeypatch) -> list:
     """Replace the kernel conntrack dump with a recorder: ("flush", number of DNATs, first apply?)."""
     import netfilter.conntrack as ct
     events: list = []
-    monkeypatch.setattr(ct, "flush_stale_conntrack", lambda rules, previous: events.append(
-        ("flush", len(rules.dnats), previous is None)) or 0)
+
+    def flush(rules, previous) -> int:
+        events.append(("flush", len(rules.dnats), previous is None))
+        return 0
+
+    monkeypatch.setattr(ct, "flush_stale_conntrack", flush)
     return events
 
 
