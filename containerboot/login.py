@@ -231,6 +231,7 @@ def _notified(st: LoginState, ev: Notified) -> tuple[LoginState, tuple[Action, .
     if cfg.reissue and isinstance(health, Mapping) and "login-state" in (health.get("Warnings") or {}):
         return _end(st, Reissue(NEEDS_REISSUE_HEALTH))
     acts: list[Action] = []
+    changes: dict[str, Any] = {"node": node}     # one new state per event (this runs at Running, on the boot path)
     state = notify_backend_state(n)
     # A netmap from control before Running: the node has its addresses (the state before this notification
     # decides whether it is the login's netmap, as a notification may carry both).
@@ -241,40 +242,39 @@ def _notified(st: LoginState, ev: Notified) -> tuple[LoginState, tuple[Action, .
         # Control has answered the login (headscale then takes about a second for the first netmap), or the
         # node was logged in already: nothing left for the detection to delay.
         acts.append(StartFirewall())
-    st = replace(st, node=node)
     if early:
         # Its rules go in if Running does not follow within EARLY_RULES_DELAY; when it does, the rules would only
         # compete with tailscaled's own switch to Running (measured: 10-25 ms slower), and go in at Running.
-        st = replace(st, early_wanted=True)
+        changes["early_wanted"] = True
         if not st.timer_armed:
-            st = replace(st, timer_armed=True)
+            changes["timer_armed"] = True
             acts.append(ArmTimer())
     if state is None:
-        return st, tuple(acts)
-    st = replace(st, last_state=state)
+        return replace(st, **changes), tuple(acts)
+    changes["last_state"] = state
     acts.append(ShowState(state, node))
+    end: Action | None = None
     if state == "Running":
         if st.up != UP_RUNNING:
-            st, end = _end(st, Done(node))
-            return st, (*acts, *end)
-        # `tailscale up` exits as soon as it sees Running too, a few milliseconds from now (a process exit):
-        # the rules go in meanwhile, and the login ends once it has exited.
-        if not st.rules_at_running:
-            st = replace(st, rules_at_running=True)
+            end = Done(node)
+        elif not st.rules_at_running:
+            # `tailscale up` exits as soon as it sees Running too, a few milliseconds from now (a process exit):
+            # the rules go in meanwhile, and the login ends once it has exited.
+            changes["rules_at_running"] = True
             acts.append(InstallRules(node, wait=False))
-        return st, tuple(acts)
-    if state == "NeedsLogin":
+    elif state == "NeedsLogin":
         if cfg.reissue:
-            st, end = _end(st, Reissue(NEEDS_REISSUE_STATE))
-            return st, (*acts, *end)
-        if cfg.one_step:
-            st, end = _end(st, Fail(ONE_STEP_NOT_LOGGED_IN))
-            return st, (*acts, *end)
-        if st.up == UP_NOT_RUN:
-            st = replace(st, up=UP_RUNNING)
+            end = Reissue(NEEDS_REISSUE_STATE)
+        elif cfg.one_step:
+            end = Fail(ONE_STEP_NOT_LOGGED_IN)
+        elif st.up == UP_NOT_RUN:
+            changes["up"] = UP_RUNNING
             acts.append(StartUp())
     elif state == "NeedsMachineAuth":
         acts.append(Log("machine authorization required, please visit the admin panel"))
     else:
         acts.append(Log(f"tailscaled in state {state!r}, waiting"))
-    return st, tuple(acts)
+    if end is not None:
+        changes["finished"] = True
+        acts.append(end)
+    return replace(st, **changes), tuple(acts)
