@@ -1,8 +1,9 @@
-"""The LocalAPI contract on a real tailscaled: the same checks the fake tailscaled passes in
+"""The LocalAPI contract on real tailscaled daemons: the same checks the fake tailscaled passes in
 tests/test_tailscaled_contract.py (tests/support/tailscaled_contract.py).
 
-The daemon runs with userspace networking in a throw-away network namespace with only loopback, so it reaches
-no control or log server and stays logged out; the checks are about the LocalAPI's wire contract.
+Logged out: a daemon with userspace networking in a throw-away network namespace with only loopback, so it
+reaches no control or log server. Logged in: the lab's `client` node (headscale), shared with the session's
+other end-to-end tests; every check that changes it (serve config, prefs) puts it back.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.netns
 
 
 @pytest.fixture(scope="module")
-def real_socket(lab_bin_dir, tmp_path_factory):
+def logged_out(lab_bin_dir, tmp_path_factory):
     ns = f"cbts-{secrets.token_hex(4)}"
     subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)
     try:
@@ -33,5 +34,10 @@ def real_socket(lab_bin_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("check", sorted(CHECKS))
-async def test_a_real_tailscaled_keeps_the_contract(real_socket, check):
-    await CHECKS[check](real_socket)
+async def test_a_logged_out_tailscaled_keeps_the_contract(logged_out, check):
+    await CHECKS[check](logged_out, False)
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+async def test_a_logged_in_tailscaled_keeps_the_contract(lab, check):
+    await CHECKS[check](lab.nodes["client"].socket, True)
