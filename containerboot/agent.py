@@ -51,6 +51,9 @@ class _Stopped(Exception):
 
 
 class Agent:
+    """One run of the agent: `run()` boots, logs in, runs the steady state and shuts down; `status()` is what the
+    probes report meanwhile. It is also the login's hooks (`loginloop.LoginHooks`)."""
+
     def __init__(self, settings: Settings, env: Mapping[str, str], *, early: Any = None):
         self.s = settings
         self._early = early   # __main__.EarlyStart: tailscaled already started, before the imports
