@@ -9,6 +9,21 @@ from containerboot.kube.client import KubeClient
 from controller.kubeapi import Kube
 from tests.support.fakekube import FakeKube
 from tests.support.kube_contract import AGENT_CHECKS, KUBE_CHECKS
+from tests.support.kubeapi import KubeAPIServer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One test API server for the module (every check names its own objects), allow-all RBAC."""
+    tmp = tmp_path_factory.mktemp("kube-contract")
+    api = KubeAPIServer(namespace="contract", workdir=str(tmp / "kubeapi"))
+    api.start()
+    try:
+        api.root = str(tmp / "root")
+        api.write_sa_root(api.root)
+        yield api
+    finally:
+        api.stop()
 
 
 @pytest.mark.parametrize("check", sorted(KUBE_CHECKS))
@@ -17,15 +32,15 @@ async def test_the_in_memory_fake_keeps_the_contract(check):
 
 
 @pytest.mark.parametrize("check", sorted(KUBE_CHECKS))
-async def test_the_test_api_server_keeps_the_contract(kube_api, check):
-    kube = Kube(kube_api.url, token=kube_api.token, verify=kube_api.ssl_context())
+async def test_the_test_api_server_keeps_the_contract(server, check):
+    kube = Kube(server.url, token=server.token, verify=server.ssl_context())
     try:
-        await KUBE_CHECKS[check](kube, kube_api.namespace)
+        await KUBE_CHECKS[check](kube, server.namespace)
     finally:
         await kube.aclose()
 
 
 @pytest.mark.parametrize("check", sorted(AGENT_CHECKS))
-async def test_the_test_api_server_keeps_the_agent_clients_contract(kube_api, check):
-    async with KubeClient.from_environment(kube_api.env(), root=kube_api.root, url=kube_api.url) as client:
+async def test_the_test_api_server_keeps_the_agent_clients_contract(server, check):
+    async with KubeClient.from_environment(server.env(), root=server.root, url=server.url) as client:
         await AGENT_CHECKS[check](client)
