@@ -27,6 +27,7 @@ from .kubeapi import (CONNECTORS, CRDS, EVENTS, INGRESSES, PROXYCLASSES, PROXYGR
 from .model import (CONNECTOR, FINALIZER, INGRESS, LABEL_PROXY_GROUP, PROXYCLASS, PROXYGROUP, SVC, Decision, Invalid,
                     Parent, Pending, ProxySpec)
 from .pgreconcile import GroupReconciler
+from .sameness import same
 from .providers import Provider, ProviderError
 
 log = logging.getLogger("controller")
@@ -51,16 +52,6 @@ def _decode(secret: Mapping[str, Any] | None) -> dict[str, bytes] | None:
     if secret is None:
         return None
     return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
-
-
-def same(cur: Any, want: Any) -> bool:
-    """`cur` (from the API server) says what `want` says; fields the server added by default (e.g. a
-    LoadBalancer ingress's `ipMode: VIP`) do not count, or every pass would write the status again."""
-    if isinstance(want, dict):
-        return isinstance(cur, dict) and all(same(cur.get(k), v) for k, v in want.items())
-    if isinstance(want, list):
-        return isinstance(cur, list) and len(cur) == len(want) and all(same(c, w) for c, w in zip(cur, want))
-    return cur == want
 
 
 def handled(kind: str, obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
