@@ -129,6 +129,11 @@ class Reconciler:
                          [str(a) for a in addresses])
             self.set_dns(DNSAnswer(tuple(addresses), ""))
 
+    @property
+    def pending(self) -> bool:
+        """An input changed since the last pass started: the loop runs another one."""
+        return self._dirty.is_set()
+
     def poke(self, force: bool = False) -> None:
         """Ask for a reconcile; `force` re-applies even parts that look unchanged (drift repair)."""
         self._force = self._force or force

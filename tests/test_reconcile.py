@@ -106,7 +106,7 @@ async def test_services_follow_the_config_and_use_only_the_firewalls_families():
                                    '"b": {"tailnetTarget": {"ip": "100.64.0.9"}, '
                                    '"ports": [{"protocol": "UDP", "matchPort": 10002, "targetPort": 53}]}}')
     rec.set_services(ps.ServicesInput(egress=cfg))
-    assert rec._dirty.is_set()
+    assert rec.pending
     want = await rec.reconcile_once()
     assert [p.service for p in fw.applied[-1].port_maps] == ["b"]   # the IPv6-only service cannot be installed
     assert rec.rules_installed_for(want) and rec.ready_to_serve(want)
