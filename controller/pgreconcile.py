@@ -188,7 +188,7 @@ class GroupReconciler:
         conds = st.with_condition(cur.get("conditions"), st.condition(
             COND_PG_READY, False, reason, message, generation=m.get("generation"), previous=cur.get("conditions"),
             now=rec.now()))
-        from .reconcile import same
+        from .sameness import same
         if not same(list(cur.get("conditions") or []), conds):
             await rec.kube.patch(PROXYGROUPS, m["name"], {"status": {"conditions": conds}}, subresource="status")
 
