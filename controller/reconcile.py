@@ -18,11 +18,11 @@ from typing import Any
 from tscommon import secretcontract as sc
 from tscommon.redact import redact
 
-from . import proxyrbac, render, status as st
+from . import podsecurity, proxyrbac, render, status as st
 from .config import ControllerConfig
 from .kinds import annotations, connector, ingress, meta, service
-from .kubeapi import (CONNECTORS, EVENTS, INGRESSES, ROLEBINDINGS, ROLES, SECRETS, SERVICEACCOUNTS, SERVICES,
-                      STATEFULSETS, Kube, KubeError, Resource)
+from .kubeapi import (CONNECTORS, EVENTS, INGRESSES, NAMESPACES, ROLEBINDINGS, ROLES, SECRETS, SERVICEACCOUNTS,
+                      SERVICES, STATEFULSETS, Kube, KubeError, Resource)
 from .model import CONNECTOR, FINALIZER, INGRESS, SVC, Decision, Invalid, Parent, Pending, ProxySpec
 from .providers import Provider, ProviderError
 
@@ -38,6 +38,8 @@ READY_RECHECK = 600.0
 #: A device's tags, once seen equal to the wanted ones, are read again after this long (a re-tag by hand in
 #: the admin console is undone then); a change of the wanted tags is acted on at the next pass.
 TAGS_RECHECK = 3600.0
+#: The Warning event's reason when the proxies' namespace refuses the proxy's Pod (controller/podsecurity.py).
+REASON_POD_SECURITY = "PodSecurityRefused"
 
 
 def _now() -> str:
@@ -94,8 +96,10 @@ class Reconciler:
         except Pending as e:
             await self._write_status(kind, obj, None, [], st.Readiness(False, "ProxyPending", str(e)))
             return PENDING_RECHECK
+        refused = await self._pod_security(decision.spec)
         # Only what this pass still reports stays remembered: a problem that goes and comes back is sent again.
         current = {f"InvalidBackend:{w}" for w in decision.warnings} | {f"{r}:{t}" for _, r, t in decision.notices}
+        current |= {f"{REASON_POD_SECURITY}:{refused}"} if refused else set()
         if (seen := self._warned.get(m.get("uid", ""))) is not None:
             seen &= current
         for w in decision.warnings:
@@ -103,7 +107,7 @@ class Reconciler:
         for etype, reason, message in decision.notices:
             await self._warn(obj, kind, reason, message, etype=etype)
         await self._ensure_finalizer(kind, obj)
-        return await self._provision(kind, obj, decision.spec)
+        return await self._provision(kind, obj, decision.spec, refused)
 
     async def _decide(self, kind: str, obj: Mapping[str, Any]) -> Decision:
         if kind == SVC:
@@ -129,7 +133,8 @@ class Reconciler:
 
     # ---- provisioning
 
-    async def _provision(self, kind: str, obj: Mapping[str, Any], spec: ProxySpec) -> float | None:
+    async def _provision(self, kind: str, obj: Mapping[str, Any], spec: ProxySpec, refused: str = "") -> float | None:
+        """Mint, render, apply, report. `refused`: why the proxies' namespace would refuse the proxy's Pod."""
         cfg, p = self.cfg, spec.parent
         existing = {s["metadata"]["name"]: s for s in
                     await self.kube.list(SECRETS, cfg.namespace, render.child_selector(p))}
@@ -140,6 +145,13 @@ class Reconciler:
             if n not in existing and (found := await self.kube.get(SECRETS, n, cfg.namespace)) is not None:
                 existing[n] = found
         datas = [_decode(existing.get(render.secret_name(p, i))) for i in range(spec.replicas)]
+        # A Pod the namespace's Pod Security level refuses would leave the parent "not ready" for ever: say so
+        # before anything is minted or created (a proxy that exists already keeps running; its state is
+        # reported below).
+        if refused and not existing:
+            await self._warn(obj, kind, REASON_POD_SECURITY, refused)
+            await self._write_status(kind, obj, spec, [], st.Readiness(False, _failed(kind), refused))
+            return PENDING_RECHECK
         keys: list[str] = []
         try:
             for i, data in enumerate(datas):
@@ -182,12 +194,28 @@ class Reconciler:
         tags_error = await self._sync_tags(kind, p, spec.tags, datas)
         devices = [st.device_info(render.secret_name(p, i), datas[i]) for i in range(spec.replicas)]
         ready_replicas = int(((sts or {}).get("status") or {}).get("readyReplicas") or 0)
+        if refused and ready_replicas < spec.replicas:
+            await self._warn(obj, kind, REASON_POD_SECURITY, refused)
         r = st.readiness(kind, devices, replicas=spec.replicas, ready_replicas=ready_replicas,
-                         failure=str(tags_error or ""))
+                         failure=str(tags_error or "") or (refused if ready_replicas < spec.replicas else ""))
         await self._write_status(kind, obj, spec, devices, r)
         if tags_error is not None:
             raise tags_error                # retried with backoff; the condition says what failed
         return READY_RECHECK if r.ok else PENDING_RECHECK
+
+    async def _pod_security(self, spec: ProxySpec) -> str:
+        """Why the proxies' namespace would refuse this proxy's Pod ("" when it admits it, or when its level
+        cannot be read: a controller without `get` on namespaces keeps working as before)."""
+        try:
+            ns = await self.kube.get(NAMESPACES, self.cfg.namespace)
+        except KubeError as e:
+            if e.status not in (401, 403):
+                raise
+            log.debug("namespace %s not readable (%s): Pod Security level not checked", self.cfg.namespace, e)
+            return ""
+        pod_spec = render.statefulset(spec, self.cfg)["spec"]["template"]["spec"]
+        refusal = podsecurity.refusal(ns, pod_spec)
+        return refusal.message(self.cfg.namespace, spec.userspace) if refusal else ""
 
     async def _sync_tags(self, kind: str, p: Parent, tags: tuple[str, ...],
                          datas: list[dict[str, bytes] | None]) -> ProviderError | None:
