@@ -191,11 +191,14 @@ def test_rbac_in_another_namespace_equals_deploys():
 @pytest.mark.parametrize("values,message", [
     ({"headscale": {"url": "https://hs.example.com"}},
      "imageRegistry is empty: set it to the registry you pushed both images to (make images REGISTRY="),
-    ({"imageRegistry": REGISTRY}, "provider headscale needs headscale.url, the headscale server's URL: --set headscale.url="),
-    ({"imageRegistry": REGISTRY, "provider": "tailnet"}, 'provider="tailnet" is not a provider; use headscale, tailscale or static'),
+    ({"imageRegistry": REGISTRY},
+     "provider headscale needs headscale.url, the headscale server's URL: --set headscale.url="),
+    ({"imageRegistry": REGISTRY, "provider": "tailnet"},
+     'provider="tailnet" is not a provider; use headscale, tailscale or static'),
     ({"imageRegistry": REGISTRY, "provider": "tailscale", "proxy": {"firewallMode": "ipfw"}},
      'proxy.firewallMode="ipfw" is not a firewall mode; use auto, iptables or nftables'),
-    ({"imageRegistry": REGISTRY, "provider": "tailscale", "ingressScheme": "ftp"}, 'ingressScheme="ftp" is not a scheme; use auto, https or http'),
+    ({"imageRegistry": REGISTRY, "provider": "tailscale", "ingressScheme": "ftp"},
+     'ingressScheme="ftp" is not a scheme; use auto, https or http'),
     ({"imageRegistry": REGISTRY, "provider": "tailscale", "credentials": {"oauthClientSecret": "only-the-secret"}},
      "credentials.oauthClientID and credentials.oauthClientSecret go together"),
 ])
