@@ -532,6 +532,17 @@ def _guide_images(tag: str, out) -> None:
     assert cp.returncode == 0, cp.stderr[-3000:]
 
 
+def _upstream_manifests():
+    """Upstream's operator manifests (cmd/k8s-operator/deploy/manifests/operator.yaml) of the pinned Tailscale
+    version, from the Go module cache the lab's tailscaled was built from."""
+    from pathlib import Path
+    gomodcache = subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True).stdout.strip()
+    p = Path(gomodcache) / "tailscale.com@v1.102.3" / "cmd" / "k8s-operator" / "deploy" / "manifests" / "operator.yaml"
+    if not p.is_file():
+        pytest.skip(f"upstream's operator manifests are not in the Go module cache ({p})")
+    return p
+
+
 def _chart_version(tmp_path, version: str):
     """The chart packaged as another version (chart version = appVersion = the images' tag)."""
     import shutil
@@ -562,8 +573,10 @@ def _guide_device_ips(kc, ns: str, name: str) -> list[str]:
 
 
 def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, kube, tmp_path):
-    """After the module's own release is gone: docs/install-headscale.md followed command by command in
-    namespace ts-guide: images from the release archives (imported as a registry would serve them), the
+    """After the module's own release is gone: docs/install-headscale.md followed command by command, coming
+    from the upstream operator (its manifests applied, a Service it exposed, then its section's steps: stopped,
+    its proxies deleted, its IngressClass, which makes helm refuse the install, deleted), in namespace
+    ts-guide: images from the release archives (imported as a registry would serve them), the
     packaged chart (.tgz), the API key Secret, the guide's policy, helm install with imageRegistry; the
     namespace first labelled restricted (the real API server's Pod Security admission) gives the Service the
     condition naming the label and nothing is created; the guide's label lets the proxy come up; a ClusterIP
@@ -586,6 +599,29 @@ def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, ku
     tgz = helmchart.package(tmp_path)
     assert tgz.name == "tailscale-controller-0.1.0.tgz" and tgz.is_file()
     tgz2 = _chart_version(tmp_path, "0.1.1")
+    # Coming from the upstream operator: its own manifests applied (CRDs, RBAC, its Deployment, IngressClass),
+    # a Service it had exposed (its finalizer on it) and a proxy Secret it had left, then the guide's way over
+    upstream = _upstream_manifests()
+    kc.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(upstream), timeout=120)
+    up_svc = _service("guide", {"tailscale.com/expose": "true"})
+    up_svc["metadata"]["finalizers"] = ["tailscale.com/finalizer"]
+    kc.apply(up_svc)
+    kc.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {
+        "name": "ts-guide-up000-0", "namespace": "tailscale", "labels": {
+            "tailscale.com/managed": "true", "tailscale.com/parent-resource": "guide",
+            "tailscale.com/parent-resource-ns": "apps", "tailscale.com/parent-resource-type": "svc"}}})
+    # 1. upstream stopped, 2. its proxies deleted
+    kc.kubectl("-n", "tailscale", "scale", "deployment/operator", "--replicas=0")
+    kc.kubectl("-n", "tailscale", "delete", "statefulset,secret,service", "-l", "tailscale.com/managed=true")
+    assert kc.get("secret", "ts-guide-up000-0", "tailscale") is None
+    # 3. its IngressClass is what collides with the chart: helm refuses to take it over ...
+    bad = kubecontroller.helm(kc, "install", "tailscale-controller", str(tgz), "-n", "default",
+                              "--set", f"imageRegistry={GUIDE_REGISTRY}",
+                              "--set", f"headscale.url={labmod.LOGIN_SERVER}", check=False)
+    assert bad.returncode != 0 and "IngressClass" in bad.stderr and '"tailscale"' in bad.stderr, bad.stderr
+    kc.kubectl("delete", "ingressclass", "tailscale")
+    kubecontroller.helm(kc, "uninstall", "tailscale-controller", "-n", "default", check=False)
+
     # 3. namespace, Pod Security label (first the wrong one: restricted), the API key
     kc.kubectl("create", "namespace", GUIDE_NS)
     kc.kubectl("label", "namespace", GUIDE_NS, "pod-security.kubernetes.io/enforce=restricted", "--overwrite")
@@ -612,8 +648,8 @@ def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, ku
         (cpod,) = json.loads(pod.stdout)["items"]
         assert cpod["spec"]["containers"][0]["image"] == f"{GUIDE_REGISTRY}/containerboot-py-controller:0.1.0"
         assert cpod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-        # 6. expose a ClusterIP Service: refused by the namespace's level, said in the condition and an event
-        kc.apply(_service("guide", {"tailscale.com/expose": "true"}))
+        # 6. the ClusterIP Service upstream had exposed is taken over (its finalizer is ours too): refused by
+        # the namespace's level first, said in the condition and an event
         msg = wait_until(lambda: (lambda m: m if "Pod Security" in m else None)(_guide_condition(kc, "apps", "guide")),
                          60, 0.5, "the Pod Security condition")
         assert f"kubectl label namespace {GUIDE_NS} pod-security.kubernetes.io/enforce=privileged --overwrite" in msg
@@ -687,5 +723,7 @@ def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, ku
                        ("ingressclass", "tailscale"), ("customresourcedefinition", "connectors.tailscale.com")):
         assert kc.get(kind, name) is None, (kind, name)
     kc.kubectl("-n", "apps", "delete", "service", "guide")
+    # upstream's release goes last (here: its manifests' objects), leaving nothing of either
+    kc.kubectl("delete", "-f", str(upstream), "--ignore-not-found", "--wait=true", timeout=180)
     print(f"install guide: images {t_images:.1f}s, Service ready {t_ready:.1f}s after the label, "
           f"whole guide {time.monotonic() - t0:.1f}s")
