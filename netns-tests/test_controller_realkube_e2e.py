@@ -679,8 +679,8 @@ def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, ku
         xd.mkdir()
         subprocess.run(["tar", "-xzf", str(tgz2), "-C", str(xd), "tailscale-controller/crds"], check=True)
         kc.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(xd / "tailscale-controller" / "crds"))
-        kubecontroller.helm(kc, "upgrade", "tailscale-controller", str(tgz2), "-n", GUIDE_NS, "--reuse-values",
-                            timeout=180)
+        kubecontroller.helm(kc, "upgrade", "tailscale-controller", str(tgz2), "-n", GUIDE_NS,
+                            "--reset-then-reuse-values", timeout=180)
         kc.kubectl("-n", GUIDE_NS, "rollout", "status", "deployment/tailscale-controller", "--timeout=120s",
                    timeout=130)
         (rel,) = json.loads(kubecontroller.helm(kc, "list", "-n", GUIDE_NS, "-o", "json").stdout)
