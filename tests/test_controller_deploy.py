@@ -53,6 +53,8 @@ def test_rbac_covers_the_controllers_calls():
         for verb in ("get", "list", "watch", "create", "patch", "delete"):
             assert _covered(role["rules"], group(res), res.plural, verb), (res.plural, verb)
     assert _covered(cr["rules"], "", "events", "create")
+    # the proxies' namespace's Pod Security level (controller/podsecurity.py)
+    assert _covered(cr["rules"], "", kubeapi.NAMESPACES.plural, "get")
     assert not _covered(cr["rules"], "", "secrets", "list"), "no cluster-wide Secret access"
     # leader election: the Lease in the controller's namespace, bound to the controller's ServiceAccount
     (le,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "tailscale-controller-leader-election"]
