@@ -684,7 +684,7 @@ def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, ku
         kc.kubectl("-n", GUIDE_NS, "rollout", "status", "deployment/tailscale-controller", "--timeout=120s",
                    timeout=130)
         (rel,) = json.loads(kubecontroller.helm(kc, "list", "-n", GUIDE_NS, "-o", "json").stdout)
-        assert (rel["chart"], rel["app_version"], rel["revision"]) == ("tailscale-controller-0.1.1", "0.1.1", 2)
+        assert (rel["chart"], rel["app_version"], str(rel["revision"])) == ("tailscale-controller-0.1.1", "0.1.1", "2")
 
         def proxy_on_new_image():
             pods = json.loads(kc.kubectl("-n", GUIDE_NS, "get", "pods", "-l",
