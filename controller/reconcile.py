@@ -40,6 +40,8 @@ READY_RECHECK = 600.0
 TAGS_RECHECK = 3600.0
 #: The Warning event's reason when the proxies' namespace refuses the proxy's Pod (controller/podsecurity.py).
 REASON_POD_SECURITY = "PodSecurityRefused"
+#: A parent waiting for the namespace's label is re-checked this often (namespaces are not watched; one GET).
+POD_SECURITY_RECHECK = 10.0
 
 
 def _now() -> str:
@@ -151,7 +153,7 @@ class Reconciler:
         if refused and not existing:
             await self._warn(obj, kind, REASON_POD_SECURITY, refused)
             await self._write_status(kind, obj, spec, [], st.Readiness(False, _failed(kind), refused))
-            return PENDING_RECHECK
+            return POD_SECURITY_RECHECK
         keys: list[str] = []
         try:
             for i, data in enumerate(datas):

@@ -11,7 +11,7 @@ from controller import podsecurity, render  # noqa: E402
 from controller.config import ControllerConfig  # noqa: E402
 from controller.kubeapi import EVENTS, NAMESPACES, SECRETS, SERVICES, STATEFULSETS  # noqa: E402
 from controller.model import INGRESS, SVC, Parent, ProxySpec  # noqa: E402
-from controller.reconcile import PENDING_RECHECK, REASON_POD_SECURITY, Reconciler  # noqa: E402
+from controller.reconcile import POD_SECURITY_RECHECK, REASON_POD_SECURITY, Reconciler  # noqa: E402
 from tests.support.fakekube import FakeKube, FakeProvider  # noqa: E402
 
 CFG = ControllerConfig(namespace="tailscale", proxy_image="registry.local/proxy:1",
@@ -60,7 +60,7 @@ async def test_refused_namespace_creates_nothing_and_says_which_label():
     kube.put(SERVICES, {"metadata": {"name": "web", "namespace": "apps",
                                      "annotations": {"tailscale.com/expose": "true"}},
                         "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10"]}})
-    assert await rec.reconcile("svc", "apps", "web") == PENDING_RECHECK
+    assert await rec.reconcile("svc", "apps", "web") == POD_SECURITY_RECHECK
     assert prov.keys == [] and kube.of(STATEFULSETS) == [] and kube.of(SECRETS) == []
     c = next(c for c in kube.obj(SERVICES, "web", "apps")["status"]["conditions"]
              if c["type"] == "TailscaleProxyReady")
