@@ -2,17 +2,12 @@
 Pod gives the parent a False condition and a Warning event naming the label to set, and nothing is created."""
 from __future__ import annotations
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from controller import podsecurity, render  # noqa: E402
-from controller.config import ControllerConfig  # noqa: E402
-from controller.kubeapi import EVENTS, NAMESPACES, SECRETS, SERVICES, STATEFULSETS  # noqa: E402
-from controller.model import INGRESS, SVC, Parent, ProxySpec  # noqa: E402
-from controller.reconcile import POD_SECURITY_RECHECK, REASON_POD_SECURITY, Reconciler  # noqa: E402
-from tests.support.fakekube import FakeKube, FakeProvider  # noqa: E402
+from controller import podsecurity, render
+from controller.config import ControllerConfig
+from controller.kubeapi import EVENTS, NAMESPACES, SECRETS, SERVICES, STATEFULSETS
+from controller.model import INGRESS, SVC, Parent, ProxySpec
+from controller.reconcile import POD_SECURITY_RECHECK, REASON_POD_SECURITY, Reconciler
+from tests.support.fakekube import FakeKube, FakeProvider
 
 CFG = ControllerConfig(namespace="tailscale", proxy_image="registry.local/proxy:1",
                        login_server="http://hs.test:8080")
