@@ -116,9 +116,13 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
                   "-f", "-", input=json.dumps(lab_values(firewall, key)), timeout=timeout)
         kc.helm_output = cp.stdout + cp.stderr
     elif method == "kubectl":
-        kc.kubectl("apply", "-R", "-f", str(DEPLOY), timeout=60)
-        # deploy/ names the images in a placeholder registry, as a kubectl user would replace it
-        kc.kubectl("-n", NS, "set", "image", "deployment/tailscale-controller", f"controller={CONTROLLER_IMAGE}")
+        # deploy/ names the controller's image in a placeholder registry: replaced before applying, as a kubectl
+        # user edits deploy/20-controller.yaml (PROXY_IMAGE is set below, with the other settings)
+        placeholder = f"{helmchart.DEPLOY_REGISTRY}/containerboot-py-controller:{helmchart.chart_meta()['appVersion']}"
+        docs = [f.read_text() for f in sorted(DEPLOY.rglob("*.yaml"))]
+        assert any(placeholder in d for d in docs), f"deploy/ does not name {placeholder}"
+        kc.kubectl("apply", "-f", "-", input="\n---\n".join(d.replace(placeholder, CONTROLLER_IMAGE) for d in docs),
+                   timeout=60)
         kc.kubectl("apply", "-f", "-", input=json.dumps({
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "headscale-api", "namespace": NS},
             "type": "Opaque", "data": {"key": base64.b64encode(key.encode()).decode()}}))
