@@ -2,8 +2,9 @@
 
 Names follow upstream's operator where it has one (OPERATOR_NAMESPACE, PROXY_IMAGE, PROXY_TAGS,
 PROXY_FIREWALL_MODE, OPERATOR_LOGIN_SERVER, OPERATOR_DEFAULT_LOAD_BALANCER, OPERATOR_INGRESS_CLASS_NAME);
-the control plane provider and the proxy defaults (the "default ProxyClass": image, firewall mode,
-resources) are ours. A bad value is one error naming the variable, the value and the fix; secrets (API keys,
+the control plane provider and the proxy settings under every ProxyClass (image, firewall mode, resources,
+env: what a proxy gets where its class says nothing) are ours; PROXY_DEFAULT_CLASS names the class of parents
+that name none, as upstream. A bad value is one error naming the variable, the value and the fix; secrets (API keys,
 OAuth client secrets) are read from files, never from the environment or a log line.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ FIREWALL_MODES = ("", "auto", "iptables", "nftables")
 INGRESS_SCHEMES = ("auto", "https", "http")
 DEFAULT_RESOURCES = {"requests": {"cpu": "1m", "memory": "1Mi"}}
 TAILSCALE_LOGIN_SERVER = "https://controlplane.tailscale.com"
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class ControllerConfig:
     proxy_node_selector: dict = field(default_factory=dict, hash=False)
     proxy_tolerations: list = field(default_factory=list, hash=False)
     proxy_affinity: dict = field(default_factory=dict, hash=False)
+    default_proxy_class: str = ""                  # PROXY_DEFAULT_CLASS: the ProxyClass of parents naming none
 
     @property
     def server_url(self) -> str:
@@ -222,4 +225,9 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
                           "HTTP on headscale), https or http")
     kw["ingress_scheme"] = scheme
     kw.update(_placement(env))
+    default_class = get("PROXY_DEFAULT_CLASS")
+    if default_class and not _DNS_SUBDOMAIN.match(default_class):
+        raise ConfigError(f"PROXY_DEFAULT_CLASS={default_class!r} is not a ProxyClass name; use a lower-case DNS "
+                          "name such as 'prod' (kubectl get proxyclasses)")
+    kw["default_proxy_class"] = default_class
     return ControllerConfig(**kw)

@@ -260,3 +260,13 @@ def test_packaged_chart_renders_like_the_directory(tmp_path):
     from_tgz = helmchart.helm("template", helmchart.RELEASE, str(tgz), "--namespace", "tailscale", "-f",
                               str(helmchart.values_file(values, tmp_path)), "--include-crds").stdout
     assert helmchart.objects(from_tgz) == helmchart.objects(helmchart.template(values))
+
+
+def test_default_proxy_class_value_sets_the_controllers_default():
+    objs = render({"provider": "tailscale", "proxy": {"defaultProxyClass": "prod"}})
+    assert env_of(objs)["PROXY_DEFAULT_CLASS"] == "prod"
+    assert cconfig.load(env_of(objs)).default_proxy_class == "prod"
+    assert "PROXY_DEFAULT_CLASS" not in env_of(render({"provider": "tailscale"}))
+    (crd,) = [o for o in objs if o["kind"] == "CustomResourceDefinition" and
+              o["metadata"]["name"] == "proxyclasses.tailscale.com"]
+    assert crd["spec"]["scope"] == "Cluster"
