@@ -845,6 +845,8 @@ def test_helm_uninstall_leaves_nothing_of_the_release(kube):
 
 GUIDE_NS = "ts-guide"
 GUIDE_REGISTRY = "registry.example.com/tailscale"
+#: the chart's CRDs, deleted by hand at the end of the guide's uninstall (helm keeps them)
+GUIDE_CRDS = ("connectors.tailscale.com", "proxyclasses.tailscale.com", "proxygroups.tailscale.com")
 
 
 def _guide_images(tag: str, out) -> None:
@@ -1038,7 +1040,7 @@ def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, ku
                                           "tailscale.com/managed=true", "-o", "name").stdout.strip(),
                    120, 0.5, "the proxy's objects gone")
         kubecontroller.helm(kc, "uninstall", "tailscale-controller", "-n", GUIDE_NS, "--wait", timeout=130)
-        kc.kubectl("delete", "crd", "connectors.tailscale.com", timeout=60)
+        kc.kubectl("delete", "crd", *GUIDE_CRDS, timeout=60)
         kc.kubectl("delete", "namespace", GUIDE_NS, "--timeout=120s", timeout=130)
     svc = kc.get("service", "guide", "apps")
     assert svc is not None and "tailscale.com/finalizer" not in (svc["metadata"].get("finalizers") or [])
@@ -1046,7 +1048,7 @@ def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, ku
     assert kc.get("namespace", GUIDE_NS) is None
     assert json.loads(kubecontroller.helm(kc, "list", "-A", "-o", "json").stdout) == []
     for kind, name in (("clusterrole", "tailscale-controller"), ("clusterrolebinding", "tailscale-controller"),
-                       ("ingressclass", "tailscale"), ("customresourcedefinition", "connectors.tailscale.com")):
+                       ("ingressclass", "tailscale"), *(("customresourcedefinition", c) for c in GUIDE_CRDS)):
         assert kc.get(kind, name) is None, (kind, name)
     kc.kubectl("-n", "apps", "delete", "service", "guide")
     # upstream's release goes last (here: its manifests' objects), leaving nothing of either
