@@ -1,6 +1,7 @@
-{{/* The proxies' image reference and the controller's. */}}
+{{/* An image reference: (list $ .Values.image) -> <imageRegistry>/<repository>:<tag or appVersion>. */}}
 {{- define "tsc.image" -}}
-{{ .repository }}:{{ .tag }}
+{{- $root := index . 0 -}}{{- $img := index . 1 -}}
+{{ $root.Values.imageRegistry | trimSuffix "/" }}/{{ $img.repository }}:{{ $img.tag | default $root.Chart.AppVersion }}
 {{- end -}}
 
 {{/* Stop before anything is installed when a setting is wrong, naming the value and the fix. */}}
@@ -10,6 +11,9 @@
 {{- end -}}
 {{- if and (eq .Values.provider "headscale") (not .Values.headscale.url) -}}
 {{- fail "provider headscale needs headscale.url, the headscale server's URL: --set headscale.url=https://headscale.example.com" -}}
+{{- end -}}
+{{- if not .Values.imageRegistry -}}
+{{- fail "imageRegistry is empty: set it to the registry you pushed both images to (make images REGISTRY=registry.example.com/tailscale TAG=<chart appVersion>), e.g. --set imageRegistry=registry.example.com/tailscale" -}}
 {{- end -}}
 {{- if not (has .Values.ingressScheme (list "auto" "https" "http")) -}}
 {{- fail (printf "ingressScheme=%q is not a scheme; use auto, https or http" .Values.ingressScheme) -}}
@@ -22,4 +26,11 @@
 {{- fail (printf "dns.stubZoneConfigMap=%q is not <namespace>/<name> of a ConfigMap; use e.g. kube-system/coredns, or \"\" to add the stub zone yourself" .) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* imagePullSecrets ([{name: a}, {name: b}]) as PROXY_IMAGE_PULL_SECRETS wants them: "a,b". */}}
+{{- define "tsc.pullSecretNames" -}}
+{{- $names := list -}}
+{{- range . }}{{ $names = append $names .name }}{{ end -}}
+{{ join "," $names }}
 {{- end -}}
