@@ -132,6 +132,11 @@ def statefulset(g: GroupSpec, cfg: ControllerConfig) -> dict:
         # The agent answers once this replica no longer receives traffic through any egress Service (it is out
         # of the EndpointSlices), so connections through the group move to the other replicas first.
         "lifecycle": {"preStop": {"httpGet": {"path": PRESHUTDOWN_PATH, "port": LOCAL_PORT}}},
+        # Ready only while tailscaled is up with its tailnet addresses (the agent's /healthz): a replica whose
+        # tailscaled died, or that is still logging in after a restart, leaves the EndpointSlices (they list
+        # Ready replicas only) instead of taking every other new connection into nowhere.
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": LOCAL_PORT}, "periodSeconds": 1,
+                           "failureThreshold": 1, "timeoutSeconds": 1},
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": g.name,
