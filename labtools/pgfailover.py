@@ -157,7 +157,7 @@ class CaseResult:
     new_fail: int
     new_ok_survivor: int         # successes through the surviving replica while the victim was out
     held_port: int               # the connection through the survivor held from before the event
-    held_ok_after: bool          # ... answered after the case's closing event
+    held_ok_after: bool          # ... answered after the victim was back (or gone for good)
     held_failed: bool            # ... broke during the case
     events: dict[str, float] = field(default_factory=dict)   # seconds after start
 
@@ -175,7 +175,7 @@ def judge(case: str, victim: str, victim_ip: str, survivor_ip: str, start: float
         case, victim, victim_ip, survivor_ip, start, end, longest_gap(new, start, end),
         sum(a.ok for a in window), sum(not a.ok for a in window),
         sum(1 for a in window if a.ok and a.peer == survivor_ip and a.t <= out_end),
-        port, any(h.ok and h.t > end for h in mine), any(not h.ok for h in mine if h.t >= start),
+        port, any(h.ok and h.t >= out_end for h in mine), any(not h.ok for h in mine if h.t >= start),
         dict(events or {}))
 
 
