@@ -1,7 +1,8 @@
 """The kopf shell: watches turn into work-queue keys; everything else is in `reconcile`.
 
 Two kopf operators run in one event loop: one watches the parents cluster-wide (Services, Ingresses,
-Connectors), the other watches the proxies' StatefulSets and Secrets in the controller's namespace only,
+Connectors) and the ProxyClasses (a class's pass queues the parents using it), the other watches the proxies'
+StatefulSets and Secrets in the controller's namespace only,
 filtered by the `tailscale.com/managed` label on the server, so the controller's RBAC needs no cluster-wide
 Secret access. Event handlers only compute the parent's key and poke the queue: kopf's watches and reconnects
 are used; its peering is not (a Lease decides which replica runs, `controller.leader`), nor its per-handler
@@ -18,9 +19,10 @@ from typing import Any
 import kopf
 
 from .config import ControllerConfig
+from . import proxyclass
 from .kinds import connector, egress, proxygroup
 from .model import (CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS,
-                    LABEL_PARENT_TYPE, PROXYGROUP, SVC)
+                    LABEL_PARENT_TYPE, PROXYCLASS, PROXYGROUP, SVC)
 from .queue import WorkQueue
 from .reconcile import Reconciler, handled
 
@@ -89,6 +91,14 @@ def registries(state: State, login=None) -> tuple[kopf.OperatorRegistry, kopf.Op
     kopf.on.event("networking.k8s.io", "v1", "ingresses", registry=parents)(on_parent(INGRESS))
     kopf.on.event(connector.GROUP, connector.VERSION, connector.PLURAL, registry=parents)(on_parent(CONNECTOR))
     kopf.on.event(proxygroup.GROUP, proxygroup.VERSION, proxygroup.PLURAL, registry=parents)(on_parent(PROXYGROUP))
+
+    async def on_class(body: Any, **_: Any) -> None:
+        # The class's own pass writes its status and then queues every parent that uses it.
+        name = (body.get("metadata") or {}).get("name")
+        if name:
+            state.queue.poke((PROXYCLASS, "", name))
+
+    kopf.on.event(proxyclass.GROUP, proxyclass.VERSION, proxyclass.PLURAL, registry=parents)(on_class)
 
     async def on_child(body: Any, **_: Any) -> None:
         key = child_key(body)

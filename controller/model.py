@@ -39,6 +39,8 @@ SVC, INGRESS, CONNECTOR, PROXYGROUP = "svc", "ingress", "connector", "proxygroup
 # Labels on a ProxyGroup egress Service's ClusterIP Service and EndpointSlices (upstream's).
 LABEL_PROXY_GROUP = "tailscale.com/proxy-group"
 LABEL_SVC_TYPE = "tailscale.com/svc-type"
+#: The work-queue kind of a ProxyClass (not a parent: it has no proxy of its own).
+PROXYCLASS = "proxyclass"
 
 # Conditions and reasons (upstream's names).
 COND_PROXY_READY = "TailscaleProxyReady"

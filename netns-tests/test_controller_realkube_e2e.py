@@ -33,7 +33,11 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
    serve; ``INGRESS_SCHEME=auto``): the userspace proxy applies a serve config for its MagicDNS name, the
    Ingress's status gets that name on port 80, and the tailnet client reaches the default backend and a path
    rule's backend through it by that name; a bare-IP request gets tailscaled's 404. Deletion leaves nothing.
-6. Two controller replicas: one holds the leader Lease, the other stands by; the leader's Pod is deleted, and
+6. ProxyClass: a class with labels, a node selector, resources, ``TS_EXTRA_ARGS=--advertise-tags`` and metrics
+   on a Service (labelled before the class exists: it waits, then converges), an Ingress and a Connector; the
+   Pods carry it, the devices the class's tag in headscale, ``/metrics`` answers on each Pod IP; the class as
+   an annotation gets a Warning; editing the class rolls its three users' Pods and not the others.
+7. Two controller replicas: one holds the leader Lease, the other stands by; the leader's Pod is deleted, and
    a live replica (the standby or the Deployment's replacement Pod) takes the Lease over and gives a new
    annotated Service its proxy (a tailnet IP in its status); deleting it leaves nothing.
 """
@@ -451,6 +455,128 @@ def _controller_pods(kc) -> list[dict]:
     cp = kc.kubectl("-n", kubecontroller.NS, "get", "pods", "-l", "app=tailscale-controller", "-o", "json")
     return [p for p in json.loads(cp.stdout)["items"] if not p["metadata"].get("deletionTimestamp")
             and p.get("status", {}).get("phase") == "Running"]
+
+
+def _ready(kind: str, ctype: str, name: str, ns: str | None = None):
+    def check(kc):
+        o = kc.get(kind, name, ns) or {}
+        conds = (o.get("status") or {}).get("conditions") or []
+        return o if any(c["type"] == ctype and c["status"] == "True" for c in conds) else None
+    return check
+
+
+def _events(kc, ns: str, name: str, reason: str) -> list[dict]:
+    items = json.loads(kc.kubectl("-n", ns, "get", "events", "-o", "json").stdout)["items"]
+    return [e for e in items if e["involvedObject"]["name"] == name and e["reason"] == reason]
+
+
+def _proxy_pods(kc, ns: str, name: str, kind: str = "svc") -> list[dict]:
+    sel = f"tailscale.com/parent-resource={name},tailscale.com/parent-resource-type={kind}"
+    out = kc.kubectl("-n", kubecontroller.NS, "get", "pods", "-l", sel, "-o", "json").stdout
+    return [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_proxyclass_applied_to_service_ingress_and_connector_tags_metrics_and_a_class_change_rolls_only_its_users(
+        lab, kube):
+    """A ProxyClass as the platform write-ups use it: labels, a node selector, resources, tags through
+    ``TS_EXTRA_ARGS=--advertise-tags``, ``metrics.enable``. A Service labelled with it before the class exists
+    waits (condition ProxyClassNotReady, no proxy) and converges once it is created; an Ingress labelled with it
+    and a Connector naming it get it too: their Pods carry the labels, node selector and resources, the devices
+    carry the class's tag in headscale, and ``/metrics`` answers on each Pod IP (port 9002) with its metrics
+    Service. A Service naming the class in an annotation (the published guide's mistake) gets a Warning, the
+    default proxy, and is the proxy that must not move when the class is edited: the edit rolls the three users
+    only."""
+    kc = kube
+    for h in ("apps-pc-web", "apps-pc-ingress", "pc-conn", "apps-pc-guide"):
+        lab.delete_node(h)
+    pcls = {"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass", "metadata": {"name": "edge"},
+            "spec": {"statefulSet": {"labels": {"team": "net"}, "pod": {
+                "labels": {"tier": "edge", "rev": "1"}, "nodeSelector": {"kubernetes.io/os": "linux"},
+                "tailscaleContainer": {
+                    "resources": {"requests": {"cpu": "5m", "memory": "24Mi"}, "limits": {"memory": "256Mi"}},
+                    "env": [{"name": "TS_EXTRA_ARGS", "value": "--advertise-tags=tag:edge"}]}}},
+                "metrics": {"enable": True}}}
+    # the class does not exist yet: the Service waits for it
+    web = _service("pc-web", {"tailscale.com/expose": "true"}, type="LoadBalancer")
+    web["metadata"]["labels"] = {"tailscale.com/proxy-class": "edge"}
+    kc.apply(web)
+    cond = wait_until(lambda: next((c for c in ((kc.get("service", "pc-web", "apps") or {}).get("status") or {})
+                                    .get("conditions") or [] if c["reason"] == "ProxyClassNotReady"), None),
+                      60, 0.5, "the Service waiting for its class")
+    assert cond["status"] == "False" and "'edge' does not exist" in cond["message"], cond
+    assert kubecontroller.children(kc, "apps", "pc-web")["statefulsets"] == []
+    # the guide's mistake: the class in an annotation
+    kc.apply(_service("pc-guide", {"tailscale.com/expose": "true", "tailscale.com/proxy-class": "edge"},
+                      type="ClusterIP"))
+    (ev,) = wait_until(lambda: _events(kc, "apps", "pc-guide", "ProxyClassAnnotation"), 60, 0.5, "the Warning")
+    assert ev["type"] == "Warning" and "use a label" in ev["message"], ev
+    t0 = time.monotonic()
+    kc.apply(pcls)
+    kc.apply({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+              "metadata": {"name": "pc", "namespace": "apps", "labels": {"tailscale.com/proxy-class": "edge"}},
+              "spec": {"ingressClassName": "tailscale",
+                       "defaultBackend": {"service": {"name": "echo", "port": {"number": 8080}}}}})
+    kc.apply(_connector("pc-conn", {"hostname": "pc-conn", "proxyClass": "edge",
+                                    "subnetRouter": {"advertiseRoutes": ["10.123.0.0/24"]}}))
+    try:
+        wait_until(lambda: _ready("proxyclass", "ProxyClassReady", "edge")(kc), 60, 0.5, "the class ready")
+        kubecontroller.wait_service_ip(kc, "apps", "pc-web", 240)
+        wait_until(lambda: _ready("connector", "ConnectorReady", "pc-conn")(kc), 240, 0.5, "the Connector ready")
+        wait_until(lambda: ((kc.get("ingress", "pc", "apps") or {}).get("status", {}).get("loadBalancer") or {})
+                   .get("ingress"), 240, 0.5, "the Ingress published")
+    except TimeoutError:
+        raise AssertionError(_fail_report(kc, "apps", "pc-web")) from None
+    print(f"ProxyClass edge: the Service, Ingress and Connector proxies ready {time.monotonic() - t0:.1f}s after "
+          "the class was created")
+    users = {"pc-web": ("apps", "svc"), "pc": ("apps", "ingress"), "pc-conn": ("", "connector")}
+    hosts = {"pc-web": "apps-pc-web", "pc": "apps-pc-ingress", "pc-conn": "pc-conn"}
+    before = {}
+    for name, (ns, kind) in users.items():
+        (pod,) = _proxy_pods(kc, ns, name, kind)
+        before[name] = pod["metadata"]["uid"]
+        assert pod["metadata"]["labels"]["tier"] == "edge" and pod["metadata"]["labels"]["rev"] == "1", name
+        assert pod["metadata"]["labels"]["tailscale.com/parent-resource"] == name   # ours kept
+        assert pod["spec"]["nodeSelector"] == {"kubernetes.io/os": "linux"}, name
+        main = next(c for c in pod["spec"]["containers"] if c["name"] == "tailscale")
+        assert main["resources"] == {"requests": {"cpu": "5m", "memory": "24Mi"}, "limits": {"memory": "256Mi"}}
+        made = kubecontroller.children(kc, ns, name, kind)
+        sts = kc.get("statefulset", made["statefulsets"][0], kubecontroller.NS)
+        assert sts["metadata"]["labels"]["team"] == "net", name
+        (node,) = _hs_nodes_named(lab, hosts[name])
+        tags = set(node.get("tags") or node.get("forced_tags") or node.get("valid_tags") or [])
+        assert tags == {"tag:edge"}, (name, node)
+        # /metrics on the Pod IP, and the metrics Service in front of it
+        ip = pod["status"]["podIP"]
+        body = wait_until(lambda: (lambda cp: cp.stdout if cp.returncode == 0 else None)(
+            kc.run(["curl", "-sS", "--noproxy", "*", "-m", "5", "-f", f"http://{ip}:9002/metrics"], check=False)),
+            60, 1, f"{name}'s /metrics")
+        assert "# TYPE" in body, body[:500]
+        msvc = kc.get("service", f"{made['statefulsets'][0]}-metrics", kubecontroller.NS)
+        assert msvc["spec"]["ports"][0]["port"] == 9002 and msvc["spec"]["selector"] == sts["spec"]["selector"][
+            "matchLabels"]
+    # the annotated Service got the default proxy, which the class does not touch
+    guide = wait_until(lambda: _proxy_pods(kc, "apps", "pc-guide"), 120, 0.5, "the annotated Service's proxy")
+    assert "tier" not in guide[0]["metadata"]["labels"]
+    guide_sts = kubecontroller.children(kc, "apps", "pc-guide")["statefulsets"][0]
+    guide_gen = kc.get("statefulset", guide_sts, kubecontroller.NS)["metadata"]["generation"]
+
+    # editing the class rolls its users' Pods, and only theirs
+    pcls["spec"]["statefulSet"]["pod"]["labels"]["rev"] = "2"
+    kc.apply(pcls)
+    for name, (ns, kind) in users.items():
+        wait_until(lambda: (lambda p: p if len(p) == 1 and p[0]["metadata"]["labels"].get("rev") == "2" and
+                            p[0]["metadata"]["uid"] != before[name] else None)(_proxy_pods(kc, ns, name, kind)),
+                   180, 1, f"{name}'s proxy rolled")
+    assert kc.get("statefulset", guide_sts, kubecontroller.NS)["metadata"]["generation"] == guide_gen
+    assert _proxy_pods(kc, "apps", "pc-guide")[0]["metadata"]["uid"] == guide[0]["metadata"]["uid"]
+
+    for args in (("-n", "apps", "delete", "service", "pc-web", "pc-guide"), ("-n", "apps", "delete", "ingress", "pc"),
+                 ("delete", "connector", "pc-conn")):
+        kc.kubectl(*args, "--wait=false")
+    for name, (ns, kind) in {**users, "pc-guide": ("apps", "svc")}.items():
+        wait_until(lambda: kubecontroller.children(kc, ns, name, kind) == kubecontroller.NO_CHILDREN, 120, 0.5,
+                   f"{name}'s proxy gone")
+    kc.kubectl("delete", "proxyclass", "edge")
 
 
 def test_two_controller_replicas_one_leads_and_the_other_takes_over_when_its_pod_is_deleted(lab, kube):

@@ -25,7 +25,7 @@ def by_kind(kind):
 
 
 def test_connector_crd_matches_upstream_names_and_refuses_both():
-    (crd,) = [d for d in by_kind("CustomResourceDefinition") if d["metadata"]["name"] == "connectors.tailscale.com"]
+    (crd,) = [d for d in by_kind("CustomResourceDefinition") if d["spec"]["names"]["kind"] == "Connector"]
     assert crd["metadata"]["name"] == "connectors.tailscale.com" and crd["spec"]["scope"] == "Cluster"
     (v,) = crd["spec"]["versions"]
     assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
@@ -64,6 +64,27 @@ def test_rbac_covers_proxygroups_and_their_egress_objects():
     assert _covered(role["rules"], "", "pods", "watch")
 
 
+def test_proxyclass_crd_has_upstreams_names_and_fields():
+    (crd,) = [d for d in by_kind("CustomResourceDefinition") if d["spec"]["names"]["kind"] == "ProxyClass"]
+    assert crd["metadata"]["name"] == "proxyclasses.tailscale.com" and crd["spec"]["scope"] == "Cluster"
+    (v,) = crd["spec"]["versions"]
+    assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
+    spec = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert {"statefulSet", "metrics", "tailscale", "useLetsEncryptStagingEnvironment"} <= set(spec)
+    sts = spec["statefulSet"]["properties"]
+    assert {"labels", "annotations", "pod"} <= set(sts)
+    pod = sts["pod"]["properties"]
+    assert {"labels", "annotations", "affinity", "nodeName", "nodeSelector", "tolerations",
+            "topologySpreadConstraints", "priorityClassName", "imagePullSecrets", "securityContext", "dnsPolicy",
+            "dnsConfig", "tailscaleContainer", "tailscaleInitContainer"} <= set(pod)
+    for c in ("tailscaleContainer", "tailscaleInitContainer"):
+        assert {"env", "image", "imagePullPolicy", "resources", "securityContext", "debug"} <= set(
+            pod[c]["properties"]), c
+        assert pod[c]["properties"]["debug"]["properties"]["enable"]["type"] == "boolean"
+    assert set(spec["metrics"]["properties"]["serviceMonitor"]["properties"]) == {"enable", "labels"}
+    assert spec["tailscale"]["properties"]["acceptRoutes"]["type"] == "boolean"
+
+
 def _covered(rules, group, resource, verb):
     return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules)
 
@@ -80,6 +101,14 @@ def test_rbac_covers_the_controllers_calls():
         for verb in ("get", "list", "watch", "create", "patch", "delete"):
             assert _covered(role["rules"], group(res), res.plural, verb), (res.plural, verb)
     assert _covered(cr["rules"], "", "events", "create")
+    # ProxyClasses: read and watched cluster-wide, their status written; the ServiceMonitor CRD looked up;
+    # metrics ServiceMonitors in the controller's namespace
+    for verb in ("get", "list", "watch"):
+        assert _covered(cr["rules"], "tailscale.com", "proxyclasses", verb), verb
+    assert _covered(cr["rules"], "tailscale.com", "proxyclasses/status", "patch")
+    assert _covered(cr["rules"], "apiextensions.k8s.io", "customresourcedefinitions", "get")
+    for verb in ("get", "list", "create", "patch", "delete"):
+        assert _covered(role["rules"], "monitoring.coreos.com", "servicemonitors", verb), verb
     assert not _covered(cr["rules"], "", "secrets", "list"), "no cluster-wide Secret access"
     # leader election: the Lease in the controller's namespace, bound to the controller's ServiceAccount
     (le,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "tailscale-controller-leader-election"]

@@ -90,7 +90,7 @@ def test_event_mapping():
 
 def test_kopf_registries_and_server_side_child_filter():
     parents, children = registries(State(ControllerConfig(), None, None))
-    assert len(list(parents._watching.get_all_handlers())) == 4
+    assert len(list(parents._watching.get_all_handlers())) == 5      # + ProxyGroups, ProxyClasses
     assert len(list(children._watching.get_all_handlers())) == 3
     s = settings(True)
     assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/managed=true"] * 2 + [
