@@ -957,6 +957,12 @@ class KubeCluster:
         outs = [self._ctr("images", "import", "--no-unpack=false", str(archive), node=n).stdout for n in nodes]
         return outs[0]
 
+    def tag_image(self, source: str, target: str) -> None:
+        """Another name for an image in every node's containerd (as a registry serves one image under two tags)."""
+        nodes: list[str | None] = [*self.node_cfgs] or [None]
+        for n in nodes:
+            self._ctr("images", "tag", "--force", source, target, node=n)
+
     def import_image_bytes(self, data: bytes, filename: str, nodes: Sequence[str] = ()) -> str:
         p = self.cfg.run_dir / "images" / filename
         p.parent.mkdir(parents=True, exist_ok=True)
