@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme manifests
+.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme manifests fuzz
 
 setup:
 	@bash scripts/setup.sh
@@ -40,6 +40,13 @@ test-unit: setup
 test-netns: setup-bin
 	@$(MAKE_IMAGE)
 	$(PY) -m pytest -q netns-tests
+
+## fuzz: the long run of the generated-input tests (tests/test_fuzz_*.py): random seeds, FUZZ_EXAMPLES examples
+## a target (default 20000; `make test` runs 150 with a fixed seed). A failure prints the input that shows it.
+FUZZ_EXAMPLES ?= 20000
+fuzz: setup
+	CB_FUZZ_PROFILE=fuzz CB_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q \
+		--hypothesis-show-statistics tests/test_fuzz_agent.py tests/test_fuzz_controller.py
 
 ## bench: boot time, rule programming and footprint against upstream containerboot, measured in the same run (root).
 bench: setup-bin

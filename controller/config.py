@@ -12,6 +12,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from tscommon import jsontext
+
 from .validation import tag_problems
 
 
@@ -99,7 +101,7 @@ def _proxy_env(raw: str) -> tuple[tuple[str, str], ...]:
     if not raw:
         return ()
     try:
-        env = json.loads(raw)
+        env = jsontext.loads(raw)
     except ValueError as e:
         raise ConfigError(f"PROXY_ENV is not JSON ({e}); use e.g. "
                           '{"TS_DEBUG_USE_DERP_HTTP":"true"}') from None
@@ -129,7 +131,7 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
     raw_res = get("PROXY_RESOURCES")
     if raw_res:
         try:
-            res = json.loads(raw_res)
+            res = jsontext.loads(raw_res)
         except ValueError as e:
             raise ConfigError(f"PROXY_RESOURCES is not JSON ({e}); use e.g. "
                               '{"requests":{"cpu":"10m","memory":"32Mi"}}') from None

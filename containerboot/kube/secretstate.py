@@ -161,7 +161,9 @@ def reissue_clear_patch(data: Mapping[str, bytes] | None) -> Patch:
     current = (data or {}).get(KEY_CURRENT_PROFILE)
     if current:
         name = current.decode(errors="replace").strip()
-        if name:
+        # Only a profile key is tailscaled's to drop: a damaged _current-profile naming another key (the new
+        # authkey, pod_uid) must not delete it.
+        if name.startswith(PROFILE_PREFIX):
             patch[name] = None
     return patch
 
