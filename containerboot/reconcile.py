@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from netfilter.model import RuleSet
+from tscommon import crashpoint
 
 from . import desired as desired_mod
 from .desired import Desired, DNSAnswer
@@ -212,6 +213,7 @@ class Reconciler:
             if force or want.rules != self.applied.rules:
                 if want.rules != self.applied.rules:
                     log.info("Applying rules: %s", describe(want.rules))
+                crashpoint.hit(crashpoint.RULES_APPLY)
                 if getattr(self.firewall, "in_process", False) and want.rules.entries() <= INLINE_APPLY_MAX_ENTRIES:
                     self.firewall.apply(want.rules)
                 else:

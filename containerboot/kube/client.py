@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
+from tscommon import crashpoint
 from tscommon.jsontext import response_json
 from tscommon.redact import redact, register
 
@@ -245,6 +246,8 @@ class KubeClient:
         if deadline is None:
             deadline = time.monotonic() + self.retry_budget
         content = None if json_body is None else json.dumps(json_body, separators=(",", ":")).encode()
+        if method in ("POST", "PATCH", "PUT", "DELETE") and resource == "secrets":
+            crashpoint.hit(crashpoint.SECRET_WRITE)
         what = f'{resource} "{name}"' if name else resource
         attempt = 0
         reauthed = False
