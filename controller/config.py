@@ -164,7 +164,8 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
             kw["login_server"] = kw["headscale_url"]
     kw["headscale_api_key_file"] = get("HEADSCALE_API_KEY_FILE", ControllerConfig.headscale_api_key_file)
     user = get("HEADSCALE_USER")
-    if user and not user.isdigit():
+    # ASCII digits: str.isdigit() is also true for "²" or "٣", which headscale's API does not take as an ID.
+    if user and not (user.isascii() and user.isdigit()):
         raise ConfigError(f"HEADSCALE_USER={user!r} must be the numeric user ID (headscale users list)")
     kw["headscale_user"] = user
     kw["tailscale_api_url"] = get("TAILSCALE_API_URL", ControllerConfig.tailscale_api_url).rstrip("/")

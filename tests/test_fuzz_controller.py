@@ -226,6 +226,7 @@ _CONTROLLER_VARS = ("OPERATOR_NAMESPACE", "PROXY_IMAGE", "PROXY_TAGS", "PROXY_FI
                     "INGRESS_SCHEME")
 
 
+@example(env={"HEADSCALE_USER": "²"})
 @given(env=st.dictionaries(st.sampled_from(_CONTROLLER_VARS),
                            st.one_of(env_text(), json_text(shaped({"requests": {"cpu": "10m"}, "A": "b"})),
                                      st.sampled_from(("headscale", "http://hs", "12", "²", "nftables", "Never"))),

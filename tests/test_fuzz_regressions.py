@@ -100,3 +100,10 @@ async def test_providers_send_nothing_for_a_device_id_that_is_not_an_id(device_i
             await provider.device_tags(device_id)
         await provider.aclose()
     assert sent == []
+
+
+@pytest.mark.parametrize("user", ["²", "٣", "1²"])
+def test_headscale_user_must_be_ascii_digits(user: str) -> None:
+    # str.isdigit() accepted other scripts' digits; the value then failed as a headscale user ID at run time.
+    with pytest.raises(controller_config.ConfigError, match="HEADSCALE_USER"):
+        controller_config.load({"HEADSCALE_USER": user})
