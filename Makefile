@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme manifests fuzz
+.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme manifests fuzz outages
 
 setup:
 	@bash scripts/setup.sh
@@ -47,6 +47,11 @@ FUZZ_EXAMPLES ?= 20000
 fuzz: setup
 	CB_FUZZ_PROFILE=fuzz CB_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q \
 		--hypothesis-show-statistics tests/test_fuzz_agent.py tests/test_fuzz_controller.py
+
+## outages: the outage tests (netns-tests/test_outages.py) with five-minute outages instead of the suite's 20 s;
+## the figures (data path gap, recovery) go to outages.jsonl (root).
+outages: setup-bin
+	OUTAGE_SECONDS=300 CB_OUTAGE_REPORT=outages.jsonl $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_outages.py
 
 ## bench: boot time, rule programming and footprint against upstream containerboot, measured in the same run (root).
 bench: setup-bin
