@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme manifests fuzz outages
+.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme manifests fuzz outages hostile
 
 setup:
 	@bash scripts/setup.sh
@@ -52,6 +52,11 @@ fuzz: setup
 ## the figures (data path gap, recovery) go to outages.jsonl (root).
 outages: setup-bin
 	OUTAGE_SECONDS=300 CB_OUTAGE_REPORT=outages.jsonl $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_outages.py
+
+## hostile: the controller under a hostile API server (tests/test_controller_hostile_api.py) with 500 Services
+## instead of the suite's 60; prints convergence time and requests per Service.
+hostile: setup
+	HOSTILE_SERVICES=500 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_controller_hostile_api.py
 
 ## bench: boot time, rule programming and footprint against upstream containerboot, measured in the same run (root).
 bench: setup-bin

@@ -7,9 +7,11 @@ it) and CA. Errors are `KubeError` with the HTTP status and the API's reason; me
 """
 from __future__ import annotations
 
+import email.utils
 import json
 import os
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -41,9 +43,25 @@ ROLEBINDINGS = Resource("/apis/rbac.authorization.k8s.io/v1", "rolebindings")
 
 
 class KubeError(Exception):
-    def __init__(self, message: str, *, status: int = 0, reason: str = "") -> None:
+    """A failed API call. `retry_after`: the seconds the server asked the client to wait (429/503 Retry-After)."""
+
+    def __init__(self, message: str, *, status: int = 0, reason: str = "", retry_after: float | None = None) -> None:
         super().__init__(redact(message))
-        self.status, self.reason = status, reason
+        self.status, self.reason, self.retry_after = status, reason, retry_after
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A Retry-After header's delay: seconds, or an HTTP date (None when absent or unreadable)."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
 
 
 def path(res: Resource, namespace: str = "", name: str = "", subresource: str = "") -> str:
@@ -129,7 +147,8 @@ class Kube:
                 st = {}
             st = st if isinstance(st, dict) else {}
             raise KubeError(f"{method} {p}: {r.status_code} {st.get('message') or r.text[:200]}",
-                            status=r.status_code, reason=str(st.get("reason") or ""))
+                            status=r.status_code, reason=str(st.get("reason") or ""),
+                            retry_after=retry_after_seconds(r.headers.get("Retry-After")))
         try:
             out = response_json(r) if r.content else {}
         except ValueError:
