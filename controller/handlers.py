@@ -19,7 +19,8 @@ import kopf
 
 from .config import ControllerConfig
 from .kinds import connector
-from .model import CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, SVC
+from .model import (CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE,
+                    SVC)
 from .queue import WorkQueue
 from .reconcile import Reconciler, handled
 
