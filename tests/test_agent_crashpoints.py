@@ -60,7 +60,8 @@ def test_kill_before_each_boot_write_then_restart(run_agent, kube_api, tmp_path:
         # (https_endpoint follows the serve apply: wait for it rather than race it)
         _wait_until(lambda: {k: data(kube_api).get(k) for k in AGENT_KEYS} == clean, 15,
                     f"{point}: the Secret to converge to the clean boot's {clean}")
-        assert a.stop() == 0
+        a.proc.kill()           # (how this run ends is not what is tested: the next crash run starts clean)
+        a.proc.wait()
         reap_run(tmp_path)
 
 
