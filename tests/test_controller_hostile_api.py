@@ -87,12 +87,9 @@ def _service(kube: FakeKube, i: int) -> None:
 
 
 def _converged(kube: FakeKube) -> bool:
-    for i in range(N):
-        svc = kube.obj(SERVICES, f"s{i}", "apps") or {}
-        conds = (svc.get("status") or {}).get("conditions") or []
-        if not conds or not any(s for s in kube.of(STATEFULSETS)):
-            return False
-    return len(kube.of(STATEFULSETS)) == N
+    if len(kube.of(STATEFULSETS)) != N:
+        return False
+    return all(((kube.obj(SERVICES, f"s{i}", "apps") or {}).get("status") or {}).get("conditions") for i in range(N))
 
 
 async def _run(fault_rate: float, seed: int = 7) -> tuple[HostileKube, WorkQueue, float]:
@@ -113,7 +110,7 @@ async def _run(fault_rate: float, seed: int = 7) -> tuple[HostileKube, WorkQueue
     for i in range(N):
         q.poke(("svc", "apps", f"s{i}"))
     for _ in range(6000):
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
         if _converged(inner) and not q.failures:
             break
     took = time.monotonic() - t0
