@@ -306,3 +306,81 @@ async def test_controller_client_decodes_or_raises_kube_error(body: bytes, statu
             assert out is None or isinstance(out, (dict, list))
     finally:
         await kube.aclose()
+
+
+# ------------------------------------------------------------------ ProxyGroups, their egress Services, ProxyClass
+
+@st.composite
+def proxygroups(draw: st.DrawFn) -> dict[str, Any]:
+    """The CRD's shapes (type, replicas, hostnamePrefix, tags, proxyClass) with hostile values."""
+    spec: dict[str, Any] = {"type": draw(st.sampled_from(["egress", "egress", "ingress", "kube-apiserver", "x"]))}
+    for key, value in (("replicas", st.one_of(st.none(), st.integers(0, 4), st.integers(-3, -1))),
+                       ("hostnamePrefix", _value("hostnamePrefix")),
+                       ("tags", st.lists(_value(ANN_TAGS).map(lambda t: t.split(",")[0]), max_size=3)),
+                       ("proxyClass", _VALUES)):
+        if draw(st.booleans()):
+            spec[key] = draw(value)
+    return {"metadata": {"name": draw(_DNS_LABEL), "uid": "u4"}, "spec": spec}
+
+
+@given(pg=proxygroups(), cfg=st.sampled_from(_CFGS))
+def test_proxygroup_decide_accepts_or_names_the_field(pg: dict[str, Any], cfg: ControllerConfig) -> None:
+    from controller.kinds import proxygroup
+    try:
+        g = proxygroup.decide(pg, cfg, cfg.provider)
+    except Invalid as e:
+        _refused(e, "spec.", "metadata.name", "ProxyGroup")
+        return
+    event("accepted")
+    assert g.replicas >= 0
+
+
+_ENTRY = {"svc-a": {"tailnetTarget": {"ip": "100.64.0.7"},
+                    "ports": [{"protocol": "TCP", "matchPort": 10000, "targetPort": 80}]}}
+
+
+@given(text=st.one_of(st.none(), json_text(shaped(_ENTRY)), st.just("[" * 5000)))
+def test_group_egress_entries_read_back_never_fail(text: str | None) -> None:
+    from controller.kinds import egress
+    entries = egress.parse_entries(text)
+    for name, entry in entries.items():
+        ports = egress.entry_ports(entry)
+        assert all(isinstance(mp, int) for mp in ports.values())
+    egress.used_ports(entries, but="x")
+    egress.parse_status(text.encode("utf-8", "surrogatepass") if text is not None else None)
+
+
+_PC_SPEC = {"statefulSet": {"labels": {"team": "net"}, "annotations": {"a": "b"},
+                            "pod": {"labels": {"env": "prod"}, "nodeSelector": {"os": "linux"},
+                                    "tolerations": [{"key": "k", "operator": "Equal", "value": "v",
+                                                     "effect": "NoSchedule"}],
+                                    "dnsPolicy": "ClusterFirst", "imagePullSecrets": [{"name": "r"}],
+                                    "tailscaleContainer": {"env": [{"name": "TS_DEBUG_X", "value": "1"}],
+                                                           "image": "img:1", "resources": {"requests": {"cpu": "1m"}},
+                                                           "debug": {"enable": True}},
+                                    "tailscaleInitContainer": {"image": "busybox"}}},
+            "metrics": {"enable": True, "serviceMonitor": {"enable": False, "labels": {"r": "p"}}},
+            "tailscale": {"acceptRoutes": True}, "useLetsEncryptStagingEnvironment": False}
+
+
+@given(spec=shaped(_PC_SPEC), svc=services())
+def test_proxyclass_validates_then_applies_without_failing(spec: Any, svc: dict[str, Any]) -> None:
+    from controller import proxyclass as pcl
+    obj = {"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass", "metadata": {"name": "c"}, "spec": spec}
+    v = pcl.validate(obj)
+    for problem in v.problems:
+        assert problem.startswith("spec"), problem
+    if not v.ok:
+        event("refused")
+        return
+    event("accepted")
+    try:
+        decision = service.decide(svc, _CFGS[0])
+    except (Invalid, Pending):
+        return
+    rendered = render.render(decision.spec, _CFGS[0], ("tskey-auth-QXZ",))
+    pc = pcl.ProxyClass.from_object(obj)
+    sts = pcl.apply_to_statefulset(rendered.statefulset, pc, pcl.Target(endpoints=True, acme=False))
+    json.dumps(sts)
+    for secret in rendered.secrets:
+        pcl.apply_to_config_secret(secret, pc)

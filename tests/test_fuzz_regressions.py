@@ -38,6 +38,10 @@ def test_deeply_nested_json_is_a_parse_error_not_a_crash() -> None:
     assert config_authkey({sc.config_key(max(sc.CONFIG_CAPVERS)): DEEP.encode()}) == ""
     with pytest.raises(controller_config.ConfigError, match="PROXY_ENV is not JSON"):
         controller_config.load({"PROXY_ENV": DEEP})
+    # A ProxyGroup's egress-services document and a replica's status: broken means empty, as documented.
+    from controller.kinds import egress
+    assert egress.parse_entries(DEEP) == {} and egress.parse_status(DEEP.encode()) is None
+    assert egress.entry_ports({"ports": 7}) == {}
 
 
 def test_reissue_clear_deletes_only_a_profile_key() -> None:
