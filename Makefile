@@ -42,7 +42,7 @@ test-netns: setup-bin
 	$(PY) -m pytest -q netns-tests
 
 ## fuzz: the long run of the generated-input tests (tests/test_fuzz_*.py): random seeds, FUZZ_EXAMPLES examples
-## a target (default 20000; `make test` runs 150 with a fixed seed). A failure prints the input that shows it.
+## a target (default 20000; `make test` runs 100 with a fixed seed). A failure prints the input that shows it.
 FUZZ_EXAMPLES ?= 20000
 fuzz: setup
 	CB_FUZZ_PROFILE=fuzz CB_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q \

@@ -1,7 +1,7 @@
 """Shared pieces of the property-based tests of the parsers: hypothesis profiles and hostile-input strategies.
 
 Two profiles. `ci` (the default) is what `make test` runs: derandomized (the same examples on every run, so a
-failure is reproducible from the test name alone) and a few hundred examples a target. `fuzz` is the long run
+failure is reproducible from the test name alone) and 100 examples a target. `fuzz` is the long run
 (`make fuzz`): random seeds and many more examples; hypothesis prints the seed and the shrunk input of any
 failure, and its example database replays it on the next run. Select with CB_FUZZ_PROFILE.
 """
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 settings.register_profile(
-    "ci", derandomize=True, max_examples=int(os.environ.get("CB_FUZZ_EXAMPLES", "150")), deadline=None,
+    "ci", derandomize=True, max_examples=int(os.environ.get("CB_FUZZ_EXAMPLES", "100")), deadline=None,
     database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
     "fuzz", max_examples=int(os.environ.get("CB_FUZZ_EXAMPLES", "20000")), deadline=None,
