@@ -3,7 +3,8 @@ it does not need the failing part, /status says what is failing, and everything 
 
 * headscale down: the client reaches the backend through the proxy throughout (WireGuard between known peers
   needs no control plane; each probe is a new TCP connection through the tunnel that carries established
-  ones too); the proxy stays ready; after headscale returns, the proxy's node is online at headscale again. Measured: the data path's longest gap, the time to recover.
+  ones too); the proxy stays ready; after headscale returns, the proxy's node is online at headscale again.
+  Measured: the data path's longest gap, the time to recover.
   /status carries tailscaled's health warnings (`tailscaled_health`) when tailscaled raises them.
 * DNS down for a TS_EXPERIMENTAL_DEST_DNS_NAME target: the last good backends keep serving, the target's
   last_error in /status names the failure, and it clears when DNS answers again.
