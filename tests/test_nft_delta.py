@@ -160,3 +160,16 @@ def test_iptables_delta_refuses_what_needs_the_chains_rewritten():
     assert ipt_delta(RuleSet(clamp_mss=True), rs(svc(0))) is None                   # a chain appears
     assert ipt_delta(rs(svc(0)), RuleSet(clamp_mss=True)) is None                   # ... or goes away
     assert ipt_delta(rs(svc(0), svc(0, 6)), rs(svc(0), svc(1, 6)), 6) is not None
+
+
+def test_the_generation_is_read_from_a_newgen_reply_only():
+    import struct
+
+    from netfilter.generation import advanced_by, parse_generation
+    attrs = struct.pack("=HH", 8, 1) + struct.pack(">I", 4242) + struct.pack("=HH", 8, 2) + struct.pack(">I", 7)
+    reply = struct.pack("=IHHII", 20 + len(attrs), (10 << 8) | 15, 0, 0, 0) + struct.pack("=BBH", 0, 0, 0) + attrs
+    assert parse_generation(reply) == 4242
+    error = struct.pack("=IHHII", 36, 2, 0, 0, 0) + struct.pack("=i", -1) + reply[:16]      # NLMSG_ERROR
+    assert parse_generation(error) is None and parse_generation(reply[:12]) is None
+    assert advanced_by(7, 8, 1) and advanced_by(7, 7, 0) and advanced_by(2**32 - 1, 0, 1)
+    assert not advanced_by(7, 9, 1) and not advanced_by(None, 8, 1) and not advanced_by(7, None, 0)
