@@ -3,9 +3,11 @@
 
 The group's pass: auth keys (one per new replica, never again for a replica that has its config or a device),
 the ConfigMap, per-replica config and state Secrets, the group's own ServiceAccount/Role/RoleBinding, the
-StatefulSet; replicas scaled away lose their device and Secrets once their Pod is gone; the status lists the
-devices from the state Secrets; and every egress Service's EndpointSlices are brought to what the replicas
-report (their state Secrets' `egress-services`), so one replica's change costs one pass of the group.
+StatefulSet, all with the group's ProxyClass merged in (spec.proxyClass or PROXY_DEFAULT_CLASS; nothing is
+made or changed while it is missing or invalid), and its metrics Service when the class asks; replicas scaled
+away lose their device and Secrets once their Pod is gone; the status lists the devices from the state Secrets;
+and every egress Service's EndpointSlices are brought to what the replicas report (their state Secrets'
+`egress-services`), so one replica's change costs one pass of the group.
 
 An egress Service's pass: its ClusterIP Service with allocated ports, its entry in the group's ConfigMap (writes
 to one group's ConfigMap are serialised in this process and guarded by its resourceVersion), its
@@ -16,16 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tscommon import secretcontract as sc
 
-from . import pgrender, render, status as st
+from . import pgrender, proxyclass as pcl, render, status as st
 from .kinds import egress, meta, proxygroup
 from .kinds.egress import EgressTarget, Replica
-from .kubeapi import (CONFIGMAPS, ENDPOINTSLICES, PODS, PROXYGROUPS, ROLEBINDINGS, ROLES, SECRETS,
+from .kubeapi import (CONFIGMAPS, CRDS, ENDPOINTSLICES, PODS, PROXYGROUPS, ROLEBINDINGS, ROLES, SECRETS,
                       SERVICEACCOUNTS, SERVICES, STATEFULSETS, Resource)
 from .model import (COND_EGRESS_CONFIGURED, COND_EGRESS_VALID, COND_PG_AVAILABLE, COND_PG_READY, FINALIZER,
                     LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PROXY_GROUP, PROXYGROUP, SVC, Invalid, Parent)
@@ -81,11 +84,38 @@ class GroupReconciler:
         try:
             g = proxygroup.decide(obj, cfg, getattr(rec.provider, "name", ""))
         except Invalid as e:
+            self._forget_warnings(obj, {f"ProxyGroupInvalid:{e.message}"})
             await rec._warn(obj, PROXYGROUP, "ProxyGroupInvalid", e.message)
             await self._group_status(obj, [], (False, "ProxyGroupInvalid", e.message))
             return None
         await rec._ensure_finalizer(PROXYGROUP, obj)
         ns = cfg.namespace
+        # The class: spec.proxyClass, else PROXY_DEFAULT_CLASS (as upstream). Nothing is created or changed until
+        # it is there and valid; a running group keeps running as it was (its Services' EndpointSlices still
+        # follow the replicas), and the class's pass brings the next pass of this group.
+        class_name = pcl.select(True, obj, cfg.default_proxy_class).name
+        pc: pcl.ProxyClass | None = None
+        if class_name:
+            pc_obj, v = await rec._class_state(class_name)
+            if pc_obj is None or not v.ok:
+                up = await kube.get(STATEFULSETS, g.name, ns) is not None
+                waiting = pcl.not_ready_message(class_name, pc_obj, running=up, validation=v)
+                self._forget_warnings(obj, {f"{pcl.REASON_NOT_READY}:{waiting}"})
+                await rec._warn(obj, PROXYGROUP, pcl.REASON_NOT_READY, waiting)
+                await self._ready_condition(obj, pcl.REASON_NOT_READY, waiting)
+                if up:
+                    await self.sync_slices(g.name)
+                return PENDING_RECHECK if pc_obj is not None and v.crd_missing else None
+            pc = pcl.ProxyClass.from_object(pc_obj)
+            if pc.tags and not g.tags_given:
+                # the class's TS_EXTRA_ARGS --advertise-tags: under the group's spec.tags, over PROXY_TAGS
+                g = dataclasses.replace(g, tags=pc.tags)
+        notices = {f"{pcl.REASON_LOCAL_ADDR_PORT}:{pcl.local_addr_port_message(class_name)}"} \
+            if pcl.sets_local_addr_port(pc) else set()
+        self._forget_warnings(obj, notices)
+        for n in sorted(notices):
+            reason, _, message = n.partition(":")
+            await rec._warn(obj, PROXYGROUP, reason, message)
         secrets = {s["metadata"]["name"]: s for s in await kube.list(SECRETS, ns, pgrender.selector(g))}
         states = [_decode(secrets.get(pgrender.state_secret_name(g.name, i))) for i in range(g.replicas)]
         keys: list[str] = []
@@ -111,7 +141,7 @@ class GroupReconciler:
             await kube.patch(CONFIGMAPS, pgrender.configmap_name(g.name),
                              {"data": {pgrender.HEP_PINGS_KEY: pgrender.hep_pings(g)}}, ns)
         for i in range(g.replicas):
-            for desired in (pgrender.config_secret(g, cfg, i, keys[i]), pgrender.state_secret(g, cfg, i)):
+            for desired in (pgrender.config_secret(g, cfg, i, keys[i], pc), pgrender.state_secret(g, cfg, i)):
                 await rec._apply_secret(desired, secrets.get(desired["metadata"]["name"]))
         pods = {p["metadata"]["name"]: p for p in await kube.list(PODS, ns, pgrender.selector(g))}
         retired = sorted({j for n in secrets if (j := _index(g.name, n)) is not None and j >= g.replicas})
@@ -121,7 +151,9 @@ class GroupReconciler:
         allowed = [pgrender.state_secret_name(g.name, i) for i in [*range(g.replicas), *running]]
         for res, desired in zip(RBAC_RESOURCES, pgrender.rbac(g, cfg, allowed)):
             await rec._apply(res, desired)
-        sts = await rec._apply(STATEFULSETS, pgrender.statefulset(g, cfg))
+        desired_sts = pgrender.statefulset(g, cfg, pc)
+        sts = await rec._apply(STATEFULSETS, desired_sts)
+        await rec._metrics(PROXYGROUP, g.proxy_spec(), desired_sts, pc)
         for i in retired:
             if i in running:
                 continue
@@ -144,6 +176,21 @@ class GroupReconciler:
         if running:
             return RETIRING_RECHECK
         return READY_RECHECK if r.ok else PENDING_RECHECK
+
+    def _forget_warnings(self, obj: Mapping[str, Any], current: set[str]) -> None:
+        """Only what this pass still reports stays remembered: a problem that goes and comes back is sent again."""
+        if (seen := self.rec._warned.get(meta(obj).get("uid", ""))) is not None:
+            seen &= current
+
+    async def _ready_condition(self, obj: Mapping[str, Any], reason: str, message: str) -> None:
+        """ProxyGroupReady False alone: the rest of the status (devices, availability) stays as the replicas are."""
+        rec, m, cur = self.rec, meta(obj), obj.get("status") or {}
+        conds = st.with_condition(cur.get("conditions"), st.condition(
+            COND_PG_READY, False, reason, message, generation=m.get("generation"), previous=cur.get("conditions"),
+            now=rec.now()))
+        from .sameness import same
+        if not same(list(cur.get("conditions") or []), conds):
+            await rec.kube.patch(PROXYGROUPS, m["name"], {"status": {"conditions": conds}}, subresource="status")
 
     async def _group_status(self, obj: Mapping[str, Any], devices: list[st.DeviceInfo],
                             ready: tuple[bool, str, str]) -> None:
@@ -183,9 +230,12 @@ class GroupReconciler:
         for s in await kube.list(SECRETS, ns, sel):
             await self.rec._delete_device_of(_decode(s))
             await kube.delete(SECRETS, s["metadata"]["name"], ns)
-        for res in (CONFIGMAPS, *reversed(RBAC_RESOURCES)):
+        # The metrics Service (a class's metrics.enable) carries the group's labels; its egress Services do not.
+        for res in (CONFIGMAPS, SERVICES, *reversed(RBAC_RESOURCES)):
             for o in await kube.list(res, ns, sel):
                 await kube.delete(res, o["metadata"]["name"], ns)
+        if await kube.get(CRDS, pcl.SERVICE_MONITOR_CRD) is not None:
+            await self.rec._delete_service_monitors(Parent(PROXYGROUP, name, "", meta(obj).get("uid", "")))
         log.info("ProxyGroup %s removed", name)
         return True
 

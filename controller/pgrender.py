@@ -10,6 +10,10 @@ agent's pre-shutdown endpoint with a grace period long enough for it to drain.
 As for single proxies (controller/proxyrbac.py), the group runs as its own ServiceAccount `<pg>` whose Role
 names only its replicas' state Secrets; the config Secrets, which carry the auth keys, reach the Pods only as
 volumes.
+
+A ProxyClass applies to the group as to any proxy, through controller/proxyclass.py's merge (`statefulset(...,
+pc)`, `config_secret(..., pc)`); as upstream, a class that sets `TS_LOCAL_ADDR_PORT` moves the replicas' health
+check away from where the pre-stop hook asks, so the group then has no hook (and the default grace period).
 """
 from __future__ import annotations
 
@@ -17,10 +21,10 @@ from typing import Any
 
 from tscommon.secretcontract import CONFIG_CAPVERS, config_key
 
-from . import proxyrbac
+from . import proxyclass as pcl, proxyrbac
 from .config import ControllerConfig
 from .kinds.proxygroup import GroupSpec
-from .render import SYSCTL_SCRIPT, _hashed, child_labels, dumps, tailscaled_config
+from .render import SYSCTL_SCRIPT, _hashed, child_labels, dumps, rehash, tailscaled_config
 
 EGRESS_CONFIG_DIR = "/etc/proxies"
 EGRESS_SERVICES_KEY = "egress-services"
@@ -60,12 +64,14 @@ def selector(g: GroupSpec) -> str:
     return ",".join(f"{k}={v}" for k, v in labels(g).items())
 
 
-def config_secret(g: GroupSpec, cfg: ControllerConfig, i: int, authkey: str) -> dict:
+def config_secret(g: GroupSpec, cfg: ControllerConfig, i: int, authkey: str,
+                  pc: pcl.ProxyClass | None = None) -> dict:
     spec = g.proxy_spec()
-    return {"apiVersion": "v1", "kind": "Secret",
-            "metadata": {"name": config_secret_name(g.name, i), "namespace": cfg.namespace, "labels": labels(g)},
-            "stringData": {config_key(c): dumps(tailscaled_config(spec, cfg, i, authkey, c))
-                           for c in CONFIG_CAPVERS}}
+    return pcl.apply_to_config_secret({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": config_secret_name(g.name, i), "namespace": cfg.namespace, "labels": labels(g)},
+        "stringData": {config_key(c): dumps(tailscaled_config(spec, cfg, i, authkey, c)) for c in CONFIG_CAPVERS}},
+        pc)
 
 
 def state_secret(g: GroupSpec, cfg: ControllerConfig, i: int) -> dict:
@@ -115,7 +121,8 @@ def _env(g: GroupSpec, cfg: ControllerConfig) -> list[dict]:
     return env
 
 
-def statefulset(g: GroupSpec, cfg: ControllerConfig) -> dict:
+def statefulset(g: GroupSpec, cfg: ControllerConfig, pc: pcl.ProxyClass | None = None) -> dict:
+    """The group's StatefulSet, with its class (if any) merged in as into every other proxy's."""
     volumes: list[dict] = []
     mounts: list[dict] = []
     for i in range(g.replicas):
@@ -129,19 +136,21 @@ def statefulset(g: GroupSpec, cfg: ControllerConfig) -> dict:
         "name": "tailscale", "image": cfg.proxy_image, "imagePullPolicy": cfg.image_pull_policy,
         "env": _env(g, cfg), "resources": cfg.proxy_resources, "volumeMounts": mounts,
         "securityContext": {"privileged": True},
-        # The agent answers once this replica no longer receives traffic through any egress Service (it is out
-        # of the EndpointSlices), so connections through the group move to the other replicas first.
-        "lifecycle": {"preStop": {"httpGet": {"path": PRESHUTDOWN_PATH, "port": LOCAL_PORT}}},
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": g.name,
-        "terminationGracePeriodSeconds": GRACE_SECONDS,
         "initContainers": [{"name": "sysctler", "image": cfg.proxy_image, "imagePullPolicy": cfg.image_pull_policy,
                             "securityContext": {"privileged": True}, "command": ["/bin/sh", "-c", SYSCTL_SCRIPT]}],
         "containers": [container],
         "volumes": volumes,
     }
-    return _hashed({
+    if not pcl.sets_local_addr_port(pc):
+        # The agent answers once this replica no longer receives traffic through any egress Service (it is out
+        # of the EndpointSlices), so connections through the group move to the other replicas first. The hook
+        # asks the health check on its default address: a class that moves it gets no hook (as upstream).
+        container["lifecycle"] = {"preStop": {"httpGet": {"path": PRESHUTDOWN_PATH, "port": LOCAL_PORT}}}
+        pod_spec["terminationGracePeriodSeconds"] = GRACE_SECONDS
+    sts = _hashed({
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": {"name": g.name, "namespace": cfg.namespace, "labels": labels(g)},
         "spec": {"replicas": g.replicas, "selector": {"matchLabels": labels(g)},
@@ -149,3 +158,5 @@ def statefulset(g: GroupSpec, cfg: ControllerConfig) -> dict:
                  "podManagementPolicy": "Parallel",
                  "template": {"metadata": {"labels": labels(g)}, "spec": pod_spec}},
     })
+    # A group serves no single egress target: the metrics and debug endpoints apply (as upstream).
+    return rehash(pcl.apply_to_statefulset(sts, pc, pcl.Target(endpoints=True))) if pc is not None else sts

@@ -46,6 +46,7 @@ REASON_CUSTOM_TS_ENV = "CustomTSEnvVar"
 REASON_INIT_ENV = "EnvOnInitContainer"
 REASON_NOT_READY = "ProxyClassNotReady"
 REASON_ANNOTATION = "ProxyClassAnnotation"
+REASON_LOCAL_ADDR_PORT = "CustomTSLocalAddrPort"
 MAIN_CONTAINER, INIT_CONTAINER = "tailscale", "sysctler"
 METRICS_PORT, DEBUG_PORT = 9002, 9001
 LETS_ENCRYPT_STAGING = "https://acme-staging-v02.api.letsencrypt.org/directory"
@@ -149,6 +150,20 @@ class ProxyClass:
     def container_env(self, which: str) -> list[tuple[str, str]]:
         env = self.container(which).get("env")
         return [(str(e.get("name", "")), str(e.get("value") or "")) for e in env or [] if isinstance(e, Mapping)]
+
+
+def sets_local_addr_port(pc: ProxyClass | None) -> bool:
+    """The class sets TS_LOCAL_ADDR_PORT on the proxy container (upstream's test: the name, whatever the value):
+    an egress ProxyGroup's pre-stop hook then cannot reach the health check, and the group has none."""
+    return pc is not None and any(k == "TS_LOCAL_ADDR_PORT" for k, _ in pc.container_env(MAIN_CONTAINER))
+
+
+def local_addr_port_message(name: str) -> str:
+    return (f"ProxyClass {name!r} sets TS_LOCAL_ADDR_PORT on the proxy container, which moves the replicas' health "
+            "check away from <Pod IP>:9002 where the pre-stop hook asks it: the ProxyGroup's replicas get no pre-stop "
+            "hook, so a replica that stops cuts the connections it carries instead of draining first. Remove "
+            "TS_LOCAL_ADDR_PORT from spec.statefulSet.pod.tailscaleContainer.env (metrics.enable serves /metrics on "
+            "<Pod IP>:9002 without it)")
 
 
 def _str_map(v: Any) -> dict[str, str]:

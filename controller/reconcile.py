@@ -193,6 +193,10 @@ class Reconciler:
                 if (handled(kind, o, self.cfg) and
                         pcl.select(kind == CONNECTOR, o, self.cfg.default_proxy_class).name == name):
                     found.append((kind, m.get("namespace", "") if kind != CONNECTOR else "", m.get("name", "")))
+        for o in await self.kube.list(PROXYGROUPS):
+            # spec.proxyClass, else the default: as a Connector (upstream's ProxyGroup reconciler)
+            if pcl.select(True, o, self.cfg.default_proxy_class).name == name:
+                found.append((PROXYGROUP, "", meta(o).get("name", "")))
         return found
 
     async def _decide(self, kind: str, obj: Mapping[str, Any]) -> Decision:
@@ -291,7 +295,7 @@ class Reconciler:
         """The metrics Service (and a ServiceMonitor) of a class with metrics.enable; removed when no longer
         asked for."""
         p = spec.parent
-        name = f"{render.base_name(p)}-metrics"
+        name = f"{sts['metadata']['name']}-metrics"
         if pc is not None and pc.metrics:
             svc = render.rehash(pcl.metrics_service(sts, _proxy_type(kind, spec), p.name, p.namespace))
             await self._apply(SERVICES, svc)
@@ -501,7 +505,8 @@ def _k8s_kind(kind: str) -> str:
 
 def _proxy_type(kind: str, spec: ProxySpec) -> str:
     """The `ts_proxy_type` label of a proxy's metrics (upstream's values)."""
-    return {SVC: "ingress_service", INGRESS: "ingress_resource", CONNECTOR: "connector"}[kind]
+    return {SVC: "ingress_service", INGRESS: "ingress_resource", CONNECTOR: "connector",
+            PROXYGROUP: "proxygroup"}[kind]
 
 
 def proxy_target(kind: str, spec: ProxySpec, cfg: ControllerConfig) -> pcl.Target:

@@ -635,9 +635,10 @@ def _egress_children(kc) -> list[str]:
 
 def test_proxygroup_egress_services_scale_and_cleanup(lab, kube):
     """A ProxyGroup of 2 (type egress) and three egress Services on it (two tailnet nodes by IP, one by MagicDNS
-    name): a client Pod reaches all three through the replicas; each Service's EndpointSlice lists the replicas
-    that report its rules; scaling 2 → 3 → 1 adds and removes devices in headscale; deleting the Services and
-    the group leaves nothing in the cluster or in headscale."""
+    name). The group names a ProxyClass before it exists: it waits (ProxyClassNotReady, no StatefulSet), then its
+    replicas carry the class's labels and node selector; a client Pod reaches all three through the replicas; each
+    Service's EndpointSlice lists the replicas that report its rules; scaling 2 → 3 → 1 adds and removes devices
+    in headscale; deleting the Services and the group leaves nothing in the cluster or in headscale."""
     import sys
     from labtools import clusterdns
     import labextras as lx
@@ -680,11 +681,22 @@ def test_proxygroup_egress_services_scale_and_cleanup(lab, kube):
                          "ports": [{"name": "http", "port": port, "protocol": "TCP"}]}}
     try:
         t0 = time.monotonic()
+        # the group names a ProxyClass that does not exist yet: it waits, with nothing made
         kc.apply({"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyGroup", "metadata": {"name": pg},
-                  "spec": {"type": "egress", "replicas": 2, "hostnamePrefix": prefix}})
+                  "spec": {"type": "egress", "replicas": 2, "hostnamePrefix": prefix, "proxyClass": "pgclass"}})
         kc.apply([svc("pga", {"tailscale.com/tailnet-ip": c4}, 18090),
                   svc("pgb", {"tailscale.com/tailnet-ip": t4}, 18091),
                   svc("pgc", {"tailscale.com/tailnet-fqdn": fqdn}, 18092)])
+        cond = wait_until(lambda: next((c for c in ((kc.get("proxygroup", pg) or {}).get("status") or {})
+                                        .get("conditions") or [] if c["reason"] == "ProxyClassNotReady"), None),
+                          60, 0.5, "the ProxyGroup waiting for its class")
+        assert cond["status"] == "False" and "'pgclass' does not exist" in cond["message"], cond
+        assert _pg_children(kc, pg)["statefulsets"] == []
+        kc.apply({"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass", "metadata": {"name": "pgclass"},
+                  "spec": {"statefulSet": {"labels": {"team": "net"}, "pod": {
+                      "labels": {"tier": "pg"}, "nodeSelector": {"kubernetes.io/os": "linux"}}}}})
+        print(f"ProxyGroup {pg} waited for its ProxyClass; the class created {time.monotonic() - t0:.1f}s after the "
+              "group")
 
         def group_ready(n: int):
             def pred():
@@ -704,6 +716,14 @@ def test_proxygroup_egress_services_scale_and_cleanup(lab, kube):
         assert sorted(made["secrets"]) == [f"{pg}-0", f"{pg}-0-config", f"{pg}-1", f"{pg}-1-config"], made
         assert made["statefulsets"] == [pg] and made["configmaps"] == [f"configmap/{pg}-egress-config"], made
         assert made["serviceaccounts"] == made["roles"] == made["rolebindings"] == [pg], made
+        # the class is on the StatefulSet and on every replica's Pod, the controller's labels kept
+        assert kc.get("statefulset", pg, kubecontroller.NS)["metadata"]["labels"]["team"] == "net"
+        replicas = json.loads(kc.kubectl("-n", kubecontroller.NS, "get", "pods", "-l",
+                                         f"tailscale.com/parent-resource={pg}", "-o", "json").stdout)["items"]
+        assert len(replicas) == 2
+        for p in replicas:
+            assert p["metadata"]["labels"]["tier"] == "pg" and p["spec"]["nodeSelector"] == {
+                "kubernetes.io/os": "linux"}, p["metadata"]
 
         def all_served():
             out = {}
@@ -789,6 +809,7 @@ def test_proxygroup_egress_services_scale_and_cleanup(lab, kube):
         assert _pg_children(kc, pg) == {**kubecontroller.NO_CHILDREN, "configmaps": []}
         assert hs_pg_nodes() == []
     finally:
+        kc.kubectl("delete", "proxyclass", "pgclass", "--ignore-not-found", check=False)
         dnsp.terminate()
         dnsp.wait(10)
         lx.stop_node(lab, "pg-target")

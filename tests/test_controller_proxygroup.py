@@ -377,3 +377,201 @@ async def test_invalid_egress_service_condition_event_nothing_made(env, ann, por
     assert {k for k in kube.objects if k[1] == NS} == before
     assert json.loads(kube.obj(CONFIGMAPS, "pg-egress-config", NS)["data"]["egress-services"]) == {}
     assert kube.obj(SERVICES, "db", "apps")["spec"]["externalName"] == "placeholder"
+
+
+# ---- a ProxyClass on a group
+
+def pclass(name="prod", spec=None):
+    return {"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass",
+            "metadata": {"name": name, "uid": f"pc-{name}", "generation": 1}, "spec": spec or {}}
+
+
+PG_CLASS = {"statefulSet": {"labels": {"team": "net"}, "pod": {
+    "labels": {"tier": "edge", "tailscale.com/parent-resource": "hijack"},
+    "nodeSelector": {"pool": "edge"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ts", "effect": "NoSchedule"}],
+    "tailscaleContainer": {"env": [{"name": "TS_DEBUG_X", "value": "1"}],
+                           "resources": {"requests": {"cpu": "5m"}}}}},
+    "metrics": {"enable": True}}
+
+
+def test_a_class_on_a_group_is_the_same_merge_exactly_and_keeps_the_selector_labels():
+    from controller import proxyclass as pcl
+    from controller.render import SPEC_HASH
+    g = proxygroup.decide(pg_obj(replicas=2), CFG)
+    base = pgrender.statefulset(g, CFG)
+    got = pgrender.statefulset(g, CFG, pcl.ProxyClass.from_object(pclass(spec=PG_CLASS)))
+    want = json.loads(json.dumps(base))
+    ours = pgrender.labels(g)
+    want["metadata"]["labels"] = {"team": "net", **ours}
+    want["spec"]["template"]["metadata"]["labels"] = {"tier": "edge", **ours}     # the hijack lost
+    pod = want["spec"]["template"]["spec"]
+    pod["nodeSelector"] = {"pool": "edge"}
+    pod["tolerations"] = [{"key": "dedicated", "operator": "Equal", "value": "ts", "effect": "NoSchedule"}]
+    (c,) = pod["containers"]
+    c["resources"] = {"requests": {"cpu": "5m"}}
+    # upstream's order: the endpoints (a group has no single egress target, so they apply), then the class's env
+    c["env"] += [{"name": "TS_DEBUG_ADDR_PORT", "value": "$(POD_IP):9001"},
+                 {"name": "TS_TAILSCALED_EXTRA_ARGS", "value": "--debug=$(TS_DEBUG_ADDR_PORT)"},
+                 {"name": "TS_LOCAL_ADDR_PORT", "value": "$(POD_IP):9002"},
+                 {"name": "TS_ENABLE_METRICS", "value": "true"},
+                 {"name": "TS_DEBUG_X", "value": "1"}]
+    c["ports"] = [{"name": "debug", "protocol": "TCP", "containerPort": 9001},
+                  {"name": "metrics", "protocol": "TCP", "containerPort": 9002}]
+    for o in (got, want):
+        o["metadata"]["annotations"].pop(SPEC_HASH)
+    assert got == want
+    assert got["spec"]["selector"]["matchLabels"] == ours
+    # the class changes the rendering's hash: the StatefulSet is patched and its Pods roll
+    assert pgrender.statefulset(g, CFG, pcl.ProxyClass.from_object(pclass(spec=PG_CLASS)))["metadata"][
+        "annotations"][SPEC_HASH] != base["metadata"]["annotations"][SPEC_HASH]
+
+
+def test_a_class_setting_ts_local_addr_port_removes_the_pre_stop_hook_and_its_grace_only():
+    from controller import proxyclass as pcl
+    from controller.render import SPEC_HASH
+    g = proxygroup.decide(pg_obj(replicas=2), CFG)
+    spec = {"statefulSet": {"pod": {"tailscaleContainer": {"env": [
+        {"name": "TS_LOCAL_ADDR_PORT", "value": "[::]:9999"}]}}}}
+    got = pgrender.statefulset(g, CFG, pcl.ProxyClass.from_object(pclass(spec=spec)))
+    want = pgrender.statefulset(g, CFG)
+    pod = want["spec"]["template"]["spec"]
+    del pod["terminationGracePeriodSeconds"]
+    del pod["containers"][0]["lifecycle"]
+    pod["containers"][0]["env"].append({"name": "TS_LOCAL_ADDR_PORT", "value": "[::]:9999"})
+    for o in (got, want):
+        o["metadata"]["annotations"].pop(SPEC_HASH)
+    assert got == want
+    # metrics.enable alone keeps the hook: its TS_LOCAL_ADDR_PORT is the hook's address
+    kept = pgrender.statefulset(g, CFG, pcl.ProxyClass.from_object(pclass(spec={"metrics": {"enable": True}})))
+    assert kept["spec"]["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["httpGet"]["port"] == 9002
+
+
+@pytest.fixture
+def cenv():
+    from dataclasses import replace
+    kube, prov = FakeKube(), FakeProvider()
+    rec = Reconciler(kube, prov, replace(CFG, proxy_tags=("tag:k8s",)), now=lambda: "2026-01-01T00:00:00Z")
+    poked: list = []
+    rec.poke = poked.append
+    return kube, prov, rec, poked
+
+
+def ready_cond(kube, name="pg"):
+    return {c["type"]: c for c in kube.obj(PROXYGROUPS, name)["status"]["conditions"]}["ProxyGroupReady"]
+
+
+async def test_a_group_naming_a_missing_class_waits_then_converges_when_it_appears(cenv):
+    from controller.kubeapi import PROXYCLASSES
+    kube, prov, rec, poked = cenv
+    kube.put(PROXYGROUPS, pg_obj(proxyClass="prod"))
+    assert await rec.reconcile("proxygroup", "", "pg") is None
+    c = ready_cond(kube)
+    assert (c["status"], c["reason"]) == ("False", "ProxyClassNotReady")
+    assert c["message"].startswith("ProxyClass 'prod' does not exist; ")
+    assert [(e["type"], e["reason"]) for e in kube.of(EVENTS)] == [("Warning", "ProxyClassNotReady")]
+    assert prov.keys == [] and not [k for k in kube.objects if k[1] == NS]
+    await rec.reconcile("proxygroup", "", "pg")
+    assert len(kube.of(EVENTS)) == 1, "warned once"
+    kube.put(PROXYCLASSES, pclass(spec={"statefulSet": {"pod": {"nodeSelector": {"pool": "edge"}}},
+                                        "tailscale": {"acceptRoutes": True}}))
+    await rec.reconcile("proxyclass", "", "prod")
+    assert poked == [("proxygroup", "", "pg")]
+    await rec.reconcile("proxygroup", "", "pg")
+    sts = kube.obj(STATEFULSETS, "pg", NS)
+    assert sts["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "edge"}
+    assert json.loads(secret_data(kube, "pg-1-config")["cap-107.hujson"])["acceptRoutes"] is True
+    assert ready_cond(kube)["reason"] == "ProxyGroupCreating"
+
+
+async def test_an_invalid_or_deleted_class_changes_no_running_group_and_says_so(cenv):
+    from controller.kubeapi import PROXYCLASSES
+    kube, prov, rec, poked = cenv
+    kube.put(PROXYCLASSES, pclass(spec={"statefulSet": {"pod": {"labels": {"v": "1"}}}}))
+    kube.put(PROXYGROUPS, pg_obj(proxyClass="prod"))
+    await rec.reconcile("proxygroup", "", "pg")
+    before = json.loads(json.dumps(kube.obj(STATEFULSETS, "pg", NS)))
+    kube.obj(PROXYCLASSES, "prod")["spec"] = {"statefulSet": {"pod": {
+        "labels": {"v": "2"}, "tolerations": [{"key": "a", "operator": "Maybe"}]}}}
+    await rec.reconcile("proxygroup", "", "pg")
+    assert kube.obj(STATEFULSETS, "pg", NS) == before
+    c = ready_cond(kube)
+    assert c["reason"] == "ProxyClassNotReady" and "'Maybe'" in c["message"] and "keeps running" in c["message"]
+    del kube.objects[("proxyclasses", "", "prod")]
+    await rec.reconcile("proxygroup", "", "pg")
+    assert kube.obj(STATEFULSETS, "pg", NS) == before
+    assert "'prod' does not exist (deleted?)" in ready_cond(kube)["message"]
+    assert [e["reason"] for e in kube.of(EVENTS)] == ["ProxyClassNotReady"] * 2
+
+
+async def test_a_class_change_rolls_the_groups_using_it_only(cenv):
+    from controller.kubeapi import PROXYCLASSES
+    kube, prov, rec, poked = cenv
+    kube.put(PROXYCLASSES, pclass(spec={"statefulSet": {"pod": {"labels": {"v": "1"}}}}))
+    kube.put(PROXYGROUPS, pg_obj("pg", proxyClass="prod"))
+    kube.put(PROXYGROUPS, pg_obj("other"))
+    kube.put(PROXYGROUPS, pg_obj("third", proxyClass="dev"))
+    kube.put(PROXYCLASSES, pclass("dev"))
+    for n in ("pg", "other", "third"):
+        await rec.reconcile("proxygroup", "", n)
+    others = [json.loads(json.dumps(kube.obj(STATEFULSETS, n, NS))) for n in ("other", "third")]
+    assert kube.obj(STATEFULSETS, "pg", NS)["spec"]["template"]["metadata"]["labels"]["v"] == "1"
+    n_writes = len(kube.writes())
+    await rec.reconcile("proxygroup", "", "pg")
+    assert kube.writes()[n_writes:] == [], "nothing changed, nothing written"
+    kube.obj(PROXYCLASSES, "prod")["spec"] = {"statefulSet": {"pod": {"labels": {"v": "2"}}}}
+    await rec.reconcile("proxyclass", "", "prod")
+    assert poked == [("proxygroup", "", "pg")]
+    for n in ("pg", "other", "third"):
+        await rec.reconcile("proxygroup", "", n)
+    assert kube.obj(STATEFULSETS, "pg", NS)["spec"]["template"]["metadata"]["labels"]["v"] == "2"
+    assert [kube.obj(STATEFULSETS, n, NS) for n in ("other", "third")] == others
+
+
+async def test_the_default_class_applies_to_groups_unless_they_name_one_tags_metrics_and_cleanup(cenv):
+    from dataclasses import replace
+    from controller.kubeapi import PROXYCLASSES
+    kube, prov, rec, poked = cenv
+    rec.cfg = replace(rec.cfg, default_proxy_class="base")
+    kube.put(PROXYCLASSES, pclass("base", {"metrics": {"enable": True}, "statefulSet": {"pod": {
+        "tailscaleContainer": {"env": [{"name": "TS_EXTRA_ARGS", "value": "--advertise-tags=tag:pg"}]}}}}))
+    kube.put(PROXYCLASSES, pclass("own", {"statefulSet": {"pod": {"labels": {"own": "yes"}}}}))
+    kube.put(PROXYGROUPS, pg_obj("pg"))
+    kube.put(PROXYGROUPS, pg_obj("named", proxyClass="own"))
+    kube.put(PROXYGROUPS, pg_obj("tagged", tags=["tag:mine"]))
+    await rec.reconcile("proxyclass", "", "base")
+    assert poked == [("proxygroup", "", "pg"), ("proxygroup", "", "tagged")]
+    for n in ("pg", "named", "tagged"):
+        await rec.reconcile("proxygroup", "", n)
+    # the class's --advertise-tags: over PROXY_TAGS, under the group's spec.tags
+    assert [k[1] for k in prov.keys] == [("tag:pg",)] * 2 + [("tag:k8s",)] * 2 + [("tag:mine",)] * 2
+    env = {e["name"] for e in kube.obj(STATEFULSETS, "pg", NS)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "TS_ENABLE_METRICS" in env and "TS_EXTRA_ARGS" not in env
+    assert kube.obj(STATEFULSETS, "named", NS)["spec"]["template"]["metadata"]["labels"]["own"] == "yes"
+    msvc = kube.obj(SERVICES, "pg-metrics", NS)
+    assert msvc["metadata"]["labels"]["ts_proxy_type"] == "proxygroup"
+    assert msvc["metadata"]["labels"]["ts_prom_job"] == "ts_proxygroup_pg"
+    assert msvc["spec"]["selector"] == pgrender.labels(proxygroup.decide(pg_obj("pg"), CFG))
+    assert msvc["spec"]["ports"] == [{"name": "metrics", "protocol": "TCP", "port": 9002, "targetPort": 9002}]
+    assert kube.obj(SERVICES, "named-metrics", NS) is None
+    # deleting the group removes its metrics Service with the rest
+    kube.objects[("proxygroups", "", "pg")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    await rec.reconcile("proxygroup", "", "pg")
+    kube.finish_deletions()
+    assert await rec.reconcile("proxygroup", "", "pg") is None
+    assert [k for k in kube.objects if k[1] == NS and k[2].startswith("pg")] == []
+
+
+async def test_ts_local_addr_port_in_the_class_is_a_warning_on_the_group(cenv):
+    from controller.kubeapi import PROXYCLASSES
+    kube, prov, rec, poked = cenv
+    kube.put(PROXYCLASSES, pclass(spec={"statefulSet": {"pod": {"tailscaleContainer": {"env": [
+        {"name": "TS_LOCAL_ADDR_PORT", "value": "[::]:9999"}]}}}}))
+    kube.put(PROXYGROUPS, pg_obj(proxyClass="prod"))
+    await rec.reconcile("proxygroup", "", "pg")
+    await rec.reconcile("proxygroup", "", "pg")
+    (ev,) = kube.of(EVENTS)
+    assert (ev["type"], ev["reason"], ev["involvedObject"]["kind"]) == ("Warning", "CustomTSLocalAddrPort",
+                                                                        "ProxyGroup")
+    assert "no pre-stop hook" in ev["message"] and "TS_LOCAL_ADDR_PORT" in ev["message"]
+    assert "lifecycle" not in kube.obj(STATEFULSETS, "pg", NS)["spec"]["template"]["spec"]["containers"][0]

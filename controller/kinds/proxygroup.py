@@ -34,6 +34,7 @@ class GroupSpec:
     hostname_prefix: str        # replica i is <prefix>-<i>; the group's name when unset (as upstream)
     tags: tuple[str, ...]
     proxy_class: str = ""
+    tags_given: bool = False     # spec.tags set: a class's --advertise-tags does not replace them
 
     @property
     def parent(self) -> Parent:
@@ -80,4 +81,5 @@ def decide(pg: Mapping[str, Any], cfg: ControllerConfig, provider: str = "") -> 
         problems.append(f"spec.tags: {p}")
     if problems:
         raise Invalid("; ".join(problems))
-    return GroupSpec(name, m.get("uid", ""), pg_type, replicas, prefix, tags, str(spec.get("proxyClass") or ""))
+    return GroupSpec(name, m.get("uid", ""), pg_type, replicas, prefix, tags, str(spec.get("proxyClass") or ""),
+                     tags_given=bool(spec.get("tags")))
