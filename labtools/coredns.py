@@ -108,7 +108,10 @@ def image_archive_path() -> Path:
     return p
 
 
-def manifests(dns_ip: str, cluster_domain: str = "cluster.local", *, replicas: int = 1) -> list[dict]:
+def manifests(dns_ip: str, cluster_domain: str = "cluster.local", *, replicas: int = 1,
+              node: str = "") -> list[dict]:
+    """`node`: the node CoreDNS runs on (the first node, with the control plane): a test that takes another node
+    away keeps its cluster DNS (kubeadm instead runs two replicas spread over the nodes)."""
     meta = {"namespace": NAMESPACE, "labels": dict(LABELS)}
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "coredns", "namespace": NAMESPACE}},
@@ -128,6 +131,7 @@ def manifests(dns_ip: str, cluster_domain: str = "cluster.local", *, replicas: i
                   "template": {"metadata": {"labels": dict(LABELS)}, "spec": {
                       "priorityClassName": "system-cluster-critical", "serviceAccountName": "coredns",
                       "dnsPolicy": "Default", "terminationGracePeriodSeconds": 5,
+                      **({"nodeSelector": {"kubernetes.io/hostname": node}} if node else {}),
                       "containers": [{
                           "name": "coredns", "image": IMAGE, "imagePullPolicy": "Never",
                           "args": ["-conf", "/etc/coredns/Corefile"],
