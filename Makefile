@@ -53,7 +53,7 @@ clean-lab:
 	$(PY) -m labtools.kubecluster reap-stale
 	$(PY) -m labtools.lab reap-stale
 
-## readme: regenerate the README's variable reference from the settings table.
+## readme: regenerate the variable reference in docs/agent.md from the settings table.
 readme: setup
 	$(PY) scripts/update_readme.py
 

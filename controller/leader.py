@@ -3,7 +3,7 @@
 Only the holder of Lease `tailscale-controller` in the controller's namespace runs kopf's watches and the work
 queue; every other replica is a standby that only reads the Lease (no watch, no write). Why not kopf's
 peering: it pauses kopf's watch streams only, not our queue's retries and re-checks, and replicas of one
-Deployment have equal priorities, which kopf answers by pausing all of them (see the README).
+Deployment have equal priorities, which kopf answers by pausing all of them (see docs/controller.md).
 
 Timing, as client-go's defaults: a candidate takes the Lease over when its record has not changed for
 `duration` (15 s) by the candidate's own clock (so clock skew between nodes does not matter); the leader renews

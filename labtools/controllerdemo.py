@@ -1,4 +1,4 @@
-"""The controller variant of the demo (``make demo DEMO_ARGS=--controller``): the user story of the README.
+"""The controller variant of the demo (``make demo DEMO_ARGS=--controller``): the user story of docs/controller.md.
 
 Builds the lab (headscale, a ``client`` tailscaled node) and a real cluster with one node in the island,
 builds and imports both images (the proxy's and the controller's), installs the controller from ``deploy/``

@@ -30,7 +30,7 @@ CHART = REPO / "charts" / "tailscale-controller"
 DEPLOY = REPO / "deploy"
 RELEASE = "tailscale-controller"
 #: what deploy/ sets beyond the chart's defaults: the headscale URL is required, deploy/ carries a placeholder
-#: that a kubectl user replaces (README: `kubectl set env ... HEADSCALE_URL=...`)
+#: that a kubectl user replaces (docs/controller.md: `kubectl set env ... HEADSCALE_URL=...`)
 DEPLOY_VALUES = {"headscale": {"url": "http://headscale.example:8080"}}
 #: chart file -> deploy/ file
 DEPLOY_FILES = {"crds/tailscale.com_connectors.yaml": "crds/tailscale.com_connectors.yaml",

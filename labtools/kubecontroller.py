@@ -9,7 +9,7 @@ API (root; a running ``labtools.lab.Lab`` and a ``KubeCluster`` with a node)::
     svc = wait_service_ip(kc, "apps", "web")            # the Service once its status has a tailnet IP
     controller_log(kc)                                  # the controller Pod's log (for failures)
 
-What ``install`` sets is the README's headscale user story, nothing test-only in the controller. With helm
+What ``install`` sets is the headscale user story of docs/controller.md, nothing test-only in the controller. With helm
 (the default): ``helm install`` of charts/tailscale-controller with ``provider=headscale``, ``headscale.url``,
 ``magicDNSSuffix``, the proxy image, and an API key made with the lab's headscale passed as
 ``credentials.headscaleAPIKey`` through stdin (never on a command line); helm's output (its NOTES) is kept in
