@@ -247,7 +247,7 @@ class Agent:
     async def _start_tailscaled(self) -> None:
         argv = ts.tailscaled_argv(self.s)
         if self.s.one_step:
-            from serveconfig.watch import read_text
+            from tscommon.watch import read_text
             # What tailscaled is about to load: the config watcher compares against this, not against its own
             # first read, so that a rewrite landing between here and the watcher's start is not missed.
             self._config_loaded = await asyncio.to_thread(read_text, self.s.tailscaled_config_path)
@@ -559,7 +559,7 @@ class Agent:
         log.info("%s", reason)
         # The operator writes the new key into the mounted Secret: kubelet swaps the directory's `..data` link.
         # A watch on the directory notices within milliseconds; the poll stays as the fallback.
-        from serveconfig.watch import DirWatch
+        from tscommon.watch import DirWatch
 
         directory = os.path.dirname(os.path.abspath(self.s.tailscaled_config_path))
         changed: asyncio.Event | None = asyncio.Event()
@@ -589,7 +589,7 @@ class Agent:
 
     async def _watch_config_file(self) -> None:
         """One-step mode: when the operator rewrites the tailscaled config, have tailscaled reload it."""
-        from serveconfig.watch import watch_file
+        from tscommon.watch import watch_file
 
         assert self.api is not None
         async for text in watch_file(self.s.tailscaled_config_path, 5.0, label="tailscaled config watch"):
@@ -618,7 +618,7 @@ class Agent:
         `first_read` is set once the file's first content (or its absence) has been handed to the reconciler."""
         from dataclasses import replace
 
-        from serveconfig.watch import watch_file
+        from tscommon.watch import watch_file
 
         from . import proxyservices as ps
 
