@@ -23,8 +23,13 @@ image: setup-bin
 	@bash scripts/setup.sh --image
 	@bash images/build.sh
 
-## demo: a local tailnet in network namespaces with the agent exposing a backend (root).
-demo: setup-bin
+## demo: a local tailnet in network namespaces with the agent exposing a backend (root). Each variant builds only
+## what it uses: the plain demo tailscale and headscale; --kube and --controller Kubernetes too (their images
+## are built by the demo itself).
+DEMO_PARTS = tailscale$(if $(or $(findstring --kube,$(DEMO_ARGS)),$(findstring --controller,$(DEMO_ARGS))),$(COMMA)kubernetes)
+COMMA := ,
+demo: setup
+	@bash scripts/setup.sh --binaries=$(DEMO_PARTS)
 	$(if $(findstring --image,$(DEMO_ARGS)),bash scripts/setup.sh --image && bash images/build.sh)
 	$(PY) -m labtools.demo $(DEMO_ARGS)
 
