@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import time
 
-from labtools import kubecluster, kubecontroller, kubemanifests
+from labtools import kubecluster, kubecontroller
+from labtools.kubedemo import curl_from_client, deploy_backend, hold_open, report_failure
 from labtools.lab import Lab, LabError, ensure_binaries
 
 
@@ -46,10 +47,7 @@ def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
                      f"kubectl set env CONTROL_PLANE=headscale ...): images imported {t['import']:.1f}s, "
                      f"rolled out {t['rollout']:.1f}s")
                 _say(kc.kubectl("-n", kubecontroller.NS, "get", "deploy,pods", "-o", "wide").stdout.rstrip())
-                marker = f"echo-ok-{lab.prefix}"
-                kc.apply([kubemanifests.namespace("demo"),
-                          *kubemanifests.echo_backend("demo", "backend", marker, kubecluster.ECHO_IMAGE)])
-                kc.kubectl("-n", "demo", "rollout", "status", "deployment/backend", "--timeout=90s", timeout=100)
+                marker = deploy_backend(kc, lab)
                 t0 = time.monotonic()
                 kc.apply(SERVICE)
                 _say("Service demo/web (type LoadBalancer, annotated tailscale.com/expose: \"true\") applied")
@@ -61,19 +59,10 @@ def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
                 ip = kubecontroller.lb_ips(svc)[0]
                 host = svc["status"]["loadBalancer"]["ingress"][0].get("hostname", "")
                 lab.wait_peer("client", host.split(".")[0], 60)
-                t0 = time.monotonic()
-                body = lab.wait_curl("client", lab.url(ip, 8080, "/demo-controller"), marker, timeout=60)
-                _say(f"curl client -> http://{ip}:8080/demo-controller ({host}): OK in {time.monotonic() - t0:.1f}s: "
-                     f"{body.strip().replace(chr(10), ' | ')}")
+                curl_from_client(lab, ip, "/demo-controller", marker, host)
                 ok = True
             except (TimeoutError, LabError, kubecluster.ClusterError) as e:
-                _say(f"FAILED: {e}")
-                _say(kubecontroller.controller_log(kc))
-                _say(kc.diagnostics())
-            if not once:
-                _say("cluster is up; press Ctrl-C to tear it down "
-                     f"(kubectl: ip netns exec {kc.netns} {k8s_bin}/kubectl --kubeconfig {kc.kubeconfig} ...)")
-                while True:
-                    time.sleep(1)
+                report_failure(kc, e, kubecontroller.controller_log(kc))
+            hold_open(kc, k8s_bin, once)
     _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
     return 0 if ok else 1

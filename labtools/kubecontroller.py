@@ -33,6 +33,7 @@ from typing import Any
 
 from labtools import helmchart, kubecluster
 from labtools import lab as labmod
+from labtools import image as labimage
 from labtools.lab import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,7 +41,7 @@ DEPLOY = REPO / "deploy"
 DEPLOY_CONTROLLER_IMAGE = "localhost/containerboot-py-controller:latest"     # what deploy/ names
 #: LAB_PROXY_IMAGE / LAB_CONTROLLER_IMAGE build and install the images under other names: image archives are
 #: shared by every checkout on a machine, so a branch whose images differ tests its own under its own tag
-PROXY_IMAGE = os.environ.get("LAB_PROXY_IMAGE") or "localhost/containerboot-py:latest"
+PROXY_IMAGE = labimage.IMAGE
 CONTROLLER_IMAGE = os.environ.get("LAB_CONTROLLER_IMAGE") or DEPLOY_CONTROLLER_IMAGE
 CONTROLLER_DOCKERFILE = "images/controller/Dockerfile"
 NS = "tailscale"
