@@ -29,9 +29,9 @@ image: setup-bin
 	@bash images/build.sh --name $(LAB_PROXY_IMAGE)
 
 ## demo: a local tailnet in network namespaces with the agent exposing a backend (root). Each variant builds only
-## what it uses: the plain demo tailscale and headscale; --kube and --controller Kubernetes too (their images
-## are built by the demo itself).
-DEMO_PARTS = tailscale$(if $(or $(findstring --kube,$(DEMO_ARGS)),$(findstring --controller,$(DEMO_ARGS))),$(COMMA)kubernetes)
+## what it uses: the plain demo tailscale and headscale; --kube, --controller and --proxygroup Kubernetes too
+## (their images are built by the demo itself).
+DEMO_PARTS = tailscale$(if $(or $(findstring --kube,$(DEMO_ARGS)),$(findstring --controller,$(DEMO_ARGS)),$(findstring --proxygroup,$(DEMO_ARGS))),$(COMMA)kubernetes)
 COMMA := ,
 demo: setup
 	@bash scripts/setup.sh --binaries=$(DEMO_PARTS)

@@ -2,13 +2,15 @@
 
 Names follow upstream's operator where it has one (OPERATOR_NAMESPACE, PROXY_IMAGE, PROXY_TAGS,
 PROXY_FIREWALL_MODE, OPERATOR_LOGIN_SERVER, OPERATOR_DEFAULT_LOAD_BALANCER, OPERATOR_INGRESS_CLASS_NAME);
-the control plane provider and the proxy defaults (the "default ProxyClass": image, firewall mode,
-resources) are ours. A bad value is one error naming the variable, the value and the fix; secrets (API keys,
+the control plane provider and the proxy settings under every ProxyClass (image, firewall mode, resources,
+env: what a proxy gets where its class says nothing) are ours; PROXY_DEFAULT_CLASS names the class of parents
+that name none, as upstream. A bad value is one error naming the variable, the value and the fix; secrets (API keys,
 OAuth client secrets) are read from files, never from the environment or a log line.
 """
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -24,6 +26,7 @@ FIREWALL_MODES = ("", "auto", "iptables", "nftables")
 INGRESS_SCHEMES = ("auto", "https", "http")
 DEFAULT_RESOURCES = {"requests": {"cpu": "1m", "memory": "1Mi"}}
 TAILSCALE_LOGIN_SERVER = "https://controlplane.tailscale.com"
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class ControllerConfig:
     oauth_client_secret_file: str = "/oauth/client_secret"
     static_key_secret: str = "tailscale-auth"      # Secret in `namespace` with key `authkey`
     ingress_scheme: str = "auto"                   # L7 Ingress: auto | https | http (see ingress_http)
+    default_proxy_class: str = ""                  # PROXY_DEFAULT_CLASS: the ProxyClass of parents naming none
 
     @property
     def server_url(self) -> str:
@@ -176,4 +180,9 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
         raise ConfigError(f"INGRESS_SCHEME={get('INGRESS_SCHEME')!r} is not a scheme; use auto (HTTPS on Tailscale, "
                           "HTTP on headscale), https or http")
     kw["ingress_scheme"] = scheme
+    default_class = get("PROXY_DEFAULT_CLASS")
+    if default_class and not _DNS_SUBDOMAIN.match(default_class):
+        raise ConfigError(f"PROXY_DEFAULT_CLASS={default_class!r} is not a ProxyClass name; use a lower-case DNS "
+                          "name such as 'prod' (kubectl get proxyclasses)")
+    kw["default_proxy_class"] = default_class
     return ControllerConfig(**kw)

@@ -30,7 +30,7 @@ SPEC_HASH = "tailscale.com/controller-spec-hash"
 SYSCTL_SCRIPT = ("echo 1 > /proc/sys/net/ipv4/ip_forward && if [ -e /proc/sys/net/ipv6/conf/all/forwarding ]; "
                  "then echo 1 > /proc/sys/net/ipv6/conf/all/forwarding; fi")
 #: Env read by tailscaled itself (envknobs), not by the agent's settings table.
-TAILSCALED_ENV = ("TS_INTERNAL_APP", "TS_DEBUG_ACME_FORCE_RENEWAL")
+TAILSCALED_ENV = ("TS_INTERNAL_APP", "TS_DEBUG_ACME_FORCE_RENEWAL", "TS_DEBUG_ACME_DIRECTORY_URL")
 _NAME_MAX = 52   # a StatefulSet's Pods get a controller-revision-hash label of name + 11 chars, max 63
 
 
@@ -80,6 +80,12 @@ def secret_string_data(spec: ProxySpec, cfg: ControllerConfig, i: int, authkey: 
     if spec.serve_config is not None:
         out[KEY_SERVE_CONFIG] = dumps(spec.serve_config)
     return out
+
+
+def rehash(obj: dict) -> dict:
+    """The object's SPEC_HASH again, after a later step (a ProxyClass) changed it."""
+    (obj["metadata"].get("annotations") or {}).pop(SPEC_HASH, None)
+    return _hashed(obj)
 
 
 def _hashed(obj: dict) -> dict:

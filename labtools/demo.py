@@ -1,14 +1,15 @@
 """Demo: a proxy Pod's agent exposing a backend to the tailnet, in an island of network namespaces.
 
     sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
-                                           [--image [IMAGE]] [--kube | --controller]
+                                           [--image [IMAGE]] [--kube | --controller | --proxygroup]
 
 Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
 namespace with TS_DEST_IP=<backend IPv4>[,<backend IPv6>] (--dest; dual-stack by default for our agent), prints
 the proxy's tailnet IPs and the result of curl from the client through the proxy (IPv4, and IPv6 when the
 destination has an IPv6 address), then waits for Ctrl-C (or exits at once
 with --once) and tears everything down. Exit status: 0 if every curl that was expected to work worked.
---kube (labtools.kubedemo) and --controller (labtools.controllerdemo) run the same story in a real Kubernetes.
+--kube (labtools.kubedemo) and --controller (labtools.controllerdemo) run the same story in a real Kubernetes;
+--proxygroup (labtools.pgdemo) egresses to the tailnet through a ProxyGroup of two and deletes one replica.
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                     "exposing a backend Deployment's ClusterIP (labtools.kubedemo)")
     ap.add_argument("--controller", action="store_true", help="the companion controller installed from deploy/ "
                     "in a real Kubernetes exposes an annotated Service (labtools.controllerdemo)")
+    ap.add_argument("--proxygroup", action="store_true", help="a client Pod egresses to a tailnet node through "
+                    "a ProxyGroup of two while one replica is deleted (labtools.pgdemo)")
     a = ap.parse_args(argv)
     if a.image and a.agent != "python":
         ap.error("--image runs our agent; it cannot be combined with --agent upstream")
@@ -74,9 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C must unwind even if we were started with SIGINT ignored (e.g. as a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    if a.kube or a.controller:
-        from labtools import controllerdemo, kubedemo
+    if a.kube or a.controller or a.proxygroup:
+        from labtools import controllerdemo, kubedemo, pgdemo
         try:
+            if a.proxygroup:
+                return pgdemo.run(a.firewall, a.once)
             return controllerdemo.run(a.firewall, a.once) if a.controller else kubedemo.run(a.firewall, a.once)
         except KeyboardInterrupt:
             _say("\ninterrupted; lab and cluster torn down")

@@ -34,6 +34,8 @@ RELEASE = "tailscale-controller"
 DEPLOY_VALUES = {"headscale": {"url": "http://headscale.example:8080"}}
 #: chart file -> deploy/ file
 DEPLOY_FILES = {"crds/tailscale.com_connectors.yaml": "crds/tailscale.com_connectors.yaml",
+                "crds/tailscale.com_proxygroups.yaml": "crds/tailscale.com_proxygroups.yaml",
+                "crds/tailscale.com_proxyclasses.yaml": "crds/tailscale.com_proxyclasses.yaml",
                 "templates/rbac.yaml": "10-rbac.yaml",
                 "templates/leader-election.yaml": "12-leader-election.yaml",
                 "templates/deployment.yaml": "20-controller.yaml",

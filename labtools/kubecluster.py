@@ -955,9 +955,12 @@ class KubeCluster:
         for d in self._made_cgroups:
             if not d.exists():
                 continue
-            for procs in d.rglob("cgroup.procs"):
+            # os.walk, not rglob: a Pod's cgroup removed during the walk is skipped, not an error
+            for root, _dirs, files in os.walk(d):
+                if "cgroup.procs" not in files:
+                    continue
                 try:
-                    pids.update(int(x) for x in procs.read_text().split())
+                    pids.update(int(x) for x in (Path(root) / "cgroup.procs").read_text().split())
                 except OSError:
                     pass
         return pids

@@ -77,7 +77,15 @@ def test_event_mapping():
                                      "tailscale.com/parent-resource-type": "connector"}}}
     assert child_key(child) == ("connector", "", "office")
     assert child_key({"metadata": {"labels": {"tailscale.com/parent-resource-type": "proxygroup",
+                                              "tailscale.com/parent-resource": "pg",
+                                              "tailscale.com/managed": "true"}}}) == ("proxygroup", "", "pg")
+    assert child_key({"metadata": {"labels": {"tailscale.com/parent-resource-type": "dnsconfig",
                                               "tailscale.com/managed": "true"}}}) is None
+    # An egress Service for a ProxyGroup is the controller's too.
+    pg_svc = {"metadata": {"name": "db", "namespace": "apps", "annotations": {
+        "tailscale.com/proxy-group": "pg", "tailscale.com/tailnet-ip": "100.64.0.9"}}}
+    assert parent_key("svc", pg_svc, cfg) == ("svc", "apps", "db")
+    assert parent_key("proxygroup", {"metadata": {"name": "pg"}}, cfg) == ("proxygroup", "", "pg")
 
 
 async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_server_side(monkeypatch):
@@ -105,8 +113,10 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
     parents, children = registries(State(ControllerConfig(), None, queue))
     assert {r: (reg is parents, labels) for r, (reg, labels, _) in watched.items()} == {
         "services": (True, None), "ingresses": (True, None), "connectors": (True, None),
+        "proxygroups": (True, None), "proxyclasses": (True, None),
         "secrets": (False, {"tailscale.com/managed": "true"}),
-        "statefulsets": (False, {"tailscale.com/managed": "true"})}
+        "statefulsets": (False, {"tailscale.com/managed": "true"}),
+        "pods": (False, {"tailscale.com/managed": "true", "tailscale.com/parent-resource-type": "proxygroup"})}
     exposed = {"metadata": {"name": "web", "namespace": "apps", "annotations": {"tailscale.com/expose": "true"}}}
     await watched["services"][2](body=exposed)
     await watched["services"][2](body={"metadata": {"name": "other", "namespace": "apps"}})   # not ours
@@ -116,5 +126,17 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
     await watched["statefulsets"][2](body=child)
     assert queue.keys == [("svc", "apps", "web"), ("svc", "apps", "web")]
     s = settings(True)
-    assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/managed=true"] * 2
+    assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/managed=true"] * 2 + [
+        "tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]
     assert not settings(False).posting.enabled
+
+
+def test_a_proxygroup_event_brings_a_pass_of_the_services_that_name_it():
+    s = State(ControllerConfig(), None, None)
+    s.index_service(("svc", "apps", "a"), "pg")
+    s.index_service(("svc", "apps", "b"), "pg")
+    s.index_service(("svc", "apps", "c"), "other")
+    assert s.group_services == {"pg": {("svc", "apps", "a"), ("svc", "apps", "b")}, "other": {("svc", "apps", "c")}}
+    s.index_service(("svc", "apps", "a"), "other")     # moved to another group
+    s.index_service(("svc", "apps", "b"), "")          # no longer names one (or deleted)
+    assert s.group_services == {"other": {("svc", "apps", "a"), ("svc", "apps", "c")}}

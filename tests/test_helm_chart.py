@@ -203,3 +203,13 @@ def test_helm_is_the_pinned_version():
                          check=True).stdout.strip()
     assert out == "v3.19.0"
     assert pathlib.Path(helmchart.helm_bin()).parent.name == "helm-v3.19.0"
+
+
+def test_default_proxy_class_value_sets_the_controllers_default():
+    objs = render({"provider": "tailscale", "proxy": {"defaultProxyClass": "prod"}})
+    assert env_of(objs)["PROXY_DEFAULT_CLASS"] == "prod"
+    assert cconfig.load(env_of(objs)).default_proxy_class == "prod"
+    assert "PROXY_DEFAULT_CLASS" not in env_of(render({"provider": "tailscale"}))
+    (crd,) = [o for o in objs if o["kind"] == "CustomResourceDefinition" and
+              o["metadata"]["name"] == "proxyclasses.tailscale.com"]
+    assert crd["spec"]["scope"] == "Cluster"
