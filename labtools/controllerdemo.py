@@ -13,7 +13,7 @@ import json
 import time
 
 from labtools import kubecluster, kubecontroller
-from labtools.kubedemo import curl_from_client, deploy_backend, hold_open, report_failure
+from labtools.kubedemo import controller_images, curl_from_client, deploy_backend, hold_open, report_failure
 from labtools.lab import Lab, LabError, ensure_binaries
 
 
@@ -31,10 +31,7 @@ def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
     t_all = time.monotonic()
     bin_dir = ensure_binaries()
     k8s_bin = kubecluster.ensure_binaries()
-    t0 = time.monotonic()
-    proxy_tar, ctl_tar = kubecontroller.build_images()
-    _say(f"images {kubecontroller.PROXY_IMAGE} and {kubecontroller.CONTROLLER_IMAGE} built "
-         f"({time.monotonic() - t0:.1f}s): {proxy_tar}, {ctl_tar}")
+    proxy_tar, ctl_tar = controller_images()
     ok = False
     with Lab.create(bin_dir=bin_dir, firewall_mode=firewall) as lab:
         _say(f"lab {lab.prefix} up; headscale {lab.login_server}; client tailnet IPs: "

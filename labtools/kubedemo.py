@@ -29,6 +29,16 @@ def _say(msg: str) -> None:
 
 # What both cluster demos (this one and labtools.controllerdemo) do the same way.
 
+def controller_images() -> tuple[Path, Path]:
+    """Both images the controller's demos run (the proxy's and the controller's), built or found current."""
+    from labtools import kubecontroller
+    t0 = time.monotonic()
+    proxy_tar, ctl_tar = kubecontroller.build_images()
+    _say(f"images {kubecontroller.PROXY_IMAGE} and {kubecontroller.CONTROLLER_IMAGE} built "
+         f"({time.monotonic() - t0:.1f}s): {proxy_tar}, {ctl_tar}")
+    return proxy_tar, ctl_tar
+
+
 def deploy_backend(kc: kubecluster.KubeCluster, lab: Lab) -> str:
     """The echo backend Deployment and its ClusterIP Service demo/backend, rolled out; returns the marker its
     answers carry."""

@@ -15,7 +15,7 @@ import sys
 import time
 
 from labtools import clusterdns, kubecluster, kubecontroller
-from labtools.kubedemo import hold_open, report_failure
+from labtools.kubedemo import controller_images, hold_open, report_failure
 from labtools.lab import Lab, LabError, ensure_binaries, wait_until
 
 PG = "demo-egress"
@@ -59,10 +59,7 @@ def run(firewall: str, once: bool, timeout: float = 240.0) -> int:
     t_all = time.monotonic()
     bin_dir = ensure_binaries()
     k8s_bin = kubecluster.ensure_binaries()
-    t0 = time.monotonic()
-    proxy_tar, ctl_tar = kubecontroller.build_images()
-    _say(f"images {kubecontroller.PROXY_IMAGE} and {kubecontroller.CONTROLLER_IMAGE} built "
-         f"({time.monotonic() - t0:.1f}s)")
+    proxy_tar, ctl_tar = controller_images()
     ok = False
     with Lab.create(bin_dir=bin_dir, firewall_mode=firewall) as lab:
         c4, _ = lab.tailnet_ips("client")
