@@ -169,8 +169,11 @@ class LeaderElector:
         while True:
             await asyncio.sleep(self.t.retry)
             try:
-                ok = await asyncio.wait_for(self._try(), max(0.1, self.t.renew_deadline - self.t.retry))
-            except (KubeError, asyncio.TimeoutError) as e:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that arrives as the
+                # renewal completes, and a holder cancelled at shutdown would then go on renewing the Lease
+                async with asyncio.timeout(max(0.1, self.t.renew_deadline - self.t.retry)):
+                    ok = await self._try()
+            except (KubeError, TimeoutError) as e:
                 ok = None
                 log.warning("leader election: renewing the Lease failed: %s", redact(str(e) or type(e).__name__))
             if ok is False:
