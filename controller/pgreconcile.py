@@ -188,7 +188,7 @@ class GroupReconciler:
         conds = st.with_condition(cur.get("conditions"), st.condition(
             COND_PG_READY, False, reason, message, generation=m.get("generation"), previous=cur.get("conditions"),
             now=rec.now()))
-        from .reconcile import same
+        from .sameness import same
         if not same(list(cur.get("conditions") or []), conds):
             await rec.kube.patch(PROXYGROUPS, m["name"], {"status": {"conditions": conds}}, subresource="status")
 
@@ -206,7 +206,7 @@ class GroupReconciler:
         conds = st.with_condition(conds, st.condition(COND_PG_AVAILABLE, avail[0], avail[1], avail[2],
                                                       generation=gen, previous=conds, now=now))
         want: dict[str, Any] = {}
-        from .reconcile import same
+        from .sameness import same
         if not same(list(cur.get("conditions") or []), conds):
             want["conditions"] = conds
         devs = [{"hostname": d.hostname, "tailnetIPs": list(d.ips)} for d in named] or None
@@ -365,7 +365,7 @@ class GroupReconciler:
                 conds = st.with_condition(conds, st.condition(ctype, val[0], val[1], val[2],
                                                               generation=m.get("generation"), previous=conds,
                                                               now=rec.now()))
-        from .reconcile import same
+        from .sameness import same
         if not same(list(cur.get("conditions") or []), conds) or len(conds) != len(cur.get("conditions") or []):
             await rec.kube.patch(SERVICES, m["name"], {"status": {"conditions": conds or None}},
                                  m.get("namespace", ""), subresource="status")

@@ -19,14 +19,15 @@ from typing import Any
 from tscommon import secretcontract as sc
 from tscommon.redact import redact
 
-from . import proxyclass as pcl, proxyrbac, render, status as st
+from . import podsecurity, proxyclass as pcl, proxyrbac, render, status as st
 from .config import ControllerConfig
 from .kinds import connector, egress, ingress, meta, service
-from .kubeapi import (CONNECTORS, CRDS, EVENTS, INGRESSES, PROXYCLASSES, PROXYGROUPS, ROLEBINDINGS, ROLES, SECRETS,
-                      SERVICEACCOUNTS, SERVICEMONITORS, SERVICES, STATEFULSETS, Kube, KubeError, Resource)
+from .kubeapi import (CONNECTORS, CRDS, EVENTS, INGRESSES, NAMESPACES, PROXYCLASSES, PROXYGROUPS, ROLEBINDINGS, ROLES,
+                      SECRETS, SERVICEACCOUNTS, SERVICEMONITORS, SERVICES, STATEFULSETS, Kube, KubeError, Resource)
 from .model import (CONNECTOR, FINALIZER, INGRESS, LABEL_PROXY_GROUP, PROXYCLASS, PROXYGROUP, SVC, Decision, Invalid,
                     Parent, Pending, ProxySpec)
 from .pgreconcile import GroupReconciler
+from .sameness import same
 from .providers import Provider, ProviderError
 
 log = logging.getLogger("controller")
@@ -41,6 +42,10 @@ READY_RECHECK = 600.0
 #: A device's tags, once seen equal to the wanted ones, are read again after this long (a re-tag by hand in
 #: the admin console is undone then); a change of the wanted tags is acted on at the next pass.
 TAGS_RECHECK = 3600.0
+#: The Warning event's reason when the proxies' namespace refuses the proxy's Pod (controller/podsecurity.py).
+REASON_POD_SECURITY = "PodSecurityRefused"
+#: A parent waiting for the namespace's label is re-checked this often (namespaces are not watched; one GET).
+POD_SECURITY_RECHECK = 10.0
 
 
 def _now() -> str:
@@ -51,16 +56,6 @@ def _decode(secret: Mapping[str, Any] | None) -> dict[str, bytes] | None:
     if secret is None:
         return None
     return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
-
-
-def same(cur: Any, want: Any) -> bool:
-    """`cur` (from the API server) says what `want` says; fields the server added by default (e.g. a
-    LoadBalancer ingress's `ipMode: VIP`) do not count, or every pass would write the status again."""
-    if isinstance(want, dict):
-        return isinstance(cur, dict) and all(same(cur.get(k), v) for k, v in want.items())
-    if isinstance(want, list):
-        return isinstance(cur, list) and len(cur) == len(want) and all(same(c, w) for c, w in zip(cur, want))
-    return cur == want
 
 
 def handled(kind: str, obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
@@ -138,8 +133,10 @@ class Reconciler:
                 if pc.tags and spec.tags == self.cfg.proxy_tags:
                     # the class's TS_EXTRA_ARGS --advertise-tags: under the parent's own tags, over PROXY_TAGS
                     spec = dataclasses.replace(spec, tags=pc.tags)
+        refused = "" if waiting else await self._pod_security(kind, spec, pc)
         # Only what this pass still reports stays remembered: a problem that goes and comes back is sent again.
         current = {f"InvalidBackend:{w}" for w in decision.warnings} | {f"{r}:{t}" for _, r, t in decision.notices}
+        current |= {f"{REASON_POD_SECURITY}:{refused}"} if refused else set()
         if (seen := self._warned.get(m.get("uid", ""))) is not None:
             seen &= current
         for w in decision.warnings:
@@ -153,7 +150,7 @@ class Reconciler:
                                      condition_only=True)
             return PENDING_RECHECK if crd_missing else None
         await self._ensure_finalizer(kind, obj)
-        return await self._provision(kind, obj, spec, pc, sel.misplaced)
+        return await self._provision(kind, obj, spec, pc, sel.misplaced, refused)
 
     async def _class_state(self, name: str) -> tuple[dict | None, pcl.Validation]:
         """A class and its validation; a class asking for a ServiceMonitor is valid only where the
@@ -233,7 +230,8 @@ class Reconciler:
     # ---- provisioning
 
     async def _provision(self, kind: str, obj: Mapping[str, Any], spec: ProxySpec, pc: pcl.ProxyClass | None = None,
-                         misplaced: str = "") -> float | None:
+                         misplaced: str = "", refused: str = "") -> float | None:
+        """Mint, render, apply, report. `refused`: why the proxies' namespace would refuse the proxy's Pod."""
         cfg, p = self.cfg, spec.parent
         existing = {s["metadata"]["name"]: s for s in
                     await self.kube.list(SECRETS, cfg.namespace, render.child_selector(p))}
@@ -244,6 +242,13 @@ class Reconciler:
             if n not in existing and (found := await self.kube.get(SECRETS, n, cfg.namespace)) is not None:
                 existing[n] = found
         datas = [_decode(existing.get(render.secret_name(p, i))) for i in range(spec.replicas)]
+        # A Pod the namespace's Pod Security level refuses would leave the parent "not ready" for ever: say so
+        # before anything is minted or created (a proxy that exists already keeps running; its state is
+        # reported below).
+        if refused and not existing:
+            await self._warn(obj, kind, REASON_POD_SECURITY, refused)
+            await self._write_status(kind, obj, spec, [], st.Readiness(False, _failed(kind), refused))
+            return POD_SECURITY_RECHECK
         keys: list[str] = []
         try:
             for i, data in enumerate(datas):
@@ -291,14 +296,33 @@ class Reconciler:
         tags_error = await self._sync_tags(kind, p, spec.tags, datas)
         devices = [st.device_info(render.secret_name(p, i), datas[i]) for i in range(spec.replicas)]
         ready_replicas = int(((sts or {}).get("status") or {}).get("readyReplicas") or 0)
+        if refused and ready_replicas < spec.replicas:
+            await self._warn(obj, kind, REASON_POD_SECURITY, refused)
         r = st.readiness(kind, devices, replicas=spec.replicas, ready_replicas=ready_replicas,
-                         failure=str(tags_error or ""))
+                         failure=str(tags_error or "") or (refused if ready_replicas < spec.replicas else ""))
         if misplaced:
             r = st.Readiness(r.ok, r.reason, f"{r.message}; {pcl.annotation_message(_k8s_kind(kind), misplaced)}")
         await self._write_status(kind, obj, spec, devices, r)
         if tags_error is not None:
             raise tags_error                # retried with backoff; the condition says what failed
         return READY_RECHECK if r.ok else PENDING_RECHECK
+
+    async def _pod_security(self, kind: str, spec: ProxySpec, pc: pcl.ProxyClass | None) -> str:
+        """Why the proxies' namespace would refuse this proxy's Pod, as rendered with its ProxyClass ("" when it
+        admits it, or when its level cannot be read: a controller without `get` on namespaces goes on as
+        before)."""
+        try:
+            ns = await self.kube.get(NAMESPACES, self.cfg.namespace)
+        except KubeError as e:
+            if e.status not in (401, 403):
+                raise
+            log.debug("namespace %s not readable (%s): Pod Security level not checked", self.cfg.namespace, e)
+            return ""
+        sts = render.statefulset(spec, self.cfg)
+        if pc is not None:
+            sts = pcl.apply_to_statefulset(sts, pc, proxy_target(kind, spec, self.cfg))
+        refusal = podsecurity.refusal(ns, sts["spec"]["template"]["spec"])
+        return refusal.message(self.cfg.namespace, spec.userspace) if refusal else ""
 
     async def _metrics(self, kind: str, spec: ProxySpec, sts: Mapping[str, Any], pc: pcl.ProxyClass | None) -> None:
         """The metrics Service (and a ServiceMonitor) of a class with metrics.enable; removed when no longer

@@ -162,6 +162,14 @@ def statefulset(spec: ProxySpec, cfg: ControllerConfig) -> dict:
                                        "command": ["/bin/sh", "-c", SYSCTL_SCRIPT]}]
     pod_spec["containers"] = [container]
     pod_spec["volumes"] = volumes
+    if cfg.proxy_image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in cfg.proxy_image_pull_secrets]
+    if cfg.proxy_node_selector:
+        pod_spec["nodeSelector"] = dict(cfg.proxy_node_selector)
+    if cfg.proxy_tolerations:
+        pod_spec["tolerations"] = list(cfg.proxy_tolerations)
+    if cfg.proxy_affinity:
+        pod_spec["affinity"] = dict(cfg.proxy_affinity)
     template_meta: dict[str, Any] = {"deletionGracePeriodSeconds": 10,
                                      "labels": {**child_labels(p), "app": p.uid}}
     if spec.pod_annotations:

@@ -815,6 +815,10 @@ class KubeCluster:
         """Import an OCI (or docker-archive) tar into the node's containerd; ``ctr``'s output."""
         return self._ctr("images", "import", "--no-unpack=false", str(archive)).stdout
 
+    def tag_image(self, source: str, target: str) -> None:
+        """Another name for an image in the node's containerd (as a registry serves one image under two tags)."""
+        self._ctr("images", "tag", "--force", source, target)
+
     def import_image_bytes(self, data: bytes, filename: str) -> str:
         p = self.cfg.run_dir / "images" / filename
         p.parent.mkdir(parents=True, exist_ok=True)

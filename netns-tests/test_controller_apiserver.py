@@ -527,3 +527,41 @@ def test_two_replicas_one_leads_the_other_takes_over_when_it_is_killed(running):
     for name in ("ha-one", "ha-two"):
         wait(lambda: get(kube, f"/api/v1/namespaces/default/services/{name}") is None, 60, f"{name} to go")
         assert children(kube, name) == ([], [])
+
+
+# ---- the Kubernetes contract: the same checks the in-memory fake and the test API server pass
+# (tests/support/kube_contract.py, tests/test_kube_contract.py), here on the real kube-apiserver of this module.
+
+from tests.support.kube_contract import AGENT_CHECKS, KUBE_CHECKS  # noqa: E402
+
+CONTRACT_NS = "contract"
+
+
+@pytest.fixture(scope="module")
+def contract_ns(kube) -> str:
+    code, body = kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                             "metadata": {"name": CONTRACT_NS}})
+    assert code in (201, 409), body
+    return CONTRACT_NS
+
+
+@pytest.mark.parametrize("check", sorted(KUBE_CHECKS))
+async def test_the_real_api_server_keeps_the_kube_contract(kube, contract_ns, check):
+    from controller.kubeapi import Kube
+    client = Kube(kube.server, token=kube.token, ca_file=str(kube.ca_cert))
+    try:
+        await KUBE_CHECKS[check](client, contract_ns)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("check", sorted(AGENT_CHECKS))
+async def test_the_real_api_server_keeps_the_agent_clients_contract(kube, contract_ns, tmp_path, check):
+    from containerboot.kube.client import KubeClient
+    (tmp_path / "token").write_text(kube.token)
+    client = KubeClient(url=kube.server, namespace=contract_ns, token_path=str(tmp_path / "token"),
+                        ca_path=str(kube.ca_cert))
+    try:
+        await AGENT_CHECKS[check](client)
+    finally:
+        await client.aclose()

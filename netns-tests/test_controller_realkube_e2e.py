@@ -50,6 +50,7 @@ import time
 import pytest
 
 from labtools import helmchart, kubecluster, kubecontroller, kubemanifests
+from labtools import lab as labmod
 from labtools.lab import wait_until
 from needs import unavailable
 
@@ -105,12 +106,14 @@ def _hs_nodes_named(lab, name: str) -> list[dict]:
     return [n for n in lab.hs_nodes() if name in (n.get("name"), n.get("given_name"))]
 
 
-def _fail_report(kc, ns="apps", name="web") -> str:
-    pods = kc.kubectl("-n", kubecontroller.NS, "get", "pods", "-o", "wide", check=False).stdout
-    logs = kc.kubectl("-n", kubecontroller.NS, "logs", "-l", f"tailscale.com/parent-resource={name}",
+def _fail_report(kc, ns="apps", name="web", ctl_ns=kubecontroller.NS) -> str:
+    pods = kc.kubectl("-n", ctl_ns, "get", "pods", "-o", "wide", check=False).stdout
+    logs = kc.kubectl("-n", ctl_ns, "logs", "-l", f"tailscale.com/parent-resource={name}",
                       "--tail=60", "--all-containers", check=False)
+    ctl = kc.kubectl("-n", ctl_ns, "logs", "deployment/tailscale-controller", "--tail=80", check=False)
     svc = kc.get("service", name, ns)
-    return (f"{kubecontroller.controller_log(kc)}\n--- pods\n{pods}\n--- proxy log\n{logs.stdout}{logs.stderr}\n"
+    return (f"--- controller log\n{ctl.stdout}{ctl.stderr}\n--- pods\n{pods}\n"
+            f"--- proxy log\n{logs.stdout}{logs.stderr}\n"
             f"--- service status\n{json.dumps((svc or {}).get('status'), indent=1)}")
 
 
@@ -838,3 +841,217 @@ def test_helm_uninstall_leaves_nothing_of_the_release(kube):
         assert kc.get(kind, name) is None, (kind, name)
     assert json.loads(kubecontroller.helm(kc, "list", "-A", "-o", "json").stdout) == []
     assert kc.get("customresourcedefinition", "connectors.tailscale.com") is not None
+
+
+GUIDE_NS = "ts-guide"
+GUIDE_REGISTRY = "registry.example.com/tailscale"
+#: the chart's CRDs, deleted by hand at the end of the guide's uninstall (helm keeps them)
+GUIDE_CRDS = ("connectors.tailscale.com", "proxyclasses.tailscale.com", "proxygroups.tailscale.com")
+
+
+def _guide_images(tag: str, out) -> None:
+    """Guide step 1 without a registry: both images for the node's platform as the registry would serve them
+    (images/release.sh --offline: archives whose index names <registry>/<name>:<tag>)."""
+    cp = subprocess.run(["bash", str(kubecontroller.REPO / "images" / "release.sh"), "--registry", GUIDE_REGISTRY,
+                         "--tag", tag, "--platforms", "linux/amd64", "--offline", "--out", str(out)],
+                        capture_output=True, text=True, timeout=1800)
+    assert cp.returncode == 0, cp.stderr[-3000:]
+
+
+def _upstream_manifests():
+    """Upstream's operator manifests (cmd/k8s-operator/deploy/manifests/operator.yaml) of the pinned Tailscale
+    version, from the Go module cache the lab's tailscaled was built from."""
+    from pathlib import Path
+    gomodcache = subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True).stdout.strip()
+    p = Path(gomodcache) / "tailscale.com@v1.102.3" / "cmd" / "k8s-operator" / "deploy" / "manifests" / "operator.yaml"
+    if not p.is_file():
+        pytest.skip(f"upstream's operator manifests are not in the Go module cache ({p})")
+    return p
+
+
+def _chart_version(tmp_path, version: str):
+    """The chart packaged as another version (chart version = appVersion = the images' tag)."""
+    import shutil
+    d = tmp_path / f"chart-{version}" / "tailscale-controller"
+    shutil.copytree(helmchart.CHART, d)
+    meta = (d / "Chart.yaml").read_text()
+    meta = "\n".join(f"version: {version}" if ln.startswith("version:") else
+                     f'appVersion: "{version}"' if ln.startswith("appVersion:") else ln for ln in meta.splitlines())
+    (d / "Chart.yaml").write_text(meta + "\n")
+    helmchart.helm("package", str(d), "--destination", str(tmp_path))
+    return tmp_path / f"tailscale-controller-{version}.tgz"
+
+
+def _guide_condition(kc, ns: str, name: str) -> str:
+    # the guide's verify command, as written there
+    return kc.kubectl("-n", ns, "get", "service", name, "-o",
+                      'jsonpath={.status.conditions[?(@.type=="TailscaleProxyReady")].message}', check=False).stdout
+
+
+def _guide_device_ips(kc, ns: str, name: str) -> list[str]:
+    cp = kc.kubectl("-n", GUIDE_NS, "get", "secret", "-l",
+                    f"tailscale.com/parent-resource={name},tailscale.com/parent-resource-ns={ns}",
+                    "-o", "jsonpath={.items[0].data.device_ips}", check=False)
+    if cp.returncode != 0 or not cp.stdout.strip():
+        return []
+    import base64
+    return json.loads(base64.b64decode(cp.stdout))
+
+
+def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, kube, tmp_path):
+    """After the module's own release is gone: docs/install-headscale.md followed command by command, coming
+    from the upstream operator (its manifests applied, a Service it exposed, then its section's steps: stopped,
+    its proxies deleted, its IngressClass, which makes helm refuse the install, deleted), in namespace
+    ts-guide: images from the release archives (imported as a registry would serve them), the
+    packaged chart (.tgz), the API key Secret, the guide's policy, helm install with imageRegistry; the
+    namespace first labelled restricted (the real API server's Pod Security admission) gives the Service the
+    condition naming the label and nothing is created; the guide's label lets the proxy come up; a ClusterIP
+    Service verified with the guide's commands and reached from the tailnet; upgrade to a second chart and
+    image version (CRDs first) restarts the proxy on the new image with the same device; the uninstall order
+    leaves nothing: no proxy object, no finalizer on the Service, no headscale node, no release, no CRD."""
+    kc = kube
+    t0 = time.monotonic()
+    # 1. images, imported into the node as its registry would serve them; the upgrade's version is the same
+    # content under the next tag (a rebuild would only re-export identical layers)
+    _guide_images("0.1.0", tmp_path / "images")
+    for f in sorted((tmp_path / "images").glob("*.oci.tar")):
+        kc.import_image(f)
+    for n in ("containerboot-py", "containerboot-py-controller"):
+        kc.tag_image(f"{GUIDE_REGISTRY}/{n}:0.1.0", f"{GUIDE_REGISTRY}/{n}:0.1.1")
+    have = set(kc.images())
+    for tag in ("0.1.0", "0.1.1"):
+        for n in ("containerboot-py", "containerboot-py-controller"):
+            assert f"{GUIDE_REGISTRY}/{n}:{tag}" in have, sorted(have)
+    t_images = time.monotonic() - t0
+    # 2. the packaged chart, and a second version for the upgrade
+    tgz = helmchart.package(tmp_path)
+    assert tgz.name == "tailscale-controller-0.1.0.tgz" and tgz.is_file()
+    tgz2 = _chart_version(tmp_path, "0.1.1")
+    # Coming from the upstream operator: its own manifests applied (CRDs, RBAC, its Deployment, IngressClass),
+    # a Service it had exposed (its finalizer on it) and a proxy Secret it had left, then the guide's way over
+    upstream = _upstream_manifests()
+    kc.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(upstream), timeout=120)
+    up_svc = _service("guide", {"tailscale.com/expose": "true"})
+    up_svc["metadata"]["finalizers"] = ["tailscale.com/finalizer"]
+    kc.apply(up_svc)
+    kc.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {
+        "name": "ts-guide-up000-0", "namespace": "tailscale", "labels": {
+            "tailscale.com/managed": "true", "tailscale.com/parent-resource": "guide",
+            "tailscale.com/parent-resource-ns": "apps", "tailscale.com/parent-resource-type": "svc"}}})
+    # 1. upstream stopped, 2. its proxies deleted
+    kc.kubectl("-n", "tailscale", "scale", "deployment/operator", "--replicas=0")
+    kc.kubectl("-n", "tailscale", "delete", "statefulset,secret,service", "-l", "tailscale.com/managed=true")
+    assert kc.get("secret", "ts-guide-up000-0", "tailscale") is None
+    # 3. its IngressClass is what collides with the chart: helm refuses to take it over ...
+    bad = kubecontroller.helm(kc, "install", "tailscale-controller", str(tgz), "-n", "default",
+                              "--set", f"imageRegistry={GUIDE_REGISTRY}",
+                              "--set", f"headscale.url={labmod.LOGIN_SERVER}", check=False)
+    assert bad.returncode != 0 and "IngressClass" in bad.stderr and '"tailscale"' in bad.stderr, bad.stderr
+    kc.kubectl("delete", "ingressclass", "tailscale")
+    kubecontroller.helm(kc, "uninstall", "tailscale-controller", "-n", "default", check=False)
+
+    # 3. namespace, Pod Security label (first the wrong one: restricted), the API key
+    kc.kubectl("create", "namespace", GUIDE_NS)
+    kc.kubectl("label", "namespace", GUIDE_NS, "pod-security.kubernetes.io/enforce=restricted", "--overwrite")
+    key = lab.hs("apikeys", "create", "--expiration", "2h")
+    key = key if isinstance(key, str) else str((key or {}).get("key") or key)
+    kc.kubectl("-n", GUIDE_NS, "create", "secret", "generic", "headscale-api", "--from-file=key=/dev/stdin",
+               input=key)
+    # 4. the guide's policy (its admin@ is any user: the lab's is e2e@)
+    policy = {"tagOwners": {"tag:k8s": ["e2e@"]},
+              "acls": [{"action": "accept", "src": ["autogroup:member"], "dst": ["tag:k8s:*"]},
+                       {"action": "accept", "src": ["tag:k8s"], "dst": ["autogroup:member:*"]}]}
+    lab.delete_node("apps-guide")
+    with lab.hs_policy(policy):
+        # 5. install from the .tgz; the lab's own knobs for its island go in through a values file on stdin
+        values = {"proxy": {"env": kubecontroller.LAB_PROXY_ENV}}
+        cp = kubecontroller.helm(kc, "install", "tailscale-controller", str(tgz), "-n", GUIDE_NS,
+                                 "--set", f"imageRegistry={GUIDE_REGISTRY}",
+                                 "--set", f"headscale.url={labmod.LOGIN_SERVER}",
+                                 "--set", "magicDNSSuffix=tailnet.test", "-f", "-", input=json.dumps(values))
+        assert "pod-security.kubernetes.io/enforce=privileged" in cp.stdout, cp.stdout
+        kc.kubectl("-n", GUIDE_NS, "rollout", "status", "deployment/tailscale-controller", "--timeout=120s",
+                   timeout=130)
+        pod = kc.kubectl("-n", GUIDE_NS, "get", "pods", "-l", "app=tailscale-controller", "-o", "json")
+        (cpod,) = json.loads(pod.stdout)["items"]
+        assert cpod["spec"]["containers"][0]["image"] == f"{GUIDE_REGISTRY}/containerboot-py-controller:0.1.0"
+        assert cpod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        # 6. the ClusterIP Service upstream had exposed is taken over (its finalizer is ours too): refused by
+        # the namespace's level first, said in the condition and an event
+        msg = wait_until(lambda: (lambda m: m if "Pod Security" in m else None)(_guide_condition(kc, "apps", "guide")),
+                         60, 0.5, "the Pod Security condition")
+        assert f"kubectl label namespace {GUIDE_NS} pod-security.kubernetes.io/enforce=privileged --overwrite" in msg
+        assert "'restricted'" in msg, msg
+        events = kc.kubectl("-n", "apps", "get", "events", "--field-selector", "involvedObject.name=guide",
+                            "-o", "json").stdout
+        assert any(e["reason"] == "PodSecurityRefused" for e in json.loads(events)["items"]), events
+        assert kc.kubectl("-n", GUIDE_NS, "get", "statefulsets", "-o", "name").stdout.strip() == ""
+        # ... the guide's label, and the proxy comes up (the controller re-checks a refused parent within 10 s)
+        kc.kubectl("label", "namespace", GUIDE_NS, "pod-security.kubernetes.io/enforce=privileged", "--overwrite")
+        t1 = time.monotonic()
+        try:
+            msg = wait_until(lambda: (lambda m: m if m.startswith("proxy ready: ") else None)(
+                _guide_condition(kc, "apps", "guide")), 180, 1.0, "the guide's Service ready")
+        except TimeoutError:
+            raise AssertionError(_fail_report(kc, "apps", "guide", GUIDE_NS)) from None
+        assert msg == "proxy ready: apps-guide.tailnet.test", msg
+        ips = _guide_device_ips(kc, "apps", "guide")
+        node = lab.hs_node("apps-guide")
+        assert node is not None and ips and set(ips) <= set(node["ip_addresses"]), (ips, node)
+        lab.wait_peer("client", "apps-guide", 60)
+        lab.wait_curl("client", lab.url(ips[0], 8080, "/guide"), kc.marker, timeout=60)
+        t_ready = time.monotonic() - t1
+
+        # upgrade: CRDs first, then the chart (its appVersion is the new images' tag)
+        xd = tmp_path / "x"
+        xd.mkdir()
+        subprocess.run(["tar", "-xzf", str(tgz2), "-C", str(xd), "tailscale-controller/crds"], check=True)
+        kc.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(xd / "tailscale-controller" / "crds"))
+        kubecontroller.helm(kc, "upgrade", "tailscale-controller", str(tgz2), "-n", GUIDE_NS,
+                            "--reset-then-reuse-values", timeout=180)
+        kc.kubectl("-n", GUIDE_NS, "rollout", "status", "deployment/tailscale-controller", "--timeout=120s",
+                   timeout=130)
+        (rel,) = json.loads(kubecontroller.helm(kc, "list", "-n", GUIDE_NS, "-o", "json").stdout)
+        assert (rel["chart"], rel["app_version"], str(rel["revision"])) == ("tailscale-controller-0.1.1", "0.1.1", "2")
+
+        def proxy_on_new_image():
+            pods = json.loads(kc.kubectl("-n", GUIDE_NS, "get", "pods", "-l",
+                                         "tailscale.com/parent-resource=guide", "-o", "json").stdout)["items"]
+            ok = [p for p in pods if p["spec"]["containers"][0]["image"] ==
+                  f"{GUIDE_REGISTRY}/containerboot-py:0.1.1" and any(
+                      c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+            return ok or None
+        try:
+            wait_until(proxy_on_new_image, 180, 1.0, "the proxy restarted on the new image")
+        except TimeoutError:
+            raise AssertionError(_fail_report(kc, "apps", "guide", GUIDE_NS)) from None
+        assert _guide_device_ips(kc, "apps", "guide") == ips          # the same device, the same IPs
+        lab.wait_curl("client", lab.url(ips[0], 8080, "/guide-upgraded"), kc.marker, timeout=90)
+
+        # uninstall, in the guide's order: parents first, wait for the proxies to go, then the release, the CRD
+        listed = kc.kubectl("-n", GUIDE_NS, "get", "statefulsets", "-l", "tailscale.com/managed=true", "-L",
+                            "tailscale.com/parent-resource-type,tailscale.com/parent-resource-ns,"
+                            "tailscale.com/parent-resource").stdout
+        assert "svc" in listed and "apps" in listed and "guide" in listed, listed
+        kc.kubectl("-n", "apps", "annotate", "service", "guide", "tailscale.com/expose-")
+        kc.kubectl("-n", GUIDE_NS, "wait", "--for=delete", "statefulset", "-l", "tailscale.com/managed=true",
+                   "--timeout=120s", timeout=130, check=False)
+        wait_until(lambda: not kc.kubectl("-n", GUIDE_NS, "get", "statefulsets,secrets,services,pods", "-l",
+                                          "tailscale.com/managed=true", "-o", "name").stdout.strip(),
+                   120, 0.5, "the proxy's objects gone")
+        kubecontroller.helm(kc, "uninstall", "tailscale-controller", "-n", GUIDE_NS, "--wait", timeout=130)
+        kc.kubectl("delete", "crd", *GUIDE_CRDS, timeout=60)
+        kc.kubectl("delete", "namespace", GUIDE_NS, "--timeout=120s", timeout=130)
+    svc = kc.get("service", "guide", "apps")
+    assert svc is not None and "tailscale.com/finalizer" not in (svc["metadata"].get("finalizers") or [])
+    assert lab.hs_node("apps-guide") is None
+    assert kc.get("namespace", GUIDE_NS) is None
+    assert json.loads(kubecontroller.helm(kc, "list", "-A", "-o", "json").stdout) == []
+    for kind, name in (("clusterrole", "tailscale-controller"), ("clusterrolebinding", "tailscale-controller"),
+                       ("ingressclass", "tailscale"), *(("customresourcedefinition", c) for c in GUIDE_CRDS)):
+        assert kc.get(kind, name) is None, (kind, name)
+    kc.kubectl("-n", "apps", "delete", "service", "guide")
+    # upstream's release goes last (here: its manifests' objects), leaving nothing of either
+    kc.kubectl("delete", "-f", str(upstream), "--ignore-not-found", "--wait=true", timeout=180)
+    print(f"install guide: images {t_images:.1f}s, Service ready {t_ready:.1f}s after the label, "
+          f"whole guide {time.monotonic() - t0:.1f}s")

@@ -5,16 +5,18 @@
 #                               kubernetes (Kubernetes, etcd and the node's Debian packages) and helm
 #   --binaries=tailscale,...    only those parts (the plain `make demo` needs tailscale alone)
 #   --image                     podman, runc and mmdebstrap for images/build.sh
+#   --multiarch                 qemu user mode for other architectures' images
 set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { echo "[setup] $*" >&2; }
 
-want_image=0 parts=""
+want_image=0 want_multiarch=0 parts=""
 for a in "$@"; do
   case "$a" in
     --binaries) parts=tailscale,kubernetes,helm ;;
     --binaries=*) parts=${a#--binaries=} ;;
     --image) want_image=1 ;;
+    --multiarch) want_multiarch=1 ;;  # qemu user mode for other architectures' images (make images-archives)
     *) log "unknown option $a"; exit 2 ;;
   esac
 done
@@ -25,6 +27,7 @@ pkgs=(iproute2 nftables iptables libnftables1 curl dnsmasq-base openssl python3-
 # the real Kubernetes node of the lab (labtools/kubecluster.py): container runtime, OCI runtime, CNI plugins
 want kubernetes && pkgs+=(containerd runc containernetworking-plugins)
 [ $want_image = 1 ] && pkgs+=(podman runc mmdebstrap bc)
+[ $want_multiarch = 1 ] && pkgs+=(qemu-user-static)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

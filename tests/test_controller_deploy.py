@@ -101,6 +101,8 @@ def test_rbac_covers_the_controllers_calls():
         for verb in ("get", "list", "watch", "create", "patch", "delete"):
             assert _covered(role["rules"], group(res), res.plural, verb), (res.plural, verb)
     assert _covered(cr["rules"], "", "events", "create")
+    # the proxies' namespace's Pod Security level (controller/podsecurity.py)
+    assert _covered(cr["rules"], "", kubeapi.NAMESPACES.plural, "get")
     # ProxyClasses: read and watched cluster-wide, their status written; the ServiceMonitor CRD looked up;
     # metrics ServiceMonitors in the controller's namespace
     for verb in ("get", "list", "watch"):
