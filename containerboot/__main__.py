@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print("usage: containerboot            run the agent (configured by TS_* environment variables)\n"
               "       containerboot rules      show the desired and installed firewall rules\n"
-              "See the README for every variable.")
+              "See docs/agent.md for every variable.")
         return 0
     import faulthandler
     import signal

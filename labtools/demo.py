@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 
+from labtools import image as labimage
 from labtools.lab import Lab, LabError, ensure_binaries
 
 STARTUP = "Startup complete, waiting for shutdown signal"
@@ -48,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="TS_DEST_IP: the backend's IPv4 only, or its IPv4 and IPv6 (our agent's dual-stack form; "
                          "upstream takes one address). Default: dual for --agent python, v4 for upstream")
     ap.add_argument("--timeout", type=float, default=90, help="seconds to wait for the agent to be Running")
-    ap.add_argument("--image", nargs="?", const="localhost/containerboot-py:latest", default=None,
-                    help="run our agent from this container image (default localhost/containerboot-py:latest, "
-                         "built by `make image`) with podman in the proxy namespace")
+    ap.add_argument("--image", nargs="?", const=labimage.IMAGE, default=None,
+                    help="run our agent from this container image (default: LAB_PROXY_IMAGE, else "
+                         "localhost/containerboot-py:latest; built by `make image`) with podman in the proxy namespace")
     ap.add_argument("--diagnostics", action="store_true", help="print lab diagnostics at the end")
     ap.add_argument("--kube", action="store_true", help="the agent as a StatefulSet Pod in a real Kubernetes "
                     "exposing a backend Deployment's ClusterIP (labtools.kubedemo)")

@@ -9,7 +9,7 @@ API (root; a running ``labtools.lab.Lab`` and a ``KubeCluster`` with a node)::
     svc = wait_service_ip(kc, "apps", "web")            # the Service once its status has a tailnet IP
     controller_log(kc)                                  # the controller Pod's log (for failures)
 
-What ``install`` sets is the README's headscale user story, nothing test-only in the controller. With helm
+What ``install`` sets is the headscale user story of docs/controller.md, nothing test-only in the controller. With helm
 (the default): ``helm install`` of charts/tailscale-controller with ``provider=headscale``, ``headscale.url``,
 ``magicDNSSuffix``, the proxy image, and an API key made with the lab's headscale passed as
 ``credentials.headscaleAPIKey`` through stdin (never on a command line); helm's output (its NOTES) is kept in
@@ -33,13 +33,14 @@ from typing import Any
 
 from labtools import helmchart, kubecluster
 from labtools import lab as labmod
+from labtools import image as labimage
 from labtools.lab import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 #: LAB_PROXY_IMAGE / LAB_CONTROLLER_IMAGE build and install the images under other names: image archives are
 #: shared by every checkout on a machine, so a branch whose images differ tests its own under its own tag
-PROXY_IMAGE = os.environ.get("LAB_PROXY_IMAGE") or "localhost/containerboot-py:latest"
+PROXY_IMAGE = labimage.IMAGE
 CONTROLLER_IMAGE = os.environ.get("LAB_CONTROLLER_IMAGE") or "localhost/containerboot-py-controller:latest"
 CONTROLLER_DOCKERFILE = "images/controller/Dockerfile"
 NS = "tailscale"
