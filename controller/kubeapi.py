@@ -37,6 +37,8 @@ CONNECTORS = Resource("/apis/tailscale.com/v1alpha1", "connectors", namespaced=F
 SERVICEACCOUNTS = Resource("/api/v1", "serviceaccounts")
 ROLES = Resource("/apis/rbac.authorization.k8s.io/v1", "roles")
 ROLEBINDINGS = Resource("/apis/rbac.authorization.k8s.io/v1", "rolebindings")
+CONFIGMAPS = Resource("/api/v1", "configmaps")
+CLUSTERROLEBINDINGS = Resource("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", namespaced=False)
 
 
 class KubeError(Exception):

@@ -35,6 +35,8 @@ ANN_LAST_TAILNET_FQDN = "tailscale.com/operator-last-set-ts-tailnet-target-fqdn"
 
 # Parent types as written in LABEL_PARENT_TYPE.
 SVC, INGRESS, CONNECTOR = "svc", "ingress", "connector"
+#: The API server proxy's parent: the chart's ConfigMap in the controller's namespace (kinds/apiserverproxy.py).
+APISERVER = "apiserverproxy"
 
 # Conditions and reasons (upstream's names).
 COND_PROXY_READY = "TailscaleProxyReady"
@@ -66,7 +68,7 @@ class Decision:
 class Parent:
     """The object a proxy is made for."""
 
-    kind: str          # SVC | INGRESS | CONNECTOR
+    kind: str          # SVC | INGRESS | CONNECTOR | APISERVER
     name: str
     namespace: str     # "" for a Connector (cluster-scoped)
     uid: str
@@ -93,6 +95,7 @@ class ProxySpec:
     exit_node: bool = False                         # Connector: spec.exitNode, for its status
     ingress_http: bool = False                      # L7 Ingress served over plain HTTP on port 80 (ours)
     ingress_http_name: str = ""                     # ... the MagicDNS name its serve config answers to
+    apiserver_proxy_mode: str = ""                  # API server proxy: auth | noauth (a second container)
 
     def replica_hostname(self, i: int) -> str:
         return f"{self.hostname_prefix}-{i}" if self.hostname_prefix else self.hostname

@@ -83,7 +83,8 @@ def test_event_mapping():
 def test_kopf_registries_and_server_side_child_filter():
     parents, children = registries(State(ControllerConfig(), None, None))
     assert len(list(parents._watching.get_all_handlers())) == 3
-    assert len(list(children._watching.get_all_handlers())) == 2
+    assert len(list(children._watching.get_all_handlers())) == 3     # Secrets, StatefulSets, the proxy's ConfigMap
     s = settings(True)
-    assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/managed=true"] * 2
+    assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/apiserver-proxy=true"] + [
+        "tailscale.com/managed=true"] * 2
     assert not settings(False).posting.enabled
