@@ -497,44 +497,10 @@ def test_two_controller_replicas_one_leads_and_the_other_takes_over_when_its_pod
 # ------------------------------------------------------------------------------------------------------------
 # 7. The API server proxy (docs/apiserver-proxy.md); the uninstall (last) below.
 
-CAP_KUBERNETES = "tailscale.com/cap/kubernetes"
-APISERVER_POLICY = {
-    "tagOwners": {"tag:k8s": ["e2e@"]},
-    "grants": [{"src": ["*"], "dst": ["*"], "ip": ["*"]},
-               {"src": ["e2e@"], "dst": ["tag:k8s"],
-                "app": {CAP_KUBERNETES: [{"impersonate": {"groups": ["tailnet-readers"]}}]}}],
-}
-
-
-def _proxy_ip(kc) -> str:
-    """The API server proxy's tailnet IPv4, from its state Secret (the controller's own source)."""
-    def ip() -> str | None:
-        for s in json.loads(kc.kubectl("-n", kubecontroller.NS, "get", "secrets", "-l",
-                                       "tailscale.com/parent-resource-type=apiserverproxy", "-o", "json"
-                                       ).stdout).get("items") or []:
-            raw = (s.get("data") or {}).get("device_ips")
-            if raw:
-                import base64
-                return next((a for a in json.loads(base64.b64decode(raw)) if "." in a), None)
-        return None
-    return wait_until(ip, 150, 0.5, "the API server proxy's tailnet IP in its state Secret")
-
-
-def _reader_objects(kc, image: str) -> list[dict]:
+def _talker_objects(image: str) -> list[dict]:
+    """A Pod with a shell (the proxy image) that logs a line a second; a ServiceAccount that may view apps."""
     rbac = "rbac.authorization.k8s.io/v1"
-    group = [{"kind": "Group", "name": "tailnet-readers", "apiGroup": "rbac.authorization.k8s.io"}]
     return [
-        {"apiVersion": rbac, "kind": "ClusterRoleBinding", "metadata": {"name": "tailnet-readers-view"},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},
-         "subjects": group},
-        # `view` reads; exec, attach and port-forward are writes (create on the subresources) in apps only
-        {"apiVersion": rbac, "kind": "Role", "metadata": {"name": "tailnet-sessions", "namespace": "apps"},
-         "rules": [{"apiGroups": [""], "resources": ["pods/exec", "pods/attach", "pods/portforward"],
-                    "verbs": ["create", "get"]}]},
-        {"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": "tailnet-sessions", "namespace": "apps"},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tailnet-sessions"},
-         "subjects": group},
-        # a Pod with a shell (the proxy image) that logs a line a second
         {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "talker", "namespace": "apps"},
          "spec": {"terminationGracePeriodSeconds": 1,
                   "containers": [{"name": "talker", "image": image, "imagePullPolicy": "Never",
@@ -547,14 +513,10 @@ def _reader_objects(kc, image: str) -> list[dict]:
     ]
 
 
-def _set_mode(kc, mode: str) -> None:
-    kubecontroller.helm(kc, "upgrade", helmchart.RELEASE, str(helmchart.CHART), "--namespace", kubecontroller.NS,
-                        "--reuse-values", "--set", f"apiServerProxy.mode={mode}")
-
-
 def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
     """``apiServerProxy.mode: auth`` with a headscale policy granting the lab client's user (``e2e``)
-    ``impersonate.groups: ["tailnet-readers"]``, bound to ``view`` (plus exec/attach/port-forward in ``apps``).
+    ``impersonate.groups: ["tailnet-readers"]``, bound to ``view`` (plus exec/attach/port-forward in ``apps``,
+    labtools.apiproxylab).
     From the client node (a plain tailscaled, not a Pod), with the cluster's own kubectl and nothing but the
     proxy's tailnet address in its kubeconfig: get pods -A, get -w sees a change, logs -f streams, exec -it
     answers, port-forward carries a curl; creating a Pod is refused by RBAC naming user "e2e"; a second node of
@@ -562,24 +524,24 @@ def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
     while the API server restarts requests fail cleanly and then succeed. Then ``noauth``: a ServiceAccount
     token works, no credentials is the API server's anonymous refusal. ``off`` removes the proxy and its device."""
     import threading
+
+    from labtools import apiproxylab as ap
+    from labtools.apiproxylab import TailnetKubectl
     kc = kube
-    from apiproxy_lab import TailnetKubectl
     kubectl = kc.cfg.bin_dir / "kubectl"
     lab.delete_node("kube-apiserver")
-    kc.apply(_reader_objects(kc, kubecontroller.PROXY_IMAGE))
+    kc.apply([*ap.reader_rbac("apps"), *_talker_objects(kubecontroller.PROXY_IMAGE)])
     outsider = lab.create_user("outsider")
     if "outsider" not in lab.namespaces:
         lab.add_namespace("outsider")
         lab.start_node("outsider", "outsider", authkey=lab.preauth_key(user_id=int(outsider["id"])))
     work = lab.run_dir / "apiproxy"
-    with lab.hs_policy(APISERVER_POLICY):
+    with lab.hs_policy(ap.policy("e2e")):
         try:
-            _set_mode(kc, "auth")
-            cm = wait_until(lambda: (kc.get("configmap", "apiserver-proxy", kubecontroller.NS) or {}).get(
-                "metadata", {}).get("annotations", {}).get("tailscale.com/apiserver-proxy-url"), 150, 0.5,
-                "the proxy's URL on its ConfigMap")
-            assert cm == "http://kube-apiserver.tailnet.test", cm
-            ip = _proxy_ip(kc)
+            ap.set_mode(kc, "auth")
+            url = ap.wait_url(kc)
+            assert url == "http://kube-apiserver.tailnet.test", url
+            ip = ap.proxy_ip(kc)
             client = TailnetKubectl(lab, "client", kubectl, f"http://{ip}", work, token="unused")
             other = TailnetKubectl(lab, "outsider", kubectl, f"http://{ip}", work)
             got = wait_until(lambda: (cp := client.run("get", "pods", "-A")).returncode == 0 and cp, 90, 1,
@@ -641,7 +603,7 @@ def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
             wait_until(lambda: client.run("get", "ns").returncode == 0, 60, 1, "a request after the restart")
 
             # noauth: the client's own credentials
-            _set_mode(kc, "noauth")
+            ap.set_mode(kc, "noauth")
             sa = TailnetKubectl(lab, "client", kubectl, f"http://{ip}", work,
                                 token=kc.service_account_token("apps", "tailnet-noauth"))
             anon = TailnetKubectl(lab, "client", kubectl, f"http://{ip}", work)
@@ -653,13 +615,10 @@ def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
             s = sa.run("-n", "apps", "get", "pods")
             assert s.returncode == 0 and "talker" in s.stdout, s
         except BaseException:
-            logs = kc.kubectl("-n", kubecontroller.NS, "logs", "-l",
-                              "tailscale.com/parent-resource-type=apiserverproxy", "--all-containers", "--tail=80",
-                              check=False)
-            print(f"{kubecontroller.controller_log(kc)}\n--- proxy log\n{logs.stdout}{logs.stderr}")
+            print(f"{kubecontroller.controller_log(kc)}\n{ap.proxy_log(kc)}")
             raise
         finally:
-            _set_mode(kc, "off")
+            ap.set_mode(kc, "off")
     wait_until(lambda: kubecontroller.children(kc, kubecontroller.NS, "apiserver-proxy", "apiserverproxy")
                == kubecontroller.NO_CHILDREN, 120, 1, "the API server proxy's objects gone")
     wait_until(lambda: _hs_nodes_named(lab, "kube-apiserver") == [], 60, 1, "its device gone from headscale")
