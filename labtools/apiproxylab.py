@@ -30,12 +30,12 @@ LABEL = "tailscale.com/parent-resource-type=apiserverproxy"
 _RBAC = "rbac.authorization.k8s.io/v1"
 
 
-def policy(user: str = "e2e", tag: str = "tag:k8s") -> dict:
-    """headscale's policy: everyone reaches everyone, and `user` gets impersonate.groups [GROUP] on the
-    proxy (tagged `tag`, owned by `user` so that the controller's tagged keys are accepted)."""
-    return {"tagOwners": {tag: [f"{user}@"]},
+def policy(user: str = "e2e", dst: str = "tag:k8s") -> dict:
+    """headscale's policy: everyone reaches everyone, and `user` gets impersonate.groups [GROUP] on `dst` (the
+    proxy: the controller's tag, owned by `user` so that its tagged keys are accepted, or a user's `name@`)."""
+    return {"tagOwners": {"tag:k8s": [f"{user}@"]},
             "grants": [{"src": ["*"], "dst": ["*"], "ip": ["*"]},
-                       {"src": [f"{user}@"], "dst": [tag],
+                       {"src": [f"{user}@"], "dst": [dst],
                         "app": {CAP_KUBERNETES: [{"impersonate": {"groups": [GROUP]}}]}}]}
 
 
@@ -149,3 +149,59 @@ class TailnetKubectl:
 
     def background(self, *args: str) -> Background:
         return Background(self.argv(*args))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Without Kubernetes: the proxy next to a lab agent, in front of labtools.fakeapiserver (lab test, bench).
+
+class LocalProxy:
+    """`containerboot apiserver-proxy` in the lab's proxy namespace next to a running agent (kernel mode), in
+    front of a stand-in API server on that namespace's loopback (TLS with `ca`/`cert`/`key`, checked by the
+    proxy with `ca` as a cluster CA); and a plain TCP forward on the same tailnet address for comparison."""
+
+    def __init__(self, lab, agent, *, ca: str, cert: str, key: str, mode: str = "auth", port: int = 80,
+                 objects: int = 5000, forward_port: int = 0) -> None:
+        import os
+        import sys
+        self.lab, self.agent, self.port = lab, agent, port
+        d = agent.dir / "apiproxy"
+        sa = d / "root" / "var/run/secrets/kubernetes.io/serviceaccount"
+        sa.mkdir(parents=True, exist_ok=True)
+        (sa / "token").write_text("lab-proxy-token\n")
+        (sa / "ca.crt").write_text(Path(ca).read_text())
+        (sa / "namespace").write_text("tailscale\n")
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1"}
+        self.api = lab._popen("fakeapi", "fakeapi", "proxy", [
+            sys.executable, "-m", "labtools.fakeapiserver", "--listen", "127.0.0.1:6443", "--cert", cert,
+            "--key", key, "--objects", str(objects)], env, d / "fakeapi.log")
+        self.log_path = d / "apiserver-proxy.log"
+        self.proc = lab._popen("apiproxy", "apiproxy", "proxy", [sys.executable, "-m", "containerboot",
+                                                                 "apiserver-proxy"], {
+            **env, "TS_APISERVER_PROXY_MODE": mode, "TS_SOCKET": agent.socket,
+            "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "6443",
+            "TS_TEST_ONLY_ROOT": str(d / "root"), "TS_APISERVER_PROXY_PORT": str(port)}, self.log_path)
+        self.forward = None
+        if forward_port:
+            self.forward = lab._popen("tcpforward", "tcpforward", "proxy", [
+                sys.executable, "-m", "labtools.fakeapiserver", "--forward", f"0.0.0.0:{forward_port}",
+                "--to", "127.0.0.1:6443"], env, d / "forward.log")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_listening(self, timeout: float = 30.0) -> str:
+        def seen() -> str | None:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the API server proxy exited:\n{self.log_text()[-3000:]}")
+            return next((ln for ln in self.log_text().splitlines() if "is listening on" in ln), None)
+        return wait_until(seen, timeout, 0.1, "the API server proxy listening")
+
+    def stop(self) -> None:
+        for p in (self.proc, self.api, self.forward):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
