@@ -267,6 +267,17 @@ class ApiServerProxy:
 
     async def _stream_body(self, client: _Side, upstream: _Side) -> None:
         """Copy the response body chunk by chunk; stop (and close upstream) as soon as the client goes."""
+        # What already arrived with the head (a small response: all of it) goes out without the two tasks.
+        while (event := upstream.conn.next_event()) is not h11.NEED_DATA:
+            if isinstance(event, h11.Data):
+                client.writer.write(client.conn.send(h11.Data(data=event.data)) or b"")
+            elif isinstance(event, h11.EndOfMessage):
+                client.writer.write(client.conn.send(h11.EndOfMessage()) or b"")
+                await client.writer.drain()
+                return
+            else:
+                raise EOFError("the API server closed the connection mid-response")
+        await client.writer.drain()
         pump = asyncio.ensure_future(self._pump(client, upstream))
         watch = asyncio.ensure_future(client.reader.read(READ_SIZE))
         try:
