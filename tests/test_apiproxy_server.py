@@ -276,3 +276,16 @@ def test_entrypoint_settings_name_the_variable_and_the_fix():
         settings({**env, "TS_APISERVER_PROXY_MODE": "auth", "TS_APISERVER_PROXY_PORT": "http"})
     assert settings({**env, "TS_APISERVER_PROXY_MODE": "noauth"}) == (
         "noauth", "/tmp/tailscaled.sock", "https://10.96.0.1:443", None, False)
+
+
+async def test_a_burst_on_one_connection_asks_whois_once_and_again_after_the_ttl(auth, monkeypatch):
+    from containerboot.apiproxy import server
+    async with httpx.AsyncClient(base_url=auth.url) as c:
+        for _ in range(3):
+            assert (await c.get("/echo")).status_code == 200
+        assert len(auth.whois_calls) == 1
+        monkeypatch.setattr(server, "WHOIS_TTL", 0.0)
+        auth.whois_answer = {**WHO, "CapMap": {}}       # the grant was revoked meanwhile
+        r = await c.get("/echo")
+    assert len(auth.whois_calls) == 2
+    assert [v for k, v in _headers(r.json()) if k.startswith("impersonate-")] == ["bars"]

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,10 @@ log = logging.getLogger("containerboot")
 
 READ_SIZE = 65536
 AUTH, NOAUTH = "auth", "noauth"
+#: How long a connection's caller, once identified, stands for its next requests (seconds). A LocalAPI WhoIs
+#: per request is a round trip to tailscaled on every `kubectl get`; kubectl sends its requests in bursts on
+#: one kept-alive connection, so the burst asks once, and a changed grant still counts within this time.
+WHOIS_TTL = 1.0
 _GONE = (OSError, EOFError, asyncio.IncompleteReadError, h11.ProtocolError)
 
 
@@ -104,6 +109,7 @@ class ApiServerProxy:
         if mode not in (AUTH, NOAUTH):
             raise ValueError(f"mode {mode!r}: want {AUTH!r} or {NOAUTH!r}")
         self.mode, self.upstream, self._token, self._whois = mode, upstream, token, whois
+        self._identified: dict[str, tuple[float, Impersonation]] = {}   # open connection's peer -> caller
         self.connections = 0    # open client connections (for tests and the status line)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -130,6 +136,7 @@ class ApiServerProxy:
             pass
         finally:
             self.connections -= 1
+            self._identified.pop(peer, None)
             client.close()
             if upstream is not None:
                 upstream.close()
@@ -153,6 +160,10 @@ class ApiServerProxy:
 
     async def identify(self, peer: str) -> Impersonation:
         """The caller's impersonation; Refused (403) when it has no identity or a malformed grant."""
+        now = time.monotonic()
+        known = self._identified.get(peer)
+        if known is not None and now - known[0] < WHOIS_TTL:
+            return known[1]
         try:
             who = await self._whois(peer)
         except Exception as e:   # noqa: BLE001 -- any LocalAPI failure means: no identity
@@ -163,7 +174,9 @@ class ApiServerProxy:
                         "proxy", peer)
             raise Refused(403, "Forbidden", "failed to authenticate caller")
         try:
-            return impersonation(who)
+            imp = impersonation(who)
+            self._identified[peer] = (now, imp)
+            return imp
         except NoIdentity as e:
             log.warning("api-server-proxy: failed to authenticate caller %s: %s", peer, e)
             raise Refused(403, "Forbidden", "failed to authenticate caller") from None
