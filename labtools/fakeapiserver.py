@@ -75,7 +75,7 @@ def make_handler(objects: int) -> type[BaseHTTPRequestHandler]:
                 self._send(json.dumps({"method": self.command, "path": self.path,
                                        "headers": [[k, v] for k, v in self.headers.items()]}).encode())
 
-        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _any  # noqa: N815
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _any
 
         def log_message(self, *args: object) -> None:
             pass

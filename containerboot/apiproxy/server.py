@@ -166,7 +166,7 @@ class ApiServerProxy:
             return known[1]
         try:
             who = await self._whois(peer)
-        except Exception as e:   # noqa: BLE001 -- any LocalAPI failure means: no identity
+        except Exception as e:   # any LocalAPI failure means: no identity
             log.warning("api-server-proxy: failed to authenticate caller %s: WhoIs failed: %s", peer, e)
             raise Refused(403, "Forbidden", "failed to authenticate caller") from None
         if not who:
@@ -206,7 +206,7 @@ class ApiServerProxy:
         except Refused as r:
             await self._refuse(client, r)
             return upstream
-        except Exception as e:   # noqa: BLE001 -- the token file: reported to the caller without detail
+        except Exception as e:   # the token file: reported to the caller without detail
             log.error("api-server-proxy: %s", redact(str(e)))
             await self._refuse(client, Refused(500, "InternalError", "the proxy cannot read its own credentials"))
             return upstream
