@@ -361,7 +361,10 @@ class Reconciler:
         line when it becomes known or changes (ConfigMaps have no status)."""
         m = meta(obj)
         dev = devices[0] if devices else None
-        url = apiserverproxy.url(dev.hostname, dev.ips, not self.cfg.ingress_http) if dev and r.ok else ""
+        # HTTPS where the control plane issues certificates, and in noauth mode anyway (a self-signed one: kubectl
+        # sends credentials over TLS only); plain HTTP in auth mode without certificates
+        https = not self.cfg.ingress_http or spec.apiserver_proxy_mode == "noauth"
+        url = apiserverproxy.url(dev.hostname, dev.ips, https) if dev and r.ok else ""
         if (m.get("annotations") or {}).get(apiserverproxy.ANN_URL, "") == url:
             return
         await self.kube.patch(CONFIGMAPS, m["name"], {"metadata": {"annotations": {

@@ -123,13 +123,19 @@ class Background:
 
 class TailnetKubectl:
     def __init__(self, lab, ns: str, kubectl: Path, server: str, workdir: Path, token: str = "") -> None:
+        """`server` http://... (auth mode on headscale) or https://... (the proxy's self-signed certificate is
+        not checked: insecure-skip-tls-verify, as docs/apiserver-proxy.md says for noauth on headscale)."""
         self.lab, self.ns, self.kubectl = lab, ns, str(kubectl)
         workdir.mkdir(parents=True, exist_ok=True)
-        self.config = workdir / f"kubeconfig-{ns}-{'token' if token else 'none'}"
+        scheme = server.split(":", 1)[0]
+        self.config = workdir / f"kubeconfig-{ns}-{scheme}-{'token' if token else 'none'}"
         user: dict = {"token": token} if token else {}
+        cluster: dict = {"server": server}
+        if scheme == "https":
+            cluster["insecure-skip-tls-verify"] = True
         self.config.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "tailnet",
-            "clusters": [{"name": "tailnet", "cluster": {"server": server}}],
+            "clusters": [{"name": "tailnet", "cluster": cluster}],
             "users": [{"name": "tailnet", "user": user}],
             "contexts": [{"name": "tailnet", "context": {"cluster": "tailnet", "user": "tailnet"}}]}))
 

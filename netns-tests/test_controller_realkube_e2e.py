@@ -604,9 +604,10 @@ def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
 
             # noauth: the client's own credentials
             ap.set_mode(kc, "noauth")
-            sa = TailnetKubectl(lab, "client", kubectl, f"http://{ip}", work,
+            # (HTTPS with a self-signed certificate: kubectl sends a kubeconfig's token over TLS only)
+            sa = TailnetKubectl(lab, "client", kubectl, f"https://{ip}", work,
                                 token=kc.service_account_token("apps", "tailnet-noauth"))
-            anon = TailnetKubectl(lab, "client", kubectl, f"http://{ip}", work)
+            anon = TailnetKubectl(lab, "client", kubectl, f"https://{ip}", work)
 
             def noauth_serves() -> bool:
                 cp = anon.run("-n", "apps", "get", "pods")
@@ -614,6 +615,7 @@ def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
             wait_until(noauth_serves, 150, 1, "the proxy in noauth mode (anonymous refused by the API server)")
             s = sa.run("-n", "apps", "get", "pods")
             assert s.returncode == 0 and "talker" in s.stdout, s
+            assert ap.wait_url(kc) == "https://kube-apiserver.tailnet.test"
         except BaseException:
             print(f"{kubecontroller.controller_log(kc)}\n{ap.proxy_log(kc)}")
             raise

@@ -289,3 +289,20 @@ async def test_a_burst_on_one_connection_asks_whois_once_and_again_after_the_ttl
         r = await c.get("/echo")
     assert len(auth.whois_calls) == 2
     assert [v for k, v in _headers(r.json()) if k.startswith("impersonate-")] == ["bars"]
+
+
+async def test_self_signed_certificate_serves_tls_with_the_fingerprint_it_reports(tmp_path):
+    import hashlib
+
+    from containerboot.apiproxy.run import self_signed
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    fp = self_signed(["kube-apiserver.tailnet.test"], ["127.0.0.1"], ctx)
+    srv = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0, ssl=ctx)
+    port = srv.sockets[0].getsockname()[1]
+    client = ssl.create_default_context()
+    client.check_hostname, client.verify_mode = False, ssl.CERT_NONE   # as insecure-skip-tls-verify
+    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
+    der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    writer.close()
+    srv.close()
+    assert fp == ":".join(f"{b:02X}" for b in hashlib.sha256(der).digest())

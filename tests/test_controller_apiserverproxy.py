@@ -77,6 +77,9 @@ async def test_auth_mode_renders_the_proxy_container_and_only_impersonation_righ
     assert kube.of(CLUSTERROLEBINDINGS) == []
     proxy = kube.obj(STATEFULSETS, name, "tailscale")["spec"]["template"]["spec"]["containers"][1]
     assert {"name": "TS_APISERVER_PROXY_MODE", "value": "noauth"} in proxy["env"]
+    # kubectl sends credentials over TLS only: noauth serves HTTPS (self-signed on headscale)
+    cm = kube.obj(CONFIGMAPS, "apiserver-proxy", "tailscale")
+    assert cm["metadata"]["annotations"]["tailscale.com/apiserver-proxy-url"] == "https://kube-apiserver.tail.test"
 
 
 async def test_bad_mode_is_a_warning_and_nothing_is_created(env):

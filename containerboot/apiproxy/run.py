@@ -2,9 +2,11 @@
 
 It runs as a second container of the proxy's Pod (same network namespace, tailscaled's LocalAPI socket on a
 shared volume): it waits until tailscaled is Running with tailnet addresses, then serves on those addresses
-only, HTTPS on 443 with the control plane's certificate when the tailnet has certificate domains, otherwise
-plain HTTP on 80 (headscale issues no certificates; WireGuard already encrypts the path). Requests go to the
-API server from the Pod's environment (KUBERNETES_SERVICE_HOST/PORT) over TLS verified with the cluster CA.
+only: HTTPS on 443 with the control plane's certificate when the tailnet has certificate domains; otherwise
+(headscale issues no certificates; WireGuard already encrypts the path) plain HTTP on 80 in auth mode, and
+in noauth mode HTTPS on 443 with a self-signed certificate made at start, because kubectl sends a
+kubeconfig's credentials over TLS only (client-go drops them for an http:// server). Requests go to the API
+server from the Pod's environment (KUBERNETES_SERVICE_HOST/PORT) over TLS verified with the cluster CA.
 
 Environment: TS_APISERVER_PROXY_MODE (auth | noauth, required), TS_SOCKET (tailscaled's LocalAPI socket),
 TS_APISERVER_PROXY_PORT (listening port instead of 80/443), TS_APISERVER_PROXY_HTTP=true (plain HTTP even
@@ -13,11 +15,13 @@ where a certificate could be issued).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import signal
 import socket
 import ssl
+import subprocess
 import tempfile
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -98,6 +102,22 @@ async def _load_cert(lapi: LocalAPI, domain: str, ctx: ssl.SSLContext) -> None:
         ctx.load_cert_chain(cp, kp)
 
 
+def self_signed(names: list[str], ips: list[str], ctx: ssl.SSLContext) -> str:
+    """Load a new self-signed certificate for `names` and `ips` (openssl CLI, EC P-256, ten years) into ctx;
+    returns its SHA-256 fingerprint. The key never leaves a private temporary directory."""
+    sans = [f"DNS:{n}" for n in names if n] + [f"IP:{ip}" for ip in ips]
+    with tempfile.TemporaryDirectory() as d:
+        cp, kp = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-days", "3650", "-subj", f"/CN={(names + ips)[0]}",
+                        "-addext", f"subjectAltName={','.join(sans)}", "-keyout", kp, "-out", cp],
+                       check=True, capture_output=True, timeout=60)
+        ctx.load_cert_chain(cp, kp)
+        with open(cp) as f:
+            der = ssl.PEM_cert_to_DER_cert(f.read())
+    return ":".join(f"{b:02X}" for b in hashlib.sha256(der).digest())
+
+
 async def serve(env: Mapping[str, str], root: str = "/") -> int:
     try:
         mode, sock_path, url, port, force_http = settings(env, root)
@@ -127,15 +147,27 @@ async def serve(env: Mapping[str, str], root: str = "/") -> int:
     st = waiting.result()
     ips = [ip for ip in st["Self"]["TailscaleIPs"]]
     domains = [d for d in (st.get("CertDomains") or []) if d]
+    dns_name = str((st.get("Self") or {}).get("DNSName") or "").removesuffix(".")
     tls: ssl.SSLContext | None = None
-    if domains and not force_http:
+    if not force_http and (domains or mode == NOAUTH):
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.set_alpn_protocols(["http/1.1"])     # SPDY (exec, port-forward) does not survive HTTP/2
-        await _load_cert(lapi, domains[0], tls)
+        if domains:
+            await _load_cert(lapi, domains[0], tls)
+        else:
+            try:
+                fp = self_signed([dns_name], ips, tls)
+            except (OSError, subprocess.SubprocessError, ssl.SSLError) as e:
+                log.error("api-server-proxy: cannot make a self-signed certificate with openssl: %s", e)
+                return 1
+            log.info("api-server-proxy: no certificate from the control plane; serving HTTPS with a self-signed "
+                     "certificate (SHA-256 %s), since kubectl sends credentials over TLS only: set "
+                     "insecure-skip-tls-verify: true for this cluster in the kubeconfig (the tailnet already "
+                     "authenticates this node)", fp)
     port = port or (443 if tls else 80)
     servers = [await asyncio.start_server(proxy.handle, sock=_listener(ip, port), ssl=tls) for ip in ips]
     scheme = "https" if tls else "http"
-    name = domains[0] if domains else str((st.get("Self") or {}).get("DNSName") or "").removesuffix(".")
+    name = domains[0] if domains else dns_name
     default_port = {"http": 80, "https": 443}[scheme]
     suffix = "" if port == default_port else f":{port}"
     log.info("API server proxy in %s mode is listening on %s (%s)", mode,
