@@ -40,7 +40,6 @@ COPY containerboot /src/containerboot
 COPY netfilter /src/netfilter
 COPY serveconfig /src/serveconfig
 COPY tscommon /src/tscommon
-COPY labtools /src/labtools
 # --no-deps: the dependencies are installed above. pip byte-compiles everything it installs, which matters: a
 # read-only root file system (or PYTHONDONTWRITEBYTECODE) would otherwise make every start compile them.
 # pip and setuptools are build tools only: removed from the venv the runtime copies.

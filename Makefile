@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme manifests
+.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme manifests check
 
 setup:
 	@bash scripts/setup.sh
@@ -60,3 +60,9 @@ readme: setup
 ## manifests: render deploy/ (kubectl apply -R -f deploy/) from the chart charts/tailscale-controller with helm.
 manifests: setup-bin
 	$(PY) -m labtools.helmchart write
+
+## check: the static gate: ruff (lint, the whole tree) and mypy (types, the product's packages), as configured in
+## pyproject.toml. CI runs it before the tests.
+check: setup
+	$(PY) -m ruff check .
+	$(PY) -m mypy

@@ -2,8 +2,9 @@
 
 Run as root: `python -m bench.boot [--runs N] [--firewall nftables|iptables]`. Each run starts a fresh agent
 (new node, new state dir) with `TS_DEST_IP` pointing at the lab's backend, measures the time until the log
-line appears (read as it is written, see `bench.logwatch`), checks that traffic flows, stops the agent and deletes the node. Prints every sample, the median
-of each agent with its spread (min-max) and their ratio. No asserts: figures are for people to read.
+line appears (read as it is written, see `bench.logwatch`), checks that traffic flows, stops the agent and
+deletes the node. Prints every sample, the median of each agent with its spread (min-max) and their ratio. No
+asserts: figures are for people to read.
 """
 from __future__ import annotations
 

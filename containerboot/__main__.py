@@ -94,7 +94,7 @@ def _early_tailscaled(settings) -> EarlyStart | None:
             if any(settings.forwarding_families):
                 from netfilter.sysctl import ensure_forwarding
                 ensure_forwarding(*settings.forwarding_families, root=settings.root)
-        except Exception:   # noqa: BLE001 -- reported by the agent, in its place
+        except Exception:   # reported by the agent, in its place
             return None
     try:
         popen = ts.spawn(ts.tailscaled_argv(settings), ts.child_env(settings, os.environ), settings.socket)

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -35,7 +35,7 @@ class PreShutdown:
     def __init__(self, cfg_dir: str, pod_ipv4: str = "", pod_ipv6: str = "", *, settle: float = 10.0,
                  interval: float = 1.0, max_wait: float = 300.0, timeout: float = 3.0,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 sleep: Callable[[float], "asyncio.Future | object"] = asyncio.sleep):
+                 sleep: Callable[[float], Awaitable[object]] = asyncio.sleep):
         self.cfg_dir = cfg_dir
         self.pod_ipv4, self.pod_ipv6 = pod_ipv4, pod_ipv6
         self.settle, self.interval, self.max_wait, self.timeout = settle, interval, max_wait, timeout

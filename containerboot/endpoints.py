@@ -327,7 +327,7 @@ class EndpointServer:
         for ln in listeners:
             try:
                 await asyncio.wait_for(ln.server.wait_closed(), 5)
-            except (asyncio.TimeoutError, Exception):   # noqa: BLE001 -- closing is best effort
+            except (asyncio.TimeoutError, Exception):   # closing is best effort
                 pass
             log.info("HTTP server at %s closed", ln.addr)
 
@@ -356,13 +356,13 @@ class EndpointServer:
                     break
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, asyncio.CancelledError):
             pass
-        except Exception:   # noqa: BLE001 -- one bad connection must never take the server down
+        except Exception:   # one bad connection must never take the server down
             log.exception("HTTP endpoint: unexpected error")
         finally:
             self._conns.discard(task)
             try:
                 writer.close()
-            except Exception:   # noqa: BLE001
+            except Exception:
                 pass
 
     async def _one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -444,7 +444,7 @@ class EndpointServer:
             return Response(405, b"method not allowed\n", headers=(("Allow", "GET, HEAD"),))
         try:
             return await handler()
-        except Exception as e:   # noqa: BLE001 -- report, don't drop the connection
+        except Exception as e:   # report, don't drop the connection
             log.warning("HTTP endpoint %s failed: %s", path, redact(str(e)))
             return Response(500, f"internal error: {redact(str(e))}\n".encode())
 
@@ -487,7 +487,7 @@ class EndpointServer:
                 text = await asyncio.wait_for(self._metrics_source(), _METRICS_TIMEOUT)
                 parts.append(_clean_usermetrics(text))
                 up = 1
-            except Exception as e:   # noqa: BLE001
+            except Exception as e:
                 log.warning("metrics: cannot get tailscaled's metrics: %s", redact(str(e)))
         parts.append(render_agent_metrics(st, self._clock()))
         parts.append("# HELP containerboot_tailscaled_metrics_up 1 if tailscaled's metrics were included.\n"

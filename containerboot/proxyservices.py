@@ -368,30 +368,30 @@ def compute_services(inp: ServicesInput, node: NodeState, *, families: tuple[int
         configs: dict[str, Any] = {}
         for name, problem in inp.ingress.problems:
             results.append(ServiceResult(name, "ingress-service", "", error=problem))
-        for svc in inp.ingress.services:
-            vips = ",".join(str(m.vip) for m in svc.mappings)
-            missing = [m for m in svc.mappings if m.vip.version not in families]
-            if not svc.mappings:
-                results.append(ServiceResult(svc.name, "ingress-service", vips, error="no address mapping"))
+        for isvc in inp.ingress.services:
+            vips = ",".join(str(m.vip) for m in isvc.mappings)
+            missing = [m for m in isvc.mappings if m.vip.version not in families]
+            if not isvc.mappings:
+                results.append(ServiceResult(isvc.name, "ingress-service", vips, error="no address mapping"))
                 continue
             if no_data_path:
-                results.append(ServiceResult(svc.name, "ingress-service", vips, error=no_data_path))
+                results.append(ServiceResult(isvc.name, "ingress-service", vips, error=no_data_path))
                 continue
-            clash = next((m.vip for m in svc.mappings if m.vip in reserved), None)
+            clash = next((m.vip for m in isvc.mappings if m.vip in reserved), None)
             if clash is not None:
-                results.append(ServiceResult(svc.name, "ingress-service", vips, error=(
+                results.append(ServiceResult(isvc.name, "ingress-service", vips, error=(
                     f"Tailscale Service IP {clash} is already forwarded by this proxy for another purpose")))
                 continue
             if missing:
-                results.append(ServiceResult(svc.name, "ingress-service", vips, error=(
+                results.append(ServiceResult(isvc.name, "ingress-service", vips, error=(
                     f"IPv{missing[0].vip.version} NAT is not available in this network namespace, so "
                     f"{missing[0].vip} cannot be forwarded")))
                 continue
-            dnats.extend(ServiceDnat(svc.name, m.vip, m.cluster_ip) for m in svc.mappings)
-            used.update(m.vip.version for m in svc.mappings)
-            results.append(ServiceResult(svc.name, "ingress-service", vips,
-                                         tuple(m.cluster_ip for m in svc.mappings), installed=True))
-            configs[svc.name] = svc.to_json()
+            dnats.extend(ServiceDnat(isvc.name, m.vip, m.cluster_ip) for m in isvc.mappings)
+            used.update(m.vip.version for m in isvc.mappings)
+            results.append(ServiceResult(isvc.name, "ingress-service", vips,
+                                         tuple(m.cluster_ip for m in isvc.mappings), installed=True))
+            configs[isvc.name] = isvc.to_json()
         doc = {}
         if configs:
             doc["configs"] = configs
@@ -432,7 +432,7 @@ def _egress_service(svc: EgressService, node: NodeState, own: tuple[IP, ...],
                              error="; ".join(skipped) or "no usable target address"), []
     # A service without ports (`"ports": []`) has no rules, and is recorded with its targets all the same, as
     # upstream does: the operator waits for that record.
-    maps = []
+    maps: list[ServicePortMap] = []
     for target in chosen:
         src = next(ip for ip in own if ip.version == target.version)
         # ServicePortMap lower-cases the protocol: "tcp" and "TCP" make one rule (de-duplicated below).

@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from netfilter.backend import Backend
 
 
 def main(argv: list[str]) -> int:
@@ -20,6 +24,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from netfilter.model import RuleSet
 
+    backend: Backend
     if _env_bool("TS_TEST_FAKE_NETFILTER", False):
         # The agent's test hook: its rules live in its in-memory firewall, published next to the socket. The
         # real firewall is neither probed nor read.

@@ -111,11 +111,14 @@ def parse_go_duration(text: str) -> float:
     total = Fraction(0)
     while s:
         m = _DURATION_NUMBER.match(s)
+        assert m is not None   # the pattern matches the empty string
         whole, frac = m.group(1), m.group(2) or ""
         if not whole and not frac:  # "." or a unit with no number before it
             raise ValueError(f"invalid duration {text!r}")
         s = s[m.end():]
-        unit = _DURATION_UNIT.match(s).group(0)
+        u = _DURATION_UNIT.match(s)
+        assert u is not None   # as above
+        unit = u.group(0)
         if not unit:
             raise ValueError(f"missing unit in duration {text!r}")
         if unit not in _DURATION_UNITS:

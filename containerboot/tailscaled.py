@@ -14,7 +14,7 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import asyncio
@@ -204,6 +204,20 @@ def spawn(argv: Sequence[str], env: Mapping[str, str], socket_path: str) -> "sub
     return subprocess.Popen(list(argv), env=dict(env), process_group=0)
 
 
+class ChildProcess(Protocol):
+    """What the agent uses of a child process: asyncio's Process and `_AdoptedProcess` both provide it."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    async def wait(self) -> int: ...
+
+
 class _AdoptedProcess:
     """The part of asyncio.subprocess.Process the agent uses, for a subprocess.Popen: its exit is noticed
     through a pidfd on the event loop (no polling), or a waiting thread where pidfds do not exist."""
@@ -211,7 +225,7 @@ class _AdoptedProcess:
     def __init__(self, popen: "subprocess.Popen") -> None:
         self._popen = popen
         self.pid = popen.pid
-        self._exited = None
+        self._exited: asyncio.Future[None] | None = None
 
     @property
     def returncode(self) -> int | None:
@@ -231,8 +245,11 @@ class _AdoptedProcess:
                 fd = os.pidfd_open(self.pid)
             except (AttributeError, OSError):
                 fut = self._exited
-                loop.run_in_executor(None, self._popen.wait).add_done_callback(
-                    lambda _: fut.done() or fut.set_result(None))
+
+                def waited(_: object) -> None:
+                    if not fut.done():
+                        fut.set_result(None)
+                loop.run_in_executor(None, self._popen.wait).add_done_callback(waited)
             else:
                 def exited(fut=self._exited) -> None:
                     loop.remove_reader(fd)
@@ -252,7 +269,7 @@ class TailscaledExited(Exception):
 class Tailscaled:
     """A running tailscaled child."""
 
-    proc: asyncio.subprocess.Process
+    proc: ChildProcess
     socket_path: str
 
     @classmethod

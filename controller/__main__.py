@@ -135,9 +135,11 @@ async def run(cfg: ControllerConfig) -> int:
         try:
             await asyncio.gather(
                 kopf.operator(registry=parents, settings=settings(False), clusterwide=True, standalone=True,
-                              identity=identity, stop_flag=stop, ready_flag=ready[0]),
+                              identity=identity,  # type: ignore[arg-type]  # kopf's Identity type is private
+                              stop_flag=stop, ready_flag=ready[0]),
                 kopf.operator(registry=children, settings=settings(True), namespaces=[cfg.namespace],
-                              standalone=True, identity=identity, stop_flag=stop, ready_flag=ready[1]),
+                              standalone=True, identity=identity,  # type: ignore[arg-type]  # as above
+                              stop_flag=stop, ready_flag=ready[1]),
                 signals(), until_stopped())
         finally:
             holder.cancel()

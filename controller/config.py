@@ -35,7 +35,8 @@ class ControllerConfig:
     proxy_resources: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_RESOURCES)),
                                   hash=False)
     image_pull_policy: str = "Always"
-    proxy_env: tuple[tuple[str, str], ...] = ()    # extra env of the proxy container (ProxyClass' tailscaleContainer.env)
+    # extra env of the proxy container (ProxyClass' tailscaleContainer.env)
+    proxy_env: tuple[tuple[str, str], ...] = ()
     login_server: str = ""                         # written into each proxy's config as ServerURL
     default_load_balancer: bool = False
     ingress_class: str = "tailscale"

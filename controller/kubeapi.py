@@ -115,7 +115,8 @@ class Kube:
             raise KubeError(f"{method} {p}: refused, this replica does not hold the leader Lease")
         self.requests.append((method, p))
         try:
-            r = await self._client.request(method, p, params=params, headers=self._headers(ctype if body is not None else ""),
+            r = await self._client.request(method, p, params=params,
+                                           headers=self._headers(ctype if body is not None else ""),
                                            content=None if body is None else json.dumps(body).encode())
         except httpx.HTTPError as e:
             raise KubeError(f"{method} {p}: API server unreachable ({type(e).__name__}: {e})") from None

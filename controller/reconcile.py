@@ -20,7 +20,7 @@ from tscommon.redact import redact
 
 from . import proxyrbac, render, status as st
 from .config import ControllerConfig
-from .kinds import annotations, apiserverproxy, connector, ingress, meta, service
+from .kinds import apiserverproxy, connector, ingress, meta, service
 from .kubeapi import (CLUSTERROLEBINDINGS, CONFIGMAPS, CONNECTORS, EVENTS, INGRESSES, ROLEBINDINGS, ROLES, SECRETS,
                       SERVICEACCOUNTS, SERVICES, STATEFULSETS, Kube, KubeError, Resource)
 from .model import APISERVER, CONNECTOR, FINALIZER, INGRESS, SVC, Decision, Invalid, Parent, Pending, ProxySpec

@@ -9,8 +9,8 @@ Secret keys, so stock upstream proxy images run these Pods too. Env names are th
 Differences, on purpose: object names are derived from the parent's UID (`ts-<parent>-<5 chars>`) instead of
 the API server's random `generateName` suffix, so rendering is a pure function and a retried create cannot
 leave a second orphan set; each proxy runs as its own ServiceAccount named like its StatefulSet, allowed only
-its own Secrets (controller/proxyrbac.py), not upstream's shared `proxies` one; each rendered object carries a hash of itself (`SPEC_HASH`) so that a pass that
-changes nothing writes nothing, whatever defaults the API server added.
+its own Secrets (controller/proxyrbac.py), not upstream's shared `proxies` one; each rendered object carries a
+hash of itself (`SPEC_HASH`) so that a pass that changes nothing writes nothing, whatever defaults the API server added.
 """
 from __future__ import annotations
 

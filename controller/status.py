@@ -4,9 +4,9 @@ The proxy's only channel back is its state Secret (`tscommon.secretcontract`): `
 `device_fqdn` and `device_ips` (forwarding is in place), `https_endpoint` (serve config applied),
 `reissue_authkey` (asks for a new key). From them come the Service's LoadBalancer ingress, the Ingress's
 status (upstream's from `https_endpoint`; for the plain-HTTP scheme, ours, the device's MagicDNS name on port
-80 once the proxy has applied a serve config naming it), the Connector's status and the conditions, whose reasons are upstream's and whose messages say what
-is missing. No key or token ever reaches a status: messages are built from our own words and the
-control plane's redacted errors.
+80 once the proxy has applied a serve config naming it), the Connector's status and the conditions, whose
+reasons are upstream's and whose messages say what is missing. No key or token ever reaches a status: messages
+are built from our own words and the control plane's redacted errors.
 """
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def condition(ctype: str, ok: bool, reason: str, message: str, *, generation: in
     for c in previous or ():
         if c.get("type") == ctype and c.get("status") == status and c.get("lastTransitionTime"):
             ltt = c["lastTransitionTime"]
-    out = {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": ltt}
+    out: dict[str, Any] = {"type": ctype, "status": status, "reason": reason, "message": message,
+                           "lastTransitionTime": ltt}
     if generation is not None:
         out["observedGeneration"] = generation
     return out

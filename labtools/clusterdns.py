@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         wire, peer = sock.recvfrom(4096)
         try:
             sock.sendto(res.answer(wire), peer)
-        except Exception as e:  # noqa: BLE001 - one bad query must not stop the server
+        except Exception as e:  # one bad query must not stop the server
             print(f"clusterdns: {peer}: {e}", file=sys.stderr, flush=True)
 
 

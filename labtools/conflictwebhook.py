@@ -110,7 +110,7 @@ def serve(host: str, port: int, cert: str, key: str, denier: Denier, record_path
     record = open(record_path, "a", buffering=1)
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:   # noqa: N802 (http.server's naming)
+        def do_POST(self) -> None:   # http.server's naming
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             try:
                 review = json.loads(body)

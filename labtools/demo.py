@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             env = {"TS_DEST_IP": dest, "TS_DEBUG_FIREWALL_MODE": a.firewall}
             t0 = time.monotonic()
             agent = lab.start_agent(env, cmd, image=a.image)
-            _say(f"agent ({a.agent}{', image ' + a.image if a.image else ''}, firewall {a.firewall}, TS_DEST_IP={dest}) started: pid {agent.pid}, "
+            image = f", image {a.image}" if a.image else ""
+            _say(f"agent ({a.agent}{image}, firewall {a.firewall}, TS_DEST_IP={dest}) started: pid {agent.pid}, "
                  f"log {agent.log_path}")
             try:
                 agent.wait_running(a.timeout)

@@ -62,7 +62,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from labtools import ociimage
 
@@ -245,7 +245,8 @@ def apiserver_argv(cfg: ClusterConfig) -> list[str]:
             f"--kubelet-client-key={p / 'apiserver-kubelet-client.key'}",
             "--kubelet-preferred-address-types=InternalIP", "--profiling=false", "--v=1",
             # every request on Secrets, with its response code, for the tests (KubeCluster.audit)
-            f"--audit-policy-file={p / 'audit-policy.json'}", f"--audit-log-path={cfg.run_dir / 'logs' / 'audit.jsonl'}",
+            f"--audit-policy-file={p / 'audit-policy.json'}",
+            f"--audit-log-path={cfg.run_dir / 'logs' / 'audit.jsonl'}",
             "--audit-log-mode=blocking"]
 
 
@@ -430,10 +431,11 @@ def _wait(pred, timeout: float, what: str, interval: float = 0.2, procs: Sequenc
             v = pred()
             if v:
                 return v
-        except Exception as e:  # noqa: BLE001 - "not yet" looks like anything
+        except Exception as e:  # "not yet" looks like anything
             last = e
         if time.monotonic() > deadline:
-            raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" (last: {last!r})" if last else ""))
+            raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}"
+                               + (f" (last: {last!r})" if last else ""))
         time.sleep(interval)
 
 
@@ -789,10 +791,9 @@ class KubeCluster:
                           in_node=True)
         _wait(lambda: self._ctr("version", check=False).returncode == 0, timeout, "containerd", 0.1, procs=[ctd])
         self.timings["containerd"] = time.monotonic() - t
-        self.import_image_bytes(ociimage.oci_archive(PAUSE_IMAGE, [ociimage.File("pause", (cfg.bin_dir / "pause").read_bytes())],
-                                                     ["/pause"]), "pause.tar")
-        self.import_image_bytes(ociimage.oci_archive(ECHO_IMAGE, [ociimage.File("lab-echo", (cfg.bin_dir / "lab-echo").read_bytes())],
-                                                     ["/lab-echo"]), "lab-echo.tar")
+        for image, name in ((PAUSE_IMAGE, "pause"), (ECHO_IMAGE, "lab-echo")):
+            files = [ociimage.File(name, (cfg.bin_dir / name).read_bytes())]
+            self.import_image_bytes(ociimage.oci_archive(image, files, [f"/{name}"]), f"{name}.tar")
         self.timings["images"] = time.monotonic() - t
         t_kubelet = time.monotonic()
         kubelet = self._spawn("kubelet", kubelet_argv(cfg), in_node=True)
@@ -899,20 +900,21 @@ class KubeCluster:
         for name in ("kubelet", "kube-proxy", "kube-scheduler", "kube-controller-manager"):
             try:
                 self.stop_component(name, 10)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 problems.append(f"{name}: {e}")
         # the Pods' processes: everything in our cgroup tree (they are in their own namespaces)
         self._kill_cgroup_tree(problems)
         for name in ("containerd", "kube-apiserver", "etcd"):
             try:
                 self.stop_component(name, 15)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 problems.append(f"{name}: {e}")
         if self.holder is not None:
             # the shims and anything else in the node's mount namespace, then the holder: the namespace and
             # every mount in it (Pods' netns pins, rootfs overlays, volume tmpfs) go with it
             try:
-                mnt = os.stat(f"/proc/{self.holder.proc.pid}/ns/mnt").st_ino if self.holder.proc.poll() is None else None
+                proc = self.holder.proc
+                mnt = os.stat(f"/proc/{proc.pid}/ns/mnt").st_ino if proc.poll() is None else None
             except OSError:
                 mnt = None
             if mnt is not None:
@@ -927,7 +929,7 @@ class KubeCluster:
         for pr in self.procs.values():
             try:
                 pr.logf.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         if self.lab is not None and self.netns:
             self.lab.kill_ns_leftovers("k8s", 5) if self.lab.ns_pids("k8s") else None
@@ -1061,7 +1063,7 @@ def _close_all() -> None:
     for kc in list(_LIVE):
         try:
             kc.close()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             print(f"kubecluster: atexit close failed: {e}", file=sys.stderr)
 
 

@@ -76,7 +76,8 @@ def lab_values(firewall: str = "", api_key: str = "") -> dict:
     """The chart's values for the lab: its headscale, the project's proxy image (imported, never pulled)."""
     repo, _, tag = PROXY_IMAGE.rpartition(":")
     crepo, _, ctag = CONTROLLER_IMAGE.rpartition(":")
-    v: dict = {"image": {"repository": crepo, "tag": ctag, "pullPolicy": "Never"}, "provider": "headscale", "headscale": {"url": labmod.LOGIN_SERVER}, "magicDNSSuffix": "tailnet.test",
+    v: dict = {"image": {"repository": crepo, "tag": ctag, "pullPolicy": "Never"}, "provider": "headscale",
+               "headscale": {"url": labmod.LOGIN_SERVER}, "magicDNSSuffix": "tailnet.test",
                "proxy": {"image": {"repository": repo, "tag": tag, "pullPolicy": "Never"}, "firewallMode": firewall,
                          "env": LAB_PROXY_ENV}}
     if api_key:

@@ -50,7 +50,8 @@ def proxy_rbac(namespace: str, name: str, secret: str, *,
                verbs: Sequence[str] = ("get", "update", "patch")) -> list[dict]:
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": namespace}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name, "namespace": namespace},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": name, "namespace": namespace},
          "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret], "verbs": list(verbs)},
                    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch", "get"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",

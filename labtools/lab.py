@@ -83,7 +83,7 @@ def wait_until(pred: Callable[[], Any], timeout: float = 60.0, interval: float =
                 return v
         except _Exited:
             raise  # the process being waited for is gone: waiting longer cannot help
-        except Exception as e:  # noqa: BLE001 - "not ready yet" may look like anything
+        except Exception as e:  # "not ready yet" may look like anything
             last_exc = e
         if time.monotonic() >= deadline:
             msg = f"timed out after {timeout:.0f}s waiting for {what or pred}"
@@ -667,7 +667,7 @@ logtail:
         for a in agents:
             try:
                 a.stop(signal.SIGTERM, 30)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 problems.append(f"stop agent: {e}")
         if self.wait_ns_empty("proxy", 10):
             problems.append(f"killed leftovers in proxy: {self.kill_ns_leftovers('proxy')}")
@@ -675,12 +675,12 @@ logtail:
             self.flush_firewall("proxy")
             for key in ("net/ipv4/ip_forward", "net/ipv6/conf/all/forwarding"):
                 self.exec("proxy", ["sh", "-c", f"echo 0 > /proc/sys/{key}"], timeout=10)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             problems.append(f"reset proxy: {e}")
         for hostname in dict.fromkeys(hostnames):
             try:
                 self.delete_node(hostname)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 problems.append(f"delete node {hostname}: {e}")
         return problems
 
@@ -874,7 +874,8 @@ logtail:
         full = ["ip", "netns", "exec", self.netns(ns), "env", "-i", *[f"{k}={v}" for k, v in e.items()], *argv]
         return _run(full, timeout=timeout + 5, check=check, input=input)
 
-    def curl(self, ns: str, url: str, timeout: float = 5.0, *, extra: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    def curl(self, ns: str, url: str, timeout: float = 5.0, *,
+             extra: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
         """curl ``url`` from ``ns`` (max ``timeout`` s, no proxies, -g so [v6] literals work). Not raising."""
         return self.exec(ns, ["curl", "-sS", "-g", "--noproxy", "*", "-m", str(timeout), *extra, url],
                          timeout=timeout + 5)
@@ -970,7 +971,7 @@ logtail:
                     out.append(f"\n=== {f.relative_to(self.run_dir)}\n{t}")
         try:
             out.append("\n=== headscale nodes list\n" + json.dumps(self.hs_nodes(), indent=1))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             out.append(f"\n=== headscale nodes list failed: {e}")
         for name, sock in sorted(self._sockets.items()):
             if os.path.exists(sock):
@@ -989,7 +990,7 @@ logtail:
                 try:
                     cp = self.exec(short, c, timeout=10)
                     out.append(f"--- {' '.join(c)}\n{cp.stdout}{cp.stderr}")
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     out.append(f"--- {' '.join(c)} failed: {e}")
         return "\n".join(out)
 
@@ -1043,18 +1044,18 @@ logtail:
             self._term_and_wait(by_kind("agent"), 20)
             self._term_and_wait(by_kind("node"), 10)
             self._term_and_wait(by_kind("http", "headscale"), 5)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             errors.append(f"stopping processes: {e}")
         for short in list(self.namespaces):
             try:
                 if self.ns_pids(short):
                     self.kill_ns_leftovers(short, 5)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 errors.append(f"leftovers in {short}: {e}")
         for pr in self._procs:
             try:
                 pr.logf.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
         # delete non-switch namespaces first (their veths disappear with them), then the switch
         for short in sorted(self.namespaces, key=lambda s: s == "sw"):
@@ -1074,7 +1075,7 @@ def _close_all_labs() -> None:
     for lab in list(_LIVE_LABS):
         try:
             lab.close()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             print(f"labtools: atexit close failed: {e}", file=sys.stderr)
 
 
@@ -1104,7 +1105,7 @@ def _http_serve(argv: list[str]) -> int:
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             peer, pport = self.client_address[0], self.client_address[1]
             local = self.connection.getsockname()[0]
             rec = {"peer": peer, "peer_port": pport, "local": local, "path": self.path, "time": time.time()}

@@ -14,8 +14,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import nettopo  # noqa: E402
-from needs import unavailable  # noqa: E402
+import nettopo
+from needs import unavailable
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +88,7 @@ def lab_bin_dir() -> _LtPath:
         pytest.skip(reason)
     try:
         return _labmod.ensure_binaries()
-    except Exception as e:  # noqa: BLE001 - any build problem means "cannot run e2e here"
+    except Exception as e:  # any build problem means "cannot run e2e here"
         unavailable(f"tailscale/headscale binaries cannot be built: {e}")
 
 
@@ -153,5 +153,5 @@ def pytest_runtest_makereport(item, call):
         if isinstance(lb, _labmod.Lab):
             try:
                 rep.sections.append(("labtools diagnostics", lb.dump_diagnostics()))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 rep.sections.append(("labtools diagnostics", f"dump_diagnostics failed: {e}"))

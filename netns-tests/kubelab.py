@@ -9,9 +9,9 @@
   in ``pod_mount_namespace_argv``: a private mount namespace with tmpfs on /run and /var/lib and the SA dir
   bind-mounted at /var/run/secrets/kubernetes.io/serviceaccount, so the agent AND its tailscaled child (whose
   kube client only reads that absolute path) find the ServiceAccount files; plus a fresh tmpfs on /tmp (with
-  the lab's run dir bound back in), since without TS_STATE_DIR tailscaled uses ``--statedir=/tmp``. The environment is the lab's
-  default agent environment with the kube variables on top and the keys in ``drop`` removed (by default
-  TS_STATE_DIR: the state lives in the Secret).
+  the lab's run dir bound back in), since without TS_STATE_DIR tailscaled uses ``--statedir=/tmp``. The
+  environment is the lab's default agent environment with the kube variables on top and the keys in ``drop``
+  removed (by default TS_STATE_DIR: the state lives in the Secret).
 
 Everything stays inside the lab's namespaces; every wait is bounded.
 """

@@ -154,13 +154,15 @@ def test_exit_node_with_auth_once_survives_restarts(lab, outside, start_agent, c
     env = {**base, "TS_EXTRA_ARGS": f"--login-server={lab.login_server} --advertise-exit-node"}
     second = start_and_wait(start_agent, env)
     log = second.log_text()
-    assert " up " not in "\n".join(ln for ln in log.splitlines() if ln.startswith("boot:") and "Running tailscale" in ln), \
+    running = [ln for ln in log.splitlines() if ln.startswith("boot:") and "Running tailscale" in ln]
+    assert " up " not in "\n".join(running), \
         "TS_AUTH_ONCE ran `tailscale up` again on an already logged-in node"
     assert second.tailnet_ips() == ips, "the restart made a new node"
     assert set(EXIT_ROUTES) <= advertised(lab), proxy_prefs(lab).get("AdvertiseRoutes")
     # An exit node forwards both families, like a subnet router does for its routes.
     assert forwarding(lab) == ("1", "1"), \
-        f"IP forwarding (v4, v6) is {forwarding(lab)} in the proxy: the agent did not enable it for --advertise-exit-node"
+        f"IP forwarding (v4, v6) is {forwarding(lab)} in the proxy: the agent did not enable it for " \
+        "--advertise-exit-node"
     lab.approve_routes("proxy", EXIT_ROUTES)
     client_exit_node(ips[0])
     check_outside(lab, o, srv, "exit-a", ips)

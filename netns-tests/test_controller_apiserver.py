@@ -27,10 +27,10 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir  # noqa: E402
-from containerboot.kube import secretstate as agent_ss  # noqa: E402
-from tests.support.fake_tailscale_api import FakeTailscaleAPI  # noqa: E402
-from needs import unavailable  # noqa: E402
+from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir
+from containerboot.kube import secretstate as agent_ss
+from tests.support.fake_tailscale_api import FakeTailscaleAPI
+from needs import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 REPO = str(pathlib.Path(__file__).resolve().parents[1])
@@ -137,8 +137,9 @@ def secret_data(obj) -> dict[str, bytes]:
 def children(kube, name, kind="svc"):
     sel = f"tailscale.com/parent-resource={name},tailscale.com/parent-resource-type={kind}"
     c = client(kube)
-    return ([i for i in c.get("/apis/apps/v1/namespaces/tailscale/statefulsets", params={"labelSelector": sel}).json()["items"]],
-            [i for i in c.get("/api/v1/namespaces/tailscale/secrets", params={"labelSelector": sel}).json()["items"]])
+    def items(path: str) -> list:
+        return list(c.get(path, params={"labelSelector": sel}).json()["items"])
+    return items("/apis/apps/v1/namespaces/tailscale/statefulsets"), items("/api/v1/namespaces/tailscale/secrets")
 
 
 def identity(kube, name):
@@ -199,7 +200,8 @@ def test_exposed_service_lifecycle(running):
     assert not can(kube, sts_name, "get", "secrets", "headscale-api")
     assert not can(kube, sts_name, "list", "secrets") and not can(kube, sts_name, "delete", "secrets", own)
     conf = json.loads(secret_data(secrets[0])["cap-107.hujson"])
-    assert conf["AuthKey"] == api.keys[0]["key"] and api.keys[0]["capabilities"]["devices"]["create"]["tags"] == ["tag:k8s"]
+    assert conf["AuthKey"] == api.keys[0]["key"]
+    assert api.keys[0]["capabilities"]["devices"]["create"]["tags"] == ["tag:k8s"]
     assert "tailscale.com/finalizer" in get(kube, "/api/v1/namespaces/default/services/web")["metadata"]["finalizers"]
     cond = wait(lambda: [x for x in (get(kube, "/api/v1/namespaces/default/services/web").get("status") or {})
                          .get("conditions") or [] if x["type"] == "TailscaleProxyReady"], 30, "a condition")[0]
@@ -210,7 +212,8 @@ def test_exposed_service_lifecycle(running):
     api.devices.add("nDEV1CNTRL")
     patch = {**agent_ss.device_id_patch("nDEV1CNTRL"),
              **agent_ss.device_endpoints_patch("default-web.tail1.ts.net", ["100.64.0.9", "fd7a:115c:a1e0::9"])}
-    r = c.patch(f"/api/v1/namespaces/tailscale/secrets/{name}", headers={"Content-Type": "application/merge-patch+json"},
+    r = c.patch(f"/api/v1/namespaces/tailscale/secrets/{name}",
+                headers={"Content-Type": "application/merge-patch+json"},
                 content=json.dumps({"data": {k: base64.b64encode(v).decode() for k, v in patch.items()}}))
     assert r.status_code == 200, r.text
     r = c.patch(f"/apis/apps/v1/namespaces/tailscale/statefulsets/{sts[0]['metadata']['name']}/status",
@@ -260,7 +263,8 @@ def test_egress_rewrite_and_invalid_annotation(running):
     assert spec["externalName"] == f"{sts[0]['metadata']['name']}.tailscale.svc.cluster.local"
     r = c.post("/api/v1/namespaces/default/services", json={
         "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": "bad", "annotations": {"tailscale.com/expose": "true", "tailscale.com/hostname": "Not_A_Label"}},
+        "metadata": {"name": "bad",
+                     "annotations": {"tailscale.com/expose": "true", "tailscale.com/hostname": "Not_A_Label"}},
         "spec": {"ports": [{"port": 80}]}})
     assert r.status_code == 201
     ev = wait(lambda: [e for e in c.get("/api/v1/namespaces/default/events").json()["items"]
@@ -312,7 +316,8 @@ def test_two_replicas_one_leads_the_other_takes_over_when_it_is_killed(running):
 
     def expose(name):
         r = c.post("/api/v1/namespaces/default/services", json={
-            "apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "annotations": {"tailscale.com/expose": "true"}},
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "annotations": {"tailscale.com/expose": "true"}},
             "spec": {"ports": [{"port": 80}], "selector": {"app": name}}})
         assert r.status_code == 201, r.text
 

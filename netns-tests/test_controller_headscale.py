@@ -64,7 +64,8 @@ print(json.dumps(asyncio.run(main())))
 
 
 def provider(lab, api_key: str, **req) -> dict:
-    cp = lab.exec("client", [sys.executable, "-c", SCRIPT], timeout=30, input=json.dumps({"url": lab.login_server, **req}),
+    cp = lab.exec("client", [sys.executable, "-c", SCRIPT], timeout=30,
+                  input=json.dumps({"url": lab.login_server, **req}),
                   env={"PYTHONPATH": REPO, "HS_API_KEY": api_key})
     assert cp.returncode == 0, cp.stderr
     return json.loads(cp.stdout.strip().splitlines()[-1])

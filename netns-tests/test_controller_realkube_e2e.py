@@ -49,7 +49,7 @@ import pytest
 
 from labtools import helmchart, kubecluster, kubecontroller, kubemanifests
 from labtools.lab import wait_until
-from needs import unavailable  # noqa: E402
+from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -416,7 +416,8 @@ def test_l7_ingress_on_headscale_over_http_by_magicdns_name(lab, kube):
     events = json.loads(kc.kubectl("-n", "apps", "get", "events", "-o", "json").stdout)["items"]
     http_only = [e for e in events if e.get("reason") == "HTTPOnly" and e["involvedObject"].get("name") == "web"]
     assert [(e["type"], e["message"].split(":")[0]) for e in http_only] == [
-        ("Normal", "served over plain HTTP on port 80 inside the tailnet (WireGuard encrypts it), not HTTPS")], http_only
+        ("Normal", "served over plain HTTP on port 80 inside the tailnet (WireGuard encrypts it), not HTTPS"),
+    ], http_only
 
     # the tailnet client, by the MagicDNS name (resolved to the proxy's tailnet IP by curl, as MagicDNS would):
     # the default backend, and the /api rule's backend

@@ -24,7 +24,7 @@ import pytest
 import labextras as lx
 from labtools import image as img
 from labtools.lab import BACKEND_LINK_PROXY_V4, Lab
-from needs import unavailable  # noqa: E402
+from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(420)]
 

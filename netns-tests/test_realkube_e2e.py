@@ -19,7 +19,7 @@ import pytest
 
 from labtools import kubecluster, kubemanifests
 from labtools.lab import wait_until
-from needs import unavailable  # noqa: E402
+from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(600)]
 

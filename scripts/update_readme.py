@@ -5,7 +5,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from containerboot.settings import reference_markdown  # noqa: E402
+from containerboot.settings import reference_markdown
 
 BEGIN, END = "<!-- BEGIN SETTINGS REFERENCE -->", "<!-- END SETTINGS REFERENCE -->"
 

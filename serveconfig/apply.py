@@ -187,7 +187,7 @@ class CertManager:
         if self._on_change is not None:
             try:
                 self._on_change()
-            except Exception:   # noqa: BLE001 -- a callback bug must not kill the cert loop
+            except Exception:   # a callback bug must not kill the cert loop
                 log.exception("cert: on_change callback failed")
 
     async def _loop(self, domain: str) -> None:
@@ -197,7 +197,7 @@ class CertManager:
                 await self._api.cert_pair(domain)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:   # noqa: BLE001 -- every failure is retried
+            except Exception as e:   # every failure is retried
                 wait = delay
                 if _status_of(e) == 429:
                     ra = _retry_after(e)
@@ -324,7 +324,7 @@ class ServeApplier:
             try:
                 log.info("serve proxy: unsetting previous config")
                 await self._api.set_serve_config({}, "")
-            except Exception as e:   # noqa: BLE001 -- retried on the next converge
+            except Exception as e:   # retried on the next converge
                 self._count("error")
                 return ApplyResult(applied=False, error=f"cannot clear the previous serve config: {_errtext(e)}",
                                    https_endpoint=None)
@@ -363,7 +363,7 @@ class ServeApplier:
                 self._failed = None
                 if count:
                     self._count("applied" if changed else "unchanged")
-            except Exception as e:   # noqa: BLE001 -- reported, retried with backoff
+            except Exception as e:   # reported, retried with backoff
                 error = f"cannot apply the serve config: {_errtext(e)}"
                 delay = self._retry_initial
                 if self._failed is not None and self._failed[0] == desired:
@@ -402,7 +402,7 @@ class ServeApplier:
             log.info("serve proxy: applying serve config")
             try:
                 await self._api.set_serve_config(body, etag)
-            except Exception as e:   # noqa: BLE001
+            except Exception as e:
                 status = _status_of(e)
                 if status == 412:
                     log.info("serve proxy: serve config changed concurrently (ETag mismatch), re-reading")
@@ -415,7 +415,7 @@ class ServeApplier:
             self._posted = desired
             try:
                 _, self._posted_etag = await self._api.get_serve_config()
-            except Exception:   # noqa: BLE001 -- only an optimisation for the next comparison
+            except Exception:   # only an optimisation for the next comparison
                 self._posted_etag = None
             return True
         raise RuntimeError(f"serve config kept changing under us ({self._max_conflicts} ETag conflicts)")
@@ -432,7 +432,7 @@ class ServeApplier:
         except Exception as second:
             try:
                 await self._api.set_serve_config(current.to_json(), "")
-            except Exception as e:   # noqa: BLE001
+            except Exception as e:
                 log.error("serve proxy: cannot restore the previous serve config: %s", _errtext(e))
                 self._in_force = ServeConfig()
             raise second
@@ -450,7 +450,7 @@ class ServeApplier:
             return self._advertised or ()
         try:
             return await self._advertise(self._want_advertised(cfg))
-        except Exception as e:   # noqa: BLE001 -- retried on the next converge
+        except Exception as e:   # retried on the next converge
             self._log_once(f"serve proxy: cannot update advertised Services: {_errtext(e)}", level=logging.ERROR)
             self._advertised = None    # re-read prefs next time
             return ()

@@ -21,8 +21,12 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from tscommon.aio import wait_event
+
+if TYPE_CHECKING:
+    from watchdog.observers.api import BaseObserver
 
 log = logging.getLogger("containerboot")
 
@@ -55,7 +59,7 @@ class _DirWatch:
         self.directory = directory
         self._loop = loop
         self._wake = wake
-        self._observer = None
+        self._observer: BaseObserver | None = None
         self.ident: tuple[int, int] | None = None   # (st_dev, st_ino) of the watched directory
 
     def start(self) -> None:
@@ -88,7 +92,7 @@ class _DirWatch:
             try:
                 obs.stop()
                 obs.join(timeout=2)
-            except Exception:   # noqa: BLE001 -- best effort on the way out
+            except Exception:   # best effort on the way out
                 pass
 
     @property
@@ -135,7 +139,7 @@ async def watch_file(path: str, poll_interval: float = 5.0, *, resync_interval: 
         w = _DirWatch(directory, loop, wake)
         try:
             w.start()
-        except Exception as e:   # noqa: BLE001 -- inotify exhaustion, missing watchdog backend, ...
+        except Exception as e:   # inotify exhaustion, missing watchdog backend, ...
             w.stop()
             if not warned:
                 log.warning("%s: cannot watch %s for changes (%s); polling every %ss instead", label,

@@ -140,4 +140,6 @@ async def test_the_services_watcher_reports_its_first_read_whatever_the_file_hol
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    assert a.reconciler.services.egress is not None and [s.name for s in a.reconciler.services.egress.services] == ["svc"]
+    assert a.reconciler.services.egress is not None and [s.name for s in a.reconciler.services.egress.services] == [
+        "svc"
+    ]

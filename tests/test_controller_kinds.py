@@ -110,8 +110,10 @@ def test_invalid_service_annotations(ann, extra, needle):
 
 # ---- Ingress
 
-BACKEND = {"metadata": {"name": "be"},
-           "spec": {"clusterIP": "10.96.0.20", "ports": [{"name": "http", "port": 8080}, {"name": "https", "port": 8443}]}}
+BACKEND = {
+    "metadata": {"name": "be"},
+    "spec": {"clusterIP": "10.96.0.20", "ports": [{"name": "http", "port": 8080}, {"name": "https", "port": 8443}]},
+}
 
 
 def ing(spec, ann=None):
@@ -157,15 +159,36 @@ HS = ControllerConfig(provider="headscale", login_server="http://hs:8080", magic
 def test_ingress_http_scheme_serves_port_80_under_the_magicdns_name():
     """headscale (no certificates): plain HTTP on 80 under the proxy's MagicDNS name, the same paths and
     backends as the HTTPS config; Funnel and the redirect are ignored with a Warning."""
-    i = ing({"tls": [{"hosts": ["site"]}],
-             "defaultBackend": {"service": {"name": "be", "port": {"number": 80}}},
-             "rules": [{"host": "site", "http": {"paths": [
-                 {"path": "/api", "pathType": "Prefix", "backend": {"service": {"name": "be", "port": {"name": "http"}}}},
-                 {"path": "/secure", "pathType": "Prefix",
-                  "backend": {"service": {"name": "be", "port": {"name": "https"}}}}]}},
-                       {"host": "other.example.com", "http": {"paths": [
-                           {"path": "/", "backend": {"service": {"name": "be", "port": {"number": 80}}}}]}}]},
-            {"tailscale.com/funnel": "true", "tailscale.com/http-redirect": "true"})
+    i = ing(
+        {
+            "tls": [{"hosts": ["site"]}],
+            "defaultBackend": {"service": {"name": "be", "port": {"number": 80}}},
+            "rules": [
+                {
+                    "host": "site",
+                    "http": {
+                        "paths": [
+                            {
+                                "path": "/api",
+                                "pathType": "Prefix",
+                                "backend": {"service": {"name": "be", "port": {"name": "http"}}},
+                            },
+                            {
+                                "path": "/secure",
+                                "pathType": "Prefix",
+                                "backend": {"service": {"name": "be", "port": {"name": "https"}}},
+                            },
+                        ]
+                    },
+                },
+                {
+                    "host": "other.example.com",
+                    "http": {"paths": [{"path": "/", "backend": {"service": {"name": "be", "port": {"number": 80}}}}]},
+                },
+            ],
+        },
+        {"tailscale.com/funnel": "true", "tailscale.com/http-redirect": "true"},
+    )
     handlers = {"/": {"Proxy": "http://10.96.0.20:80/"}, "/api": {"Proxy": "http://10.96.0.20:8080/api"},
                 "/secure": {"Proxy": "https+insecure://10.96.0.20:8443/secure"}}
     # The device's own name (here different from the asked one) wins over the predicted one.
@@ -174,14 +197,22 @@ def test_ingress_http_scheme_serves_port_80_under_the_magicdns_name():
     assert d.spec.serve_config == {"TCP": {"80": {"HTTP": True}},
                                    "Web": {"site-2.tail.example:80": {"Handlers": handlers}}}
     assert "host 'other.example.com' is not the TLS host" in "\n".join(d.warnings)
-    assert [(t, r) for t, r, _ in d.notices] == [("Normal", "HTTPOnly"), ("Warning", "HTTPOnly"), ("Warning", "HTTPOnly")]
-    assert "the control plane issues no TLS certificates (INGRESS_SCHEME=auto, CONTROL_PLANE=headscale)" in d.notices[0][2]
+    assert [(t, r) for t, r, _ in d.notices] == [
+        ("Normal", "HTTPOnly"),
+        ("Warning", "HTTPOnly"),
+        ("Warning", "HTTPOnly"),
+    ]
+    assert (
+        "the control plane issues no TLS certificates (INGRESS_SCHEME=auto, CONTROL_PLANE=headscale)" in d.notices[0][2]
+    )
     assert "annotation tailscale.com/funnel ignored" in d.notices[1][2]
     assert "annotation tailscale.com/http-redirect ignored" in d.notices[2][2]
     assert "AllowFunnel" not in d.spec.serve_config
     # Not registered yet: the name predicted from TS_MAGICDNS_SUFFIX; without a suffix, nothing served yet.
     d = ingress.decide(i, HS, {"be": BACKEND})
-    assert list(d.spec.serve_config["Web"]) == ["site.tail.example:80"] and d.spec.ingress_http_name == "site.tail.example"
+    assert (
+        list(d.spec.serve_config["Web"]) == ["site.tail.example:80"] and d.spec.ingress_http_name == "site.tail.example"
+    )
     d = ingress.decide(i, ControllerConfig(provider="headscale", login_server="http://hs:8080"), {"be": BACKEND})
     assert (d.spec.serve_config, d.spec.ingress_http_name) == ({}, "")
     # Upstream's HTTPS config is unchanged for Tailscale, and what a static key on Tailscale's server gets.
@@ -269,7 +300,10 @@ def test_config_defaults_and_headscale():
         "tailscale", ("tag:k8s",), "static", "https://controlplane.tailscale.com")
     c = cconfig.load({"CONTROL_PLANE": "headscale", "HEADSCALE_URL": "http://10.99.0.1:8080/"})
     assert c.login_server == "http://10.99.0.1:8080" and c.headscale_url == "http://10.99.0.1:8080"
-    assert cconfig.load({}, resolv_conf="search ns.svc.corp.local svc.corp.local corp.local\n").cluster_domain == "corp.local"
+    assert (
+        cconfig.load({}, resolv_conf="search ns.svc.corp.local svc.corp.local corp.local\n").cluster_domain
+        == "corp.local"
+    )
     c = cconfig.load({"PROXY_RESOURCES": json.dumps({"requests": {"cpu": "5m"}})})
     assert c.proxy_resources == {"requests": {"cpu": "5m"}}
     c = cconfig.load({"PROXY_ENV": json.dumps({"TS_DEBUG_USE_DERP_HTTP": "true", "A": "1"})})

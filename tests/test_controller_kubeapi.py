@@ -9,8 +9,8 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from controller.kubeapi import CONNECTORS, SECRETS, STATEFULSETS, Kube, KubeError, path  # noqa: E402
-from tests.support.kubeapi import KubeAPIServer  # noqa: E402
+from controller.kubeapi import CONNECTORS, SECRETS, STATEFULSETS, Kube, KubeError, path
+from tests.support.kubeapi import KubeAPIServer
 
 
 def test_paths():

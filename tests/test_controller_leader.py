@@ -11,9 +11,9 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from controller.kubeapi import SECRETS, Kube, KubeError  # noqa: E402
-from controller.leader import LEASES, LeaderElector, LostLeadership, Seen, Timing, decide, record_of  # noqa: E402
-from tests.support.kubeapi import KubeAPIServer  # noqa: E402
+from controller.kubeapi import SECRETS, Kube, KubeError
+from controller.leader import LEASES, LeaderElector, LostLeadership, Seen, Timing, decide, record_of
+from tests.support.kubeapi import KubeAPIServer
 
 T = Timing(duration=2.0, renew_deadline=1.2, retry=0.1)
 NS = "tailscale"

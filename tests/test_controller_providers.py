@@ -11,12 +11,12 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from controller.providers import ProviderError  # noqa: E402
-from controller.providers.headscale import HeadscaleProvider  # noqa: E402
-from controller.providers.static import StaticKeyProvider  # noqa: E402
-from controller.providers.tailscale import TailscaleProvider  # noqa: E402
-from tests.support.fake_tailscale_api import FakeTailscaleAPI  # noqa: E402
-from tscommon.redact import redact  # noqa: E402
+from controller.providers import ProviderError
+from controller.providers.headscale import HeadscaleProvider
+from controller.providers.static import StaticKeyProvider
+from controller.providers.tailscale import TailscaleProvider
+from tests.support.fake_tailscale_api import FakeTailscaleAPI
+from tscommon.redact import redact
 
 
 @pytest.fixture
@@ -152,8 +152,11 @@ async def test_headscale_node_tags_request_shape():
         if req.url.path.endswith("/99"):
             return httpx.Response(404, json={"code": 5, "message": "node not found"})
         if req.method == "POST":
-            return httpx.Response(400, json={"code": 3, "message": "requested tags [tag:x] are invalid or not permitted"}) \
-                if b"tag:x" in req.content else httpx.Response(200, json={"node": {"id": "12"}})
+            return (
+                httpx.Response(400, json={"code": 3, "message": "requested tags [tag:x] are invalid or not permitted"})
+                if b"tag:x" in req.content
+                else httpx.Response(200, json={"node": {"id": "12"}})
+            )
         return httpx.Response(200, json={"node": {"id": "12", "tags": ["tag:web", "tag:k8s"]}})
     p = HeadscaleProvider("http://hs:8080/", api_key="hskey-api-KEY", transport=httpx.MockTransport(handler))
     assert await p.device_tags("12") == ("tag:k8s", "tag:web") and await p.device_tags("99") is None

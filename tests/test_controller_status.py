@@ -29,7 +29,9 @@ def test_device_info_reads_what_the_agent_writes():
     assert d.ingress_dns_name == "web.tail1.ts.net"
     assert st.device_info("s-0", agent_written(https="no-https")).ingress_dns_name == ""
     # Written by another Pod than the current one: the capability is unknown, fall back to the device name (upstream).
-    assert st.device_info("s-0", agent_written(https="no-https"), pod_uid="pod-2").ingress_dns_name == "web.tail1.ts.net"
+    assert (
+        st.device_info("s-0", agent_written(https="no-https"), pod_uid="pod-2").ingress_dns_name == "web.tail1.ts.net"
+    )
     # An old proxy (no capver): fall back to the device name, as upstream.
     old = agent_written()
     del old["tailscale_capver"]

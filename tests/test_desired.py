@@ -67,7 +67,9 @@ def test_egress_ip_exempts_tailscaled_port_and_local_http_port():
 
 def test_egress_fqdn_follows_the_peer_through_a_nothing_a_and_a_move():
     s = load(dict(KERNEL, TS_TAILNET_TARGET_FQDN="client.t.test"))
-    base = node("100.64.0.5", "fd7a:115c:a1e0::5", peers=[peer(2, "client.t.test.", ["100.64.0.2", "fd7a:115c:a1e0::2"])])
+    base = node(
+        "100.64.0.5", "fd7a:115c:a1e0::5", peers=[peer(2, "client.t.test.", ["100.64.0.2", "fd7a:115c:a1e0::2"])]
+    )
     d1 = compute(s, base)
     assert {e.target for e in d1.rules.egress} == {ip("100.64.0.2"), ip("fd7a:115c:a1e0::2")}
     gone = apply_notify(base, {"PeersRemoved": [2]}, 2.0)

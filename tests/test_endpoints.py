@@ -158,7 +158,9 @@ async def test_metrics_are_valid_exposition(server) -> None:
     assert fams["containerboot_reconcile_total"]["type"] == "counter"
     assert sample(fams, "containerboot_reconcile_total") == 7
     assert fams["containerboot_reconcile_duration_seconds"]["type"] == "summary"
-    assert sample(fams, "containerboot_reconcile_duration_seconds", "containerboot_reconcile_duration_seconds_count") == 7
+    assert (
+        sample(fams, "containerboot_reconcile_duration_seconds", "containerboot_reconcile_duration_seconds_count") == 7
+    )
     assert sample(fams, "containerboot_dns_resolutions_total", result="error") == 1
     assert sample(fams, "containerboot_serve_config_applies_total", result="invalid") == 1
     assert sample(fams, "containerboot_rules_installed", target="db", kind="tailnet-target-fqdn") == 1

@@ -103,13 +103,19 @@ def test_create_get_conflicts_and_resource_version(http, kube_api):
     assert status_of(http.put(SECRETS + "/s", json={"metadata": {"name": "other"}}))[0] == 400
     # a no-op patch does not bump the resourceVersion (etcd3 storage skips it)
     rv = kube_api.secret("s")["metadata"]["resourceVersion"]
-    assert http.patch(SECRETS + "/s", json={"data": {"d": b64("4")}}, headers=MP).json()["metadata"]["resourceVersion"] == rv
+    assert (
+        http.patch(SECRETS + "/s", json={"data": {"d": b64("4")}}, headers=MP).json()["metadata"]["resourceVersion"]
+        == rv
+    )
     assert http.delete(SECRETS + "/s").json()["status"] == "Success"
     assert status_of(http.delete(SECRETS + "/s")) == (404, "NotFound", 404)
 
 
 def test_secret_validation(http):
-    assert status_of(http.post(SECRETS, json={"metadata": {"name": "a"}, "data": {"bad/key": b64("x")}}))[:2] == (422, "Invalid")
+    assert status_of(http.post(SECRETS, json={"metadata": {"name": "a"}, "data": {"bad/key": b64("x")}}))[:2] == (
+        422,
+        "Invalid",
+    )
     assert status_of(http.post(SECRETS, json={"metadata": {"name": "a"}, "data": {"k": "%%%"}}))[0] == 400
     assert status_of(http.post(SECRETS, json={"metadata": {}}))[:2] == (422, "Invalid")
     big = base64.b64encode(b"x" * (1024 * 1024 + 1)).decode()
@@ -131,13 +137,21 @@ def test_list_with_label_selector(http, kube_api):
 
 
 def test_json_patch_like_kube_apiserver(http, kube_api):
-    kube_api.put_secret("s")                                   # no data at all
-    r = http.patch(SECRETS + "/s", content=json.dumps([{"op": "add", "path": "/data/k", "value": b64("v")}]), headers=JP)
-    assert status_of(r)[:2] == (422, "Invalid")               # parent /data is missing
-    r = http.patch(SECRETS + "/s", content=json.dumps([{"op": "add", "path": "/data", "value": {"k": b64("v")}}]), headers=JP)
+    kube_api.put_secret("s")  # no data at all
+    r = http.patch(
+        SECRETS + "/s", content=json.dumps([{"op": "add", "path": "/data/k", "value": b64("v")}]), headers=JP
+    )
+    assert status_of(r)[:2] == (422, "Invalid")  # parent /data is missing
+    r = http.patch(
+        SECRETS + "/s", content=json.dumps([{"op": "add", "path": "/data", "value": {"k": b64("v")}}]), headers=JP
+    )
     assert r.status_code == 200 and kube_api.secret_data("s") == {"k": b"v"}
     # replace of an absent key under an existing object is accepted (evanphx/json-patch v4, defect 29)
-    r = http.patch(SECRETS + "/s", content=json.dumps([{"op": "replace", "path": "/data/egress-services", "value": b64("{}")}]), headers=JP)
+    r = http.patch(
+        SECRETS + "/s",
+        content=json.dumps([{"op": "replace", "path": "/data/egress-services", "value": b64("{}")}]),
+        headers=JP,
+    )
     assert r.status_code == 200 and kube_api.secret_data("s")["egress-services"] == b"{}"
     r = http.patch(SECRETS + "/s", content=json.dumps([{"op": "remove", "path": "/data/authkey"}]), headers=JP)
     assert status_of(r)[:2] == (422, "Invalid")
@@ -148,11 +162,27 @@ def test_json_patch_like_kube_apiserver(http, kube_api):
                                                        {"op": "remove", "path": "/data/egress-services"}]), headers=JP)
     assert r.status_code == 422 and "egress-services" in kube_api.secret_data("s")    # atomic
     rv = kube_api.secret("s")["metadata"]["resourceVersion"]
-    r = http.patch(SECRETS + "/s", content=json.dumps([{"op": "test", "path": "/metadata/resourceVersion", "value": rv},
-                                                       {"op": "add", "path": "/data/x", "value": b64("1")}]), headers=JP)
+    r = http.patch(
+        SECRETS + "/s",
+        content=json.dumps(
+            [
+                {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+                {"op": "add", "path": "/data/x", "value": b64("1")},
+            ]
+        ),
+        headers=JP,
+    )
     assert r.status_code == 200
-    r = http.patch(SECRETS + "/s", content=json.dumps([{"op": "replace", "path": "/metadata/resourceVersion", "value": rv},
-                                                       {"op": "add", "path": "/data/y", "value": b64("1")}]), headers=JP)
+    r = http.patch(
+        SECRETS + "/s",
+        content=json.dumps(
+            [
+                {"op": "replace", "path": "/metadata/resourceVersion", "value": rv},
+                {"op": "add", "path": "/data/y", "value": b64("1")},
+            ]
+        ),
+        headers=JP,
+    )
     assert status_of(r)[:2] == (409, "Conflict")
     assert status_of(http.patch(SECRETS + "/s", content="{}", headers=JP))[0] == 400
     assert status_of(http.patch(SECRETS + "/nope", content="[]", headers=JP))[:2] == (404, "NotFound")
@@ -285,12 +315,19 @@ def test_cli(tmp_path):
         info = json.loads(proc.stdout.readline())
         assert (d / "namespace").read_text() == "ns1" and (d / "url").read_text() == info["url"]
         token = (d / "token").read_text()
-        with httpx.Client(base_url=info["url"], verify=ssl.create_default_context(cafile=str(d / "ca.crt")), headers={"Authorization": "Bearer " + token}) as c:
+        with httpx.Client(
+            base_url=info["url"],
+            verify=ssl.create_default_context(cafile=str(d / "ca.crt")),
+            headers={"Authorization": "Bearer " + token},
+        ) as c:
             assert c.get("/api/v1/namespaces/ns1/secrets/pre").status_code == 200
             assert c.patch("/api/v1/namespaces/ns1/secrets/pre", json={}, headers=MP).status_code == 403
             # the /_test/ endpoints steer a server in another process
             assert c.put("/_test/rules", json=None).status_code == 200
-            assert c.patch("/api/v1/namespaces/ns1/secrets/pre", json={"data": {"a": b64("1")}}, headers=MP).status_code == 200
+            assert (
+                c.patch("/api/v1/namespaces/ns1/secrets/pre", json={"data": {"a": b64("1")}}, headers=MP).status_code
+                == 200
+            )
             assert c.post("/_test/faults", json={"kind": "status", "status": 503}).status_code == 200
             assert c.get("/api/v1/namespaces/ns1/secrets/pre").status_code == 503
             assert [r["status"] for r in c.get("/_test/requests").json()][-1] == 503

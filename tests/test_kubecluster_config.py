@@ -43,7 +43,12 @@ def _cfg(tmp_path: Path) -> kc.ClusterConfig:
 def test_the_apiserver_certificate_covers_every_name_pods_and_the_island_use(tmp_path):
     cfg = _cfg(tmp_path)
     api = next(s for s in kc.cert_plan(cfg) if s.name == "apiserver")
-    for san in ("IP:10.99.0.50", "IP:10.96.0.1", "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local"):
+    for san in (
+        "IP:10.99.0.50",
+        "IP:10.96.0.1",
+        "DNS:kubernetes.default.svc",
+        "DNS:kubernetes.default.svc.cluster.local",
+    ):
         assert san in api.sans
     node = next(s for s in kc.cert_plan(cfg) if s.name == "kubelet-client")
     assert (node.cn, node.org) == ("system:node:knode", "system:nodes")

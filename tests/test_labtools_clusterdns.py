@@ -8,8 +8,9 @@ import dns.rcode
 from labtools.clusterdns import Resolver, pod_dns_config
 
 SERVICES = {
-    "/api/v1/namespaces/apps/services/egress": {"spec": {"type": "ExternalName",
-                                                         "externalName": "ts-egress-abcde.tailscale.svc.cluster.local"}},
+    "/api/v1/namespaces/apps/services/egress": {
+        "spec": {"type": "ExternalName", "externalName": "ts-egress-abcde.tailscale.svc.cluster.local"}
+    },
     "/api/v1/namespaces/tailscale/services/ts-egress-abcde": {"spec": {"clusterIP": "None", "clusterIPs": ["None"]}},
     "/api/v1/namespaces/apps/services/web": {"spec": {"clusterIP": "10.96.0.20", "clusterIPs": ["10.96.0.20"]}},
 }

@@ -61,14 +61,14 @@ CASES = {
               "\t\tip6 daddr fd7a:115c:a1e0::5 dnat to fd00::7\n\t}\n" + CLAMP_NFT + "\n}\n"),
     # O2: DNS name with several backends: load-balanced in BOTH backends [E3].
     "O2-v4": (RuleSet(dnats=(Dnat(TS4, ("10.0.0.1", "10.0.0.2", "10.0.0.3")),), clamp_mss=True), 4,
-              ["-A CB-PREROUTING -d 100.64.0.5/32 -m statistic --mode nth --every 3 --packet 0 -j DNAT --to-destination 10.0.0.3",
-               "-A CB-PREROUTING -d 100.64.0.5/32 -m statistic --mode nth --every 2 --packet 0 -j DNAT --to-destination 10.0.0.2",
+              ["-A CB-PREROUTING -d 100.64.0.5/32 -m statistic --mode nth --every 3 --packet 0 -j DNAT --to-destination 10.0.0.3",  # noqa: E501 -- a rule verbatim
+               "-A CB-PREROUTING -d 100.64.0.5/32 -m statistic --mode nth --every 2 --packet 0 -j DNAT --to-destination 10.0.0.2",  # noqa: E501 -- a rule verbatim
                "-A CB-PREROUTING -d 100.64.0.5/32 -j DNAT --to-destination 10.0.0.1"], CLAMP_IPT,
               "table ip containerboot {\n" + PRE +
               "\t\tip daddr 100.64.0.5 dnat to numgen random mod 3 map { 0 : 10.0.0.1, 1 : 10.0.0.2, 2 : 10.0.0.3 }\n"
               "\t}\n" + CLAMP_NFT + "\n}\n"),
     "O2-v6": (RuleSet(dnats=(Dnat(TS6, ("fd00::1", "fd00::2")),), clamp_mss=True), 6,
-              ["-A CB-PREROUTING -d fd7a:115c:a1e0::5/128 -m statistic --mode nth --every 2 --packet 0 -j DNAT --to-destination fd00::2",
+              ["-A CB-PREROUTING -d fd7a:115c:a1e0::5/128 -m statistic --mode nth --every 2 --packet 0 -j DNAT --to-destination fd00::2",  # noqa: E501 -- a rule verbatim
                "-A CB-PREROUTING -d fd7a:115c:a1e0::5/128 -j DNAT --to-destination fd00::1"], CLAMP_IPT,
               "table ip6 containerboot {\n" + PRE +
               "\t\tip6 daddr fd7a:115c:a1e0::5 dnat to numgen random mod 2 map { 0 : fd00::1, 1 : fd00::2 }\n"
@@ -80,7 +80,7 @@ CASES = {
                "-A CB-PREROUTING ! -i tailscale0 -j DNAT --to-destination 100.99.99.99",
                "-A CB-POSTROUTING -d 100.99.99.99/32 -j SNAT --to-source 100.64.0.5"], CLAMP_IPT,
               "table ip containerboot {\n" + PRE +
-              '\t\tiifname != "tailscale0" meta l4proto . th dport != { tcp . 9002, udp . 41641 } dnat to 100.99.99.99\n'
+              '\t\tiifname != "tailscale0" meta l4proto . th dport != { tcp . 9002, udp . 41641 } dnat to 100.99.99.99\n'  # noqa: E501 -- a rule verbatim
               "\t}\n\n" + POST + "\t\tip daddr 100.99.99.99 snat to 100.64.0.5\n\t}\n" + CLAMP_NFT + "\n}\n"),
     "O3-v6": (RuleSet(egress=(EgressForward("fd7a:115c:a1e0::99", TS6, EXEMPT),), clamp_mss=True), 6,
               ["-A CB-PREROUTING ! -i tailscale0 -p tcp -m tcp --dport 9002 -j RETURN",
@@ -88,7 +88,7 @@ CASES = {
                "-A CB-PREROUTING ! -i tailscale0 -j DNAT --to-destination fd7a:115c:a1e0::99",
                "-A CB-POSTROUTING -d fd7a:115c:a1e0::99/128 -j SNAT --to-source fd7a:115c:a1e0::5"], CLAMP_IPT,
               "table ip6 containerboot {\n" + PRE +
-              '\t\tiifname != "tailscale0" meta l4proto . th dport != { tcp . 9002, udp . 41641 } dnat to fd7a:115c:a1e0::99\n'
+              '\t\tiifname != "tailscale0" meta l4proto . th dport != { tcp . 9002, udp . 41641 } dnat to fd7a:115c:a1e0::99\n'  # noqa: E501 -- a rule verbatim
               "\t}\n\n" + POST + "\t\tip6 daddr fd7a:115c:a1e0::99 snat to fd7a:115c:a1e0::5\n\t}\n" + CLAMP_NFT +
               "\n}\n"),
     # O4: Pod IP -> own tailnet IP (local delivery: no clamp).
@@ -102,8 +102,8 @@ CASES = {
     "O5-v4": (RuleSet(port_maps=(
                   ServicePortMap("default-mysvc", "TCP", 10001, 5432, "100.99.99.99", TS4),
                   ServicePortMap("default-dns", "UDP", 10002, 53, "100.99.99.98", TS4)), clamp_mss=True), 4,
-              ['-A CB-PREROUTING ! -i tailscale0 -p tcp -m tcp --dport 10001 -m comment --comment "svc default-mysvc tcp/10001" -j DNAT --to-destination 100.99.99.99:5432',
-               '-A CB-PREROUTING ! -i tailscale0 -p udp -m udp --dport 10002 -m comment --comment "svc default-dns udp/10002" -j DNAT --to-destination 100.99.99.98:53',
+              ['-A CB-PREROUTING ! -i tailscale0 -p tcp -m tcp --dport 10001 -m comment --comment "svc default-mysvc tcp/10001" -j DNAT --to-destination 100.99.99.99:5432',  # noqa: E501 -- a rule verbatim
+               '-A CB-PREROUTING ! -i tailscale0 -p udp -m udp --dport 10002 -m comment --comment "svc default-dns udp/10002" -j DNAT --to-destination 100.99.99.98:53',  # noqa: E501 -- a rule verbatim
                "-A CB-POSTROUTING -d 100.99.99.98/32 -j SNAT --to-source 100.64.0.5",
                "-A CB-POSTROUTING -d 100.99.99.99/32 -j SNAT --to-source 100.64.0.5"], CLAMP_IPT,
               "table ip containerboot {\n" + PRE +
@@ -113,8 +113,9 @@ CASES = {
               "\t\tsnat to ip daddr map { 100.99.99.98 : 100.64.0.5, 100.99.99.99 : 100.64.0.5 }\n\t}\n"
               + CLAMP_NFT + "\n}\n"),
     "O5-v6": (RuleSet(port_maps=(
-                  ServicePortMap("default-mysvc", "tcp", 10001, 80, "fd7a:115c:a1e0::701:b62a", TS6),), clamp_mss=True), 6,
-              ['-A CB-PREROUTING ! -i tailscale0 -p tcp -m tcp --dport 10001 -m comment --comment "svc default-mysvc tcp/10001" -j DNAT --to-destination [fd7a:115c:a1e0::701:b62a]:80',
+                  ServicePortMap("default-mysvc", "tcp", 10001, 80, "fd7a:115c:a1e0::701:b62a", TS6),),
+                      clamp_mss=True), 6,
+              ['-A CB-PREROUTING ! -i tailscale0 -p tcp -m tcp --dport 10001 -m comment --comment "svc default-mysvc tcp/10001" -j DNAT --to-destination [fd7a:115c:a1e0::701:b62a]:80',  # noqa: E501 -- a rule verbatim
                "-A CB-POSTROUTING -d fd7a:115c:a1e0::701:b62a/128 -j SNAT --to-source fd7a:115c:a1e0::5"], CLAMP_IPT,
               "table ip6 containerboot {\n" + PRE +
               '\t\tiifname != "tailscale0" dnat ip6 to meta l4proto . th dport map '
@@ -124,14 +125,14 @@ CASES = {
     # O6: ingress services, VIP -> ClusterIP, no interface restriction.
     "O6-v4": (RuleSet(service_dnats=(ServiceDnat("svc:web", "100.100.1.1", "10.96.0.10"),
                                      ServiceDnat("svc:db", "100.100.1.2", "10.96.0.11")), clamp_mss=True), 4,
-              ['-A CB-PREROUTING -d 100.100.1.1/32 -m comment --comment "svc svc:web" -j DNAT --to-destination 10.96.0.10',
-               '-A CB-PREROUTING -d 100.100.1.2/32 -m comment --comment "svc svc:db" -j DNAT --to-destination 10.96.0.11'],
+              ['-A CB-PREROUTING -d 100.100.1.1/32 -m comment --comment "svc svc:web" -j DNAT --to-destination 10.96.0.10',  # noqa: E501 -- a rule verbatim
+               '-A CB-PREROUTING -d 100.100.1.2/32 -m comment --comment "svc svc:db" -j DNAT --to-destination 10.96.0.11'],  # noqa: E501 -- a rule verbatim
               CLAMP_IPT,
               "table ip containerboot {\n" + PRE +
               "\t\tdnat to ip daddr map { 100.100.1.1 : 10.96.0.10, 100.100.1.2 : 10.96.0.11 }\n\t}\n" + CLAMP_NFT
               + "\n}\n"),
     "O6-v6": (RuleSet(service_dnats=(ServiceDnat("svc:web", "fd7a:115c:a1e0::1", "fd00:96::10"),), clamp_mss=True), 6,
-              ['-A CB-PREROUTING -d fd7a:115c:a1e0::1/128 -m comment --comment "svc svc:web" -j DNAT --to-destination fd00:96::10'],
+              ['-A CB-PREROUTING -d fd7a:115c:a1e0::1/128 -m comment --comment "svc svc:web" -j DNAT --to-destination fd00:96::10'],  # noqa: E501 -- a rule verbatim
               CLAMP_IPT,
               "table ip6 containerboot {\n" + PRE +
               "\t\tip6 daddr fd7a:115c:a1e0::1 dnat to fd00:96::10\n\t}\n" + CLAMP_NFT + "\n}\n"),

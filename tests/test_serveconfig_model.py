@@ -168,47 +168,90 @@ def test_validation_names_the_field_path() -> None:
     assert errs == ['Web["foo:443"].Handlers["/"].Proxy: not a valid URL or port: "http//x"']
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('{"TCP":{"443":{"HTTPS":"true"}}}', 'TCP["443"].HTTPS: expected true or false, got string "true"'),
-    ('{"TCP":{"https":{"HTTPS":true}}}', 'TCP["https"]: TCP port key must be a decimal port number 1-65535'),
-    ('{"TCP":{"70000":{"HTTP":true}}}', 'TCP["70000"]: TCP port key must be a decimal port number 1-65535'),
-    ('{"TCP":{"443":{"HTTPS":true,"TCPForward":"a:1"}}}',
-     'TCP["443"]: TCPForward is mutually exclusive with HTTPS and HTTP'),
-    ('{"TCP":{"443":{}}}', 'TCP["443"]: one of HTTPS, HTTP or TCPForward must be set'),
-    ('{"TCP":{"5432":{"TCPForward":"nohost"}}}',
-     'TCP["5432"].TCPForward: expected "host:port" or "unix:/path", got "nohost"'),
-    ('{"TCP":{"5432":{"HTTP":true,"TerminateTLS":"x"}}}', 'TCP["5432"].TerminateTLS: only valid together with TCPForward'),
-    ('{"TCP":{"5432":{"TCPForward":"a:1","ProxyProtocol":3}}}',
-     'TCP["5432"].ProxyProtocol: PROXY protocol version must be 1 or 2, got 3'),
-    ('{"TCP":{"5432":{"TCPForward":"a:1","ProxyProtocol":1.5}}}',
-     'TCP["5432"].ProxyProtocol: expected an integer, got number 1.5'),
-    ('{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net":{"Handlers":{"/":{"Text":"x"}}}}}',
-     'Web["n.ts.net"]: key must be "<host>:<port>" with a port 1-65535, e.g. "${TS_CERT_DOMAIN}:443"'),
-    ('{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{"api":{"Text":"x"}}}}}',
-     'Web["n.ts.net:443"].Handlers["api"]: mount path must start with "/"'),
-    ('{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{"/":{"Text":"x","Proxy":"80"}}}}}',
-     'Web["n.ts.net:443"].Handlers["/"]: only one of Path, Proxy, Text or Redirect may be set (got Proxy, Text)'),
-    ('{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{"/":{}}}}}',
-     'Web["n.ts.net:443"].Handlers["/"]: one of Path, Proxy, Text or Redirect must be set'),
-    ('{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{"/":{"Path":"srv"}}}}}',
-     'Web["n.ts.net:443"].Handlers["/"].Path: must be an absolute path, got "srv"'),
-    ('{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{"/":{"Redirect":"200:/x"}}}}}',
-     'Web["n.ts.net:443"].Handlers["/"].Redirect: redirect status code must be 3xx, got 200'),
-    ('{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{}}}}',
-     'Web["n.ts.net:443"].Handlers: no handlers: add at least one mount path, e.g. {"/": {"Proxy": "http://..."}}'),
-    ('{"Web":{"n.ts.net:443":{"Handlers":{"/":{"Text":"x"}}}}}',
-     'Web["n.ts.net:443"]: no TCP listener for port 443: add TCP["443"] with HTTPS or HTTP'),
-    ('{"Services":{"web":{"Tun":true}}}', 'Services["web"]: Service name must be "svc:<dns-label>", e.g. "svc:my-app"'),
-    ('{"Services":{"svc:a":{"Tun":true,"TCP":{"22":{"TCPForward":"a:22"}}}}}',
-     'Services["svc:a"].Tun: Tun is mutually exclusive with TCP and Web'),
-    ('{"Services":{"svc:a":{"Web":{"a.ts.net:443":{"Handlers":{"/":{"Proxy":"ftp://x"}}}},'
-     '"TCP":{"443":{"HTTPS":true}}}}}',
-     'Services["svc:a"].Web["a.ts.net:443"].Handlers["/"].Proxy: not a valid URL or port: "ftp://x"'),
-    ('{"AllowFunnel":{"n.ts.net:443":"yes"}}', 'AllowFunnel["n.ts.net:443"]: expected true or false, got string "yes"'),
-    ('{"Foreground":{"s":{"Foreground":{"t":{}}}}}', 'Foreground["s"].Foreground: nested Foreground configs are not allowed'),
-    ('{"TCP":[]}', 'TCP: expected an object, got array'),
-    ('[1]', 'serve config must be a JSON object, got array'),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('{"TCP":{"443":{"HTTPS":"true"}}}', 'TCP["443"].HTTPS: expected true or false, got string "true"'),
+        ('{"TCP":{"https":{"HTTPS":true}}}', 'TCP["https"]: TCP port key must be a decimal port number 1-65535'),
+        ('{"TCP":{"70000":{"HTTP":true}}}', 'TCP["70000"]: TCP port key must be a decimal port number 1-65535'),
+        (
+            '{"TCP":{"443":{"HTTPS":true,"TCPForward":"a:1"}}}',
+            'TCP["443"]: TCPForward is mutually exclusive with HTTPS and HTTP',
+        ),
+        ('{"TCP":{"443":{}}}', 'TCP["443"]: one of HTTPS, HTTP or TCPForward must be set'),
+        (
+            '{"TCP":{"5432":{"TCPForward":"nohost"}}}',
+            'TCP["5432"].TCPForward: expected "host:port" or "unix:/path", got "nohost"',
+        ),
+        (
+            '{"TCP":{"5432":{"HTTP":true,"TerminateTLS":"x"}}}',
+            'TCP["5432"].TerminateTLS: only valid together with TCPForward',
+        ),
+        (
+            '{"TCP":{"5432":{"TCPForward":"a:1","ProxyProtocol":3}}}',
+            'TCP["5432"].ProxyProtocol: PROXY protocol version must be 1 or 2, got 3',
+        ),
+        (
+            '{"TCP":{"5432":{"TCPForward":"a:1","ProxyProtocol":1.5}}}',
+            'TCP["5432"].ProxyProtocol: expected an integer, got number 1.5',
+        ),
+        (
+            '{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net":{"Handlers":{"/":{"Text":"x"}}}}}',
+            'Web["n.ts.net"]: key must be "<host>:<port>" with a port 1-65535, e.g. "${TS_CERT_DOMAIN}:443"',
+        ),
+        (
+            '{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{"api":{"Text":"x"}}}}}',
+            'Web["n.ts.net:443"].Handlers["api"]: mount path must start with "/"',
+        ),
+        (
+            '{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{"/":{"Text":"x","Proxy":"80"}}}}}',
+            'Web["n.ts.net:443"].Handlers["/"]: only one of Path, Proxy, Text or Redirect may be set (got Proxy, Text)',
+        ),
+        (
+            '{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{"/":{}}}}}',
+            'Web["n.ts.net:443"].Handlers["/"]: one of Path, Proxy, Text or Redirect must be set',
+        ),
+        (
+            '{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{"/":{"Path":"srv"}}}}}',
+            'Web["n.ts.net:443"].Handlers["/"].Path: must be an absolute path, got "srv"',
+        ),
+        (
+            '{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{"/":{"Redirect":"200:/x"}}}}}',
+            'Web["n.ts.net:443"].Handlers["/"].Redirect: redirect status code must be 3xx, got 200',
+        ),
+        (
+            '{"TCP":{"443":{"HTTPS":true}},"Web":{"n.ts.net:443":{"Handlers":{}}}}',
+            'Web["n.ts.net:443"].Handlers: no handlers: add at least one mount path, e.g. {"/": {"Proxy": "http://..."}}',
+        ),
+        (
+            '{"Web":{"n.ts.net:443":{"Handlers":{"/":{"Text":"x"}}}}}',
+            'Web["n.ts.net:443"]: no TCP listener for port 443: add TCP["443"] with HTTPS or HTTP',
+        ),
+        (
+            '{"Services":{"web":{"Tun":true}}}',
+            'Services["web"]: Service name must be "svc:<dns-label>", e.g. "svc:my-app"',
+        ),
+        (
+            '{"Services":{"svc:a":{"Tun":true,"TCP":{"22":{"TCPForward":"a:22"}}}}}',
+            'Services["svc:a"].Tun: Tun is mutually exclusive with TCP and Web',
+        ),
+        (
+            '{"Services":{"svc:a":{"Web":{"a.ts.net:443":{"Handlers":{"/":{"Proxy":"ftp://x"}}}},'
+            '"TCP":{"443":{"HTTPS":true}}}}}',
+            'Services["svc:a"].Web["a.ts.net:443"].Handlers["/"].Proxy: not a valid URL or port: "ftp://x"',
+        ),
+        (
+            '{"AllowFunnel":{"n.ts.net:443":"yes"}}',
+            'AllowFunnel["n.ts.net:443"]: expected true or false, got string "yes"',
+        ),
+        (
+            '{"Foreground":{"s":{"Foreground":{"t":{}}}}}',
+            'Foreground["s"].Foreground: nested Foreground configs are not allowed',
+        ),
+        ('{"TCP":[]}', "TCP: expected an object, got array"),
+        ("[1]", "serve config must be a JSON object, got array"),
+    ],
+)
 def test_validation_messages(text: str, expected: str) -> None:
     assert _errors(text) == [expected]
 

@@ -270,7 +270,7 @@ def test_reference_markdown_lists_every_variable_with_notes():
     assert lines[0].startswith("| Variable | Type | Default | Meaning |")
     assert len(lines) == 2 + len(S.SETTINGS)
     for s in S.SETTINGS:
-        row = next(l for l in lines if l.startswith(f"| `{s.name}`"))
+        row = next(ln for ln in lines if ln.startswith(f"| `{s.name}`"))
         assert row.count(" | ") == 4, row  # five cells, no stray pipes
         if s.differs:
             assert S._cell(s.differs) in row

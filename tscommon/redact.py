@@ -27,7 +27,7 @@ def redact(text: str) -> str:
     """Return text with every known secret replaced by a placeholder."""
     for s in sorted(_registered, key=len, reverse=True):
         text = text.replace(s, "[REDACTED]")
-    text = _FLAG_RE.sub(lambda m: m.group(1) + ("[REDACTED]" if not m.group(2).startswith("file:") else m.group(2)), text)
+    text = _FLAG_RE.sub(lambda m: m.group(1) + (m.group(2) if m.group(2).startswith("file:") else "[REDACTED]"), text)
     text = _TSKEY_RE.sub("tskey-[REDACTED]", text)
     text = _BEARER_RE.sub(r"\1[REDACTED]", text)
     return text

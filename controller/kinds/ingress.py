@@ -21,7 +21,7 @@ from ..config import ControllerConfig
 from ..model import (ANN_FORWARD_CLUSTER_TRAFFIC, ANN_FUNNEL, ANN_HTTP_REDIRECT, ANN_PROXY_GROUP, ANN_TAGS, INGRESS,
                      Decision, Invalid, Parent, ProxySpec)
 from ..validation import hostname_problem, parse_tags, tag_problems
-from . import annotations, meta
+from . import annotations_of, meta
 
 APP = "k8s-operator-ingress-resource"
 CERT_443 = "${TS_CERT_DOMAIN}:443"
@@ -30,7 +30,7 @@ CERT_80 = "${TS_CERT_DOMAIN}:80"
 
 def handled(ing: Mapping[str, Any], cfg: ControllerConfig) -> bool:
     spec = ing.get("spec") or {}
-    return spec.get("ingressClassName") == cfg.ingress_class and not annotations(ing).get(ANN_PROXY_GROUP)
+    return spec.get("ingressClassName") == cfg.ingress_class and not annotations_of(ing).get(ANN_PROXY_GROUP)
 
 
 def backend_services(ing: Mapping[str, Any]) -> tuple[str, ...]:
@@ -79,7 +79,7 @@ def serve_config(ing: Mapping[str, Any], services: Mapping[str, Mapping[str, Any
 
     http_name None: upstream's HTTPS config. A string: the plain-HTTP config on port 80 for that MagicDNS name
     ("" = not known yet: an empty config)."""
-    spec, ann = ing.get("spec") or {}, annotations(ing)
+    spec, ann = ing.get("spec") or {}, annotations_of(ing)
     tls_host = _tls_host(spec)
     warnings: list[str] = []
     handlers: dict[str, dict] = {}
@@ -144,7 +144,7 @@ def http_name(hostname: str, cfg: ControllerConfig, device_fqdn: str) -> str:
 def decide(ing: Mapping[str, Any], cfg: ControllerConfig, services: Mapping[str, Mapping[str, Any]],
            device_fqdn: str = "") -> Decision:
     """device_fqdn: the proxy's MagicDNS name from its state Secret ("" when none yet), for the HTTP scheme."""
-    m, ann, spec = meta(ing), annotations(ing), ing.get("spec") or {}
+    m, ann, spec = meta(ing), annotations_of(ing), ing.get("spec") or {}
     ns, name = m.get("namespace", ""), m.get("name", "")
     problems = []
     tls_host = _tls_host(spec)

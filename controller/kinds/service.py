@@ -14,7 +14,7 @@ from ..model import (ANN_EXPOSE, ANN_HOSTNAME, ANN_LAST_CLUSTER_IP, ANN_LAST_DNS
                      ANN_LAST_TAILNET_IP, ANN_PROXY_GROUP, ANN_TAGS, ANN_TAILNET_FQDN, ANN_TAILNET_IP,
                      ANN_TAILNET_IP_OLD, SVC, Decision, Invalid, Parent, Pending, ProxySpec)
 from ..validation import hostname_problem, ip_problem, magicdns_problem, parse_tags, tag_problems
-from . import annotations, meta
+from . import annotations_of, meta
 
 APP_INGRESS = "k8s-operator-ingress-proxy"
 APP_EGRESS = "k8s-operator-egress-proxy"
@@ -25,13 +25,13 @@ def _tailnet_ip(ann: Mapping[str, str]) -> str:
 
 
 def is_egress(svc: Mapping[str, Any]) -> bool:
-    ann = annotations(svc)
+    ann = annotations_of(svc)
     return bool(_tailnet_ip(ann) or ann.get(ANN_TAILNET_FQDN, "").strip())
 
 
 def handled(svc: Mapping[str, Any], cfg: ControllerConfig) -> bool:
     """Whether the Service asks for a proxy from this controller."""
-    ann = annotations(svc)
+    ann = annotations_of(svc)
     if ann.get(ANN_PROXY_GROUP):
         return False
     if is_egress(svc) or ann.get(ANN_EXPOSE) == "true":     # opt.Bool: only the exact "true" counts
@@ -49,7 +49,7 @@ def is_load_balancer(svc: Mapping[str, Any]) -> bool:
 
 
 def decide(svc: Mapping[str, Any], cfg: ControllerConfig) -> Decision:
-    m, ann, spec = meta(svc), annotations(svc), svc.get("spec") or {}
+    m, ann, spec = meta(svc), annotations_of(svc), svc.get("spec") or {}
     ns, name = m.get("namespace", ""), m.get("name", "")
     parent = Parent(SVC, name, ns, m.get("uid", ""))
     tip, tfqdn = _tailnet_ip(ann), ann.get(ANN_TAILNET_FQDN, "").strip()

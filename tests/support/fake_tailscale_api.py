@@ -51,13 +51,13 @@ class FakeTailscaleAPI:
                 code, out = api.route(method, self.path, self.headers, body)
                 self._send(code, out)
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 self._handle("POST")
 
-            def do_DELETE(self):  # noqa: N802
+            def do_DELETE(self):
                 self._handle("DELETE")
 
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 self._handle("GET")
 
         self._srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)

@@ -653,7 +653,9 @@ class KubeAPIServer:
             raise ApiError(401, "Unauthorized", "Unauthorized")
         if path == SSAR_PATH:
             if method != "POST":
-                raise ApiError(405, "MethodNotAllowed", f"the server does not allow this method on the requested resource")
+                raise ApiError(
+                    405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
+                )
             return self._ssar(body)
         if path in ("/version", "/version/"):
             return 200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0-kubeapi-test"}, {}
@@ -702,12 +704,22 @@ class KubeAPIServer:
             meta["name"] = meta["generateName"] + _secrets.token_hex(3)[:5]
         oname = meta.get("name") or ""
         if not oname:
-            raise ApiError(422, "Invalid", f'{KINDS[resource]} "" is invalid: metadata.name: Required value: name or generateName is required',
-                           {"kind": KINDS[resource]})
+            raise ApiError(
+                422,
+                "Invalid",
+                f'{KINDS[resource]} "" is invalid: metadata.name: Required value: name or generateName is required',
+                {"kind": KINDS[resource]},
+            )
         if meta.get("namespace") and meta["namespace"] != ns:
-            raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
+            raise ApiError(
+                400,
+                "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on the request",
+            )
         if (ns, resource, oname) in self._objects:
-            raise ApiError(409, "AlreadyExists", f'{resource} "{oname}" already exists', {"name": oname, "kind": resource})
+            raise ApiError(
+                409, "AlreadyExists", f'{resource} "{oname}" already exists', {"name": oname, "kind": resource}
+            )
         meta.pop("resourceVersion", None)
         obj = self._normalize(resource, obj, oname, ns)
         return 201, self._store(resource, ns, oname, obj, None), {}
@@ -727,9 +739,9 @@ class KubeAPIServer:
         if ctype not in ("application/json-patch+json", "application/merge-patch+json",
                          "application/strategic-merge-patch+json"):
             raise ApiError(415, "UnsupportedMediaType",
-                           f'the body of the request was in an unknown format - accepted media types include: '
-                           f'application/json-patch+json, application/merge-patch+json, '
-                           f'application/apply-patch+yaml, application/strategic-merge-patch+json')
+                           'the body of the request was in an unknown format - accepted media types include: '
+                           'application/json-patch+json, application/merge-patch+json, '
+                           'application/apply-patch+yaml, application/strategic-merge-patch+json')
         old = self._objects.get((ns, resource, name))
         if old is None:
             raise _not_found(resource, name)
@@ -740,7 +752,9 @@ class KubeAPIServer:
         try:
             if ctype == "application/json-patch+json":
                 if not isinstance(patch, list):
-                    raise ApiError(400, "BadRequest", "json: cannot unmarshal object into Go value of type jsonpatch.Patch")
+                    raise ApiError(
+                        400, "BadRequest", "json: cannot unmarshal object into Go value of type jsonpatch.Patch"
+                    )
                 new = apply_json_patch(old, patch)
             else:
                 if not isinstance(patch, dict):
@@ -768,7 +782,11 @@ class KubeAPIServer:
             raise ApiError(400, "BadRequest",
                            f"the name of the object ({meta.get('name')}) does not match the name on the URL ({name})")
         if meta.get("namespace", ns) != ns:
-            raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the namespace sent on the request")
+            raise ApiError(
+                400,
+                "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on the request",
+            )
         rv = meta.get("resourceVersion") or ""
         if rv and rv != old["metadata"]["resourceVersion"]:
             raise ApiError(409, "Conflict",
@@ -776,8 +794,12 @@ class KubeAPIServer:
                            f'please apply your changes to the latest version and try again',
                            {"name": name, "kind": resource})
         if resource == "secrets" and new.get("type", "Opaque") != old.get("type", "Opaque"):
-            raise ApiError(422, "Invalid", f'Secret "{name}" is invalid: type: Invalid value: "{new.get("type")}": field is immutable',
-                           {"name": name, "kind": "Secret"})
+            raise ApiError(
+                422,
+                "Invalid",
+                f'Secret "{name}" is invalid: type: Invalid value: "{new.get("type")}": field is immutable',
+                {"name": name, "kind": "Secret"},
+            )
         # System fields are owned by the server; writes cannot change them (Go clients even send a zero
         # creationTimestamp in every strategic merge patch).
         for k in ("uid", "creationTimestamp"):
@@ -820,19 +842,29 @@ class KubeAPIServer:
             return obj
         data = obj.get("data") or {}
         if not isinstance(data, dict):
-            raise ApiError(400, "BadRequest", 'Secret in version "v1" cannot be handled as a Secret: data must be an object')
+            raise ApiError(
+                400, "BadRequest", 'Secret in version "v1" cannot be handled as a Secret: data must be an object'
+            )
         out: dict[str, str] = {}
         total = 0
         for k, v in data.items():
             if v is None:        # a JSON null decodes into an empty []byte on the server
                 v = ""
             if not isinstance(v, str):
-                raise ApiError(400, "BadRequest", f'Secret in version "v1" cannot be handled as a Secret: '
-                               f'json: cannot unmarshal {type(v).__name__} into Go struct field Secret.data of type []uint8')
+                raise ApiError(
+                    400,
+                    "BadRequest",
+                    f'Secret in version "v1" cannot be handled as a Secret: '
+                    f"json: cannot unmarshal {type(v).__name__} into Go struct field Secret.data of type []uint8",
+                )
             try:
                 raw = base64.b64decode(v, validate=True)
             except (binascii.Error, ValueError):
-                raise ApiError(400, "BadRequest", f'Secret in version "v1" cannot be handled as a Secret: illegal base64 data in data[{k}]')
+                raise ApiError(
+                    400,
+                    "BadRequest",
+                    f'Secret in version "v1" cannot be handled as a Secret: illegal base64 data in data[{k}]',
+                )
             out[k] = base64.b64encode(raw).decode()
             total += len(raw)
         for k, v in (obj.pop("stringData", None) or {}).items():
@@ -840,14 +872,21 @@ class KubeAPIServer:
             total += len(str(v).encode())
         for k in out:
             if not SECRET_KEY_RE.match(k) or len(k) > 253:
-                raise ApiError(422, "Invalid",
-                               f'Secret "{name}" is invalid: data[{k}]: Invalid value: "{k}": a valid config key must '
-                               f"consist of alphanumeric characters, '-', '_' or '.' (e.g. 'key.name',  or 'KEY_NAME',  "
-                               f"or 'key-name', regex used for validation is '[-._a-zA-Z0-9]+')",
-                               {"name": name, "kind": "Secret"})
+                raise ApiError(
+                    422,
+                    "Invalid",
+                    f'Secret "{name}" is invalid: data[{k}]: Invalid value: "{k}": a valid config key must '
+                    f"consist of alphanumeric characters, '-', '_' or '.' (e.g. 'key.name',  or 'KEY_NAME',  "
+                    f"or 'key-name', regex used for validation is '[-._a-zA-Z0-9]+')",
+                    {"name": name, "kind": "Secret"},
+                )
         if total > MAX_SECRET_BYTES:
-            raise ApiError(422, "Invalid", f'Secret "{name}" is invalid: data: Too long: must have at most {MAX_SECRET_BYTES} bytes',
-                           {"name": name, "kind": "Secret"})
+            raise ApiError(
+                422,
+                "Invalid",
+                f'Secret "{name}" is invalid: data: Too long: must have at most {MAX_SECRET_BYTES} bytes',
+                {"name": name, "kind": "Secret"},
+            )
         if out:
             obj["data"] = out
         else:
@@ -1055,7 +1094,8 @@ def pod_mount_namespace_argv(argv: Sequence[str], sa_dir: str) -> list[str]:
     """argv wrapped so that it runs in a private mount namespace (needs root) that looks like a Pod's:
     tmpfs on /run and /var/lib (nothing leaks onto the host, e.g. tailscaled's log state in /var/lib/tailscale),
     and sa_dir bind-mounted at /var/run/secrets/kubernetes.io/serviceaccount, the absolute path that tailscaled's
-    kube client reads (a bind mount, so rotate_token() reaches the process). Pair it with KubeAPIServer.env() for the API address."""
+    kube client reads (a bind mount, so rotate_token() reaches the process). Pair it with KubeAPIServer.env() for
+    the API address."""
     import shlex
     sa = "/run/secrets/kubernetes.io/serviceaccount"
     script = (f"set -e; mount -t tmpfs tmpfs /run; mount -t tmpfs tmpfs /var/lib; mkdir -p {sa}; "
@@ -1107,7 +1147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--namespace", default="default")
     p.add_argument("--token", default=None)
     p.add_argument("--san", action="append", default=[], help="extra certificate SAN (IP or DNS name)")
-    p.add_argument("--rules", default=None, help='JSON list of [verbs, resources, names], e.g. [[["get"],"secrets",[]]]')
+    p.add_argument(
+        "--rules", default=None, help='JSON list of [verbs, resources, names], e.g. [[["get"],"secrets",[]]]'
+    )
     p.add_argument("--secret", action="append", default=[], help="pre-create an empty Secret with this name")
     a = p.parse_args(argv)
     host, port = _parse_listen(a.listen)
