@@ -345,7 +345,7 @@ class Reconciler:
             if not same((cur.get("loadBalancer") or {}).get("ingress"), lb.get("ingress")):
                 want["loadBalancer"] = {"ingress": lb.get("ingress")}
         elif kind == APISERVER and spec is not None:
-            await self._apiserver_status(obj, spec, devices, r)
+            await self._apiserver_status(obj, spec, devices)
         elif kind == CONNECTOR:
             body = st.connector_status(spec, devices)
             for k in ("subnetRoutes", "isExitNode", "isAppConnector", "devices", "hostname", "tailnetIPs"):
@@ -355,8 +355,8 @@ class Reconciler:
             await self.kube.patch(RESOURCES[kind], m["name"], {"status": want}, m.get("namespace", ""),
                                   subresource="status")
 
-    async def _apiserver_status(self, obj: Mapping[str, Any], spec: ProxySpec, devices: list[st.DeviceInfo],
-                                r: st.Readiness) -> None:
+    async def _apiserver_status(self, obj: Mapping[str, Any], spec: ProxySpec,
+                                devices: list[st.DeviceInfo]) -> None:
         """The API server proxy's status: its URL in an annotation on the ConfigMap, a Normal event and a log
         line when it becomes known or changes (ConfigMaps have no status)."""
         m = meta(obj)
@@ -364,7 +364,8 @@ class Reconciler:
         # HTTPS where the control plane issues certificates, and in noauth mode anyway (a self-signed one: kubectl
         # sends credentials over TLS only); plain HTTP in auth mode without certificates
         https = not self.cfg.ingress_http or spec.apiserver_proxy_mode == "noauth"
-        url = apiserverproxy.url(dev.hostname, dev.ips, https) if dev and r.ok else ""
+        # the device's name, not the Pod's readiness: a restart (a mode change) keeps the same device and URL
+        url = apiserverproxy.url(dev.hostname, dev.ips, https) if dev and dev.device_id and dev.hostname else ""
         if (m.get("annotations") or {}).get(apiserverproxy.ANN_URL, "") == url:
             return
         await self.kube.patch(CONFIGMAPS, m["name"], {"metadata": {"annotations": {

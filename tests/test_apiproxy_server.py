@@ -306,3 +306,73 @@ async def test_self_signed_certificate_serves_tls_with_the_fingerprint_it_report
     writer.close()
     srv.close()
     assert fp == ":".join(f"{b:02X}" for b in hashlib.sha256(der).digest())
+
+
+class FakeLocalAPI:
+    """tailscaled's LocalAPI on a unix socket: Running with 127.0.0.1 as the tailnet address, no certificate
+    domains (as on headscale), WhoIs of anyone = WHO."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_unix_server(self.handle, self.path)
+
+    async def handle(self, reader, writer) -> None:
+        conn = h11.Connection(h11.SERVER)
+        while (e := conn.next_event()) is h11.NEED_DATA:
+            conn.receive_data(await reader.read(65536))
+        target = e.target.decode()
+        if target.startswith("/localapi/v0/status"):
+            doc = {"BackendState": "Running", "CertDomains": None,
+                   "Self": {"TailscaleIPs": ["127.0.0.1"], "DNSName": "kube-apiserver.tailnet.test."}}
+        else:
+            doc = WHO
+        body = json.dumps(doc).encode()
+        writer.write(conn.send(h11.Response(status_code=200, headers=[(b"content-length", str(len(body)).encode()),
+                                                                     (b"connection", b"close")]))
+                     + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+        await writer.drain()
+        writer.close()
+
+
+@pytest.mark.parametrize("mode,scheme", [(AUTH, "http"), (NOAUTH, "https")])
+async def test_entrypoint_serves_on_the_tailnet_address_http_for_auth_self_signed_https_for_noauth(
+        tmp_path, caplog, mode, scheme):
+    import socket as _socket
+
+    from containerboot.apiproxy.run import serve
+    h = Harness(tmp_path, mode)
+    await h.start()
+    certs = cached_certs(["127.0.0.1"])
+    sa = tmp_path / "root/var/run/secrets/kubernetes.io/serviceaccount"
+    sa.mkdir(parents=True)
+    (sa / "token").write_text("sa-token-1\n")
+    (sa / "ca.crt").write_text(Path(certs.ca_path).read_text())
+    lapi = FakeLocalAPI(str(tmp_path / "ts.sock"))
+    await lapi.start()
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"TS_APISERVER_PROXY_MODE": mode, "TS_SOCKET": lapi.path, "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+           "KUBERNETES_SERVICE_PORT": str(h.api_port), "TS_APISERVER_PROXY_PORT": str(port)}
+    with caplog.at_level(logging.INFO, logger="containerboot"):
+        task = asyncio.ensure_future(serve(env, str(tmp_path / "root")))
+        try:
+            for _ in range(100):
+                if "is listening on" in caplog.text or task.done():
+                    break
+                await asyncio.sleep(0.05)
+            assert f"API server proxy in {mode} mode is listening on {scheme}://kube-apiserver.tailnet.test:{port}" \
+                in caplog.text, (caplog.text, task.done() and task.exception())
+            async with httpx.AsyncClient(base_url=f"{scheme}://127.0.0.1:{port}", verify=False) as c:
+                r = await c.get("/echo", headers={"Authorization": "Bearer mine"})
+            assert r.status_code == 200
+            auth_header = dict(_headers(r.json()))["authorization"]
+            assert auth_header == ("Bearer sa-token-1" if mode == AUTH else "Bearer mine")
+            assert not task.done(), task.exception()      # still serving, not crashed after the start
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            lapi.server.close()
+            await h.stop()

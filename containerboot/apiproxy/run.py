@@ -173,7 +173,8 @@ async def serve(env: Mapping[str, str], root: str = "/") -> int:
     log.info("API server proxy in %s mode is listening on %s (%s)", mode,
              f"{scheme}://{name or ips[0]}{suffix}",
              ", ".join(f"{scheme}://{'[' + ip + ']' if ':' in ip else ip}{suffix}" for ip in ips))
-    refresh = asyncio.ensure_future(_refresh_cert(lapi, domains[0], tls)) if tls else None
+    # the control plane's certificate is renewed by tailscaled: re-read it now and then (a self-signed one lasts)
+    refresh = asyncio.ensure_future(_refresh_cert(lapi, domains[0], tls)) if tls and domains else None
     await stop.wait()
     if refresh:
         refresh.cancel()
