@@ -176,7 +176,9 @@ class LocalProxy:
         (sa / "token").write_text("lab-proxy-token\n")
         (sa / "ca.crt").write_text(Path(ca).read_text())
         (sa / "namespace").write_text("tailscale\n")
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1"}
+        # this checkout first: labtools is not installed, and the proxy must be this tree's
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
         self.api = lab._popen("fakeapi", "fakeapi", "proxy", [
             sys.executable, "-m", "labtools.fakeapiserver", "--listen", "127.0.0.1:6443", "--cert", cert,
             "--key", key, "--objects", str(objects)], env, d / "fakeapi.log")

@@ -610,10 +610,16 @@ def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
                                 token=kc.service_account_token("apps", "tailnet-noauth"))
             anon = TailnetKubectl(lab, "client", kubectl, f"https://{ip}", work)
 
+            last: list = []
+
             def noauth_serves() -> bool:
                 cp = anon.run("-n", "apps", "get", "pods")
+                last[:] = [cp.returncode, cp.stdout[-500:], cp.stderr[-1500:]]
                 return 'User "system:anonymous" cannot list resource "pods"' in cp.stderr
-            wait_until(noauth_serves, 150, 1, "the proxy in noauth mode (anonymous refused by the API server)")
+            try:
+                wait_until(noauth_serves, 150, 1, "the proxy in noauth mode (anonymous refused by the API server)")
+            except TimeoutError:
+                raise AssertionError(f"noauth: the last answer without credentials: {last}") from None
             s = sa.run("-n", "apps", "get", "pods")
             assert s.returncode == 0 and "talker" in s.stdout, s
             assert ap.wait_url(kc) == "https://kube-apiserver.tailnet.test"
