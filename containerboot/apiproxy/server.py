@@ -36,7 +36,10 @@ from .identity import (GrantError, Impersonation, NoIdentity, forwarded_request_
 
 log = logging.getLogger("containerboot")
 
-READ_SIZE = 65536
+READ_SIZE = 262144
+#: The API server side's stream buffer: asyncio stops reading a socket at twice this, and its 64 KiB default
+#: cut a list of thousands of objects into many small reads and writes.
+UPSTREAM_BUFFER = 1 << 20
 AUTH, NOAUTH = "auth", "noauth"
 #: How long a connection's caller, once identified, stands for its next requests (seconds). A LocalAPI WhoIs
 #: per request is a round trip to tailscaled on every `kubectl get`; kubectl sends its requests in bursts on
@@ -190,7 +193,8 @@ class ApiServerProxy:
         up = self.upstream
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(
-                up.host, up.port, ssl=up.ssl, server_hostname=up.host if up.ssl else None), 30)
+                up.host, up.port, ssl=up.ssl, server_hostname=up.host if up.ssl else None,
+                limit=UPSTREAM_BUFFER), 30)
         except (OSError, asyncio.TimeoutError, ssl.SSLError) as e:
             log.warning("api-server-proxy: cannot reach the API server at %s:%s: %s", up.host, up.port, e)
             raise Refused(502, "ServiceUnavailable",
