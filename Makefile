@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin image demo test test-unit test-netns bench clean-lab readme manifests check
+.PHONY: setup setup-bin image images images-archives chart demo test test-unit test-netns bench clean-lab readme manifests check
 
 setup:
 	@bash scripts/setup.sh
@@ -22,6 +22,33 @@ MAKE_IMAGE = bash scripts/setup.sh --image && bash images/build.sh && $(CONTROLL
 image: setup-bin
 	@bash scripts/setup.sh --image
 	@bash images/build.sh
+
+# Images for a registry (docs/install-headscale.md, step 1). TAG defaults to the chart's appVersion.
+REGISTRY ?=
+TAG ?=
+PLATFORMS ?= linux/amd64,linux/arm64
+TOOL ?=
+RELEASE_ARGS = --registry "$(REGISTRY)" $(if $(TAG),--tag "$(TAG)") --platforms "$(PLATFORMS)"
+
+## images: both images (proxy, controller) for PLATFORMS as REGISTRY/<name>:TAG, pushed (docker buildx, else
+## podman manifest lists; TOOL=docker|podman chooses).
+images:
+	@[ -n "$(REGISTRY)" ] || { echo "make images needs REGISTRY=<registry/path>, e.g. REGISTRY=registry.example.com/tailscale" >&2; exit 2; }
+	bash images/release.sh $(RELEASE_ARGS) --push $(if $(TOOL),--tool "$(TOOL)")
+
+## images-archives: the same without a registry: one OCI archive per image and platform (foreign ones under
+## qemu user mode), then their checks (tests/test_image_archives.py). REGISTRY defaults to a placeholder.
+images-archives: REGISTRY := $(or $(REGISTRY),registry.example.com/tailscale)
+images-archives: setup-bin
+	@bash scripts/setup.sh --image --multiarch
+	bash images/release.sh $(RELEASE_ARGS) --offline
+	CB_RELEASE_DIR="$$(bash images/release.sh $(RELEASE_ARGS) --print-out)" CB_RELEASE_REGISTRY="$(REGISTRY)" \
+	  CB_RELEASE_PLATFORMS="$(PLATFORMS)" $(PY) -m pytest -q tests/test_image_archives.py
+
+## chart: the packaged chart, dist/tailscale-controller-<version>.tgz (helm package).
+chart: setup-bin
+	@mkdir -p dist
+	$$(bash scripts/install-helm.sh --print-dir)/helm package charts/tailscale-controller --destination dist
 
 ## demo: a local tailnet in network namespaces with the agent exposing a backend (root).
 demo: setup-bin

@@ -101,10 +101,16 @@ def inner_apply(backend: str, path: str, cleanup_first: bool) -> dict:
     b = _open(backend)
     if cleanup_first:
         b.cleanup()
+    from netfilter.conntrack import flush_stale_conntrack
+
+    def apply_as_the_agent() -> None:   # the rules, then the conntrack clean-up a change owes
+        if b.apply(rules) and b.translates_connections:
+            flush_stale_conntrack(rules, None)
+
     t0 = time.perf_counter()
-    b.apply(rules)
+    apply_as_the_agent()
     t1 = time.perf_counter()
-    b.apply(rules)
+    apply_as_the_agent()
     t2 = time.perf_counter()
     text = b.installed()
     return {"apply_s": t1 - t0, "reapply_s": t2 - t1, "installed_lines": len(text.splitlines()),

@@ -14,6 +14,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from netfilter.backend import Backend
+from netfilter.conntrack import PendingCleanup
 from netfilter.model import RuleSet
 
 from . import desired as desired_mod
@@ -70,15 +72,13 @@ class Applied:
 class Reconciler:
     """Holds the agent's state value and converges the data path to it."""
 
-    def __init__(self, settings: Settings, firewall, *, rules_file: str | None = None,
+    def __init__(self, settings: Settings, firewall: Backend | None, *, rules_file: str | None = None,
                  ensure_forwarding: Callable[[bool, bool], None] | None = None,
                  on_converged: Callable[["Reconciler", Desired, NodeState], Awaitable[None]] | None = None,
                  before_rules: Callable[["Reconciler", Desired, NodeState], Awaitable[None]] | None = None,
                  clock: Callable[[], float] = time.time):
         self.settings = settings
         self.firewall = firewall
-        if firewall is not None and hasattr(firewall, "previous"):
-            firewall.defer_conntrack = True    # see _reconcile_once: cleaned up at the end of the pass
         self.rules_file = rules_file
         self.ensure_forwarding = ensure_forwarding
         self.on_converged = on_converged
@@ -97,6 +97,8 @@ class Reconciler:
         self._dirty = asyncio.Event()
         self._force = False
         self._rules_file_pending = False
+        #: The UDP conntrack clean-up owed for rule changes since the last one ran (see `_reconcile_once`).
+        self.pending_cleanup: PendingCleanup | None = None
 
     # -- events ----------------------------------------------------------------------------------------
     def set_node(self, node: NodeState) -> None:
@@ -126,6 +128,11 @@ class Reconciler:
                 log.info("Backend address change detected, installing proxy rules for backends %s",
                          [str(a) for a in addresses])
             self.set_dns(DNSAnswer(tuple(addresses), ""))
+
+    @property
+    def pending(self) -> bool:
+        """An input changed since the last pass started: the loop runs another one."""
+        return self._dirty.is_set()
 
     def poke(self, force: bool = False) -> None:
         """Ask for a reconcile; `force` re-applies even parts that look unchanged (drift repair)."""
@@ -158,7 +165,8 @@ class Reconciler:
                 self.heartbeat = self.clock()
 
     async def reconcile_once(self, *, force: bool = False, defer_cleanup: bool = False) -> Desired:
-        """One pass. `defer_cleanup` leaves the conntrack clean-up of a rule change to the next pass (the pass
+        """One pass. The reconciler decides when the UDP conntrack clean-up of a rule change runs: at the end of the
+        pass, after the Secret and start-up bookkeeping. `defer_cleanup` leaves it to the next pass (the pass
         before Running: the clean-up, a conntrack dump of tens of milliseconds, must not hold up the login's
         handling of Running; the pass that completes start-up does it, right after "Startup complete")."""
         self._in_pass = True
@@ -172,7 +180,7 @@ class Reconciler:
         self.heartbeat = self.clock()
         # One snapshot for the whole pass: events arriving meanwhile mark the state dirty for the next pass.
         node = self.node
-        families = tuple(getattr(self.firewall, "families", (4, 6))) if self.firewall is not None else (4, 6)
+        families = self.firewall.families if self.firewall is not None else (4, 6)
         want = desired_mod.compute(self.settings, node, self.dns, services=self.services, families=families)
         self._log_target_changes(want)
         self.desired = want
@@ -184,16 +192,15 @@ class Reconciler:
             self.stats.failures += 1
         if self.on_converged is not None:
             await self.on_converged(self, want, node)
-        if self._rules_file_pending:
+        if self._rules_file_pending and self.applied.rules is not None:
             # After the start-up bookkeeping: only `containerboot rules` reads the file.
             self._rules_file_pending = False
             self._write_rules_file(self.applied.rules)
-        if self.firewall is not None and not defer_cleanup \
-                and getattr(self.firewall, "pending_conntrack", None) is not None:
-            from netfilter.backend import flush_pending_conntrack
+        if self.pending_cleanup is not None and not defer_cleanup:
+            cleanup, self.pending_cleanup = self.pending_cleanup, None
             try:   # after the Secret and start-up bookkeeping: a conntrack dump takes tens of milliseconds
-                await asyncio.to_thread(flush_pending_conntrack, self.firewall)
-            except Exception as e:   # noqa: BLE001 -- best effort, like the clean-up itself
+                await asyncio.to_thread(cleanup.run)
+            except Exception as e:   # best effort, like the clean-up itself
                 log.info("conntrack clean-up failed: %s", e)
         self.stats.last_duration = time.monotonic() - start
         self.stats.total_duration += self.stats.last_duration
@@ -212,10 +219,16 @@ class Reconciler:
             if force or want.rules != self.applied.rules:
                 if want.rules != self.applied.rules:
                     log.info("Applying rules: %s", describe(want.rules))
-                if getattr(self.firewall, "in_process", False) and want.rules.entries() <= INLINE_APPLY_MAX_ENTRIES:
-                    self.firewall.apply(want.rules)
+                if self.firewall.in_process and want.rules.entries() <= INLINE_APPLY_MAX_ENTRIES:
+                    changed = self.firewall.apply(want.rules)
                 else:
-                    await asyncio.to_thread(self.firewall.apply, want.rules)
+                    changed = await asyncio.to_thread(self.firewall.apply, want.rules)
+                if changed and self.firewall.translates_connections:
+                    # UDP bindings may point at targets the new rules no longer want; cleaned up at the end of
+                    # the pass, after the Secret and start-up bookkeeping. Two applies before one clean-up: the
+                    # bindings may still come from the older rule set.
+                    self.pending_cleanup = (self.pending_cleanup.after(want.rules) if self.pending_cleanup
+                                            else PendingCleanup(want.rules, self.applied.rules))
                 self.stats.rule_applies += 1
                 self.applied.rules = want.rules
                 self._rules_file_pending = True

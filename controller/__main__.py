@@ -79,6 +79,7 @@ async def run(cfg: ControllerConfig) -> int:
             return None
         return await rec.reconcile(*key)
     state = State(cfg, rec, WorkQueue(work))
+    rec.poke = state.queue.poke
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 

@@ -2,15 +2,18 @@
 
 Names follow upstream's operator where it has one (OPERATOR_NAMESPACE, PROXY_IMAGE, PROXY_TAGS,
 PROXY_FIREWALL_MODE, OPERATOR_LOGIN_SERVER, OPERATOR_DEFAULT_LOAD_BALANCER, OPERATOR_INGRESS_CLASS_NAME);
-the control plane provider and the proxy defaults (the "default ProxyClass": image, firewall mode,
-resources) are ours. A bad value is one error naming the variable, the value and the fix; secrets (API keys,
+the control plane provider and the proxy settings under every ProxyClass (image, firewall mode, resources,
+env: what a proxy gets where its class says nothing) are ours; PROXY_DEFAULT_CLASS names the class of parents
+that name none, as upstream. A bad value is one error naming the variable, the value and the fix; secrets (API keys,
 OAuth client secrets) are read from files, never from the environment or a log line.
 """
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .validation import tag_problems
 
@@ -24,6 +27,7 @@ FIREWALL_MODES = ("", "auto", "iptables", "nftables")
 INGRESS_SCHEMES = ("auto", "https", "http")
 DEFAULT_RESOURCES = {"requests": {"cpu": "1m", "memory": "1Mi"}}
 TAILSCALE_LOGIN_SERVER = "https://controlplane.tailscale.com"
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,12 @@ class ControllerConfig:
     oauth_client_secret_file: str = "/oauth/client_secret"
     static_key_secret: str = "tailscale-auth"      # Secret in `namespace` with key `authkey`
     ingress_scheme: str = "auto"                   # L7 Ingress: auto | https | http (see ingress_http)
+    # The proxies' Pods (upstream: a ProxyClass's statefulSet.pod): pull Secrets and placement.
+    proxy_image_pull_secrets: tuple[str, ...] = ()
+    proxy_node_selector: dict = field(default_factory=dict, hash=False)
+    proxy_tolerations: list = field(default_factory=list, hash=False)
+    proxy_affinity: dict = field(default_factory=dict, hash=False)
+    default_proxy_class: str = ""                  # PROXY_DEFAULT_CLASS: the ProxyClass of parents naming none
 
     @property
     def server_url(self) -> str:
@@ -108,6 +118,44 @@ def _proxy_env(raw: str) -> tuple[tuple[str, str], ...]:
         raise ConfigError("PROXY_ENV must be a JSON object of names to string values, e.g. "
                           '{"TS_DEBUG_USE_DERP_HTTP":"true"}')
     return tuple(sorted(env.items()))
+
+
+def _json(env: Mapping[str, str], name: str, kind: type, example: str) -> Any:
+    """A JSON setting of the proxies' Pods (a Kubernetes field, passed through as written)."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return kind()
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise ConfigError(f"{name} is not JSON ({e}); use e.g. {example}") from None
+    if not isinstance(value, kind):
+        raise ConfigError(f"{name} must be a JSON {'object' if kind is dict else 'array'}, e.g. {example}")
+    return value
+
+
+def _placement(env: Mapping[str, str]) -> dict:
+    """PROXY_NODE_SELECTOR, PROXY_TOLERATIONS, PROXY_AFFINITY and PROXY_IMAGE_PULL_SECRETS: the proxies' Pods'
+    nodeSelector, tolerations, affinity and imagePullSecrets (upstream: a ProxyClass's statefulSet.pod)."""
+    kw: dict = {}
+    sel = _json(env, "PROXY_NODE_SELECTOR", dict, '{"kubernetes.io/arch":"arm64"}')
+    if not all(isinstance(v, str) for v in sel.values()):
+        raise ConfigError("PROXY_NODE_SELECTOR must map label names to string values, e.g. "
+                          '{"kubernetes.io/arch":"arm64"}')
+    kw["proxy_node_selector"] = sel
+    tol = _json(env, "PROXY_TOLERATIONS", list, '[{"key":"dedicated","operator":"Exists","effect":"NoSchedule"}]')
+    if not all(isinstance(t, dict) for t in tol):
+        raise ConfigError("PROXY_TOLERATIONS must be a JSON array of tolerations (objects), e.g. "
+                          '[{"key":"dedicated","operator":"Exists","effect":"NoSchedule"}]')
+    kw["proxy_tolerations"] = tol
+    kw["proxy_affinity"] = _json(env, "PROXY_AFFINITY", dict, '{"nodeAffinity":{...}}')
+    secrets = tuple(n.strip() for n in env.get("PROXY_IMAGE_PULL_SECRETS", "").split(",") if n.strip())
+    bad = [n for n in secrets if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", n)]
+    if bad:
+        raise ConfigError(f"PROXY_IMAGE_PULL_SECRETS={env['PROXY_IMAGE_PULL_SECRETS']!r}: {bad[0]!r} is not a "
+                          "Secret name; use comma-separated names of Secrets in the controller's namespace")
+    kw["proxy_image_pull_secrets"] = secrets
+    return kw
 
 
 def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
@@ -176,4 +224,10 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
         raise ConfigError(f"INGRESS_SCHEME={get('INGRESS_SCHEME')!r} is not a scheme; use auto (HTTPS on Tailscale, "
                           "HTTP on headscale), https or http")
     kw["ingress_scheme"] = scheme
+    kw.update(_placement(env))
+    default_class = get("PROXY_DEFAULT_CLASS")
+    if default_class and not _DNS_SUBDOMAIN.match(default_class):
+        raise ConfigError(f"PROXY_DEFAULT_CLASS={default_class!r} is not a ProxyClass name; use a lower-case DNS "
+                          "name such as 'prod' (kubectl get proxyclasses)")
+    kw["default_proxy_class"] = default_class
     return ControllerConfig(**kw)

@@ -1,7 +1,8 @@
 """The kopf shell: watches turn into work-queue keys; everything else is in `reconcile`.
 
 Two kopf operators run in one event loop: one watches the parents cluster-wide (Services, Ingresses,
-Connectors), the other watches the proxies' StatefulSets and Secrets in the controller's namespace only,
+Connectors) and the ProxyClasses (a class's pass queues the parents using it), the other watches the proxies'
+StatefulSets and Secrets in the controller's namespace only,
 filtered by the `tailscale.com/managed` label on the server, so the controller's RBAC needs no cluster-wide
 Secret access. Event handlers only compute the parent's key and poke the queue: kopf's watches and reconnects
 are used; its peering is not (a Lease decides which replica runs, `controller.leader`), nor its per-handler
@@ -12,15 +13,16 @@ lines as Kubernetes events is off: the reconciler writes the events users should
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
 from .config import ControllerConfig
-from .kinds import apiserverproxy, connector
+from . import proxyclass
+from .kinds import apiserverproxy, connector, egress, proxygroup
 from .model import (APISERVER, CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS,
-                    LABEL_PARENT_TYPE, SVC)
+                    LABEL_PARENT_TYPE, PROXYCLASS, PROXYGROUP, SVC)
 from .queue import WorkQueue
 from .reconcile import Reconciler, handled
 
@@ -32,6 +34,18 @@ class State:
     cfg: ControllerConfig
     reconciler: Reconciler
     queue: WorkQueue
+    #: ProxyGroup name -> the keys of the Services that name it: a group's change (created, became egress,
+    #: deleted) brings a pass of each, without listing every Service of the cluster
+    group_services: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
+
+    def index_service(self, key: tuple[str, str, str], group: str) -> None:
+        for g, keys in list(self.group_services.items()):
+            if g != group:
+                keys.discard(key)
+                if not keys:
+                    del self.group_services[g]
+        if group:
+            self.group_services.setdefault(group, set()).add(key)
 
 
 def parent_key(kind: str, body: Any, cfg: ControllerConfig) -> tuple[str, str, str] | None:
@@ -46,7 +60,7 @@ def child_key(body: Any) -> tuple[str, str, str] | None:
     """The parent's key from a child's labels (upstream's managedResourceHandlerForType)."""
     labels = (body.get("metadata") or {}).get("labels") or {}
     kind = labels.get(LABEL_PARENT_TYPE)
-    if labels.get(LABEL_MANAGED) != "true" or kind not in (SVC, INGRESS, CONNECTOR, APISERVER):
+    if labels.get(LABEL_MANAGED) != "true" or kind not in (SVC, INGRESS, CONNECTOR, PROXYGROUP, APISERVER):
         return None
     return (kind, labels.get(LABEL_PARENT_NS, ""), labels.get(LABEL_PARENT_NAME, ""))
 
@@ -60,15 +74,31 @@ def registries(state: State, login=None) -> tuple[kopf.OperatorRegistry, kopf.Op
             kopf.on.login(registry=r)(lambda **_: login())
 
     def on_parent(kind: str):
-        async def handler(body: Any, **_: Any) -> None:     # async: kopf runs sync handlers in threads
+        async def handler(body: Any, type: str | None = None, **_: Any) -> None:   # async: no threads
             key = parent_key(kind, body, state.cfg)
+            if kind == SVC:
+                meta = body.get("metadata") or {}
+                k = (SVC, meta.get("namespace") or "", meta.get("name") or "")
+                state.index_service(k, "" if type == "DELETED" else egress.group_of(body))
             if key is not None:
                 state.queue.poke(key)
+            if kind == PROXYGROUP:
+                for k in sorted(state.group_services.get((body.get("metadata") or {}).get("name") or "", ())):
+                    state.queue.poke(k)
         return handler
 
     kopf.on.event("v1", "services", registry=parents)(on_parent(SVC))
     kopf.on.event("networking.k8s.io", "v1", "ingresses", registry=parents)(on_parent(INGRESS))
     kopf.on.event(connector.GROUP, connector.VERSION, connector.PLURAL, registry=parents)(on_parent(CONNECTOR))
+    kopf.on.event(proxygroup.GROUP, proxygroup.VERSION, proxygroup.PLURAL, registry=parents)(on_parent(PROXYGROUP))
+
+    async def on_class(body: Any, **_: Any) -> None:
+        # The class's own pass writes its status and then queues every parent that uses it.
+        name = (body.get("metadata") or {}).get("name")
+        if name:
+            state.queue.poke((PROXYCLASS, "", name))
+
+    kopf.on.event(proxyclass.GROUP, proxyclass.VERSION, proxyclass.PLURAL, registry=parents)(on_class)
 
     async def on_child(body: Any, **_: Any) -> None:
         key = child_key(body)
@@ -80,6 +110,14 @@ def registries(state: State, login=None) -> tuple[kopf.OperatorRegistry, kopf.Op
     kopf.on.event("v1", "configmaps", labels={apiserverproxy.LABEL: "true"},
                   registry=children)(on_parent(APISERVER))
     kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_MANAGED: "true"}, registry=children)(on_child)
+
+    async def on_group_pod(body: Any, **_: Any) -> None:
+        """A ProxyGroup replica's Pod started, got its IPs or began terminating: its EndpointSlice membership."""
+        key = child_key(body)
+        if key is not None and key[0] == PROXYGROUP:
+            state.queue.poke(key)
+    kopf.on.event("v1", "pods", labels={LABEL_MANAGED: "true", LABEL_PARENT_TYPE: PROXYGROUP},
+                  registry=children)(on_group_pod)
     return parents, children
 
 
@@ -91,5 +129,6 @@ def settings(child_watch: bool) -> kopf.OperatorSettings:
     if child_watch:
         for plural in ("secrets", "statefulsets"):
             s.watching.label_selectors[plural] = f"{LABEL_MANAGED}=true"
+        s.watching.label_selectors["pods"] = f"{LABEL_MANAGED}=true,{LABEL_PARENT_TYPE}={PROXYGROUP}"
         s.watching.label_selectors["configmaps"] = f"{apiserverproxy.LABEL}=true"
     return s

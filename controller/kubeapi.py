@@ -37,7 +37,13 @@ CONNECTORS = Resource("/apis/tailscale.com/v1alpha1", "connectors", namespaced=F
 SERVICEACCOUNTS = Resource("/api/v1", "serviceaccounts")
 ROLES = Resource("/apis/rbac.authorization.k8s.io/v1", "roles")
 ROLEBINDINGS = Resource("/apis/rbac.authorization.k8s.io/v1", "rolebindings")
+NAMESPACES = Resource("/api/v1", "namespaces", namespaced=False)
+PROXYGROUPS = Resource("/apis/tailscale.com/v1alpha1", "proxygroups", namespaced=False)
 CONFIGMAPS = Resource("/api/v1", "configmaps")
+ENDPOINTSLICES = Resource("/apis/discovery.k8s.io/v1", "endpointslices")
+PROXYCLASSES = Resource("/apis/tailscale.com/v1alpha1", "proxyclasses", namespaced=False)
+CRDS = Resource("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
+SERVICEMONITORS = Resource("/apis/monitoring.coreos.com/v1", "servicemonitors")
 CLUSTERROLEBINDINGS = Resource("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", namespaced=False)
 
 

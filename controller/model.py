@@ -34,13 +34,23 @@ ANN_LAST_TAILNET_IP = "tailscale.com/operator-last-set-ts-tailnet-target-ip"
 ANN_LAST_TAILNET_FQDN = "tailscale.com/operator-last-set-ts-tailnet-target-fqdn"
 
 # Parent types as written in LABEL_PARENT_TYPE.
-SVC, INGRESS, CONNECTOR = "svc", "ingress", "connector"
+SVC, INGRESS, CONNECTOR, PROXYGROUP = "svc", "ingress", "connector", "proxygroup"
+
+# Labels on a ProxyGroup egress Service's ClusterIP Service and EndpointSlices (upstream's).
+LABEL_PROXY_GROUP = "tailscale.com/proxy-group"
+LABEL_SVC_TYPE = "tailscale.com/svc-type"
+#: The work-queue kind of a ProxyClass (not a parent: it has no proxy of its own).
+PROXYCLASS = "proxyclass"
 #: The API server proxy's parent: the chart's ConfigMap in the controller's namespace (kinds/apiserverproxy.py).
 APISERVER = "apiserverproxy"
 
 # Conditions and reasons (upstream's names).
 COND_PROXY_READY = "TailscaleProxyReady"
 COND_CONNECTOR_READY = "ConnectorReady"
+COND_PG_READY = "ProxyGroupReady"
+COND_PG_AVAILABLE = "ProxyGroupAvailable"
+COND_EGRESS_VALID = "TailscaleEgressSvcValid"
+COND_EGRESS_CONFIGURED = "TailscaleEgressSvcConfigured"
 
 
 class Invalid(Exception):
@@ -68,9 +78,9 @@ class Decision:
 class Parent:
     """The object a proxy is made for."""
 
-    kind: str          # SVC | INGRESS | CONNECTOR | APISERVER
+    kind: str          # SVC | INGRESS | CONNECTOR | PROXYGROUP | APISERVER
     name: str
-    namespace: str     # "" for a Connector (cluster-scoped)
+    namespace: str     # "" for a Connector or a ProxyGroup (cluster-scoped)
     uid: str
 
 

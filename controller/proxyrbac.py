@@ -36,31 +36,24 @@ SECRET_VERBS = ("get", "update", "patch")
 EVENT_VERBS = ("create", "get", "patch")
 
 
-def _meta(spec: ProxySpec, cfg: ControllerConfig) -> dict[str, Any]:
-    return {"name": base_name(spec.parent), "namespace": cfg.namespace, "labels": child_labels(spec.parent)}
-
-
-def service_account(spec: ProxySpec, cfg: ControllerConfig) -> dict:
-    return _hashed({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(spec, cfg)})
-
-
-def role(spec: ProxySpec, cfg: ControllerConfig) -> dict:
-    secrets = [secret_name(spec.parent, i) for i in range(spec.replicas)]
-    return _hashed({
-        "apiVersion": RBAC_API, "kind": "Role", "metadata": _meta(spec, cfg),
-        "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": secrets,
+def identity(name: str, namespace: str, labels: dict[str, str], secrets: list[str]) -> tuple[dict, dict, dict]:
+    """ServiceAccount, Role and RoleBinding named `name`, the Role limited to the Secrets `secrets`: the
+    order they are created in (the binding names both). A proxy and a ProxyGroup share this shape."""
+    def meta() -> dict[str, Any]:
+        return {"name": name, "namespace": namespace, "labels": dict(labels)}
+    sa = _hashed({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()})
+    role = _hashed({
+        "apiVersion": RBAC_API, "kind": "Role", "metadata": meta(),
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": list(secrets),
                    "verbs": list(SECRET_VERBS)},
                   {"apiGroups": [""], "resources": ["events"], "verbs": list(EVENT_VERBS)}],
     })
-
-
-def role_binding(spec: ProxySpec, cfg: ControllerConfig) -> dict:
-    name = base_name(spec.parent)
-    return _hashed({
-        "apiVersion": RBAC_API, "kind": "RoleBinding", "metadata": _meta(spec, cfg),
+    binding = _hashed({
+        "apiVersion": RBAC_API, "kind": "RoleBinding", "metadata": meta(),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": cfg.namespace}],
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
     })
+    return sa, role, binding
 
 
 def impersonation_binding(spec: ProxySpec, cfg: ControllerConfig, cluster_role: str) -> dict | None:
@@ -79,5 +72,18 @@ def impersonation_binding(spec: ProxySpec, cfg: ControllerConfig, cluster_role: 
 
 
 def objects(spec: ProxySpec, cfg: ControllerConfig) -> tuple[dict, dict, dict]:
-    """ServiceAccount, Role, RoleBinding: the order they are created in (the binding names both)."""
-    return service_account(spec, cfg), role(spec, cfg), role_binding(spec, cfg)
+    """ServiceAccount, Role, RoleBinding of one proxy: the order they are created in (the binding names both)."""
+    return identity(base_name(spec.parent), cfg.namespace, child_labels(spec.parent),
+                    [secret_name(spec.parent, i) for i in range(spec.replicas)])
+
+
+def service_account(spec: ProxySpec, cfg: ControllerConfig) -> dict:
+    return objects(spec, cfg)[0]
+
+
+def role(spec: ProxySpec, cfg: ControllerConfig) -> dict:
+    return objects(spec, cfg)[1]
+
+
+def role_binding(spec: ProxySpec, cfg: ControllerConfig) -> dict:
+    return objects(spec, cfg)[2]

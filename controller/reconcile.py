@@ -9,26 +9,32 @@ written, and a parent whose key cannot be minted gets a status that says so and 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from tscommon import secretcontract as sc
 from tscommon.redact import redact
 
-from . import proxyrbac, render, status as st
+from . import podsecurity, proxyclass as pcl, proxyrbac, render, status as st
 from .config import ControllerConfig
-from .kinds import apiserverproxy, connector, ingress, meta, service
-from .kubeapi import (CLUSTERROLEBINDINGS, CONFIGMAPS, CONNECTORS, EVENTS, INGRESSES, ROLEBINDINGS, ROLES, SECRETS,
-                      SERVICEACCOUNTS, SERVICES, STATEFULSETS, Kube, KubeError, Resource)
-from .model import APISERVER, CONNECTOR, FINALIZER, INGRESS, SVC, Decision, Invalid, Parent, Pending, ProxySpec
+from .kinds import apiserverproxy, connector, egress, ingress, meta, service
+from .kubeapi import (CLUSTERROLEBINDINGS, CONFIGMAPS, CONNECTORS, CRDS, EVENTS, INGRESSES, NAMESPACES, PROXYCLASSES,
+                      PROXYGROUPS, ROLEBINDINGS, ROLES, SECRETS, SERVICEACCOUNTS, SERVICEMONITORS, SERVICES,
+                      STATEFULSETS, Kube, KubeError, Resource)
+from .model import (APISERVER, CONNECTOR, FINALIZER, INGRESS, LABEL_PROXY_GROUP, PROXYCLASS, PROXYGROUP, SVC, Decision,
+                    Invalid, Parent, Pending, ProxySpec)
+from .pgreconcile import GroupReconciler
+from .sameness import same
 from .providers import Provider, ProviderError
 
 log = logging.getLogger("controller")
 
-RESOURCES: dict[str, Resource] = {SVC: SERVICES, INGRESS: INGRESSES, CONNECTOR: CONNECTORS, APISERVER: CONFIGMAPS}
+RESOURCES: dict[str, Resource] = {SVC: SERVICES, INGRESS: INGRESSES, CONNECTOR: CONNECTORS, PROXYGROUP: PROXYGROUPS,
+                                  APISERVER: CONFIGMAPS}
 #: A proxy's own identity (controller/proxyrbac.py), in creation order.
 RBAC_RESOURCES = (SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
 #: Safety-net re-checks of a parent whose proxy is not ready yet and of a ready one: the watches on the proxies'
@@ -38,6 +44,10 @@ READY_RECHECK = 600.0
 #: A device's tags, once seen equal to the wanted ones, are read again after this long (a re-tag by hand in
 #: the admin console is undone then); a change of the wanted tags is acted on at the next pass.
 TAGS_RECHECK = 3600.0
+#: The Warning event's reason when the proxies' namespace refuses the proxy's Pod (controller/podsecurity.py).
+REASON_POD_SECURITY = "PodSecurityRefused"
+#: A parent waiting for the namespace's label is re-checked this often (namespaces are not watched; one GET).
+POD_SECURITY_RECHECK = 10.0
 
 
 def _now() -> str:
@@ -50,17 +60,11 @@ def _decode(secret: Mapping[str, Any] | None) -> dict[str, bytes] | None:
     return {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
 
 
-def same(cur: Any, want: Any) -> bool:
-    """`cur` (from the API server) says what `want` says; fields the server added by default (e.g. a
-    LoadBalancer ingress's `ipMode: VIP`) do not count, or every pass would write the status again."""
-    if isinstance(want, dict):
-        return isinstance(cur, dict) and all(same(cur.get(k), v) for k, v in want.items())
-    if isinstance(want, list):
-        return isinstance(cur, list) and len(cur) == len(want) and all(same(c, w) for c, w in zip(cur, want))
-    return cur == want
-
-
 def handled(kind: str, obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
+    if kind == PROXYGROUP:
+        return True
+    if kind == SVC and egress.handled(obj):
+        return True
     return {SVC: service.handled, INGRESS: ingress.handled, CONNECTOR: connector.handled,
             APISERVER: apiserverproxy.handled}[kind](obj, cfg)
 
@@ -71,22 +75,38 @@ class Reconciler:
         self.kube, self.provider, self.cfg, self.now, self.clock = kube, provider, cfg, now, clock
         self._warned: dict[str, set[str]] = {}     # parent UID -> problems already sent as Warning events
         self._tags_ok: dict[str, tuple[tuple[str, ...], float]] = {}   # device -> (tags seen equal, when)
+        self.groups = GroupReconciler(self)     # ProxyGroups and the egress Services on them
+        #: queues another pass of a key (the work queue's poke); a ProxyClass's pass wakes the parents using it
+        self.poke: Callable[[Hashable], None] = lambda key: None
 
     # ---- entry point
 
     async def reconcile(self, kind: str, namespace: str, name: str) -> float | None:
         """One pass; returns seconds until the next check (None: wait for an event). Raises on API or control
         plane errors (the caller retries with backoff)."""
+        if kind == PROXYGROUP:
+            return await self.groups.reconcile_group(name)
+        if kind == PROXYCLASS:
+            return await self.reconcile_class(name)
         obj = await self.kube.get(RESOURCES[kind], name, namespace)
         if obj is None:
             return None
         m = meta(obj)
         if m.get("deletionTimestamp") or not handled(kind, obj, self.cfg):
             if FINALIZER in (m.get("finalizers") or []):
+                if kind == SVC:
+                    await self.groups.cleanup_service(obj)
+                    obj = dict(await self.groups.clear_conditions(obj))
                 if not await self.cleanup(kind, obj):
                     return 2.0
                 await self._remove_finalizer(kind, obj)
             return None
+        if kind == SVC and egress.handled(obj):
+            return await self.groups.reconcile_service(obj)
+        if kind == SVC and self.groups.has_conditions(obj):
+            # It named a ProxyGroup until now and asks for a proxy of its own instead.
+            await self.groups.cleanup_service(obj)
+            obj = dict(await self.groups.clear_conditions(obj))
         try:
             decision = await self._decide(kind, obj)
         except Invalid as e:
@@ -95,16 +115,98 @@ class Reconciler:
         except Pending as e:
             await self._write_status(kind, obj, None, [], st.Readiness(False, "ProxyPending", str(e)))
             return PENDING_RECHECK
+        sel = pcl.select(kind == CONNECTOR, obj, self.cfg.default_proxy_class)
+        if sel.misplaced:
+            decision = dataclasses.replace(decision, notices=decision.notices + (
+                ("Warning", pcl.REASON_ANNOTATION, pcl.annotation_message(_k8s_kind(kind), sel.misplaced)),))
+        pc: pcl.ProxyClass | None = None
+        spec = decision.spec
+        waiting = ""                  # why the class cannot be used (missing, or not valid)
+        crd_missing = False
+        if sel.name:
+            pc_obj, v = await self._class_state(sel.name)
+            if pc_obj is None or not v.ok:
+                running = await self.kube.get(STATEFULSETS, render.base_name(spec.parent), self.cfg.namespace)
+                waiting = pcl.not_ready_message(sel.name, pc_obj, running=running is not None, validation=v)
+                crd_missing = pc_obj is not None and v.crd_missing
+                decision = dataclasses.replace(decision, notices=decision.notices + (
+                    ("Warning", pcl.REASON_NOT_READY, waiting),))
+            else:
+                pc = pcl.ProxyClass.from_object(pc_obj)
+                if pc.tags and spec.tags == self.cfg.proxy_tags:
+                    # the class's TS_EXTRA_ARGS --advertise-tags: under the parent's own tags, over PROXY_TAGS
+                    spec = dataclasses.replace(spec, tags=pc.tags)
+        refused = "" if waiting else await self._pod_security(kind, spec, pc)
         # Only what this pass still reports stays remembered: a problem that goes and comes back is sent again.
         current = {f"InvalidBackend:{w}" for w in decision.warnings} | {f"{r}:{t}" for _, r, t in decision.notices}
+        current |= {f"{REASON_POD_SECURITY}:{refused}"} if refused else set()
         if (seen := self._warned.get(m.get("uid", ""))) is not None:
             seen &= current
         for w in decision.warnings:
             await self._warn(obj, kind, "InvalidBackend", w)
         for etype, reason, message in decision.notices:
             await self._warn(obj, kind, reason, message, etype=etype)
+        if waiting:
+            # Nothing is created or changed until the class is there and valid; a running proxy keeps running as
+            # it was. The class's watch brings the next pass (a missing ServiceMonitor CRD has none: re-checked).
+            await self._write_status(kind, obj, None, [], st.Readiness(False, pcl.REASON_NOT_READY, waiting),
+                                     condition_only=True)
+            return PENDING_RECHECK if crd_missing else None
         await self._ensure_finalizer(kind, obj)
-        return await self._provision(kind, obj, decision.spec)
+        return await self._provision(kind, obj, spec, pc, sel.misplaced, refused)
+
+    async def _class_state(self, name: str) -> tuple[dict | None, pcl.Validation]:
+        """A class and its validation; a class asking for a ServiceMonitor is valid only where the
+        ServiceMonitor CRD exists (as upstream)."""
+        obj = await self.kube.get(PROXYCLASSES, name)
+        if obj is None:
+            return None, pcl.Validation()
+        crd = True
+        if pcl.ProxyClass.from_object(obj).service_monitor:
+            crd = await self.kube.get(CRDS, pcl.SERVICE_MONITOR_CRD) is not None
+        return obj, pcl.validate(obj, service_monitor_crd=crd)
+
+    async def reconcile_class(self, name: str) -> float | None:
+        """A ProxyClass's pass: its ProxyClassReady condition, Warning events for what is wrong or doubtful, then
+        every parent using it is queued (a changed class rolls its proxies, and only those)."""
+        obj, v = await self._class_state(name)
+        if obj is not None:
+            status, reason, message = pcl.ready_condition(v)
+            m, cur = meta(obj), obj.get("status") or {}
+            cond = st.condition(pcl.COND_READY, status == "True", reason, message, generation=m.get("generation"),
+                                previous=cur.get("conditions"), now=self.now())
+            conds = st.with_condition(cur.get("conditions"), cond)
+            current = {f"{r}:{t}" for r, t in v.warnings}
+            if not v.ok:
+                current.add(f"{pcl.REASON_INVALID}:{message}")
+            if (seen := self._warned.get(m.get("uid", ""))) is not None:
+                seen &= current
+            if not v.ok:
+                await self._warn(obj, PROXYCLASS, pcl.REASON_INVALID, message)
+            for r, t in v.warnings:
+                await self._warn(obj, PROXYCLASS, r, t)
+            if not same(list(cur.get("conditions") or []), conds):
+                await self.kube.patch(PROXYCLASSES, name, {"status": {"conditions": conds}}, subresource="status")
+        for key in await self.class_users(name):
+            self.poke(key)
+        return PENDING_RECHECK if v.crd_missing else None
+
+    async def class_users(self, name: str) -> list[tuple[str, str, str]]:
+        """The parents whose proxies use this class (by label, spec.proxyClass, or as the default)."""
+        default = name == self.cfg.default_proxy_class
+        sel = "" if default else f"{pcl.LABEL_PROXY_CLASS}={name}"
+        found: list[tuple[str, str, str]] = []
+        for kind, res, s in ((SVC, SERVICES, sel), (INGRESS, INGRESSES, sel), (CONNECTOR, CONNECTORS, "")):
+            for o in await self.kube.list(res, "", s):
+                m = meta(o)
+                if (handled(kind, o, self.cfg) and
+                        pcl.select(kind == CONNECTOR, o, self.cfg.default_proxy_class).name == name):
+                    found.append((kind, m.get("namespace", "") if kind != CONNECTOR else "", m.get("name", "")))
+        for o in await self.kube.list(PROXYGROUPS):
+            # spec.proxyClass, else the default: as a Connector (upstream's ProxyGroup reconciler)
+            if pcl.select(True, o, self.cfg.default_proxy_class).name == name:
+                found.append((PROXYGROUP, "", meta(o).get("name", "")))
+        return found
 
     async def _decide(self, kind: str, obj: Mapping[str, Any]) -> Decision:
         if kind == SVC:
@@ -132,7 +234,9 @@ class Reconciler:
 
     # ---- provisioning
 
-    async def _provision(self, kind: str, obj: Mapping[str, Any], spec: ProxySpec) -> float | None:
+    async def _provision(self, kind: str, obj: Mapping[str, Any], spec: ProxySpec, pc: pcl.ProxyClass | None = None,
+                         misplaced: str = "", refused: str = "") -> float | None:
+        """Mint, render, apply, report. `refused`: why the proxies' namespace would refuse the proxy's Pod."""
         cfg, p = self.cfg, spec.parent
         existing = {s["metadata"]["name"]: s for s in
                     await self.kube.list(SECRETS, cfg.namespace, render.child_selector(p))}
@@ -143,6 +247,13 @@ class Reconciler:
             if n not in existing and (found := await self.kube.get(SECRETS, n, cfg.namespace)) is not None:
                 existing[n] = found
         datas = [_decode(existing.get(render.secret_name(p, i))) for i in range(spec.replicas)]
+        # A Pod the namespace's Pod Security level refuses would leave the parent "not ready" for ever: say so
+        # before anything is minted or created (a proxy that exists already keeps running; its state is
+        # reported below).
+        if refused and not existing:
+            await self._warn(obj, kind, REASON_POD_SECURITY, refused)
+            await self._write_status(kind, obj, spec, [], st.Readiness(False, _failed(kind), refused))
+            return POD_SECURITY_RECHECK
         keys: list[str] = []
         try:
             for i, data in enumerate(datas):
@@ -163,6 +274,10 @@ class Reconciler:
             await self._write_status(kind, obj, spec, [], st.Readiness(False, _failed(kind), msg))
             raise
         rendered = render.render(spec, cfg, tuple(keys))
+        target = proxy_target(kind, spec, cfg)
+        rendered = render.Rendered(
+            rendered.service, tuple(pcl.apply_to_config_secret(s, pc) for s in rendered.secrets),
+            render.rehash(pcl.apply_to_statefulset(rendered.statefulset, pc, target)) if pc else rendered.statefulset)
         await self._apply(SERVICES, rendered.service)
         for s in rendered.secrets:
             await self._apply_secret(s, existing.get(s["metadata"]["name"]))
@@ -173,6 +288,7 @@ class Reconciler:
         if kind == APISERVER:
             await self._apply_impersonation(spec)
         sts = await self._apply(STATEFULSETS, rendered.statefulset)
+        await self._metrics(kind, spec, rendered.statefulset, pc if pc is not None and target.endpoints else None)
         # Replicas scaled away: their devices and Secrets go too (as upstream).
         wanted = {s["metadata"]["name"] for s in rendered.secrets}
         for n, s in sorted(existing.items()):
@@ -187,12 +303,58 @@ class Reconciler:
         tags_error = await self._sync_tags(kind, p, spec.tags, datas)
         devices = [st.device_info(render.secret_name(p, i), datas[i]) for i in range(spec.replicas)]
         ready_replicas = int(((sts or {}).get("status") or {}).get("readyReplicas") or 0)
+        if refused and ready_replicas < spec.replicas:
+            await self._warn(obj, kind, REASON_POD_SECURITY, refused)
         r = st.readiness(kind, devices, replicas=spec.replicas, ready_replicas=ready_replicas,
-                         failure=str(tags_error or ""))
+                         failure=str(tags_error or "") or (refused if ready_replicas < spec.replicas else ""))
+        if misplaced:
+            r = st.Readiness(r.ok, r.reason, f"{r.message}; {pcl.annotation_message(_k8s_kind(kind), misplaced)}")
         await self._write_status(kind, obj, spec, devices, r)
         if tags_error is not None:
             raise tags_error                # retried with backoff; the condition says what failed
         return READY_RECHECK if r.ok else PENDING_RECHECK
+
+    async def _pod_security(self, kind: str, spec: ProxySpec, pc: pcl.ProxyClass | None) -> str:
+        """Why the proxies' namespace would refuse this proxy's Pod, as rendered with its ProxyClass ("" when it
+        admits it, or when its level cannot be read: a controller without `get` on namespaces goes on as
+        before)."""
+        try:
+            ns = await self.kube.get(NAMESPACES, self.cfg.namespace)
+        except KubeError as e:
+            if e.status not in (401, 403):
+                raise
+            log.debug("namespace %s not readable (%s): Pod Security level not checked", self.cfg.namespace, e)
+            return ""
+        sts = render.statefulset(spec, self.cfg)
+        if pc is not None:
+            sts = pcl.apply_to_statefulset(sts, pc, proxy_target(kind, spec, self.cfg))
+        refusal = podsecurity.refusal(ns, sts["spec"]["template"]["spec"])
+        return refusal.message(self.cfg.namespace, spec.userspace) if refusal else ""
+
+    async def _metrics(self, kind: str, spec: ProxySpec, sts: Mapping[str, Any], pc: pcl.ProxyClass | None) -> None:
+        """The metrics Service (and a ServiceMonitor) of a class with metrics.enable; removed when no longer
+        asked for."""
+        p = spec.parent
+        name = f"{sts['metadata']['name']}-metrics"
+        if pc is not None and pc.metrics:
+            svc = render.rehash(pcl.metrics_service(sts, _proxy_type(kind, spec), p.name, p.namespace))
+            await self._apply(SERVICES, svc)
+            if pc.service_monitor:
+                await self._apply(SERVICEMONITORS, render.rehash(pcl.service_monitor(svc, pc)))
+                return
+        elif await self.kube.get(SERVICES, name, self.cfg.namespace) is not None:
+            await self.kube.delete(SERVICES, name, self.cfg.namespace)
+        else:
+            return
+        await self._delete_service_monitors(p)
+
+    async def _delete_service_monitors(self, p: Parent) -> None:
+        try:
+            for o in await self.kube.list(SERVICEMONITORS, self.cfg.namespace, render.child_selector(p)):
+                await self.kube.delete(SERVICEMONITORS, o["metadata"]["name"], self.cfg.namespace)
+        except KubeError as e:
+            if e.status != 404:          # no ServiceMonitor CRD: there is nothing to delete
+                raise
 
     async def _sync_tags(self, kind: str, p: Parent, tags: tuple[str, ...],
                          datas: list[dict[str, bytes] | None]) -> ProviderError | None:
@@ -282,6 +444,8 @@ class Reconciler:
             await self._delete_device_of(_decode(s))
             await self.kube.delete(SECRETS, s["metadata"]["name"], ns)
         for s in await self.kube.list(SERVICES, ns, sel):
+            if (s["metadata"].get("labels") or {}).get(LABEL_PROXY_GROUP):
+                continue        # a ProxyGroup egress Service's (GroupReconciler.cleanup_service)
             await self.kube.delete(SERVICES, s["metadata"]["name"], ns)
         for res in reversed(RBAC_RESOURCES):
             for o in await self.kube.list(res, ns, sel):
@@ -289,6 +453,8 @@ class Reconciler:
         if kind == APISERVER:
             for o in await self.kube.list(CLUSTERROLEBINDINGS, "", sel):
                 await self.kube.delete(CLUSTERROLEBINDINGS, o["metadata"]["name"])
+        if await self.kube.get(CRDS, pcl.SERVICE_MONITOR_CRD) is not None:
+            await self._delete_service_monitors(p)
         log.info("%s %s: proxy removed", kind, _ref(p))
         return True
 
@@ -322,7 +488,8 @@ class Reconciler:
         await self._write_status(kind, obj, None, [], st.Readiness(False, "", message), invalid=True)
 
     async def _write_status(self, kind: str, obj: Mapping[str, Any], spec: ProxySpec | None,
-                            devices: list[st.DeviceInfo], r: st.Readiness, *, invalid: bool = False) -> None:
+                            devices: list[st.DeviceInfo], r: st.Readiness, *, invalid: bool = False,
+                            condition_only: bool = False) -> None:
         m, cur = meta(obj), obj.get("status") or {}
         if invalid:
             r = st.readiness(kind, devices, replicas=1, ready_replicas=0, invalid=r.message)
@@ -336,7 +503,9 @@ class Reconciler:
             conds = st.with_condition(cur.get("conditions"), cond)
             if not same(list(cur.get("conditions") or []), conds):
                 want["conditions"] = conds
-        if kind == SVC and service.is_load_balancer(obj) and not service.is_egress(obj):
+        if condition_only:
+            pass
+        elif kind == SVC and service.is_load_balancer(obj) and not service.is_egress(obj):
             lb = st.service_load_balancer(devices, st.service_families(obj))
             if not same((cur.get("loadBalancer") or {}).get("ingress"), lb.get("ingress")):
                 want["loadBalancer"] = {"ingress": lb.get("ingress")}
@@ -387,8 +556,9 @@ class Reconciler:
         self._warned.setdefault(uid, set()).add(key)
         ns = m.get("namespace") or "default"
         now = self.now()
-        api = {SVC: "v1", INGRESS: "networking.k8s.io/v1", CONNECTOR: "tailscale.com/v1alpha1", APISERVER: "v1"}[kind]
-        k8s_kind = {SVC: "Service", INGRESS: "Ingress", CONNECTOR: "Connector", APISERVER: "ConfigMap"}[kind]
+        api = {SVC: "v1", INGRESS: "networking.k8s.io/v1", CONNECTOR: "tailscale.com/v1alpha1",
+               PROXYGROUP: "tailscale.com/v1alpha1", PROXYCLASS: "tailscale.com/v1alpha1", APISERVER: "v1"}[kind]
+        k8s_kind = _k8s_kind(kind)
         ev = {"apiVersion": "v1", "kind": "Event",
               "metadata": {"generateName": f"{m.get('name', 'x')}.", "namespace": ns},
               "involvedObject": {"apiVersion": api, "kind": k8s_kind, "name": m.get("name", ""),
@@ -402,6 +572,25 @@ class Reconciler:
             await self.kube.create(EVENTS, ev, ns)
         except KubeError as e:
             log.warning("could not record an event: %s", e)
+
+
+def _k8s_kind(kind: str) -> str:
+    return {SVC: "Service", INGRESS: "Ingress", CONNECTOR: "Connector", PROXYGROUP: "ProxyGroup",
+            PROXYCLASS: pcl.KIND, APISERVER: "ConfigMap"}[kind]
+
+
+def _proxy_type(kind: str, spec: ProxySpec) -> str:
+    """The `ts_proxy_type` label of a proxy's metrics (upstream's values)."""
+    return {SVC: "ingress_service", INGRESS: "ingress_resource", CONNECTOR: "connector",
+            PROXYGROUP: "proxygroup", APISERVER: "apiserver_proxy"}[kind]
+
+
+def proxy_target(kind: str, spec: ProxySpec, cfg: ControllerConfig) -> pcl.Target:
+    """Upstream's exclusions: no metrics or debug endpoints on egress proxies and forwarding L7 Ingress proxies
+    (their cluster traffic is all forwarded); the ACME staging directory only where certificates are used."""
+    egress = any(k in ("TS_TAILNET_TARGET_IP", "TS_TAILNET_TARGET_FQDN") for k, _ in spec.target_env)
+    return pcl.Target(endpoints=not egress and not spec.forward_cluster_traffic,
+                      acme=kind == INGRESS and not spec.ingress_http)
 
 
 def _failed(kind: str) -> str:

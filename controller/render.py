@@ -30,7 +30,7 @@ SPEC_HASH = "tailscale.com/controller-spec-hash"
 SYSCTL_SCRIPT = ("echo 1 > /proc/sys/net/ipv4/ip_forward && if [ -e /proc/sys/net/ipv6/conf/all/forwarding ]; "
                  "then echo 1 > /proc/sys/net/ipv6/conf/all/forwarding; fi")
 #: Env read by tailscaled itself (envknobs), not by the agent's settings table.
-TAILSCALED_ENV = ("TS_INTERNAL_APP", "TS_DEBUG_ACME_FORCE_RENEWAL")
+TAILSCALED_ENV = ("TS_INTERNAL_APP", "TS_DEBUG_ACME_FORCE_RENEWAL", "TS_DEBUG_ACME_DIRECTORY_URL")
 _NAME_MAX = 52   # a StatefulSet's Pods get a controller-revision-hash label of name + 11 chars, max 63
 #: The API server proxy's container talks to tailscaled over this socket, on a volume both containers mount.
 APISERVER_SOCKET_DIR = "/var/run/tailscale"
@@ -83,6 +83,12 @@ def secret_string_data(spec: ProxySpec, cfg: ControllerConfig, i: int, authkey: 
     if spec.serve_config is not None:
         out[KEY_SERVE_CONFIG] = dumps(spec.serve_config)
     return out
+
+
+def rehash(obj: dict) -> dict:
+    """The object's SPEC_HASH again, after a later step (a ProxyClass) changed it."""
+    (obj["metadata"].get("annotations") or {}).pop(SPEC_HASH, None)
+    return _hashed(obj)
 
 
 def _hashed(obj: dict) -> dict:
@@ -175,6 +181,14 @@ def statefulset(spec: ProxySpec, cfg: ControllerConfig) -> dict:
             # Binding the tailnet ports (80/443) needs this one capability, nothing else.
             "securityContext": {"capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}})
     pod_spec["volumes"] = volumes
+    if cfg.proxy_image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in cfg.proxy_image_pull_secrets]
+    if cfg.proxy_node_selector:
+        pod_spec["nodeSelector"] = dict(cfg.proxy_node_selector)
+    if cfg.proxy_tolerations:
+        pod_spec["tolerations"] = list(cfg.proxy_tolerations)
+    if cfg.proxy_affinity:
+        pod_spec["affinity"] = dict(cfg.proxy_affinity)
     template_meta: dict[str, Any] = {"deletionGracePeriodSeconds": 10,
                                      "labels": {**child_labels(p), "app": p.uid}}
     if spec.pod_annotations:

@@ -8,6 +8,9 @@
 #   bash images/build.sh --print-name          # the image name
 #   bash images/build.sh --iidfile FILE        # also write the built image's ID to FILE (the name is shared
 #                                              # by every checkout on the machine; the ID is what was built)
+#   bash images/build.sh --platform linux/arm64 --name localhost/x:1-arm64 --archive F --ref reg/x:1
+#                                              # another architecture (its RUN steps under qemu user mode),
+#                                              # exported to F with the reference a registry would serve it as
 #
 # The Dockerfile is built unchanged, as Docker would build it elsewhere; only its ARGs differ: BASE is a local
 # Debian base made by images/base.sh and TAILSCALE_IMAGE a local image of the Go-built binaries
@@ -26,8 +29,14 @@ DOCKERFILE=$repo/Dockerfile
 CONTEXT=$repo
 print=
 iidfile=
+PLATFORM=
+ARCHIVE=
+REF=
 while [ $# -gt 0 ]; do
   case "$1" in
+    --platform) PLATFORM=$2; shift 2 ;;
+    --archive) ARCHIVE=$2; shift 2 ;;
+    --ref) REF=$2; shift 2 ;;
     --name) NAME=$2; shift 2 ;;
     --dockerfile) DOCKERFILE=$2; shift 2 ;;
     --context) CONTEXT=$2; shift 2 ;;
@@ -37,7 +46,12 @@ while [ $# -gt 0 ]; do
     *) log "unknown argument $1 (see the header of $0)"; exit 2 ;;
   esac
 done
-ARCHIVE=$(archive_path "$NAME")
+ARCHIVE=${ARCHIVE:-$(archive_path "$NAME")}
+REF=${REF:-$NAME}
+NATIVE=$(dpkg --print-architecture)
+ARCH=${PLATFORM#linux/}
+ARCH=${ARCH:-$NATIVE}
+case "$PLATFORM" in ""|linux/*) ;; *) log "--platform $PLATFORM: only linux/<arch> (linux/amd64, linux/arm64)"; exit 2 ;; esac
 case "$print" in
   archive) echo "$ARCHIVE"; exit 0 ;;
   name) echo "$NAME"; exit 0 ;;
@@ -45,8 +59,8 @@ esac
 command -v podman >/dev/null || { log "podman is missing: run scripts/setup.sh --image"; exit 1; }
 
 start=$(date +%s.%N)
-base=$(bash "$here/base.sh")
-tsimg=$(bash "$here/tailscale.sh")
+base=$(bash "$here/base.sh" --arch "$ARCH")
+tsimg=$(bash "$here/tailscale.sh" --arch "$ARCH")
 version=$(python3 -c 'import tomllib,sys; print(tomllib.load(open(sys.argv[1],"rb"))["project"]["version"])' "$repo/pyproject.toml")
 ts_version=$(echo "$tsimg" | sed -n 's/.*:v\([0-9.]*\)-.*/\1/p')
 secret=()
@@ -62,11 +76,11 @@ case "$old" in
   *" $repo") old=${old%% *} ;;
   *) old= ;;
 esac
-log "building $NAME from $DOCKERFILE (BASE=$base, TAILSCALE_IMAGE=$tsimg, runtime $(oci_runtime))"
+log "building $NAME for linux/$ARCH from $DOCKERFILE (BASE=$base, TAILSCALE_IMAGE=$tsimg, runtime $(oci_runtime))"
 # --network host: build steps (apt, pip) use the host's own network as any process does. The default bridge
 # network would make podman (netavark) add NAT chains to the host's firewall and turn on the host's IP
 # forwarding, which a build has no business changing.
-pod build --layers --pull=never --network host -q -f "$DOCKERFILE" -t "$NAME" \
+pod build --layers --pull=never --network host -q --platform "linux/$ARCH" -f "$DOCKERFILE" -t "$NAME" \
   --build-arg "BASE=$base" --build-arg "TAILSCALE_IMAGE=$tsimg" \
   --build-arg "VERSION=$version" --build-arg "TAILSCALE_VERSION=${ts_version:-unknown}" \
   --label "io.containerboot-py.checkout=$repo" --iidfile "$tmpid" "${secret[@]}" "$CONTEXT" >/dev/null
@@ -76,11 +90,18 @@ id=$(cat "$tmpid"); id=${id#sha256:}
 # stays if a container uses it.
 if [ -n "$old" ] && [ "$old" != "$id" ]; then podman rmi "$old" >/dev/null 2>&1 || true; fi
 
-mkdir -p "$IMAGES_CACHE"
+mkdir -p "$IMAGES_CACHE" "$(dirname "$ARCHIVE")"
 if [ ! -s "$ARCHIVE" ] || [ "$(cat "$ARCHIVE.id" 2>/dev/null)" != "$id" ]; then
   rm -f "$ARCHIVE.id"
-  podman save -q --format oci-archive -o "$ARCHIVE.tmp" "$NAME" >/dev/null  # (a concurrent build elsewhere
-  # may retag the name meanwhile; the .id file then differs from the archive at worst until the next build)
+  if [ "$REF" = "$NAME" ]; then
+    podman save -q --format oci-archive -o "$ARCHIVE.tmp" "$NAME" >/dev/null  # (a concurrent build elsewhere
+    # may retag the name meanwhile; the .id file then differs from the archive at worst until the next build)
+  else
+    # the archive names the image as the registry would (podman save writes the name it is given)
+    podman tag "$id" "$REF"
+    podman save -q --format oci-archive -o "$ARCHIVE.tmp" "$REF" >/dev/null
+    podman untag "$id" "$REF" 2>/dev/null || true
+  fi
   mv -f "$ARCHIVE.tmp" "$ARCHIVE"
   echo "$id" > "$ARCHIVE.id"
   log "exported $ARCHIVE"

@@ -39,3 +39,37 @@ archive_path() {  # image name (localhost/containerboot-py:latest)
   local n=${1#localhost/}
   echo "$IMAGES_CACHE/${n//[:\/]/_}.oci.tar"
 }
+
+# Debian's (and OCI's) architecture name -> qemu's, for binfmt_misc entries.
+qemu_arch() {
+  case "$1" in
+    amd64) echo x86_64 ;; arm64) echo aarch64 ;; armhf|armel) echo arm ;; ppc64el) echo ppc64le ;; *) echo "$1" ;;
+  esac
+}
+
+# Programs of a foreign architecture (a base's maintainer scripts, a Dockerfile's RUN steps) run under qemu
+# user mode through the kernel's binfmt_misc. Makes sure the architecture's entry is registered, with the F
+# flag (the interpreter is opened at registration, so it also works inside containers and chroots): done here
+# when qemu-user-static is installed and we are root, else a failure that names the fix.
+foreign_ready() {  # Debian architecture
+  local q bm=/proc/sys/fs/binfmt_misc conf
+  q=$(qemu_arch "$1")
+  if [ ! -e "$bm/register" ]; then
+    [ "$(id -u)" = 0 ] && mount -t binfmt_misc binfmt_misc "$bm" 2>/dev/null || true
+  fi
+  if [ -e "$bm/qemu-$q" ]; then
+    grep -q '^enabled' "$bm/qemu-$q" && grep -q '^flags:.*F' "$bm/qemu-$q" && return 0
+    log "binfmt_misc has qemu-$q but it is disabled or lacks the F flag: echo -1 > $bm/qemu-$q, then run this again"
+    exit 1
+  fi
+  conf=/usr/lib/binfmt.d/qemu-$q.conf
+  if [ ! -s "$conf" ]; then
+    log "building for $1 needs qemu user mode: apt-get install qemu-user-static (or run scripts/setup.sh --multiarch)"
+    exit 1
+  fi
+  if [ "$(id -u)" != 0 ] || ! cat "$conf" > "$bm/register" 2>/dev/null; then
+    log "cannot register qemu-$q with binfmt_misc ($bm/register): as root, cat $conf > $bm/register"
+    exit 1
+  fi
+  log "registered qemu-$q with binfmt_misc for $1 programs"
+}

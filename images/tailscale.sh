@@ -6,9 +6,20 @@
 # tailscale to it) and without the features a proxy Pod never uses (ts_omit_*, below): 29 MB instead of
 # 53 MB for the two separate binaries. CB_IMAGE_FULL_TAILSCALE=1 uses the two regular binaries instead.
 # Idempotent: the binary is built once into the binaries' cache; the image is tagged with its hash.
+#
+#   bash images/tailscale.sh --arch arm64   # for another architecture: tailscaled cross-compiled (GOARCH), no
+#                                           # emulation needed (pure Go, CGO off)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/common.sh"
+ARCH=$(dpkg --print-architecture)
+NATIVE=$ARCH
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --arch) ARCH=$2; shift 2 ;;
+    *) log "unknown argument $1 (see the header of $0)"; exit 2 ;;
+  esac
+done
 bin=$(bash "$here/../scripts/install-binaries.sh" --print-dir)
 ver=$(basename "$bin" | sed -n 's/^ts-\(v[^-]*\)-.*/\1/p')
 ver=${ver:-v1.102.3}
@@ -27,7 +38,10 @@ TAGS=$(echo $TAGS | tr ' ' ',')
 
 ctx=$(mktemp -d "${TMPDIR:-/tmp}/cbpy-ts.XXXXXX")
 trap 'rm -rf "$ctx"' EXIT
-if [ "${CB_IMAGE_FULL_TAILSCALE:-0}" = 1 ] || ! command -v go >/dev/null 2>&1; then
+if [ "$ARCH" != "$NATIVE" ] && ! command -v go >/dev/null 2>&1; then
+  log "building tailscaled for $ARCH needs a Go toolchain (it is cross-compiled)"; exit 1
+fi
+if [ "$ARCH" = "$NATIVE" ] && { [ "${CB_IMAGE_FULL_TAILSCALE:-0}" = 1 ] || ! command -v go >/dev/null 2>&1; }; then
   [ "${CB_IMAGE_FULL_TAILSCALE:-0}" = 1 ] || log "no Go toolchain: the image gets the two regular binaries"
   for b in tailscaled tailscale; do
     [ -x "$bin/$b" ] || { log "$bin/$b is missing: run make setup-bin"; exit 1; }
@@ -35,15 +49,20 @@ if [ "${CB_IMAGE_FULL_TAILSCALE:-0}" = 1 ] || ! command -v go >/dev/null 2>&1; t
   done
 else
   slim="$bin/tailscaled-image-$(echo "$TAGS" | sha256sum | cut -c1-8)"
+  [ "$ARCH" = "$NATIVE" ] || slim="$slim-$ARCH"
   if [ ! -x "$slim" ]; then
     log "building tailscaled $ver with the CLI included and unused features left out (about 2 minutes)"
     start=$(date +%s)
     gobin=$(mktemp -d "${TMPDIR:-/tmp}/cbpy-gobin.XXXXXX")
-    GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$gobin" GOFLAGS=-mod=mod go install -trimpath -tags "$TAGS" \
+    # A GOPATH of its own (the module cache stays the shared one): go install puts a cross-compiled binary in
+    # GOPATH/bin/linux_<arch>/ and refuses GOBIN for it.
+    GOTOOLCHAIN=local CGO_ENABLED=0 GOOS=linux GOARCH="$ARCH" GOPATH="$gobin" GOMODCACHE="$(go env GOMODCACHE)" \
+      GOBIN= GOFLAGS=-mod=mod go install -trimpath -tags "$TAGS" \
       -ldflags="-s -w -X tailscale.com/version.longStamp=${ver#v}-cbpy -X tailscale.com/version.shortStamp=${ver#v}" \
       "tailscale.com/cmd/tailscaled@$ver" >&2
-    mv "$gobin/tailscaled" "$slim.tmp" && mv "$slim.tmp" "$slim"
-    rm -rf "$gobin"
+    out=$(find "$gobin/bin" -name tailscaled -type f | head -1)
+    mv "$out" "$slim.tmp" && mv "$slim.tmp" "$slim"
+    chmod -R u+w "$gobin" 2>/dev/null; rm -rf "$gobin"
     log "built $slim in $(( $(date +%s) - start ))s"
   fi
   cp "$slim" "$ctx/tailscaled"
@@ -52,6 +71,6 @@ cp "$here/tailscale-local.Containerfile" "$ctx/"
 key=$(cd "$ctx" && cat * | sha256sum | cut -c1-12)
 NAME="localhost/containerboot-py-tailscale:$ver-$key"
 if podman image exists "$NAME"; then echo "$NAME"; exit 0; fi
-pod build -q -f "$ctx/tailscale-local.Containerfile" -t "$NAME" "$ctx" >/dev/null
+pod build -q --platform "linux/$ARCH" -f "$ctx/tailscale-local.Containerfile" -t "$NAME" "$ctx" >/dev/null
 log "tailscale image $NAME made"
 echo "$NAME"

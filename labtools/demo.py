@@ -1,7 +1,7 @@
 """Demo: a proxy Pod's agent exposing a backend to the tailnet, in an island of network namespaces.
 
     sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
-                                           [--image [IMAGE]] [--kube | --controller | --apiserver-proxy]
+                                           [--image [IMAGE]] [--kube | --controller | --proxygroup | --apiserver-proxy]
 
 Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
 namespace with TS_DEST_IP=<backend IPv4>[,<backend IPv6>] (--dest; dual-stack by default for our agent), prints
@@ -9,6 +9,7 @@ the proxy's tailnet IPs and the result of curl from the client through the proxy
 destination has an IPv6 address), then waits for Ctrl-C (or exits at once
 with --once) and tears everything down. Exit status: 0 if every curl that was expected to work worked.
 --kube (labtools.kubedemo) and --controller (labtools.controllerdemo) run the same story in a real Kubernetes;
+--proxygroup (labtools.pgdemo) egresses to the tailnet through a ProxyGroup of two and deletes one replica.
 --apiserver-proxy (labtools.apiproxydemo) shows kubectl from the tailnet client through the API server proxy.
 """
 from __future__ import annotations
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                     "apiServerProxy.mode=auth: kubectl from the tailnet client through it (labtools.apiproxydemo)")
     ap.add_argument("--controller", action="store_true", help="the companion controller installed from deploy/ "
                     "in a real Kubernetes exposes an annotated Service (labtools.controllerdemo)")
+    ap.add_argument("--proxygroup", action="store_true", help="a client Pod egresses to a tailnet node through "
+                    "a ProxyGroup of two while one replica is deleted (labtools.pgdemo)")
     a = ap.parse_args(argv)
     if a.image and a.agent != "python":
         ap.error("--image runs our agent; it cannot be combined with --agent upstream")
@@ -82,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
             return apiproxydemo.run(a.firewall, a.once)
         except KeyboardInterrupt:
             return 130
-    if a.kube or a.controller:
-        from labtools import controllerdemo, kubedemo
+    if a.kube or a.controller or a.proxygroup:
+        from labtools import controllerdemo, kubedemo, pgdemo
         try:
+            if a.proxygroup:
+                return pgdemo.run(a.firewall, a.once)
             return controllerdemo.run(a.firewall, a.once) if a.controller else kubedemo.run(a.firewall, a.once)
         except KeyboardInterrupt:
             _say("\ninterrupted; lab and cluster torn down")

@@ -14,6 +14,8 @@ API::
     template(values, ns)           # the chart rendered with these values (a dict, as a values file): YAML text
     objects(text)                  # the rendered YAML as a list of objects
     manifests()                    # {path under deploy/: text} as `make manifests` writes them
+    package(directory)             # `helm package`: directory/tailscale-controller-<version>.tgz
+    chart_meta(), project_version()  # Chart.yaml; pyproject's version (images, chart and appVersion agree)
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import yaml
@@ -29,11 +32,15 @@ REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "tailscale-controller"
 DEPLOY = REPO / "deploy"
 RELEASE = "tailscale-controller"
-#: what deploy/ sets beyond the chart's defaults: the headscale URL is required, deploy/ carries a placeholder
-#: that a kubectl user replaces (README: `kubectl set env ... HEADSCALE_URL=...`)
-DEPLOY_VALUES = {"headscale": {"url": "http://headscale.example:8080"}}
+#: what deploy/ sets beyond the chart's defaults: the headscale URL and the images' registry are required,
+#: deploy/ carries placeholders that a kubectl user replaces (README: `kubectl set env ... HEADSCALE_URL=...`,
+#: `kubectl set image ...`)
+DEPLOY_REGISTRY = "registry.example.com/tailscale"
+DEPLOY_VALUES = {"headscale": {"url": "http://headscale.example:8080"}, "imageRegistry": DEPLOY_REGISTRY}
 #: chart file -> deploy/ file
 DEPLOY_FILES = {"crds/tailscale.com_connectors.yaml": "crds/tailscale.com_connectors.yaml",
+                "crds/tailscale.com_proxygroups.yaml": "crds/tailscale.com_proxygroups.yaml",
+                "crds/tailscale.com_proxyclasses.yaml": "crds/tailscale.com_proxyclasses.yaml",
                 "templates/rbac.yaml": "10-rbac.yaml",
                 "templates/leader-election.yaml": "12-leader-election.yaml",
                 "templates/deployment.yaml": "20-controller.yaml",
@@ -91,6 +98,23 @@ def template(values: dict | None = None, namespace: str = "tailscale", *, crds: 
     with tempfile.TemporaryDirectory() as d:
         args = ["template", RELEASE, str(CHART), "--namespace", namespace, "-f", str(values_file(values or {}, d))]
         return helm(*args, *(["--include-crds"] if crds else [])).stdout
+
+
+def chart_meta() -> dict:
+    """Chart.yaml."""
+    return yaml.safe_load((CHART / "Chart.yaml").read_text())
+
+
+def project_version() -> str:
+    """pyproject.toml's version: the images' VERSION, the chart's version and appVersion."""
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return str(tomllib.load(f)["project"]["version"])
+
+
+def package(directory: Path) -> Path:
+    """``helm package`` of the chart into directory: tailscale-controller-<version>.tgz."""
+    helm("package", str(CHART), "--destination", str(directory))
+    return Path(directory) / f"{RELEASE}-{chart_meta()['version']}.tgz"
 
 
 def objects(text: str) -> list[dict]:

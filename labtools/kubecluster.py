@@ -815,6 +815,10 @@ class KubeCluster:
         """Import an OCI (or docker-archive) tar into the node's containerd; ``ctr``'s output."""
         return self._ctr("images", "import", "--no-unpack=false", str(archive)).stdout
 
+    def tag_image(self, source: str, target: str) -> None:
+        """Another name for an image in the node's containerd (as a registry serves one image under two tags)."""
+        self._ctr("images", "tag", "--force", source, target)
+
     def import_image_bytes(self, data: bytes, filename: str) -> str:
         p = self.cfg.run_dir / "images" / filename
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -955,9 +959,12 @@ class KubeCluster:
         for d in self._made_cgroups:
             if not d.exists():
                 continue
-            for procs in d.rglob("cgroup.procs"):
+            # os.walk, not rglob: a Pod's cgroup removed during the walk is skipped, not an error
+            for root, _dirs, files in os.walk(d):
+                if "cgroup.procs" not in files:
+                    continue
                 try:
-                    pids.update(int(x) for x in procs.read_text().split())
+                    pids.update(int(x) for x in (Path(root) / "cgroup.procs").read_text().split())
                 except OSError:
                     pass
         return pids

@@ -37,11 +37,10 @@ from labtools.lab import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
-DEPLOY_CONTROLLER_IMAGE = "localhost/containerboot-py-controller:latest"     # what deploy/ names
 #: LAB_PROXY_IMAGE / LAB_CONTROLLER_IMAGE build and install the images under other names: image archives are
 #: shared by every checkout on a machine, so a branch whose images differ tests its own under its own tag
 PROXY_IMAGE = os.environ.get("LAB_PROXY_IMAGE") or "localhost/containerboot-py:latest"
-CONTROLLER_IMAGE = os.environ.get("LAB_CONTROLLER_IMAGE") or DEPLOY_CONTROLLER_IMAGE
+CONTROLLER_IMAGE = os.environ.get("LAB_CONTROLLER_IMAGE") or "localhost/containerboot-py-controller:latest"
 CONTROLLER_DOCKERFILE = "images/controller/Dockerfile"
 NS = "tailscale"
 #: tailscaled's knobs for the lab's island (as labtools.lab.Lab.tailscaled_env), and the API server by address
@@ -74,10 +73,15 @@ def build_images() -> tuple[Path, Path]:
 
 def lab_values(firewall: str = "", api_key: str = "") -> dict:
     """The chart's values for the lab: its headscale, the project's proxy image (imported, never pulled)."""
-    repo, _, tag = PROXY_IMAGE.rpartition(":")
-    crepo, _, ctag = CONTROLLER_IMAGE.rpartition(":")
-    v: dict = {"image": {"repository": crepo, "tag": ctag, "pullPolicy": "Never"}, "provider": "headscale",
-               "headscale": {"url": labmod.LOGIN_SERVER}, "magicDNSSuffix": "tailnet.test",
+    # <registry>/<repository>:<tag>, the chart's three parts; both lab images are under localhost/
+    reg, _, crepo = CONTROLLER_IMAGE.rpartition(":")[0].partition("/")
+    ctag = CONTROLLER_IMAGE.rpartition(":")[2]
+    preg, _, repo = PROXY_IMAGE.rpartition(":")[0].partition("/")
+    tag = PROXY_IMAGE.rpartition(":")[2]
+    if preg != reg:
+        raise ValueError(f"the chart takes one registry for both images: {PROXY_IMAGE} and {CONTROLLER_IMAGE}")
+    v: dict = {"imageRegistry": reg, "image": {"repository": crepo, "tag": ctag, "pullPolicy": "Never"},
+               "provider": "headscale", "headscale": {"url": labmod.LOGIN_SERVER}, "magicDNSSuffix": "tailnet.test",
                "proxy": {"image": {"repository": repo, "tag": tag, "pullPolicy": "Never"}, "firewallMode": firewall,
                          "env": LAB_PROXY_ENV}}
     if api_key:
@@ -114,9 +118,13 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
                   "-f", "-", input=json.dumps({**lab_values(firewall, key), **(values or {})}), timeout=timeout)
         kc.helm_output = cp.stdout + cp.stderr
     elif method == "kubectl":
-        kc.kubectl("apply", "-R", "-f", str(DEPLOY), timeout=60)
-        if CONTROLLER_IMAGE != DEPLOY_CONTROLLER_IMAGE:
-            kc.kubectl("-n", NS, "set", "image", "deployment/tailscale-controller", f"controller={CONTROLLER_IMAGE}")
+        # deploy/ names the controller's image in a placeholder registry: replaced before applying, as a kubectl
+        # user edits deploy/20-controller.yaml (PROXY_IMAGE is set below, with the other settings)
+        placeholder = f"{helmchart.DEPLOY_REGISTRY}/containerboot-py-controller:{helmchart.chart_meta()['appVersion']}"
+        docs = [f.read_text() for f in sorted(DEPLOY.rglob("*.yaml"))]
+        assert any(placeholder in d for d in docs), f"deploy/ does not name {placeholder}"
+        kc.kubectl("apply", "-f", "-", input="\n---\n".join(d.replace(placeholder, CONTROLLER_IMAGE) for d in docs),
+                   timeout=60)
         kc.kubectl("apply", "-f", "-", input=json.dumps({
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "headscale-api", "namespace": NS},
             "type": "Opaque", "data": {"key": base64.b64encode(key.encode()).decode()}}))

@@ -1,8 +1,10 @@
-"""The backend interface the agent programs the firewall through, and the factory that picks one.
+"""The firewall contract the agent programs through, and the factory that picks a backend.
 
 A backend owns its own objects only (nftables tables `ip/ip6 containerboot`, or iptables chains `CB-*` jumped to
-from the built-ins) and applies a whole `RuleSet` at a time. The agent calls these synchronous methods through
-`asyncio.to_thread`.
+from the built-ins) and applies a whole `RuleSet` at a time. Three implementations keep the contract:
+`nft.NftBackend`, `iptables.IptablesBackend` and the in-memory `fake.FakeBackend` of the test hook; one contract
+test (`tests/test_firewall_contract.py` on the fake, `netns-tests/test_firewall_contract.py` on real kernels)
+runs the same checks on each. Callers use nothing outside the protocol.
 """
 from __future__ import annotations
 
@@ -10,143 +12,64 @@ import logging
 import os
 from typing import Mapping, Protocol, runtime_checkable
 
+from .errors import FirewallError
 from .model import RuleSet
+
+__all__ = ["Backend", "FirewallError", "open_backend"]
 
 log = logging.getLogger("containerboot")
 
 
-class FirewallError(Exception):
-    """A firewall operation failed; str(e) says what was attempted, what the kernel/tool said, and a fix."""
-
-
 @runtime_checkable
 class Backend(Protocol):
-    name: str                                    # "nftables" | "iptables"
+    """What every firewall backend promises. The methods are synchronous; the agent calls them through
+    `asyncio.to_thread`, except a small `apply` of an `in_process` backend (see `containerboot.reconcile`).
 
-    def apply(self, rules: RuleSet) -> None:     # whole desired set, one transaction per family; idempotent
-        ...
+    Attributes:
+        name: shown in logs and /status ("nftables", "iptables", the fake's name).
+        in_process: `apply` runs no program (libnftables, memory), so a small one may run on the caller's thread.
+        ipv6: whether IPv6 NAT works here; without it `families` is (4,) and IPv6 rules are refused.
+        families: the IP versions whose rules `apply` accepts; the agent leaves rules of other versions out.
+        translates_connections: its rules translate the kernel's connections, so a rule change may leave
+            UDP conntrack bindings pointing at old targets (`netfilter.conntrack`); False for the fake.
 
-    def installed(self) -> str:                  # human-readable dump of what the agent owns in the kernel now
-        ...
-
-    def render(self, rules: RuleSet) -> str:     # human-readable desired state, same format as installed()
-        ...
-
-    def cleanup(self) -> None:                   # remove everything the agent added
-        ...
-
-
-IPS_DST_NAT = 1 << 5      # conntrack status bit: the flow's destination was translated
-
-
-def _only_additions(previous: RuleSet, rules: RuleSet) -> bool:
-    """True when `rules` keeps every translation of `previous` unchanged (it may add new ones)."""
-    return all(set(getattr(previous, f)) <= set(getattr(rules, f))
-               for f in ("dnats", "egress", "port_maps", "service_dnats"))
-
-
-def flush_stale_conntrack(rules: RuleSet, previous: RuleSet | None = None) -> int:
-    """Delete UDP conntrack entries whose DNAT binding contradicts `rules`; returns how many. Best effort.
-
-    Only UDP: a TCP connection to a target that is no longer wanted keeps working while that target lives and
-    ends on its own (the same policy kube-proxy follows), whereas a UDP "flow" from a fixed source port never
-    ends and would stick to the old target forever. A binding is stale when the current rules send its flow
-    elsewhere, or when `previous` (the rules this binding came from) covered it and the current rules do not
-    (a removed service). When the change only adds translations no binding can be stale, so the conntrack
-    table (whose dump costs time in proportion to its size) is not read at all. Errors (no
-    nf_conntrack_netlink, no CAP_NET_ADMIN) are logged, never raised: the rules themselves are already correct.
+    Methods:
+        apply(rules): make the owned objects equal `rules`, atomically per family, and return whether anything
+            changed (False: the kernel already held exactly these rules; nothing was written). Idempotent.
+            A rule set with IPv6 rules on a backend without IPv6 raises FirewallError and changes nothing.
+            Conntrack is not touched: the caller decides when to clean up (`netfilter.conntrack`).
+        installed(): a canonical text of what the backend owns now ("" when nothing); after apply(rules) it
+            equals render(rules).
+        render(rules): the same text for a desired rule set, without touching anything.
+        cleanup(): remove everything the backend owns (installed() is "" afterwards); safe to repeat.
+        warm_up(): optional speed-up before the first apply (load code, read state); changes nothing the kernel
+            holds and never raises for lack of support (a no-op where there is nothing to warm).
+    Failures raise `FirewallError` with what was attempted, what the kernel or tool said, and a fix.
     """
-    import ipaddress
-    import socket
 
-    from .plan import NatOracle
+    name: str
+    in_process: bool
+    ipv6: bool
+    translates_connections: bool
 
-    if previous is not None and _only_additions(previous, rules):
-        return 0
-    removed = 0
-    for version, family in ((4, socket.AF_INET), (6, socket.AF_INET6)):
-        oracle = NatOracle(rules, version)
-        old = NatOracle(previous, version) if previous is not None else None
-        try:
-            ct = _conntrack_class()(nfgen_family=family)
-        except Exception as e:
-            log.debug("conntrack unavailable (IPv%d): %s", version, e)
-            continue
-        try:
-            # Read the whole dump before deleting: pyroute2 cannot interleave requests with a running dump.
-            for e in list(ct.dump_entries()):
-                if not (e.status or 0) & IPS_DST_NAT or e.tuple_orig.proto != socket.IPPROTO_UDP:
-                    continue
-                o, r = e.tuple_orig, e.tuple_reply
-                dst = ipaddress.ip_address(o.daddr)
-                gone = old is not None and old.covers("udp", dst, o.dport) and not oracle.covers("udp", dst, o.dport)
-                if gone or oracle.is_stale("udp", dst, o.dport, ipaddress.ip_address(r.saddr), r.sport):
-                    try:
-                        ct.delete(e)
-                        removed += 1
-                    except Exception as err:   # already gone
-                        log.debug("conntrack delete %s: %s", e, err)
-        except Exception as err:
-            log.info("could not clean up conntrack entries (IPv%d): %s", version, err)
-        finally:
-            ct.close()
-    if removed:
-        log.info("removed %d UDP conntrack entries that pointed at targets no longer wanted", removed)
-    return removed
+    @property
+    def families(self) -> tuple[int, ...]:
+        ...
 
+    def apply(self, rules: RuleSet) -> bool:
+        ...
 
-def conntrack_after_apply(backend, rules: RuleSet, previous: RuleSet | None) -> None:
-    """What a backend's apply() does about conntrack once its rules are in: clean up now, or, when the caller
-    set `backend.defer_conntrack`, leave it for `flush_pending_conntrack` (the agent first reports the rules
-    as installed, so the clean-up, a conntrack dump, is off the path to "Startup complete")."""
-    if not getattr(backend, "defer_conntrack", False):
-        flush_stale_conntrack(rules, previous)
-        return
-    pending = getattr(backend, "pending_conntrack", None)
-    # Two applies before one flush: bindings may still come from the older rule set.
-    backend.pending_conntrack = (rules, pending[1] if pending is not None else previous)
+    def installed(self) -> str:
+        ...
 
+    def render(self, rules: RuleSet) -> str:
+        ...
 
-def flush_pending_conntrack(backend) -> int:
-    pending = getattr(backend, "pending_conntrack", None)
-    if pending is None:
-        return 0
-    backend.pending_conntrack = None
-    return flush_stale_conntrack(*pending)
+    def cleanup(self) -> None:
+        ...
 
-
-def _conntrack_class():
-    """pyroute2's Conntrack, without the rest of pyroute2.
-
-    `import pyroute2` runs a package __init__ that imports every part of the library (IPDB, NDB, IPVS, iw,
-    ethtool, ...): about 10 MB of resident memory for the agent's whole life. The conntrack module needs none
-    of it, so the package is registered without running its __init__ (its submodules import each other by
-    full name, never through the package's namespace). The first use of a name from the package itself
-    (`from pyroute2 import IPRoute`, anywhere later) runs the real __init__ then, so nothing else changes.
-    """
-    import sys
-    if "pyroute2" not in sys.modules:
-        import importlib
-        import importlib.util
-        spec = importlib.util.find_spec("pyroute2")
-        if spec is None or spec.loader is None:
-            raise ImportError("pyroute2 is not installed")
-        pkg = importlib.util.module_from_spec(spec)
-        loaded = []
-
-        def complete(name: str):   # PEP 562: called only for names the bare package lacks
-            if not loaded and importlib.util.find_spec(f"pyroute2.{name}") is not None:
-                return importlib.import_module(f"pyroute2.{name}")   # a submodule: `from pyroute2 import config`
-            if not loaded:
-                loaded.append(True)
-                del pkg.__getattr__
-                spec.loader.exec_module(pkg)
-            return pkg.__dict__[name] if name in pkg.__dict__ else getattr(pkg, name)
-
-        pkg.__getattr__ = complete
-        sys.modules["pyroute2"] = pkg
-    from pyroute2.conntrack import Conntrack
-    return Conntrack
+    def warm_up(self) -> None:
+        ...
 
 
 def open_backend(mode: str = "", *, env: Mapping[str, str] | None = None) -> Backend:

@@ -16,7 +16,8 @@ import argparse
 import difflib
 import sys
 
-from .backend import Backend, FirewallError, open_backend
+from .backend import Backend, open_backend
+from .errors import FirewallError
 from .model import RuleSet
 
 
@@ -77,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                 have.splitlines(True), want.splitlines(True), "installed", "desired"))
             return 1
         elif args.command == "apply":
-            if args.previous:
-                b.previous = _load(args.previous)
-            b.apply(_load(args.file))
+            rules = _load(args.file)
+            if b.apply(rules) and b.translates_connections:
+                from .conntrack import flush_stale_conntrack
+                # As the agent does after a change: UDP bindings to targets no longer wanted go.
+                flush_stale_conntrack(rules, _load(args.previous) if args.previous else None)
         elif args.command == "cleanup":
             b.cleanup()
     except (FirewallError, ValueError, OSError) as e:

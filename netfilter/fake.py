@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from .backend import FirewallError
+from .errors import FirewallError
 from .model import RuleSet
 from .plan import render_iptables
 
@@ -30,6 +30,7 @@ class FakeBackend:
 
     name = "fake (TS_TEST_FAKE_NETFILTER)"
     in_process = True
+    translates_connections = False    # no kernel: there is no conntrack table to clean up
 
     def __init__(self, *, ipv6: bool = True, state_file: str | None = None) -> None:
         self.ipv6 = ipv6
@@ -41,13 +42,16 @@ class FakeBackend:
     def families(self) -> tuple[int, ...]:
         return (4, 6) if self.ipv6 else (4,)
 
-    def apply(self, rules: RuleSet) -> None:
+    def apply(self, rules: RuleSet) -> bool:
         if not self.ipv6 and rules.family(6).versions():
             raise FirewallError("the rule set has IPv6 rules but the fake firewall has no IPv6 "
                                 "(TS_TEST_FAKE_NETFILTER_6=false)")
+        if self.render(rules) == self.installed():
+            return False        # as a kernel backend: the same rules write nothing
         self.rules = rules
         self.applies += 1
         self._publish()
+        return True
 
     def render(self, rules: RuleSet) -> str:
         return "".join(f"# IPv{v} (fake)\n{body}" for v in self.families
@@ -55,6 +59,9 @@ class FakeBackend:
 
     def installed(self) -> str:
         return self.render(self.rules)
+
+    def warm_up(self) -> None:
+        """Nothing to warm in memory."""
 
     def cleanup(self) -> None:
         self.rules = RuleSet()

@@ -13,7 +13,7 @@ import logging
 import shutil
 import subprocess
 
-from .backend import FirewallError, conntrack_after_apply
+from .errors import FirewallError
 from .model import RuleSet
 from .plan import (IPT_CHAINS, IPT_TABLES, IptState, canonical_iptables, filter_iptables_save,
                    plan_iptables, render_iptables)
@@ -22,7 +22,11 @@ log = logging.getLogger("containerboot")
 
 
 class IptablesBackend:
+    """`netfilter.backend.Backend` on iptables-restore batches."""
+
     name = "iptables"
+    in_process = False    # every apply runs iptables-save/-restore: always on a worker thread
+    translates_connections = True
 
     def __init__(self, *, ipv6: bool = True, variant: str | None = None) -> None:
         if variant is None:
@@ -30,7 +34,6 @@ class IptablesBackend:
             variant = iptables_variant()
         if variant not in ("", "legacy", "nft"):
             raise ValueError(f"iptables variant must be '', 'legacy' or 'nft', not {variant!r}")
-        self.previous: RuleSet | None = None  # the last rule set applied (conntrack hygiene)
         self.variant = variant
         self.ipv6 = ipv6
 
@@ -98,7 +101,7 @@ class IptablesBackend:
     def render(self, rules: RuleSet) -> str:
         return "".join(self._format(fam, render_iptables(rules, fam)) for fam in self._families())
 
-    def apply(self, rules: RuleSet) -> None:
+    def apply(self, rules: RuleSet) -> bool:
         if not self.ipv6 and rules.family(6).versions():
             raise FirewallError(
                 "the rule set has IPv6 rules but ip6tables NAT is not usable in this network namespace (no IPv6, "
@@ -120,9 +123,7 @@ class IptablesBackend:
                     self._restore(6, text)
             except FirewallError as e:
                 log.debug("ip6tables cleanup skipped: %s", e)
-        if changed:
-            conntrack_after_apply(self, rules, self.previous)
-        self.previous = rules
+        return changed
 
     def _converged(self, rules: RuleSet, fam: int, save: str) -> bool:
         """Kernel already matches: same rules, and every needed jump is the single first rule of its chain."""
@@ -131,6 +132,9 @@ class IptablesBackend:
             return False
         state = IptState.parse(save)
         return all(state.jumps.get(chain, ()) == (0,) for _, chain, _ in IPT_CHAINS if f":{chain} " in desired)
+
+    def warm_up(self) -> None:
+        """Nothing to warm: each apply runs its own iptables-save/-restore processes."""
 
     def cleanup(self) -> None:
         errors = []

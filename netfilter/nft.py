@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from ipaddress import ip_address
 
-from .backend import FirewallError, conntrack_after_apply
+from .errors import FirewallError
 from .model import Dnat, EgressForward, PortMatch, RuleSet
 from .plan import NFT_FAMILY, TABLE, normalize_nft_text, plan_nft, render_nft
 
@@ -55,8 +55,11 @@ def _dry_run_switch(nft) -> "Callable[[bool], None] | None":
 
 
 class NftBackend:
+    """`netfilter.backend.Backend` on nftables."""
+
     name = "nftables"
     in_process = True     # libnftables in this process: a small apply may run on the event loop's thread
+    translates_connections = True
 
     def __init__(self, *, ipv6: bool = True) -> None:
         import nftables
@@ -64,7 +67,7 @@ class NftBackend:
         self._nft.set_json_output(False)
         self._nft.set_handle_output(False)
         self._lock = threading.Lock()       # one libnftables context, possibly called from worker threads
-        self.previous: RuleSet | None = None  # the last rule set applied (conntrack hygiene)
+        self._applied = False               # an apply has written our tables through this object
         self.ipv6 = ipv6
         self._absent_at_warm_up = False     # `warm_up` found none of our tables (the first apply must write)
 
@@ -102,26 +105,27 @@ class NftBackend:
     def render(self, rules: RuleSet) -> str:
         return render_nft(rules, self.families)
 
-    def apply(self, rules: RuleSet) -> None:
+    def apply(self, rules: RuleSet) -> bool:
         self._check_families(rules)
         families = self.families
-        if self.previous is None and self._absent_at_warm_up:
+        if not self._applied and self._absent_at_warm_up:
             # The first apply after `warm_up` found none of our tables: it has to write whatever the kernel
             # holds now (nobody else writes our tables), so the two dumps that could only find the rules equal
             # are skipped (0.4-0.8 ms at Running, on the path to "Startup complete").
+            if not rules.entries():
+                return False    # no tables, and none wanted
             desired = None
         else:
             desired = self.render(rules)
             current = self.installed()
             if current == desired:
-                return
+                return False
             if 6 not in families and f"table {NFT_FAMILY[6]} {TABLE} " in current:
                 families = (4, 6)     # IPv6 became unusable: still remove our stale ip6 table
         self._run(plan_nft(rules, families), "replacing the containerboot tables")
-        conntrack_after_apply(self, rules, self.previous)
-        self.previous = rules
+        self._applied = True
         if not log.isEnabledFor(logging.DEBUG):
-            return      # listing big maps costs ~0.2 ms per element; only worth it when someone looks
+            return True     # listing big maps costs ~0.2 ms per element; only worth it when someone looks
         if desired is None:
             desired = self.render(rules)
         after = self.installed()
@@ -130,6 +134,7 @@ class NftBackend:
             # printer. Keep it visible for `containerboot rules`.
             log.debug("nftables: installed rules differ from the rendered desired rules:\n%s\n---\n%s",
                       after, desired)
+        return True
 
     def warm_up(self) -> None:
         """Make the first real apply fast: run one batch of the same shapes in check mode (never committed).
@@ -152,6 +157,7 @@ class NftBackend:
             log.debug("nftables: the warm-up batch was refused (the first apply stays cold): %s", err.strip())
 
     def cleanup(self) -> None:
+        self._absent_at_warm_up = False     # from now on an apply compares with what the kernel holds
         # Both families regardless of current IPv6 state, so nothing of ours survives a changed probe.
         try:
             self._run(plan_nft(RuleSet(), (4, 6)), "removing the containerboot tables")

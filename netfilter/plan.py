@@ -199,7 +199,7 @@ def _nft_family_cmds(p: _Plan) -> tuple[list[dict], list[str]]:
         chains.append(("postrouting", "nat", "postrouting", PRIO_SRCNAT, "srcnat - 10", post))
 
     if p.clamp:
-        fwd = []
+        fwd: list[tuple[list[dict], str]] = []
         for key in ("oifname", "iifname"):
             fwd.append((
                 [{"match": {"op": "==", "left": {"meta": {"key": key}}, "right": tun}},
@@ -322,7 +322,8 @@ def _ipt_chain_rules(p: _Plan) -> dict[str, list[str]]:
         pre.append(f"-A CB-PREROUTING -d {_host(dst)} {c}-j DNAT --to-destination {target}")
     for proto, mport, target, tport, service in p.port_maps:
         pre.append(f"-A CB-PREROUTING ! -i {tun} -p {proto} -m {proto} --dport {mport} "
-                   f"{_comment(f'svc {service} {proto}/{mport}')} -j DNAT --to-destination {_ipt_target(target, tport)}")
+                   f"{_comment(f'svc {service} {proto}/{mport}')} "
+                   f"-j DNAT --to-destination {_ipt_target(target, tport)}")
     if p.egress_targets:
         # Exempt ports return to the built-in chain before the catch-all; they come after every specific rule,
         # so they only ever exempt from the catch-all.

@@ -8,7 +8,9 @@ state Secret written as the agent writes it → the Service's status follows); t
 ExternalName Service is accepted; the controller's identity is the deployed ServiceAccount's (RBAC from
 deploy/); foreground deletion of the StatefulSet, then device deletion through the API, then the finalizer;
 two controller processes (two replicas): one leads by the Lease, the other stands by, and takes over when
-the leader is killed. A kubelet and real proxies are the real-cluster issue's part.
+the leader is killed; ProxyClasses as upstream's documentation writes them apply, a Service waits for its
+class and then gets all of it, a class the controller refuses changes no proxy, the class written as an
+annotation is reported. A kubelet and real proxies are the real-cluster issue's part.
 """
 from __future__ import annotations
 
@@ -83,7 +85,8 @@ def running(kube, tmp_path_factory):
     d = tmp_path_factory.mktemp("ctl")
     cp = kube.kubectl("apply", "-R", "-f", os.path.join(REPO, "deploy"))
     assert "customresourcedefinition.apiextensions.k8s.io/connectors.tailscale.com" in cp.stdout
-    kube.kubectl("wait", "--for=condition=Established", "crd/connectors.tailscale.com", "--timeout=30s")
+    kube.kubectl("wait", "--for=condition=Established", "crd/connectors.tailscale.com", "crd/proxygroups.tailscale.com",
+                 "--timeout=30s")
     # the deployed ServiceAccount's own token: its RBAC from deploy/ allows or denies every call
     (d / "token").write_text(kube.service_account_token("tailscale", "tailscale-controller"))
     (d / "id").write_text("kCLIENTID")
@@ -291,6 +294,185 @@ def test_connector_subnet_router(running):
     assert [x["reason"] for x in st["conditions"]] == ["ConnectorCreating"]
 
 
+# ProxyClasses shaped as the upstream operator's documentation shows them (its customisation guide and the
+# examples in its repository): kubectl applies each unchanged (strict field validation) to the CRD here.
+UPSTREAM_DOC_CLASSES = """
+apiVersion: tailscale.com/v1alpha1
+kind: ProxyClass
+metadata: {name: doc-example}
+spec:
+  statefulSet:
+    annotations: {platform-component: infra}
+    pod:
+      labels: {team: eng}
+      nodeSelector: {beta.kubernetes.io/os: "linux"}
+      imagePullSecrets: [{name: "foo"}]
+---
+apiVersion: tailscale.com/v1alpha1
+kind: ProxyClass
+metadata: {name: doc-tolerations}
+spec:
+  statefulSet:
+    pod:
+      tolerations:
+        - {key: "dedicated", operator: "Equal", value: "tailscale", effect: "NoSchedule"}
+      affinity:
+        nodeAffinity:
+          requiredDuringSchedulingIgnoredDuringExecution:
+            nodeSelectorTerms:
+              - matchExpressions: [{key: kubernetes.io/arch, operator: In, values: [amd64]}]
+      topologySpreadConstraints:
+        - {maxSkew: 1, topologyKey: topology.kubernetes.io/zone, whenUnsatisfiable: ScheduleAnyway}
+      priorityClassName: system-cluster-critical
+      securityContext: {runAsUser: 0}
+      dnsPolicy: ClusterFirst
+---
+apiVersion: tailscale.com/v1alpha1
+kind: ProxyClass
+metadata: {name: doc-tun-plugin}
+spec:
+  statefulSet:
+    pod:
+      tailscaleContainer:
+        securityContext:
+          privileged: false
+          capabilities: {add: [NET_ADMIN]}
+        resources:
+          limits: {squat.ai/tun: "1"}
+      tailscaleInitContainer:
+        image: busybox:1.36
+        resources:
+          requests: {cpu: 1m, memory: 1Mi}
+---
+apiVersion: tailscale.com/v1alpha1
+kind: ProxyClass
+metadata: {name: doc-metrics}
+spec:
+  metrics:
+    enable: true
+    serviceMonitor:
+      enable: true
+      labels: {release: kube-prometheus-stack}
+  statefulSet:
+    pod:
+      tailscaleContainer:
+        debug: {enable: true}
+        image: tailscale/tailscale:v1.80.0
+        imagePullPolicy: IfNotPresent
+        env:
+          - {name: TS_DEBUG_FIREWALL_MODE, value: nftables}
+---
+apiVersion: tailscale.com/v1alpha1
+kind: ProxyClass
+metadata: {name: doc-routes}
+spec:
+  tailscale: {acceptRoutes: true}
+  useLetsEncryptStagingEnvironment: true
+  staticEndpoints:
+    nodePort:
+      ports: [{port: 30001}, {port: 30005, endPort: 30007}]
+      selector: {kubernetes.io/os: linux}
+"""
+
+
+def pc_condition(kube, name):
+    st = (get(kube, f"/apis/tailscale.com/v1alpha1/proxyclasses/{name}") or {}).get("status") or {}
+    return next((x for x in st.get("conditions") or [] if x["type"] == "ProxyClassReady"), None)
+
+
+def svc_condition(kube, name):
+    st = (get(kube, f"/api/v1/namespaces/default/services/{name}") or {}).get("status") or {}
+    return next((x for x in st.get("conditions") or [] if x["type"] == "TailscaleProxyReady"), None)
+
+
+def events_of(kube, ns, name, reason):
+    return [e for e in client(kube).get(f"/api/v1/namespaces/{ns}/events").json()["items"]
+            if e["involvedObject"]["name"] == name and e["reason"] == reason]
+
+
+def test_upstream_documentation_proxyclasses_apply_unchanged_and_get_their_condition(running):
+    kube, _, _ = running
+    cp = kube.kubectl("apply", "-f", "-", input=UPSTREAM_DOC_CLASSES)
+    assert cp.stdout.count("created") == 5, cp.stdout + cp.stderr
+    for name in ("doc-example", "doc-tolerations", "doc-tun-plugin", "doc-routes"):
+        c = wait(lambda: pc_condition(kube, name), 30, f"{name}'s condition")
+        assert (c["status"], c["reason"]) == ("True", "ProxyClassValid"), c
+    # no ServiceMonitor CRD in this cluster: the class says why none can be made (as upstream)
+    c = wait(lambda: pc_condition(kube, "doc-metrics"), 30, "doc-metrics's condition")
+    assert c["status"] == "False" and "servicemonitors.monitoring.coreos.com" in c["message"]
+    # the CRD's own rule, with its message
+    r = client(kube).post("/apis/tailscale.com/v1alpha1/proxyclasses", json={
+        "apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass", "metadata": {"name": "sm-without-metrics"},
+        "spec": {"metrics": {"enable": False, "serviceMonitor": {"enable": True}}}})
+    assert r.status_code == 422 and "A ServiceMonitor needs metrics" in r.json()["message"], r.text
+
+
+def test_a_service_waits_for_its_class_then_gets_it_all_and_a_bad_class_changes_nothing(running):
+    kube, api, _ = running
+    c = client(kube)
+    r = c.post("/api/v1/namespaces/default/services", json={
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "classy", "labels": {"tailscale.com/proxy-class": "edge"}},
+        "spec": {"type": "LoadBalancer", "loadBalancerClass": "tailscale", "ports": [{"port": 80}],
+                 "selector": {"app": "classy"}}})
+    assert r.status_code == 201, r.text
+    cond = wait(lambda: svc_condition(kube, "classy"), 30, "the waiting condition")
+    assert (cond["status"], cond["reason"]) == ("False", "ProxyClassNotReady") and "'edge'" in cond["message"]
+    assert children(kube, "classy") == ([], [])
+    kube.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass", "metadata": {"name": "edge"},
+        "spec": {"statefulSet": {"labels": {"team": "net"}, "pod": {
+            "labels": {"env": "edge"}, "nodeSelector": {"pool": "edge"},
+            "tailscaleContainer": {"resources": {"requests": {"cpu": "20m", "memory": "40Mi"}},
+                                   "env": [{"name": "TS_EXTRA_ARGS", "value": "--advertise-tags=tag:edge"}]}}},
+            "metrics": {"enable": True}}}))
+    sts, _ = wait(lambda: (lambda s: s if s[0] and s[1] else None)(children(kube, "classy")), 30,
+                  "the proxy, once the class exists (the class's watch, no 60 s recheck)")
+    sts = sts[0]
+    pod = sts["spec"]["template"]
+    assert sts["metadata"]["labels"]["team"] == "net" and pod["metadata"]["labels"]["env"] == "edge"
+    assert pod["spec"]["nodeSelector"] == {"pool": "edge"}
+    (main,) = pod["spec"]["containers"]
+    assert main["resources"] == {"requests": {"cpu": "20m", "memory": "40Mi"}}
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert env["TS_ENABLE_METRICS"] == "true" and env["TS_LOCAL_ADDR_PORT"] == "$(POD_IP):9002"
+    assert "TS_EXTRA_ARGS" not in env
+    assert api.keys[-1]["capabilities"]["devices"]["create"]["tags"] == ["tag:edge"]
+    metrics = get(kube, f"/api/v1/namespaces/tailscale/services/{sts['metadata']['name']}-metrics")
+    assert metrics["spec"]["ports"][0]["port"] == 9002
+    assert wait(lambda: pc_condition(kube, "edge"), 30, "edge's condition")["status"] == "True"
+
+    # A class the schema accepts but the controller cannot use: refused, named, and no proxy changed.
+    rv = sts["metadata"]["resourceVersion"]
+    r = c.patch("/apis/tailscale.com/v1alpha1/proxyclasses/edge",
+                headers={"Content-Type": "application/merge-patch+json"},
+                content=json.dumps({"spec": {"statefulSet": {"pod": {
+                    "labels": {"env": "changed"},
+                    "tailscaleContainer": {"env": [{"name": "TS_KUBE_SECRET", "value": "x"}]}}}}}))
+    assert r.status_code == 200, r.text
+    c_ = wait(lambda: (lambda x: x if x and x["status"] == "False" else None)(pc_condition(kube, "edge")), 30,
+              "the class refused")
+    assert "spec.statefulSet.pod.tailscaleContainer.env[0].name: TS_KUBE_SECRET" in c_["message"]
+    assert wait(lambda: events_of(kube, "default", "edge", "ProxyClassInvalid"), 30, "the Warning event")
+    wait(lambda: (lambda x: x if x and x["reason"] == "ProxyClassNotReady" else None)(svc_condition(kube, "classy")),
+         30, "the Service's condition")
+    assert get(kube, f"/apis/apps/v1/namespaces/tailscale/statefulsets/{sts['metadata']['name']}")[
+        "metadata"]["resourceVersion"] == rv
+
+
+def test_the_class_as_an_annotation_is_reported(running):
+    kube, _, _ = running
+    r = client(kube).post("/api/v1/namespaces/default/services", json={
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "guide", "annotations": {"tailscale.com/proxy-class": "doc-example"}},
+        "spec": {"type": "LoadBalancer", "loadBalancerClass": "tailscale", "ports": [{"port": 80}]}})
+    assert r.status_code == 201, r.text
+    (ev,) = wait(lambda: events_of(kube, "default", "guide", "ProxyClassAnnotation"), 30, "the Warning event")
+    assert ev["type"] == "Warning" and "use a label" in ev["message"]
+    sts, _ = wait(lambda: (lambda s: s if s[0] else None)(children(kube, "guide")), 30, "the default proxy")
+    assert "team" not in sts[0]["spec"]["template"]["metadata"]["labels"]
+
+
 def role(health: str) -> str:
     try:
         return httpx.get(f"http://{health}/healthz", timeout=2).text.strip()
@@ -345,3 +527,41 @@ def test_two_replicas_one_leads_the_other_takes_over_when_it_is_killed(running):
     for name in ("ha-one", "ha-two"):
         wait(lambda: get(kube, f"/api/v1/namespaces/default/services/{name}") is None, 60, f"{name} to go")
         assert children(kube, name) == ([], [])
+
+
+# ---- the Kubernetes contract: the same checks the in-memory fake and the test API server pass
+# (tests/support/kube_contract.py, tests/test_kube_contract.py), here on the real kube-apiserver of this module.
+
+from tests.support.kube_contract import AGENT_CHECKS, KUBE_CHECKS  # noqa: E402
+
+CONTRACT_NS = "contract"
+
+
+@pytest.fixture(scope="module")
+def contract_ns(kube) -> str:
+    code, body = kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                             "metadata": {"name": CONTRACT_NS}})
+    assert code in (201, 409), body
+    return CONTRACT_NS
+
+
+@pytest.mark.parametrize("check", sorted(KUBE_CHECKS))
+async def test_the_real_api_server_keeps_the_kube_contract(kube, contract_ns, check):
+    from controller.kubeapi import Kube
+    client = Kube(kube.server, token=kube.token, ca_file=str(kube.ca_cert))
+    try:
+        await KUBE_CHECKS[check](client, contract_ns)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("check", sorted(AGENT_CHECKS))
+async def test_the_real_api_server_keeps_the_agent_clients_contract(kube, contract_ns, tmp_path, check):
+    from containerboot.kube.client import KubeClient
+    (tmp_path / "token").write_text(kube.token)
+    client = KubeClient(url=kube.server, namespace=contract_ns, token_path=str(tmp_path / "token"),
+                        ca_path=str(kube.ca_cert))
+    try:
+        await AGENT_CHECKS[check](client)
+    finally:
+        await client.aclose()

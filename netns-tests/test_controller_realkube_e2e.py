@@ -33,7 +33,11 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
    serve; ``INGRESS_SCHEME=auto``): the userspace proxy applies a serve config for its MagicDNS name, the
    Ingress's status gets that name on port 80, and the tailnet client reaches the default backend and a path
    rule's backend through it by that name; a bare-IP request gets tailscaled's 404. Deletion leaves nothing.
-6. Two controller replicas: one holds the leader Lease, the other stands by; the leader's Pod is deleted, and
+6. ProxyClass: a class with labels, a node selector, resources, ``TS_EXTRA_ARGS=--advertise-tags`` and metrics
+   on a Service (labelled before the class exists: it waits, then converges), an Ingress and a Connector; the
+   Pods carry it, the devices the class's tag in headscale, ``/metrics`` answers on each Pod IP; the class as
+   an annotation gets a Warning; editing the class rolls its three users' Pods and not the others.
+7. Two controller replicas: one holds the leader Lease, the other stands by; the leader's Pod is deleted, and
    a live replica (the standby or the Deployment's replacement Pod) takes the Lease over and gives a new
    annotated Service its proxy (a tailnet IP in its status); deleting it leaves nothing.
 7. The API server proxy (``helm upgrade --set apiServerProxy.mode=auth``, then ``noauth``, then ``off``):
@@ -48,6 +52,7 @@ import time
 import pytest
 
 from labtools import helmchart, kubecluster, kubecontroller, kubemanifests
+from labtools import lab as labmod
 from labtools.lab import wait_until
 from needs import unavailable
 
@@ -103,12 +108,14 @@ def _hs_nodes_named(lab, name: str) -> list[dict]:
     return [n for n in lab.hs_nodes() if name in (n.get("name"), n.get("given_name"))]
 
 
-def _fail_report(kc, ns="apps", name="web") -> str:
-    pods = kc.kubectl("-n", kubecontroller.NS, "get", "pods", "-o", "wide", check=False).stdout
-    logs = kc.kubectl("-n", kubecontroller.NS, "logs", "-l", f"tailscale.com/parent-resource={name}",
+def _fail_report(kc, ns="apps", name="web", ctl_ns=kubecontroller.NS) -> str:
+    pods = kc.kubectl("-n", ctl_ns, "get", "pods", "-o", "wide", check=False).stdout
+    logs = kc.kubectl("-n", ctl_ns, "logs", "-l", f"tailscale.com/parent-resource={name}",
                       "--tail=60", "--all-containers", check=False)
+    ctl = kc.kubectl("-n", ctl_ns, "logs", "deployment/tailscale-controller", "--tail=80", check=False)
     svc = kc.get("service", name, ns)
-    return (f"{kubecontroller.controller_log(kc)}\n--- pods\n{pods}\n--- proxy log\n{logs.stdout}{logs.stderr}\n"
+    return (f"--- controller log\n{ctl.stdout}{ctl.stderr}\n--- pods\n{pods}\n"
+            f"--- proxy log\n{logs.stdout}{logs.stderr}\n"
             f"--- service status\n{json.dumps((svc or {}).get('status'), indent=1)}")
 
 
@@ -455,6 +462,128 @@ def _controller_pods(kc) -> list[dict]:
             and p.get("status", {}).get("phase") == "Running"]
 
 
+def _ready(kind: str, ctype: str, name: str, ns: str | None = None):
+    def check(kc):
+        o = kc.get(kind, name, ns) or {}
+        conds = (o.get("status") or {}).get("conditions") or []
+        return o if any(c["type"] == ctype and c["status"] == "True" for c in conds) else None
+    return check
+
+
+def _events(kc, ns: str, name: str, reason: str) -> list[dict]:
+    items = json.loads(kc.kubectl("-n", ns, "get", "events", "-o", "json").stdout)["items"]
+    return [e for e in items if e["involvedObject"]["name"] == name and e["reason"] == reason]
+
+
+def _proxy_pods(kc, ns: str, name: str, kind: str = "svc") -> list[dict]:
+    sel = f"tailscale.com/parent-resource={name},tailscale.com/parent-resource-type={kind}"
+    out = kc.kubectl("-n", kubecontroller.NS, "get", "pods", "-l", sel, "-o", "json").stdout
+    return [p for p in json.loads(out)["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_proxyclass_applied_to_service_ingress_and_connector_tags_metrics_and_a_class_change_rolls_only_its_users(
+        lab, kube):
+    """A ProxyClass as the platform write-ups use it: labels, a node selector, resources, tags through
+    ``TS_EXTRA_ARGS=--advertise-tags``, ``metrics.enable``. A Service labelled with it before the class exists
+    waits (condition ProxyClassNotReady, no proxy) and converges once it is created; an Ingress labelled with it
+    and a Connector naming it get it too: their Pods carry the labels, node selector and resources, the devices
+    carry the class's tag in headscale, and ``/metrics`` answers on each Pod IP (port 9002) with its metrics
+    Service. A Service naming the class in an annotation (the published guide's mistake) gets a Warning, the
+    default proxy, and is the proxy that must not move when the class is edited: the edit rolls the three users
+    only."""
+    kc = kube
+    for h in ("apps-pc-web", "apps-pc-ingress", "pc-conn", "apps-pc-guide"):
+        lab.delete_node(h)
+    pcls = {"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass", "metadata": {"name": "edge"},
+            "spec": {"statefulSet": {"labels": {"team": "net"}, "pod": {
+                "labels": {"tier": "edge", "rev": "1"}, "nodeSelector": {"kubernetes.io/os": "linux"},
+                "tailscaleContainer": {
+                    "resources": {"requests": {"cpu": "5m", "memory": "24Mi"}, "limits": {"memory": "256Mi"}},
+                    "env": [{"name": "TS_EXTRA_ARGS", "value": "--advertise-tags=tag:edge"}]}}},
+                "metrics": {"enable": True}}}
+    # the class does not exist yet: the Service waits for it
+    web = _service("pc-web", {"tailscale.com/expose": "true"}, type="LoadBalancer")
+    web["metadata"]["labels"] = {"tailscale.com/proxy-class": "edge"}
+    kc.apply(web)
+    cond = wait_until(lambda: next((c for c in ((kc.get("service", "pc-web", "apps") or {}).get("status") or {})
+                                    .get("conditions") or [] if c["reason"] == "ProxyClassNotReady"), None),
+                      60, 0.5, "the Service waiting for its class")
+    assert cond["status"] == "False" and "'edge' does not exist" in cond["message"], cond
+    assert kubecontroller.children(kc, "apps", "pc-web")["statefulsets"] == []
+    # the guide's mistake: the class in an annotation
+    kc.apply(_service("pc-guide", {"tailscale.com/expose": "true", "tailscale.com/proxy-class": "edge"},
+                      type="ClusterIP"))
+    (ev,) = wait_until(lambda: _events(kc, "apps", "pc-guide", "ProxyClassAnnotation"), 60, 0.5, "the Warning")
+    assert ev["type"] == "Warning" and "use a label" in ev["message"], ev
+    t0 = time.monotonic()
+    kc.apply(pcls)
+    kc.apply({"apiVersion": "networking.k8s.io/v1", "kind": "Ingress",
+              "metadata": {"name": "pc", "namespace": "apps", "labels": {"tailscale.com/proxy-class": "edge"}},
+              "spec": {"ingressClassName": "tailscale",
+                       "defaultBackend": {"service": {"name": "echo", "port": {"number": 8080}}}}})
+    kc.apply(_connector("pc-conn", {"hostname": "pc-conn", "proxyClass": "edge",
+                                    "subnetRouter": {"advertiseRoutes": ["10.123.0.0/24"]}}))
+    try:
+        wait_until(lambda: _ready("proxyclass", "ProxyClassReady", "edge")(kc), 60, 0.5, "the class ready")
+        kubecontroller.wait_service_ip(kc, "apps", "pc-web", 240)
+        wait_until(lambda: _ready("connector", "ConnectorReady", "pc-conn")(kc), 240, 0.5, "the Connector ready")
+        wait_until(lambda: ((kc.get("ingress", "pc", "apps") or {}).get("status", {}).get("loadBalancer") or {})
+                   .get("ingress"), 240, 0.5, "the Ingress published")
+    except TimeoutError:
+        raise AssertionError(_fail_report(kc, "apps", "pc-web")) from None
+    print(f"ProxyClass edge: the Service, Ingress and Connector proxies ready {time.monotonic() - t0:.1f}s after "
+          "the class was created")
+    users = {"pc-web": ("apps", "svc"), "pc": ("apps", "ingress"), "pc-conn": ("", "connector")}
+    hosts = {"pc-web": "apps-pc-web", "pc": "apps-pc-ingress", "pc-conn": "pc-conn"}
+    before = {}
+    for name, (ns, kind) in users.items():
+        (pod,) = _proxy_pods(kc, ns, name, kind)
+        before[name] = pod["metadata"]["uid"]
+        assert pod["metadata"]["labels"]["tier"] == "edge" and pod["metadata"]["labels"]["rev"] == "1", name
+        assert pod["metadata"]["labels"]["tailscale.com/parent-resource"] == name   # ours kept
+        assert pod["spec"]["nodeSelector"] == {"kubernetes.io/os": "linux"}, name
+        main = next(c for c in pod["spec"]["containers"] if c["name"] == "tailscale")
+        assert main["resources"] == {"requests": {"cpu": "5m", "memory": "24Mi"}, "limits": {"memory": "256Mi"}}
+        made = kubecontroller.children(kc, ns, name, kind)
+        sts = kc.get("statefulset", made["statefulsets"][0], kubecontroller.NS)
+        assert sts["metadata"]["labels"]["team"] == "net", name
+        (node,) = _hs_nodes_named(lab, hosts[name])
+        tags = set(node.get("tags") or node.get("forced_tags") or node.get("valid_tags") or [])
+        assert tags == {"tag:edge"}, (name, node)
+        # /metrics on the Pod IP, and the metrics Service in front of it
+        ip = pod["status"]["podIP"]
+        body = wait_until(lambda: (lambda cp: cp.stdout if cp.returncode == 0 else None)(
+            kc.run(["curl", "-sS", "--noproxy", "*", "-m", "5", "-f", f"http://{ip}:9002/metrics"], check=False)),
+            60, 1, f"{name}'s /metrics")
+        assert "# TYPE" in body, body[:500]
+        msvc = kc.get("service", f"{made['statefulsets'][0]}-metrics", kubecontroller.NS)
+        assert msvc["spec"]["ports"][0]["port"] == 9002 and msvc["spec"]["selector"] == sts["spec"]["selector"][
+            "matchLabels"]
+    # the annotated Service got the default proxy, which the class does not touch
+    guide = wait_until(lambda: _proxy_pods(kc, "apps", "pc-guide"), 120, 0.5, "the annotated Service's proxy")
+    assert "tier" not in guide[0]["metadata"]["labels"]
+    guide_sts = kubecontroller.children(kc, "apps", "pc-guide")["statefulsets"][0]
+    guide_gen = kc.get("statefulset", guide_sts, kubecontroller.NS)["metadata"]["generation"]
+
+    # editing the class rolls its users' Pods, and only theirs
+    pcls["spec"]["statefulSet"]["pod"]["labels"]["rev"] = "2"
+    kc.apply(pcls)
+    for name, (ns, kind) in users.items():
+        wait_until(lambda: (lambda p: p if len(p) == 1 and p[0]["metadata"]["labels"].get("rev") == "2" and
+                            p[0]["metadata"]["uid"] != before[name] else None)(_proxy_pods(kc, ns, name, kind)),
+                   180, 1, f"{name}'s proxy rolled")
+    assert kc.get("statefulset", guide_sts, kubecontroller.NS)["metadata"]["generation"] == guide_gen
+    assert _proxy_pods(kc, "apps", "pc-guide")[0]["metadata"]["uid"] == guide[0]["metadata"]["uid"]
+
+    for args in (("-n", "apps", "delete", "service", "pc-web", "pc-guide"), ("-n", "apps", "delete", "ingress", "pc"),
+                 ("delete", "connector", "pc-conn")):
+        kc.kubectl(*args, "--wait=false")
+    for name, (ns, kind) in {**users, "pc-guide": ("apps", "svc")}.items():
+        wait_until(lambda: kubecontroller.children(kc, ns, name, kind) == kubecontroller.NO_CHILDREN, 120, 0.5,
+                   f"{name}'s proxy gone")
+    kc.kubectl("delete", "proxyclass", "edge")
+
+
 def test_two_controller_replicas_one_leads_and_the_other_takes_over_when_its_pod_is_deleted(lab, kube):
     """Next to last in the module (it changes the Deployment; the scale goes back to 1 at the end)."""
     kc = kube
@@ -636,6 +765,203 @@ def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
     assert json.loads(crbs)["items"] == []
 
 
+def _pg_children(kc, name: str) -> dict[str, list[str]]:
+    out = kubecontroller.children(kc, "", name, "proxygroup")
+    cp = kc.kubectl("-n", kubecontroller.NS, "get", "configmaps", "-l", f"tailscale.com/parent-resource={name}",
+                    "-o", "name")
+    out["configmaps"] = cp.stdout.split()
+    return out
+
+
+def _egress_children(kc) -> list[str]:
+    cp = kc.kubectl("-n", kubecontroller.NS, "get", "services,endpointslices", "-l", "tailscale.com/svc-type=egress",
+                    "-o", "name")
+    return cp.stdout.split()
+
+
+def test_proxygroup_egress_services_scale_and_cleanup(lab, kube):
+    """A ProxyGroup of 2 (type egress) and three egress Services on it (two tailnet nodes by IP, one by MagicDNS
+    name). The group names a ProxyClass before it exists: it waits (ProxyClassNotReady, no StatefulSet), then its
+    replicas carry the class's labels and node selector; a client Pod reaches all three through the replicas; each
+    Service's EndpointSlice lists the replicas that report its rules; scaling 2 → 3 → 1 adds and removes devices
+    in headscale; deleting the Services and the group leaves nothing in the cluster or in headscale."""
+    import sys
+    from labtools import clusterdns
+    import labextras as lx
+    kc = kube
+    pg, prefix = "egress", "egpg"
+    c4, _ = lab.tailnet_ips("client")
+    lab.add_namespace("pgt")
+    lab.start_node("pg-target", "pgt")
+    t4, _ = lab.tailnet_ips("pg-target")
+    fqdn = lx.magicdns_name(lab, "client")
+    marks = {n: f"{n}-ok-{lab.prefix}" for n in ("pga", "pgb", "pgc")}
+    lab.start_http_server("client", c4, 18090, marks["pga"])
+    lab.start_http_server("pgt", ("0.0.0.0",), 18091, marks["pgb"])
+    lab.start_http_server("client", ("0.0.0.0",), 18092, marks["pgc"])
+    token = kc.run_dir / "clusterdns-pg.token"
+    token.write_text(kc.token)
+    token.chmod(0o600)
+    dns_ip = kc.cfg.api_host
+    dnsp = kc.popen([sys.executable, "-m", "labtools.clusterdns", "--listen", dns_ip, "--server", kc.server,
+                     "--token-file", str(token), "--ca", str(kc.ca_cert)],
+                    env={"PYTHONPATH": str(kubecontroller.REPO)}, stdout=open(kc.run_dir / "clusterdns-pg.log", "w"),
+                    stderr=subprocess.STDOUT)
+
+    def report() -> str:
+        logs = kc.kubectl("-n", kubecontroller.NS, "logs", "-l", f"tailscale.com/parent-resource={pg}",
+                          "--tail=40", "--all-containers", "--prefix", check=False)
+        got = kc.kubectl("-n", kubecontroller.NS, "get", "pods,endpointslices,services,configmaps", "-o", "wide",
+                         check=False).stdout
+        return f"{kubecontroller.controller_log(kc, 120)}\n--- objects\n{got}\n--- replicas\n{logs.stdout}{logs.stderr}"
+
+    def hs_pg_nodes() -> list[str]:
+        return sorted(n.get("given_name") or n.get("name") for n in lab.hs_nodes()
+                      if (n.get("given_name") or n.get("name") or "").startswith(prefix))
+
+    def svc(name: str, ann: dict[str, str], port: int) -> dict:
+        return {"apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": name, "namespace": "apps",
+                             "annotations": {"tailscale.com/proxy-group": pg, **ann}},
+                "spec": {"type": "ExternalName", "externalName": "placeholder",
+                         "ports": [{"name": "http", "port": port, "protocol": "TCP"}]}}
+    try:
+        t0 = time.monotonic()
+        # the group names a ProxyClass that does not exist yet: it waits, with nothing made
+        kc.apply({"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyGroup", "metadata": {"name": pg},
+                  "spec": {"type": "egress", "replicas": 2, "hostnamePrefix": prefix, "proxyClass": "pgclass"}})
+        kc.apply([svc("pga", {"tailscale.com/tailnet-ip": c4}, 18090),
+                  svc("pgb", {"tailscale.com/tailnet-ip": t4}, 18091),
+                  svc("pgc", {"tailscale.com/tailnet-fqdn": fqdn}, 18092)])
+        cond = wait_until(lambda: next((c for c in ((kc.get("proxygroup", pg) or {}).get("status") or {})
+                                        .get("conditions") or [] if c["reason"] == "ProxyClassNotReady"), None),
+                          60, 0.5, "the ProxyGroup waiting for its class")
+        assert cond["status"] == "False" and "'pgclass' does not exist" in cond["message"], cond
+        assert _pg_children(kc, pg)["statefulsets"] == []
+        kc.apply({"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass", "metadata": {"name": "pgclass"},
+                  "spec": {"statefulSet": {"labels": {"team": "net"}, "pod": {
+                      "labels": {"tier": "pg"}, "nodeSelector": {"kubernetes.io/os": "linux"}}}}})
+        print(f"ProxyGroup {pg} waited for its ProxyClass; the class created {time.monotonic() - t0:.1f}s after the "
+              "group")
+
+        def group_ready(n: int):
+            def pred():
+                g = kc.get("proxygroup", pg) or {}
+                conds = {c["type"]: c for c in (g.get("status") or {}).get("conditions") or []}
+                ok = conds.get("ProxyGroupReady", {}).get("status") == "True"
+                return g if ok and len((g.get("status") or {}).get("devices") or []) == n else None
+            return pred
+        try:
+            g = wait_until(group_ready(2), 240, 1, "the ProxyGroup ready with 2 devices")
+        except TimeoutError:
+            raise AssertionError(report()) from None
+        print(f"ProxyGroup {pg} ready with 2 devices {time.monotonic() - t0:.1f}s after it was created")
+        assert [d["hostname"] for d in g["status"]["devices"]] == [f"{prefix}-{i}.tailnet.test" for i in range(2)]
+        assert hs_pg_nodes() == [f"{prefix}-0", f"{prefix}-1"]
+        made = _pg_children(kc, pg)
+        assert sorted(made["secrets"]) == [f"{pg}-0", f"{pg}-0-config", f"{pg}-1", f"{pg}-1-config"], made
+        assert made["statefulsets"] == [pg] and made["configmaps"] == [f"configmap/{pg}-egress-config"], made
+        assert made["serviceaccounts"] == made["roles"] == made["rolebindings"] == [pg], made
+        # the class is on the StatefulSet and on every replica's Pod, the controller's labels kept
+        assert kc.get("statefulset", pg, kubecontroller.NS)["metadata"]["labels"]["team"] == "net"
+        replicas = json.loads(kc.kubectl("-n", kubecontroller.NS, "get", "pods", "-l",
+                                         f"tailscale.com/parent-resource={pg}", "-o", "json").stdout)["items"]
+        assert len(replicas) == 2
+        for p in replicas:
+            assert p["metadata"]["labels"]["tier"] == "pg" and p["spec"]["nodeSelector"] == {
+                "kubernetes.io/os": "linux"}, p["metadata"]
+
+        def all_served():
+            out = {}
+            for name in marks:
+                s = kc.get("service", name, "apps") or {}
+                target = (s.get("spec") or {}).get("externalName", "").split(".")[0]
+                eps = kc.get("endpointslice", f"{target}-ipv4", kubecontroller.NS) or {}
+                if len(eps.get("endpoints") or []) != 2:
+                    return None
+                out[name] = eps
+            return out
+        try:
+            slices = wait_until(all_served, 180, 1, "both replicas in each egress Service's EndpointSlice")
+        except TimeoutError:
+            raise AssertionError(report()) from None
+        print(f"three egress Services served by both replicas {time.monotonic() - t0:.1f}s after creation")
+        pod_ips = sorted(p["status"]["podIP"] for p in json.loads(kc.kubectl(
+            "-n", kubecontroller.NS, "get", "pods", "-l", f"tailscale.com/parent-resource={pg}", "-o", "json").stdout
+        )["items"])
+        for eps in slices.values():
+            assert sorted(e["addresses"][0] for e in eps["endpoints"]) == pod_ips
+        for name in marks:
+            cond = {c["type"]: c for c in kc.get("service", name, "apps")["status"]["conditions"]}
+            assert cond["TailscaleEgressSvcConfigured"]["status"] == "True", cond
+
+        script = ("import urllib.request\n"
+                  "for n, p in (('pga', 18090), ('pgb', 18091), ('pgc', 18092)):\n"
+                  "    for i in range(4):\n"
+                  "        print(n, urllib.request.urlopen(f'http://{n}:{p}/pg-{i}', timeout=10).read().decode()"
+                  ".replace(chr(10), ' '))\n")
+        kc.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "pg-client", "namespace": "apps"},
+                  "spec": {"restartPolicy": "OnFailure", "terminationGracePeriodSeconds": 1,
+                           **clusterdns.pod_dns_config(dns_ip, "apps"),
+                           "containers": [{"name": "c", "image": kubecontroller.PROXY_IMAGE,
+                                           "imagePullPolicy": "Never", "command": ["python3", "-c", script]}]}})
+
+        def done():
+            p = kc.get("pod", "pg-client", "apps") or {}
+            return p if p.get("status", {}).get("phase") == "Succeeded" else None
+        try:
+            wait_until(done, 120, 1, "the client Pod's requests")
+        except TimeoutError:
+            out = kc.kubectl("-n", "apps", "logs", "pg-client", check=False)
+            raise AssertionError(f"{out.stdout}{out.stderr}\n{report()}") from None
+        out = kc.kubectl("-n", "apps", "logs", "pg-client").stdout
+        print(out)
+        for name, mark in marks.items():
+            assert out.count(f"{name} {mark}") == 4, out
+        # the tailnet nodes saw the replicas' tailnet addresses (SNAT), not Pod addresses
+        dev_ips = {ip for d in g["status"]["devices"] for ip in d["tailnetIPs"]}
+        peers = {e.get("peer", "") for e in lab.http_peer_log("client", 18090) + lab.http_peer_log("pgt", 18091)}
+        assert peers and peers <= dev_ips, (peers, dev_ips)
+        kc.kubectl("-n", "apps", "delete", "pod", "pg-client", "--wait=false")
+
+        # scale 2 -> 3 -> 1: devices follow in headscale, the removed replicas' Secrets go
+        kc.kubectl("patch", "proxygroup", pg, "--type=merge", "-p", '{"spec":{"replicas":3}}')
+        try:
+            wait_until(group_ready(3), 240, 1, "the ProxyGroup ready with 3 devices")
+        except TimeoutError:
+            raise AssertionError(report()) from None
+        assert hs_pg_nodes() == [f"{prefix}-0", f"{prefix}-1", f"{prefix}-2"]
+        kc.kubectl("patch", "proxygroup", pg, "--type=merge", "-p", '{"spec":{"replicas":1}}')
+        try:
+            wait_until(lambda: hs_pg_nodes() == [f"{prefix}-0"] and sorted(_pg_children(kc, pg)["secrets"]) == [
+                f"{pg}-0", f"{pg}-0-config"], 420, 1, "replicas 1 and 2 gone (devices, Secrets)")
+        except TimeoutError:
+            raise AssertionError(f"{hs_pg_nodes()}\n{report()}") from None
+        assert len(kc.get("proxygroup", pg)["status"]["devices"]) == 1
+        cm = kc.get("configmap", f"{pg}-egress-config", kubecontroller.NS)
+        assert cm["data"]["hep-pings"] == "3" and len(json.loads(cm["data"]["egress-services"])) == 3
+
+        # cleanup: the Services, then the group: nothing left, in the cluster or in headscale
+        kc.kubectl("-n", "apps", "delete", "service", "pga", "pgb", "pgc", "--wait=false")
+        wait_until(lambda: not any(kc.get("service", n, "apps") for n in marks), 60, 0.5, "the Services gone")
+        assert _egress_children(kc) == []
+        cm = kc.get("configmap", f"{pg}-egress-config", kubecontroller.NS)
+        assert json.loads(cm["data"]["egress-services"]) == {}
+        kc.kubectl("delete", "proxygroup", pg, "--wait=false")
+        try:
+            wait_until(lambda: kc.get("proxygroup", pg) is None, 420, 1, "the ProxyGroup gone")
+        except TimeoutError:
+            raise AssertionError(report()) from None
+        assert _pg_children(kc, pg) == {**kubecontroller.NO_CHILDREN, "configmaps": []}
+        assert hs_pg_nodes() == []
+    finally:
+        kc.kubectl("delete", "proxyclass", "pgclass", "--ignore-not-found", check=False)
+        dnsp.terminate()
+        dnsp.wait(10)
+        lx.stop_node(lab, "pg-target")
+        lab.delete_node("pg-target")
+
+
 def test_helm_uninstall_leaves_nothing_of_the_release(kube):
     """Last: ``helm uninstall`` removes every object the chart made (the credentials Secret included); the
     Connector CRD stays, as helm never deletes what a chart's crds/ installed."""
@@ -658,3 +984,217 @@ def test_helm_uninstall_leaves_nothing_of_the_release(kube):
         assert kc.get(kind, name) is None, (kind, name)
     assert json.loads(kubecontroller.helm(kc, "list", "-A", "-o", "json").stdout) == []
     assert kc.get("customresourcedefinition", "connectors.tailscale.com") is not None
+
+
+GUIDE_NS = "ts-guide"
+GUIDE_REGISTRY = "registry.example.com/tailscale"
+#: the chart's CRDs, deleted by hand at the end of the guide's uninstall (helm keeps them)
+GUIDE_CRDS = ("connectors.tailscale.com", "proxyclasses.tailscale.com", "proxygroups.tailscale.com")
+
+
+def _guide_images(tag: str, out) -> None:
+    """Guide step 1 without a registry: both images for the node's platform as the registry would serve them
+    (images/release.sh --offline: archives whose index names <registry>/<name>:<tag>)."""
+    cp = subprocess.run(["bash", str(kubecontroller.REPO / "images" / "release.sh"), "--registry", GUIDE_REGISTRY,
+                         "--tag", tag, "--platforms", "linux/amd64", "--offline", "--out", str(out)],
+                        capture_output=True, text=True, timeout=1800)
+    assert cp.returncode == 0, cp.stderr[-3000:]
+
+
+def _upstream_manifests():
+    """Upstream's operator manifests (cmd/k8s-operator/deploy/manifests/operator.yaml) of the pinned Tailscale
+    version, from the Go module cache the lab's tailscaled was built from."""
+    from pathlib import Path
+    gomodcache = subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True).stdout.strip()
+    p = Path(gomodcache) / "tailscale.com@v1.102.3" / "cmd" / "k8s-operator" / "deploy" / "manifests" / "operator.yaml"
+    if not p.is_file():
+        pytest.skip(f"upstream's operator manifests are not in the Go module cache ({p})")
+    return p
+
+
+def _chart_version(tmp_path, version: str):
+    """The chart packaged as another version (chart version = appVersion = the images' tag)."""
+    import shutil
+    d = tmp_path / f"chart-{version}" / "tailscale-controller"
+    shutil.copytree(helmchart.CHART, d)
+    meta = (d / "Chart.yaml").read_text()
+    meta = "\n".join(f"version: {version}" if ln.startswith("version:") else
+                     f'appVersion: "{version}"' if ln.startswith("appVersion:") else ln for ln in meta.splitlines())
+    (d / "Chart.yaml").write_text(meta + "\n")
+    helmchart.helm("package", str(d), "--destination", str(tmp_path))
+    return tmp_path / f"tailscale-controller-{version}.tgz"
+
+
+def _guide_condition(kc, ns: str, name: str) -> str:
+    # the guide's verify command, as written there
+    return kc.kubectl("-n", ns, "get", "service", name, "-o",
+                      'jsonpath={.status.conditions[?(@.type=="TailscaleProxyReady")].message}', check=False).stdout
+
+
+def _guide_device_ips(kc, ns: str, name: str) -> list[str]:
+    cp = kc.kubectl("-n", GUIDE_NS, "get", "secret", "-l",
+                    f"tailscale.com/parent-resource={name},tailscale.com/parent-resource-ns={ns}",
+                    "-o", "jsonpath={.items[0].data.device_ips}", check=False)
+    if cp.returncode != 0 or not cp.stdout.strip():
+        return []
+    import base64
+    return json.loads(base64.b64decode(cp.stdout))
+
+
+def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, kube, tmp_path):
+    """After the module's own release is gone: docs/install-headscale.md followed command by command, coming
+    from the upstream operator (its manifests applied, a Service it exposed, then its section's steps: stopped,
+    its proxies deleted, its IngressClass, which makes helm refuse the install, deleted), in namespace
+    ts-guide: images from the release archives (imported as a registry would serve them), the
+    packaged chart (.tgz), the API key Secret, the guide's policy, helm install with imageRegistry; the
+    namespace first labelled restricted (the real API server's Pod Security admission) gives the Service the
+    condition naming the label and nothing is created; the guide's label lets the proxy come up; a ClusterIP
+    Service verified with the guide's commands and reached from the tailnet; upgrade to a second chart and
+    image version (CRDs first) restarts the proxy on the new image with the same device; the uninstall order
+    leaves nothing: no proxy object, no finalizer on the Service, no headscale node, no release, no CRD."""
+    kc = kube
+    t0 = time.monotonic()
+    # 1. images, imported into the node as its registry would serve them; the upgrade's version is the same
+    # content under the next tag (a rebuild would only re-export identical layers)
+    _guide_images("0.1.0", tmp_path / "images")
+    for f in sorted((tmp_path / "images").glob("*.oci.tar")):
+        kc.import_image(f)
+    for n in ("containerboot-py", "containerboot-py-controller"):
+        kc.tag_image(f"{GUIDE_REGISTRY}/{n}:0.1.0", f"{GUIDE_REGISTRY}/{n}:0.1.1")
+    have = set(kc.images())
+    for tag in ("0.1.0", "0.1.1"):
+        for n in ("containerboot-py", "containerboot-py-controller"):
+            assert f"{GUIDE_REGISTRY}/{n}:{tag}" in have, sorted(have)
+    t_images = time.monotonic() - t0
+    # 2. the packaged chart, and a second version for the upgrade
+    tgz = helmchart.package(tmp_path)
+    assert tgz.name == "tailscale-controller-0.1.0.tgz" and tgz.is_file()
+    tgz2 = _chart_version(tmp_path, "0.1.1")
+    # Coming from the upstream operator: its own manifests applied (CRDs, RBAC, its Deployment, IngressClass),
+    # a Service it had exposed (its finalizer on it) and a proxy Secret it had left, then the guide's way over
+    upstream = _upstream_manifests()
+    kc.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(upstream), timeout=120)
+    up_svc = _service("guide", {"tailscale.com/expose": "true"})
+    up_svc["metadata"]["finalizers"] = ["tailscale.com/finalizer"]
+    kc.apply(up_svc)
+    kc.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {
+        "name": "ts-guide-up000-0", "namespace": "tailscale", "labels": {
+            "tailscale.com/managed": "true", "tailscale.com/parent-resource": "guide",
+            "tailscale.com/parent-resource-ns": "apps", "tailscale.com/parent-resource-type": "svc"}}})
+    # 1. upstream stopped, 2. its proxies deleted
+    kc.kubectl("-n", "tailscale", "scale", "deployment/operator", "--replicas=0")
+    kc.kubectl("-n", "tailscale", "delete", "statefulset,secret,service", "-l", "tailscale.com/managed=true")
+    assert kc.get("secret", "ts-guide-up000-0", "tailscale") is None
+    # 3. its IngressClass is what collides with the chart: helm refuses to take it over ...
+    bad = kubecontroller.helm(kc, "install", "tailscale-controller", str(tgz), "-n", "default",
+                              "--set", f"imageRegistry={GUIDE_REGISTRY}",
+                              "--set", f"headscale.url={labmod.LOGIN_SERVER}", check=False)
+    assert bad.returncode != 0 and "IngressClass" in bad.stderr and '"tailscale"' in bad.stderr, bad.stderr
+    kc.kubectl("delete", "ingressclass", "tailscale")
+    kubecontroller.helm(kc, "uninstall", "tailscale-controller", "-n", "default", check=False)
+
+    # 3. namespace, Pod Security label (first the wrong one: restricted), the API key
+    kc.kubectl("create", "namespace", GUIDE_NS)
+    kc.kubectl("label", "namespace", GUIDE_NS, "pod-security.kubernetes.io/enforce=restricted", "--overwrite")
+    key = lab.hs("apikeys", "create", "--expiration", "2h")
+    key = key if isinstance(key, str) else str((key or {}).get("key") or key)
+    kc.kubectl("-n", GUIDE_NS, "create", "secret", "generic", "headscale-api", "--from-file=key=/dev/stdin",
+               input=key)
+    # 4. the guide's policy (its admin@ is any user: the lab's is e2e@)
+    policy = {"tagOwners": {"tag:k8s": ["e2e@"]},
+              "acls": [{"action": "accept", "src": ["autogroup:member"], "dst": ["tag:k8s:*"]},
+                       {"action": "accept", "src": ["tag:k8s"], "dst": ["autogroup:member:*"]}]}
+    lab.delete_node("apps-guide")
+    with lab.hs_policy(policy):
+        # 5. install from the .tgz; the lab's own knobs for its island go in through a values file on stdin
+        values = {"proxy": {"env": kubecontroller.LAB_PROXY_ENV}}
+        cp = kubecontroller.helm(kc, "install", "tailscale-controller", str(tgz), "-n", GUIDE_NS,
+                                 "--set", f"imageRegistry={GUIDE_REGISTRY}",
+                                 "--set", f"headscale.url={labmod.LOGIN_SERVER}",
+                                 "--set", "magicDNSSuffix=tailnet.test", "-f", "-", input=json.dumps(values))
+        assert "pod-security.kubernetes.io/enforce=privileged" in cp.stdout, cp.stdout
+        kc.kubectl("-n", GUIDE_NS, "rollout", "status", "deployment/tailscale-controller", "--timeout=120s",
+                   timeout=130)
+        pod = kc.kubectl("-n", GUIDE_NS, "get", "pods", "-l", "app=tailscale-controller", "-o", "json")
+        (cpod,) = json.loads(pod.stdout)["items"]
+        assert cpod["spec"]["containers"][0]["image"] == f"{GUIDE_REGISTRY}/containerboot-py-controller:0.1.0"
+        assert cpod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        # 6. the ClusterIP Service upstream had exposed is taken over (its finalizer is ours too): refused by
+        # the namespace's level first, said in the condition and an event
+        msg = wait_until(lambda: (lambda m: m if "Pod Security" in m else None)(_guide_condition(kc, "apps", "guide")),
+                         60, 0.5, "the Pod Security condition")
+        assert f"kubectl label namespace {GUIDE_NS} pod-security.kubernetes.io/enforce=privileged --overwrite" in msg
+        assert "'restricted'" in msg, msg
+        events = kc.kubectl("-n", "apps", "get", "events", "--field-selector", "involvedObject.name=guide",
+                            "-o", "json").stdout
+        assert any(e["reason"] == "PodSecurityRefused" for e in json.loads(events)["items"]), events
+        assert kc.kubectl("-n", GUIDE_NS, "get", "statefulsets", "-o", "name").stdout.strip() == ""
+        # ... the guide's label, and the proxy comes up (the controller re-checks a refused parent within 10 s)
+        kc.kubectl("label", "namespace", GUIDE_NS, "pod-security.kubernetes.io/enforce=privileged", "--overwrite")
+        t1 = time.monotonic()
+        try:
+            msg = wait_until(lambda: (lambda m: m if m.startswith("proxy ready: ") else None)(
+                _guide_condition(kc, "apps", "guide")), 180, 1.0, "the guide's Service ready")
+        except TimeoutError:
+            raise AssertionError(_fail_report(kc, "apps", "guide", GUIDE_NS)) from None
+        assert msg == "proxy ready: apps-guide.tailnet.test", msg
+        ips = _guide_device_ips(kc, "apps", "guide")
+        node = lab.hs_node("apps-guide")
+        assert node is not None and ips and set(ips) <= set(node["ip_addresses"]), (ips, node)
+        lab.wait_peer("client", "apps-guide", 60)
+        lab.wait_curl("client", lab.url(ips[0], 8080, "/guide"), kc.marker, timeout=60)
+        t_ready = time.monotonic() - t1
+
+        # upgrade: CRDs first, then the chart (its appVersion is the new images' tag)
+        xd = tmp_path / "x"
+        xd.mkdir()
+        subprocess.run(["tar", "-xzf", str(tgz2), "-C", str(xd), "tailscale-controller/crds"], check=True)
+        kc.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(xd / "tailscale-controller" / "crds"))
+        kubecontroller.helm(kc, "upgrade", "tailscale-controller", str(tgz2), "-n", GUIDE_NS,
+                            "--reset-then-reuse-values", timeout=180)
+        kc.kubectl("-n", GUIDE_NS, "rollout", "status", "deployment/tailscale-controller", "--timeout=120s",
+                   timeout=130)
+        (rel,) = json.loads(kubecontroller.helm(kc, "list", "-n", GUIDE_NS, "-o", "json").stdout)
+        assert (rel["chart"], rel["app_version"], str(rel["revision"])) == ("tailscale-controller-0.1.1", "0.1.1", "2")
+
+        def proxy_on_new_image():
+            pods = json.loads(kc.kubectl("-n", GUIDE_NS, "get", "pods", "-l",
+                                         "tailscale.com/parent-resource=guide", "-o", "json").stdout)["items"]
+            ok = [p for p in pods if p["spec"]["containers"][0]["image"] ==
+                  f"{GUIDE_REGISTRY}/containerboot-py:0.1.1" and any(
+                      c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+            return ok or None
+        try:
+            wait_until(proxy_on_new_image, 180, 1.0, "the proxy restarted on the new image")
+        except TimeoutError:
+            raise AssertionError(_fail_report(kc, "apps", "guide", GUIDE_NS)) from None
+        assert _guide_device_ips(kc, "apps", "guide") == ips          # the same device, the same IPs
+        lab.wait_curl("client", lab.url(ips[0], 8080, "/guide-upgraded"), kc.marker, timeout=90)
+
+        # uninstall, in the guide's order: parents first, wait for the proxies to go, then the release, the CRD
+        listed = kc.kubectl("-n", GUIDE_NS, "get", "statefulsets", "-l", "tailscale.com/managed=true", "-L",
+                            "tailscale.com/parent-resource-type,tailscale.com/parent-resource-ns,"
+                            "tailscale.com/parent-resource").stdout
+        assert "svc" in listed and "apps" in listed and "guide" in listed, listed
+        kc.kubectl("-n", "apps", "annotate", "service", "guide", "tailscale.com/expose-")
+        kc.kubectl("-n", GUIDE_NS, "wait", "--for=delete", "statefulset", "-l", "tailscale.com/managed=true",
+                   "--timeout=120s", timeout=130, check=False)
+        wait_until(lambda: not kc.kubectl("-n", GUIDE_NS, "get", "statefulsets,secrets,services,pods", "-l",
+                                          "tailscale.com/managed=true", "-o", "name").stdout.strip(),
+                   120, 0.5, "the proxy's objects gone")
+        kubecontroller.helm(kc, "uninstall", "tailscale-controller", "-n", GUIDE_NS, "--wait", timeout=130)
+        kc.kubectl("delete", "crd", *GUIDE_CRDS, timeout=60)
+        kc.kubectl("delete", "namespace", GUIDE_NS, "--timeout=120s", timeout=130)
+    svc = kc.get("service", "guide", "apps")
+    assert svc is not None and "tailscale.com/finalizer" not in (svc["metadata"].get("finalizers") or [])
+    assert lab.hs_node("apps-guide") is None
+    assert kc.get("namespace", GUIDE_NS) is None
+    assert json.loads(kubecontroller.helm(kc, "list", "-A", "-o", "json").stdout) == []
+    for kind, name in (("clusterrole", "tailscale-controller"), ("clusterrolebinding", "tailscale-controller"),
+                       ("ingressclass", "tailscale"), *(("customresourcedefinition", c) for c in GUIDE_CRDS)):
+        assert kc.get(kind, name) is None, (kind, name)
+    kc.kubectl("-n", "apps", "delete", "service", "guide")
+    # upstream's release goes last (here: its manifests' objects), leaving nothing of either
+    kc.kubectl("delete", "-f", str(upstream), "--ignore-not-found", "--wait=true", timeout=180)
+    print(f"install guide: images {t_images:.1f}s, Service ready {t_ready:.1f}s after the label, "
+          f"whole guide {time.monotonic() - t0:.1f}s")

@@ -220,7 +220,8 @@ def test_role_without_patch_gives_the_message_users_see(lab, kube):
         text = _logs(kc, ns, f"{name}-0") + _logs(kc, ns, f"{name}-0", previous=True)
         return text if "grant patch" in text else None
     text = wait_until(failed, 120, 1, "the Pod's failure message")
-    assert f'authkey found in Secret "{name}-0"' in text
+    assert ("authkey found in TS_KUBE_SECRET, but the pod doesn't have patch permissions on the Secret to manage "
+            f'the authkey (Secret "{name}-0")') in text     # upstream's words first, then ours
     assert "resourceNames" in text or "patch" in text
     assert lab.authkey not in text
 

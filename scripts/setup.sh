@@ -5,11 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { echo "[setup] $*" >&2; }
 
-want_binaries=0 want_image=0
+want_binaries=0 want_image=0 want_multiarch=0
 for a in "$@"; do
   case "$a" in
     --binaries) want_binaries=1 ;;
     --image) want_image=1 ;;  # podman, runc and mmdebstrap for images/build.sh (make image)
+    --multiarch) want_multiarch=1 ;;  # qemu user mode for other architectures' images (make images-archives)
   esac
 done
 
@@ -18,6 +19,7 @@ pkgs=(iproute2 nftables iptables libnftables1 curl dnsmasq-base openssl python3-
 # the real Kubernetes node of the lab (labtools/kubecluster.py): container runtime, OCI runtime, CNI plugins
 pkgs+=(containerd runc containernetworking-plugins)
 [ $want_image = 1 ] && pkgs+=(podman runc mmdebstrap bc)
+[ $want_multiarch = 1 ] && pkgs+=(qemu-user-static)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -118,8 +118,22 @@ def test_missing_secret_without_create_permission_is_a_clear_error(run_agent, ku
     a = run_agent(**kube_env(kube_api, TS_AUTHKEY=KEY))
     assert a.wait() == 1
     log = a.log()
-    assert f'Secret "{SECRET}" does not exist' in log and 'TS_KUBE_SECRET=""' in log and "create" in log
+    # upstream's words first, then the fix
+    assert (f"tailscale state Secret {SECRET} does not exist and we don't have permissions to create it: create "
+            "the Secret, grant create on secrets") in log and 'TS_KUBE_SECRET=""' in log
     assert a.tailscaled_argv() is None, "tailscaled started although the set-up failed"
+
+
+def test_a_refused_get_of_the_secret_says_so_in_upstreams_words_and_names_the_rbac_rule(run_agent, kube_api):
+    """The permission check passed (or guessed, when the SSAR API fails) but the API server refuses the GET."""
+    kube_api.put_secret(SECRET, {})
+    kube_api.fail(403, count=100, method="GET", path=f"/api/v1/namespaces/{kube_api.namespace}/secrets/{SECRET}")
+    a = run_agent(**kube_env(kube_api, TS_AUTHKEY=KEY))
+    assert a.wait() == 1
+    log = a.log()
+    assert f"getting Tailscale state Secret {SECRET}: not allowed to get" in log, log
+    assert "grant the Pod's ServiceAccount this permission" in log and KEY not in log
+    assert a.tailscaled_argv() is None
 
 
 def test_missing_update_permission_names_the_rbac_rule(run_agent, kube_api):
@@ -136,7 +150,10 @@ def test_authkey_in_secret_without_patch_permission_is_an_error(run_agent, kube_
     kube_api.set_rules([(("get", "update"), "secrets", (SECRET,))])
     a = run_agent(**kube_env(kube_api))
     assert a.wait() == 1
-    assert "grant patch" in a.log() and KEY not in a.log()
+    log = a.log()
+    assert ("authkey found in TS_KUBE_SECRET, but the pod doesn't have patch permissions on the Secret to manage "
+            f'the authkey (Secret "{SECRET}"): grant patch on secrets') in log
+    assert KEY not in log
 
 
 def test_missing_service_account_token_names_the_file(run_agent, kube_api):

@@ -11,6 +11,7 @@ from containerboot.reconcile import Reconciler
 from containerboot.settings import load
 from containerboot.state import NodeState, apply_notify
 from containerboot.status import ServeStatus
+from containerboot.steady import SteadyState
 
 
 def running_node(*ips: str, cert_domain: str = "p.tailnet.test") -> NodeState:
@@ -25,6 +26,11 @@ def agent_with(env: dict[str, str]) -> Agent:
     return a
 
 
+def steady_for(a: Agent) -> SteadyState:
+    assert a.reconciler is not None
+    return SteadyState(a.s, a.reconciler, object())    # type: ignore[arg-type]  # no LocalAPI call is made
+
+
 async def test_not_ready_before_the_first_serve_apply(tmp_path):
     env = {"TS_SERVE_CONFIG": str(tmp_path / "serve.json")}
     a = agent_with(env)
@@ -32,7 +38,8 @@ async def test_not_ready_before_the_first_serve_apply(tmp_path):
     await a.reconciler.reconcile_once()
     ok, reasons = a.status().ready(a.status().started_at + 1)
     assert not ok and reasons == ["serve config not applied: waiting for the first apply"]
-    a.serve_status = ServeStatus(applied=True)
+    a.steady = steady_for(a)
+    a.steady.serve_status = ServeStatus(applied=True)      # what the serve loop reports after its first apply
     st = a.status()
     assert st.ready(st.started_at + 1) == (True, [])
 
@@ -49,7 +56,7 @@ async def test_not_ready_once_shutdown_begins():
     a = agent_with({})
     a.reconciler.set_node(running_node("100.64.0.5"))
     await a.reconciler.reconcile_once()
-    await a._shutdown()
+    await a.shutdown()
     st = a.status()
     assert st.ready(st.started_at + 1) == (False, ["the agent is shutting down"])
 
@@ -78,13 +85,13 @@ async def test_the_serve_loop_starts_with_the_cert_domain_of_the_self_node(tmp_p
     monkeypatch.setattr(apply_mod, "ServeLoop", RecordingLoop)
     monkeypatch.setattr(apply_mod, "CertManager", NoCerts)
     a = agent_with({"TS_SERVE_CONFIG": str(tmp_path / "serve.json")})
-    a.api = object()
-    task = asyncio.create_task(a._start_serve())
+    steady = steady_for(a)
+    task = asyncio.create_task(steady.run_serve())
     try:
         await asyncio.sleep(0.05)
         assert started == [], "the serve loop started before the self node was known"
         a.reconciler.set_node(running_node("100.64.0.5"))
-        a._self_node_known.set()     # what _watch_bus does once a notification carries the self node
+        steady.self_node_known.set()     # what watch_bus does once a notification carries the self node
         await asyncio.sleep(0.05)
         assert started == ["p.tailnet.test"]
     finally:
@@ -102,9 +109,10 @@ def _pg_agent(tmp_path) -> Agent:
 async def test_the_first_pass_waits_for_the_services_files_first_read(tmp_path, monkeypatch):
     """ProxyGroup: the reconcile loop starts only once the services files were read, so the first pass (and
     "Startup complete") already includes the services; a file that is never read only delays it a bounded time."""
-    import containerboot.agent as agent_mod
+    import containerboot.steady as steady_mod
 
     a = _pg_agent(tmp_path)
+    steady = steady_for(a)
     runs: list[bool] = []
 
     async def fake_run():
@@ -112,20 +120,21 @@ async def test_the_first_pass_waits_for_the_services_files_first_read(tmp_path, 
 
     monkeypatch.setattr(a.reconciler, "run", fake_run)
     ev = asyncio.Event()
-    task = asyncio.create_task(a._run_reconciler([ev]))
+    task = asyncio.create_task(steady.run_reconciler([ev]))
     await asyncio.sleep(0.05)
     assert runs == [], "the reconcile loop started before the services file was read"
     ev.set()
     await asyncio.wait_for(task, 1)
     assert runs == [True]
 
-    monkeypatch.setattr(agent_mod, "INPUTS_FIRST_READ_WAIT", 0.05)
-    await asyncio.wait_for(a._run_reconciler([asyncio.Event()]), 1)   # never read: starts anyway
+    monkeypatch.setattr(steady_mod, "INPUTS_FIRST_READ_WAIT", 0.05)
+    await asyncio.wait_for(steady.run_reconciler([asyncio.Event()]), 1)   # never read: starts anyway
     assert runs == [True, True]
 
 
 async def test_the_services_watcher_reports_its_first_read_whatever_the_file_holds(tmp_path):
     a = _pg_agent(tmp_path)
+    steady = steady_for(a)
     for content in (None, "{not json", '{"svc": {"tailnetTarget": {"ip": "100.64.0.9"}, '
                                          '"ports": [{"protocol": "TCP", "matchPort": 80, "targetPort": 80}]}}'):
         path = tmp_path / "egress" / "egress-services"
@@ -134,12 +143,11 @@ async def test_the_services_watcher_reports_its_first_read_whatever_the_file_hol
         else:
             path.write_text(content)
         ev = asyncio.Event()
-        task = asyncio.create_task(a._watch_services("egress", ev))
+        task = asyncio.create_task(steady.watch_services("egress", ev))
         try:
             await asyncio.wait_for(ev.wait(), 10)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    assert a.reconciler.services.egress is not None and [s.name for s in a.reconciler.services.egress.services] == [
-        "svc"
-    ]
+    egress = a.reconciler.services.egress
+    assert egress is not None and [s.name for s in egress.services] == ["svc"]

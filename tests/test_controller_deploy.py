@@ -25,7 +25,7 @@ def by_kind(kind):
 
 
 def test_connector_crd_matches_upstream_names_and_refuses_both():
-    (crd,) = by_kind("CustomResourceDefinition")
+    (crd,) = [d for d in by_kind("CustomResourceDefinition") if d["spec"]["names"]["kind"] == "Connector"]
     assert crd["metadata"]["name"] == "connectors.tailscale.com" and crd["spec"]["scope"] == "Cluster"
     (v,) = crd["spec"]["versions"]
     assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
@@ -35,6 +35,54 @@ def test_connector_crd_matches_upstream_names_and_refuses_both():
     both = [r for r in spec["x-kubernetes-validations"] if "exitNode" in r["rule"] and "subnetRouter" in r["rule"]
             and r["rule"].startswith("!(")]
     assert len(both) == 1 and "create two Connectors" in both[0]["message"]
+
+
+def test_proxygroup_crd_matches_upstream_names():
+    (crd,) = [d for d in by_kind("CustomResourceDefinition") if d["metadata"]["name"] == "proxygroups.tailscale.com"]
+    assert crd["spec"]["scope"] == "Cluster" and crd["spec"]["names"]["shortNames"] == ["pg"]
+    (v,) = crd["spec"]["versions"]
+    assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
+    spec = v["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["required"] == ["type"]
+    assert {"type", "replicas", "hostnamePrefix", "tags", "proxyClass"} <= set(spec["properties"])
+    t = spec["properties"]["type"]
+    assert t["enum"] == ["egress", "ingress", "kube-apiserver"]
+    assert t["x-kubernetes-validations"] == [{"rule": "self == oldSelf", "message": "ProxyGroup type is immutable"}]
+    status = v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert set(status["devices"]["items"]["properties"]) == {"hostname", "tailnetIPs"}
+
+
+def test_rbac_covers_proxygroups_and_their_egress_objects():
+    (cr,) = [d for d in by_kind("ClusterRole") if d["metadata"]["name"] == "tailscale-controller"]
+    (role,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "tailscale-controller"]
+    for verb in ("get", "list", "watch", "patch"):
+        assert _covered(cr["rules"], "tailscale.com", "proxygroups", verb), verb
+    assert _covered(cr["rules"], "tailscale.com", "proxygroups/status", "patch")
+    for res, grp in ((kubeapi.CONFIGMAPS, ""), (kubeapi.ENDPOINTSLICES, "discovery.k8s.io")):
+        for verb in ("get", "list", "create", "patch", "delete"):
+            assert _covered(role["rules"], grp, res.plural, verb), (res.plural, verb)
+    assert _covered(role["rules"], "", "pods", "watch")
+
+
+def test_proxyclass_crd_has_upstreams_names_and_fields():
+    (crd,) = [d for d in by_kind("CustomResourceDefinition") if d["spec"]["names"]["kind"] == "ProxyClass"]
+    assert crd["metadata"]["name"] == "proxyclasses.tailscale.com" and crd["spec"]["scope"] == "Cluster"
+    (v,) = crd["spec"]["versions"]
+    assert v["name"] == "v1alpha1" and v["subresources"] == {"status": {}}
+    spec = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert {"statefulSet", "metrics", "tailscale", "useLetsEncryptStagingEnvironment"} <= set(spec)
+    sts = spec["statefulSet"]["properties"]
+    assert {"labels", "annotations", "pod"} <= set(sts)
+    pod = sts["pod"]["properties"]
+    assert {"labels", "annotations", "affinity", "nodeName", "nodeSelector", "tolerations",
+            "topologySpreadConstraints", "priorityClassName", "imagePullSecrets", "securityContext", "dnsPolicy",
+            "dnsConfig", "tailscaleContainer", "tailscaleInitContainer"} <= set(pod)
+    for c in ("tailscaleContainer", "tailscaleInitContainer"):
+        assert {"env", "image", "imagePullPolicy", "resources", "securityContext", "debug"} <= set(
+            pod[c]["properties"]), c
+        assert pod[c]["properties"]["debug"]["properties"]["enable"]["type"] == "boolean"
+    assert set(spec["metrics"]["properties"]["serviceMonitor"]["properties"]) == {"enable", "labels"}
+    assert spec["tailscale"]["properties"]["acceptRoutes"]["type"] == "boolean"
 
 
 def _covered(rules, group, resource, verb):
@@ -53,6 +101,16 @@ def test_rbac_covers_the_controllers_calls():
         for verb in ("get", "list", "watch", "create", "patch", "delete"):
             assert _covered(role["rules"], group(res), res.plural, verb), (res.plural, verb)
     assert _covered(cr["rules"], "", "events", "create")
+    # the proxies' namespace's Pod Security level (controller/podsecurity.py)
+    assert _covered(cr["rules"], "", kubeapi.NAMESPACES.plural, "get")
+    # ProxyClasses: read and watched cluster-wide, their status written; the ServiceMonitor CRD looked up;
+    # metrics ServiceMonitors in the controller's namespace
+    for verb in ("get", "list", "watch"):
+        assert _covered(cr["rules"], "tailscale.com", "proxyclasses", verb), verb
+    assert _covered(cr["rules"], "tailscale.com", "proxyclasses/status", "patch")
+    assert _covered(cr["rules"], "apiextensions.k8s.io", "customresourcedefinitions", "get")
+    for verb in ("get", "list", "create", "patch", "delete"):
+        assert _covered(role["rules"], "monitoring.coreos.com", "servicemonitors", verb), verb
     assert not _covered(cr["rules"], "", "secrets", "list"), "no cluster-wide Secret access"
     # leader election: the Lease in the controller's namespace, bound to the controller's ServiceAccount
     (le,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "tailscale-controller-leader-election"]

@@ -308,6 +308,10 @@ def test_config_defaults_and_headscale():
     assert c.proxy_resources == {"requests": {"cpu": "5m"}}
     c = cconfig.load({"PROXY_ENV": json.dumps({"TS_DEBUG_USE_DERP_HTTP": "true", "A": "1"})})
     assert c.proxy_env == (("A", "1"), ("TS_DEBUG_USE_DERP_HTTP", "true"))
+    c = cconfig.load({"PROXY_NODE_SELECTOR": '{"kubernetes.io/arch": "arm64"}', "PROXY_IMAGE_PULL_SECRETS": "a, b",
+                      "PROXY_TOLERATIONS": '[{"key": "k", "operator": "Exists"}]', "PROXY_AFFINITY": "{}"})
+    assert (c.proxy_node_selector, c.proxy_image_pull_secrets, c.proxy_tolerations, c.proxy_affinity) == (
+        {"kubernetes.io/arch": "arm64"}, ("a", "b"), [{"key": "k", "operator": "Exists"}], {})
 
 
 @pytest.mark.parametrize("env,needle", [
@@ -323,6 +327,11 @@ def test_config_defaults_and_headscale():
     ({"HEADSCALE_USER": "alice"}, "must be the numeric user ID"),
     ({"OPERATOR_DEFAULT_LOAD_BALANCER": "yes"}, "is not a boolean"),
     ({"INGRESS_SCHEME": "tls"}, "INGRESS_SCHEME='tls' is not a scheme; use auto"),
+    ({"PROXY_NODE_SELECTOR": "arch=arm64"}, "PROXY_NODE_SELECTOR is not JSON"),
+    ({"PROXY_NODE_SELECTOR": '{"a": 1}'}, "PROXY_NODE_SELECTOR must map label names to string values"),
+    ({"PROXY_TOLERATIONS": "{}"}, "PROXY_TOLERATIONS must be a JSON array"),
+    ({"PROXY_AFFINITY": "[]"}, "PROXY_AFFINITY must be a JSON object"),
+    ({"PROXY_IMAGE_PULL_SECRETS": "regcred,Bad_Name"}, "'Bad_Name' is not a Secret name"),
 ])
 def test_config_errors_name_the_variable(env, needle):
     with pytest.raises(cconfig.ConfigError) as e:

@@ -77,14 +77,33 @@ def test_event_mapping():
                                      "tailscale.com/parent-resource-type": "connector"}}}
     assert child_key(child) == ("connector", "", "office")
     assert child_key({"metadata": {"labels": {"tailscale.com/parent-resource-type": "proxygroup",
+                                              "tailscale.com/parent-resource": "pg",
+                                              "tailscale.com/managed": "true"}}}) == ("proxygroup", "", "pg")
+    assert child_key({"metadata": {"labels": {"tailscale.com/parent-resource-type": "dnsconfig",
                                               "tailscale.com/managed": "true"}}}) is None
+    # An egress Service for a ProxyGroup is the controller's too.
+    pg_svc = {"metadata": {"name": "db", "namespace": "apps", "annotations": {
+        "tailscale.com/proxy-group": "pg", "tailscale.com/tailnet-ip": "100.64.0.9"}}}
+    assert parent_key("svc", pg_svc, cfg) == ("svc", "apps", "db")
+    assert parent_key("proxygroup", {"metadata": {"name": "pg"}}, cfg) == ("proxygroup", "", "pg")
 
 
 def test_kopf_registries_and_server_side_child_filter():
     parents, children = registries(State(ControllerConfig(), None, None))
-    assert len(list(parents._watching.get_all_handlers())) == 3
-    assert len(list(children._watching.get_all_handlers())) == 3     # Secrets, StatefulSets, the proxy's ConfigMap
+    assert len(list(parents._watching.get_all_handlers())) == 5      # + ProxyGroups, ProxyClasses
+    assert len(list(children._watching.get_all_handlers())) == 4     # + the API server proxy's ConfigMap
     s = settings(True)
     assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/apiserver-proxy=true"] + [
-        "tailscale.com/managed=true"] * 2
+        "tailscale.com/managed=true"] * 2 + ["tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]
     assert not settings(False).posting.enabled
+
+
+def test_a_proxygroup_event_brings_a_pass_of_the_services_that_name_it():
+    s = State(ControllerConfig(), None, None)
+    s.index_service(("svc", "apps", "a"), "pg")
+    s.index_service(("svc", "apps", "b"), "pg")
+    s.index_service(("svc", "apps", "c"), "other")
+    assert s.group_services == {"pg": {("svc", "apps", "a"), ("svc", "apps", "b")}, "other": {("svc", "apps", "c")}}
+    s.index_service(("svc", "apps", "a"), "other")     # moved to another group
+    s.index_service(("svc", "apps", "b"), "")          # no longer names one (or deleted)
+    assert s.group_services == {"other": {("svc", "apps", "a"), ("svc", "apps", "c")}}

@@ -183,6 +183,22 @@ def test_proxy_env_comes_last_so_it_overrides():
                                                            CFG, ("k",)).statefulset
 
 
+def test_proxy_pull_secrets_and_placement_reach_the_pod():
+    aff = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["arm64"]}]}]}}}
+    cfg = replace(CFG, proxy_image_pull_secrets=("regcred",), proxy_node_selector={"pool": "edge"},
+                  proxy_tolerations=[{"key": "edge", "operator": "Exists", "effect": "NoSchedule"}],
+                  proxy_affinity=aff)
+    spec = service.decide(_svc(clusterIP="10.96.0.10"), cfg).spec
+    pod = render(spec, cfg, ("k",)).statefulset["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}] and pod["nodeSelector"] == {"pool": "edge"}
+    assert pod["tolerations"] == [{"key": "edge", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["affinity"] == aff
+    plain = render(service.decide(_svc(clusterIP="10.96.0.10"), CFG).spec, CFG, ("k",)).statefulset
+    assert not {"imagePullSecrets", "nodeSelector", "tolerations", "affinity"} & set(
+        plain["spec"]["template"]["spec"])
+
+
 def test_every_rendered_env_name_is_known_to_the_agent_or_tailscaled():
     known = {s.name for s in SETTINGS} | set(TAILSCALED_ENV)
     backend = {"metadata": {"name": "be"}, "spec": {"clusterIP": "10.96.0.20", "ports": [{"port": 80}]}}

@@ -26,10 +26,10 @@ def test_an_l3_ingress_agent_loads_no_kubernetes_dns_watch_or_netlink_library():
 
 
 def test_the_conntrack_clean_up_loads_pyroute2s_conntrack_only_and_the_rest_still_imports():
-    mods = loaded_after("from netfilter.backend import _conntrack_class\nC = _conntrack_class()\n"
+    mods = loaded_after("from netfilter.conntrack import conntrack_class\nC = conntrack_class()\n"
                         "assert C.__name__ == 'Conntrack'")
     assert "pyroute2.conntrack" in mods
     assert not {"pyroute2.ndb.main", "pyroute2.ipdb", "pyroute2.iwutil"} & mods
     # a later `from pyroute2 import X` (anywhere) gets the real package
-    loaded_after("from netfilter.backend import _conntrack_class\n_conntrack_class()\n"
+    loaded_after("from netfilter.conntrack import conntrack_class\nconntrack_class()\n"
                  "from pyroute2 import IPRoute, Conntrack, config\nimport pyroute2\nassert pyroute2.IPRoute")

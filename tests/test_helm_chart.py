@@ -33,8 +33,13 @@ def helm_built():
         pytest.skip(reason)
 
 
+REGISTRY = "registry.example.com/tailscale"
+#: the chart's version, its appVersion (the images' tag) and the project's version go together
+VERSION = helmchart.chart_meta()["appVersion"]
+
+
 def render(values: dict, namespace: str = "tailscale") -> list[dict]:
-    return helmchart.objects(helmchart.template(values, namespace))
+    return helmchart.objects(helmchart.template({"imageRegistry": REGISTRY, **values}, namespace))
 
 
 def one(objs, kind, name=None):
@@ -82,7 +87,7 @@ def test_deploy_is_rendered_from_the_chart_and_up_to_date():
     {"provider": "static", "credentials": {"authKey": "tskey-x"}, "ingressClass": {"create": False}},
 ], ids=["headscale", "tailscale", "static"])
 def test_helm_lint_strict_passes(values, tmp_path):
-    f = helmchart.values_file(values, tmp_path)
+    f = helmchart.values_file({"imageRegistry": REGISTRY, **values}, tmp_path)
     out = helmchart.helm("lint", "--strict", str(helmchart.CHART), "-f", str(f)).stdout
     assert "1 chart(s) linted, 0 chart(s) failed" in out, out
 
@@ -90,10 +95,11 @@ def test_helm_lint_strict_passes(values, tmp_path):
 def test_headscale_install_env_secret_refs_and_the_config_it_gives():
     values = {"provider": "headscale", "headscale": {"url": "https://hs.example.com/", "user": "3"},
               "magicDNSSuffix": "tail.example.com",
-              "proxy": {"image": {"repository": "reg.example/proxy", "tag": "v1", "pullPolicy": "Always"},
+              "imageRegistry": "reg.example/",
+              "proxy": {"image": {"repository": "proxy", "tag": "v1", "pullPolicy": "Always"},
                         "tags": ["tag:k8s", "tag:prod"], "firewallMode": "iptables",
                         "resources": {"requests": {"cpu": "5m"}}, "env": {"TS_DEBUG_USE_DERP_HTTP": "true"}},
-              "image": {"repository": "reg.example/controller", "tag": "v2", "pullPolicy": "Always"}}
+              "image": {"repository": "controller", "tag": "v2", "pullPolicy": "Always"}}
     objs = render(values, "ts-system")
     c = container(objs)
     assert (c["image"], c["imagePullPolicy"]) == ("reg.example/controller:v2", "Always")
@@ -126,7 +132,7 @@ def test_tailscale_install_env_and_oauth_secret():
     env = env_of(objs)
     assert env == {"OPERATOR_NAMESPACE": "tailscale", "CONTROL_PLANE": "tailscale", "TS_MAGICDNS_SUFFIX": "",
                    "INGRESS_SCHEME": "auto",
-                   "PROXY_IMAGE": "localhost/containerboot-py:latest", "PROXY_IMAGE_PULL_POLICY": "IfNotPresent",
+                   "PROXY_IMAGE": f"{REGISTRY}/containerboot-py:{VERSION}", "PROXY_IMAGE_PULL_POLICY": "IfNotPresent",
                    "PROXY_TAGS": "tag:k8s", "PROXY_FIREWALL_MODE": "",
                    "HEADSCALE_API_KEY_FILE": "/etc/headscale-api/key",
                    "CLIENT_ID_FILE": "/oauth/client_id", "CLIENT_SECRET_FILE": "/oauth/client_secret",
@@ -183,14 +189,19 @@ def test_rbac_in_another_namespace_equals_deploys():
 
 
 @pytest.mark.parametrize("values,message", [
-    ({}, "provider headscale needs headscale.url, the headscale server's URL: --set headscale.url="),
-    ({"provider": "tailnet"}, 'provider="tailnet" is not a provider; use headscale, tailscale or static'),
-    ({"provider": "tailscale", "proxy": {"firewallMode": "ipfw"}},
+    ({"headscale": {"url": "https://hs.example.com"}},
+     "imageRegistry is empty: set it to the registry you pushed both images to (make images REGISTRY="),
+    ({"imageRegistry": REGISTRY},
+     "provider headscale needs headscale.url, the headscale server's URL: --set headscale.url="),
+    ({"imageRegistry": REGISTRY, "provider": "tailnet"},
+     'provider="tailnet" is not a provider; use headscale, tailscale or static'),
+    ({"imageRegistry": REGISTRY, "provider": "tailscale", "proxy": {"firewallMode": "ipfw"}},
      'proxy.firewallMode="ipfw" is not a firewall mode; use auto, iptables or nftables'),
-    ({"provider": "tailscale", "ingressScheme": "ftp"}, 'ingressScheme="ftp" is not a scheme; use auto, https or http'),
-    ({"provider": "tailscale", "credentials": {"oauthClientSecret": "only-the-secret"}},
+    ({"imageRegistry": REGISTRY, "provider": "tailscale", "ingressScheme": "ftp"},
+     'ingressScheme="ftp" is not a scheme; use auto, https or http'),
+    ({"imageRegistry": REGISTRY, "provider": "tailscale", "credentials": {"oauthClientSecret": "only-the-secret"}},
      "credentials.oauthClientID and credentials.oauthClientSecret go together"),
-    ({"provider": "tailscale", "apiServerProxy": {"mode": "true"}},
+    ({"imageRegistry": REGISTRY, "provider": "tailscale", "apiServerProxy": {"mode": "true"}},
      'apiServerProxy.mode="true" is not a mode; use off, auth or noauth'),
 ])
 def test_bad_values_stop_with_the_value_and_the_fix(values, message):
@@ -224,3 +235,59 @@ def test_helm_is_the_pinned_version():
                          check=True).stdout.strip()
     assert out == "v3.19.0"
     assert pathlib.Path(helmchart.helm_bin()).parent.name == "helm-v3.19.0"
+
+
+def test_images_default_to_the_registry_and_the_charts_version():
+    objs = render({"headscale": {"url": "https://hs.example.com"}})
+    assert container(objs)["image"] == f"{REGISTRY}/containerboot-py-controller:{VERSION}"
+    assert env_of(objs)["PROXY_IMAGE"] == f"{REGISTRY}/containerboot-py:{VERSION}"
+    assert "localhost" not in yaml.safe_dump_all(objs)
+    meta = helmchart.chart_meta()
+    assert meta["version"] == meta["appVersion"] == helmchart.project_version()
+
+
+def test_pull_secrets_placement_extra_env_volumes_and_seccomp():
+    aff = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 1, "preference": {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["edge"]}]}}]}}
+    values = {"headscale": {"url": "https://hs.example.com"}, "imagePullSecrets": [{"name": "regcred"}],
+              "proxy": {"nodeSelector": {"kubernetes.io/arch": "arm64"},
+                        "tolerations": [{"key": "edge", "operator": "Exists", "effect": "NoSchedule"}],
+                        "affinity": aff},
+              "extraEnv": [{"name": "SSL_CERT_FILE", "value": "/etc/headscale-ca/ca.crt"}],
+              "extraVolumes": [{"name": "headscale-ca", "configMap": {"name": "headscale-ca"}}],
+              "extraVolumeMounts": [{"name": "headscale-ca", "mountPath": "/etc/headscale-ca", "readOnly": True}]}
+    objs = render(values)
+    pod = one(objs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert {"name": "headscale-ca", "configMap": {"name": "headscale-ca"}} in pod["volumes"]
+    c = container(objs)
+    assert {"name": "headscale-ca", "mountPath": "/etc/headscale-ca", "readOnly": True} in c["volumeMounts"]
+    env = env_of(objs)
+    assert env["SSL_CERT_FILE"] == "/etc/headscale-ca/ca.crt"
+    cfg = cconfig.load(env)
+    assert cfg.proxy_image_pull_secrets == ("regcred",)
+    assert cfg.proxy_node_selector == {"kubernetes.io/arch": "arm64"} and cfg.proxy_affinity == aff
+    assert cfg.proxy_tolerations == [{"key": "edge", "operator": "Exists", "effect": "NoSchedule"}]
+    # without them, none of these settings is rendered
+    env = env_of(render({"headscale": {"url": "https://hs.example.com"}}))
+    assert not {"PROXY_IMAGE_PULL_SECRETS", "PROXY_NODE_SELECTOR", "PROXY_TOLERATIONS", "PROXY_AFFINITY"} & set(env)
+
+
+def test_packaged_chart_renders_like_the_directory(tmp_path):
+    tgz = helmchart.package(tmp_path)
+    assert tgz.name == f"tailscale-controller-{VERSION}.tgz"
+    values = {"imageRegistry": REGISTRY, "headscale": {"url": "https://hs.example.com"}}
+    from_tgz = helmchart.helm("template", helmchart.RELEASE, str(tgz), "--namespace", "tailscale", "-f",
+                              str(helmchart.values_file(values, tmp_path)), "--include-crds").stdout
+    assert helmchart.objects(from_tgz) == helmchart.objects(helmchart.template(values))
+
+
+def test_default_proxy_class_value_sets_the_controllers_default():
+    objs = render({"provider": "tailscale", "proxy": {"defaultProxyClass": "prod"}})
+    assert env_of(objs)["PROXY_DEFAULT_CLASS"] == "prod"
+    assert cconfig.load(env_of(objs)).default_proxy_class == "prod"
+    assert "PROXY_DEFAULT_CLASS" not in env_of(render({"provider": "tailscale"}))
+    (crd,) = [o for o in objs if o["kind"] == "CustomResourceDefinition" and
+              o["metadata"]["name"] == "proxyclasses.tailscale.com"]
+    assert crd["spec"]["scope"] == "Cluster"

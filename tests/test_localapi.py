@@ -26,9 +26,10 @@ def _accepts(sock: str) -> bool:
 
 
 @pytest.fixture
-def fake(tmp_path):
+def fake(tmp_path, request):
+    """The fake tailscaled, logged out unless the test asks for another initial state (indirect parameter)."""
     sock = str(tmp_path / "ts.sock")
-    env = dict(os.environ, FAKE_TS_DIR=str(tmp_path), FAKE_TS_INITIAL="NeedsLogin")
+    env = dict(os.environ, FAKE_TS_DIR=str(tmp_path), FAKE_TS_INITIAL=getattr(request, "param", "NeedsLogin"))
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "support", "fake_tailscaled.py"),
                              f"--socket={sock}"], env=env)
     try:
@@ -100,6 +101,7 @@ async def test_watch_ipn_bus_streams_notifies(fake):
     await api.aclose()
 
 
+@pytest.mark.parametrize("fake", ["Running"], indirect=True)    # tailscaled writes a serve config only with a netmap
 async def test_serve_config_etag_and_conflict(fake):
     sock, _ = fake
     api = LocalAPI(sock)

@@ -517,10 +517,12 @@ def test_nat_oracle_decides_staleness_like_the_chains():
 
 def test_backends_satisfy_the_protocol():
     from netfilter.backend import Backend
+    from netfilter.fake import FakeBackend
     from netfilter.iptables import IptablesBackend
     from netfilter.nft import NftBackend
     assert isinstance(NftBackend(ipv6=False), Backend)
     assert isinstance(IptablesBackend(ipv6=False, variant="legacy"), Backend)
+    assert isinstance(FakeBackend(ipv6=False), Backend)
     assert NftBackend.name == "nftables" and IptablesBackend.name == "iptables"
 
 
@@ -539,7 +541,7 @@ def test_nat_oracle_covers_what_the_rules_translate():
 
 
 def test_conntrack_flush_is_skipped_when_a_change_only_adds_translations():
-    from netfilter.backend import _only_additions
+    from netfilter.conntrack import _only_additions
     from netfilter.model import Dnat, RuleSet
 
     one = RuleSet(dnats=(Dnat("100.64.0.5", ("10.0.0.7",)),))

@@ -6,20 +6,23 @@ import logging
 
 
 from containerboot.reconcile import Reconciler
+from netfilter.fake import FakeBackend
 from containerboot.settings import load
 from containerboot.state import NodeState, apply_notify
 
 ip = ipaddress.ip_address
 
 
-class FakeFirewall:
-    name = "fake"
+class FakeFirewall(FakeBackend):
+    """The test hook's in-memory firewall, recording every rule set it was asked to apply."""
 
     def __init__(self):
+        super().__init__()
         self.applied = []
 
     def apply(self, rules):
         self.applied.append(rules)
+        return super().apply(rules)
 
 
 def node(*ips, peers=None):
@@ -103,7 +106,7 @@ async def test_services_follow_the_config_and_use_only_the_firewalls_families():
                                    '"b": {"tailnetTarget": {"ip": "100.64.0.9"}, '
                                    '"ports": [{"protocol": "UDP", "matchPort": 10002, "targetPort": 53}]}}')
     rec.set_services(ps.ServicesInput(egress=cfg))
-    assert rec._dirty.is_set()
+    assert rec.pending
     want = await rec.reconcile_once()
     assert [p.service for p in fw.applied[-1].port_maps] == ["b"]   # the IPv6-only service cannot be installed
     assert rec.rules_installed_for(want) and rec.ready_to_serve(want)
@@ -130,6 +133,7 @@ async def test_the_idle_loop_beats_but_a_stuck_pass_does_not(monkeypatch):
 
     class StuckFirewall(FakeFirewall):
         stuck = False
+        in_process = False      # a firewall tool that hangs: the apply runs in a worker thread
 
         def apply(self, rules):
             if self.stuck:
@@ -174,49 +178,54 @@ async def test_the_node_snapshot_of_the_last_pass_is_kept():
 
 
 class KernelLike(FakeFirewall):
-    """A fake firewall whose apply() hands the conntrack clean-up to netfilter.backend as the kernel backends do."""
-    previous = None
-
-    def apply(self, rules):
-        import netfilter.backend as nb
-        super().apply(rules)
-        nb.conntrack_after_apply(self, rules, self.previous)
-        self.previous = rules
+    """A fake firewall whose rules translate connections, as the kernel backends' do."""
+    translates_connections = True
 
 
 def _record_conntrack_flushes(monkeypatch) -> list:
     """Replace the kernel conntrack dump with a recorder: ("flush", number of DNATs, first apply?)."""
-    import netfilter.backend as nb
+    import netfilter.conntrack as ct
     events: list = []
-    monkeypatch.setattr(nb, "flush_stale_conntrack", lambda rules, previous: events.append(
-        ("flush", len(rules.dnats), previous is None)) or 0)
+
+    def flush(rules, previous) -> int:
+        events.append(("flush", len(rules.dnats), previous is None))
+        return 0
+
+    monkeypatch.setattr(ct, "flush_stale_conntrack", flush)
     return events
 
 
 async def test_the_conntrack_clean_up_runs_after_the_pass_reported_the_rules(monkeypatch):
     """The UDP conntrack clean-up (a kernel dump) still runs in the same pass, but after on_converged, so that
     the Secret and "Startup complete" do not wait for it; two applies before it keep the older rule set."""
-    import netfilter.backend as nb
-
     events = _record_conntrack_flushes(monkeypatch)
 
     async def converged(rec, want, node_):
         events.append(("converged", len(want.rules.dnats)))
 
     fw = KernelLike()
-    rec = Reconciler(load({"TS_USERSPACE": "false", "TS_DEST_IP": "10.0.0.7"}), fw, on_converged=converged)
+    settings = load({"TS_USERSPACE": "false", "TS_DEST_IP": "10.0.0.7"})
+    rec = Reconciler(settings, fw, on_converged=converged)
     rec.set_node(node("100.64.0.5"))
     await rec.reconcile_once()
     assert events == [("converged", 1), ("flush", 1, True)]
-    # called directly (netfilter.cli, the netns tests), apply() cleans up at once, as before
-    direct = KernelLike()
-    direct.apply(fw.applied[-1])
-    assert events[-1] == ("flush", 1, True)
-    # two applies, one flush: the binding check sees the oldest rule set
-    fw.apply(fw.applied[-1])
-    fw.apply(fw.applied[-1])
-    nb.flush_pending_conntrack(fw)
-    assert events[-1] == ("flush", 1, False) and fw.pending_conntrack is None
+    await rec.reconcile_once(force=True)           # the kernel already holds these rules: nothing to clean
+    assert events[-1] == ("converged", 1)
+    # two changes, one clean-up: the binding check sees the rule set before both
+    rec.set_node(node("100.64.0.6"))
+    await rec.reconcile_once(defer_cleanup=True)
+    rec.set_node(node("100.64.0.7"))
+    await rec.reconcile_once()
+    assert events[-1] == ("flush", 1, False) and rec.pending_cleanup is None
+
+
+async def test_a_firewall_without_connections_to_translate_is_never_cleaned_up(monkeypatch):
+    """The test hook's fake firewall: no conntrack table exists, so no clean-up is owed or run."""
+    events = _record_conntrack_flushes(monkeypatch)
+    rec = Reconciler(load({"TS_USERSPACE": "false", "TS_DEST_IP": "10.0.0.7"}), FakeFirewall())
+    rec.set_node(node("100.64.0.5"))
+    await rec.reconcile_once()
+    assert events == [] and rec.pending_cleanup is None
 
 
 async def test_the_pass_before_running_leaves_the_conntrack_clean_up_to_the_pass_that_completes_start_up(
@@ -235,12 +244,12 @@ async def test_the_pass_before_running_leaves_the_conntrack_clean_up_to_the_pass
     from dataclasses import replace
     rec.set_node(replace(starting, backend_state="Starting"))
     await rec.reconcile_once(defer_cleanup=True)
-    assert events == [("converged", "Starting")] and fw.pending_conntrack is not None
+    assert events == [("converged", "Starting")] and rec.pending_cleanup is not None
     rec.set_node(starting)                       # Running, same addresses
     await rec.reconcile_once()
     assert len(fw.applied) == 1                  # not re-applied
     assert events == [("converged", "Starting"), ("converged", "Running"), ("flush", 1, True)]
-    assert fw.pending_conntrack is None
+    assert rec.pending_cleanup is None
 
 
 class ThreadRecordingFirewall(FakeFirewall):

@@ -7,8 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-import containerboot.agent as agent_mod
-from containerboot.agent import Agent
+import containerboot.reissue as reissue_mod
 from containerboot.kube.client import KubeClient
 from containerboot.kube.state import SecretState
 from containerboot.settings import load
@@ -39,25 +38,24 @@ class FakeLocalAPI:
 
 
 async def test_reissue_reacts_to_the_data_swap_through_the_watch(kube_api, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(agent_mod, "REISSUE_POLL_INTERVAL", 3600.0)   # no poll: only the watch can see it
+    monkeypatch.setattr(reissue_mod, "REISSUE_POLL_INTERVAL", 3600.0)   # no poll: only the watch can see it
     confdir = tmp_path / "tsconfig"
     confdir.mkdir()
     kubelet_mount(confdir, 1, "tskey-auth-OLD")
     env = {**kube_api.env(), "TS_KUBE_SECRET": SECRET, "TS_TEST_ONLY_ROOT": kube_api.root,
            "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR": str(confdir)}
     kube_api.put_secret(SECRET, {"device_id": b"nOld"})
-    a = Agent(load(env), env)
-    a.config_authkey = "tskey-auth-OLD"
-    a.api = FakeLocalAPI()
+    api = FakeLocalAPI()
     caplog.set_level(logging.INFO, logger="containerboot")
     async with KubeClient.from_environment(kube_api.env(), root=kube_api.root) as kc:
-        a.secret = SecretState(kc, SECRET)
-        task = asyncio.create_task(a._reissue("Auth key missing or invalid (NeedsLogin state)"))
+        task = asyncio.create_task(reissue_mod.reissue(
+            "Auth key missing or invalid (NeedsLogin state)", secret=SecretState(kc, SECRET), api=api,
+            config_path=load(env).tailscaled_config_path, old_key="tskey-auth-OLD"))
         async with asyncio.timeout(20):
             while (kube_api.secret_data(SECRET) or {}).get("reissue_authkey") != b"tskey-auth-OLD":
                 assert not task.done(), task
                 await asyncio.sleep(0.02)
-        assert a.api.disconnected == 1
+        assert api.disconnected == 1
         lines = [r.getMessage() for r in caplog.records]
         watching = [m for m in lines if m.endswith("auth key reissue: watching for config changes via fsnotify")]
         assert watching and str(confdir) in watching[0], lines
@@ -77,20 +75,19 @@ async def test_without_a_usable_watch_the_poll_still_finds_the_key(kube_api, tmp
         raise OSError(24, "inotify instance limit reached")
 
     monkeypatch.setattr(watch_mod.DirWatch, "start", broken_start)
-    monkeypatch.setattr(agent_mod, "REISSUE_POLL_INTERVAL", 0.05)
+    monkeypatch.setattr(reissue_mod, "REISSUE_POLL_INTERVAL", 0.05)
     confdir = tmp_path / "tsconfig"
     confdir.mkdir()
     kubelet_mount(confdir, 1, "tskey-auth-OLD")
     env = {**kube_api.env(), "TS_KUBE_SECRET": SECRET, "TS_TEST_ONLY_ROOT": kube_api.root,
            "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR": str(confdir)}
     kube_api.put_secret(SECRET, {})
-    a = Agent(load(env), env)
-    a.config_authkey = "tskey-auth-OLD"
-    a.api = FakeLocalAPI()
+    api = FakeLocalAPI()
     caplog.set_level(logging.INFO, logger="containerboot")
     async with KubeClient.from_environment(kube_api.env(), root=kube_api.root) as kc:
-        a.secret = SecretState(kc, SECRET)
-        task = asyncio.create_task(a._reissue("reason"))
+        task = asyncio.create_task(reissue_mod.reissue("reason", secret=SecretState(kc, SECRET), api=api,
+                                                       config_path=load(env).tailscaled_config_path,
+                                                       old_key="tskey-auth-OLD"))
         async with asyncio.timeout(20):   # the wait has polled at least once before the key arrives
             while not any(r.getMessage().startswith("Waiting for new auth key from operator")
                           for r in caplog.records):

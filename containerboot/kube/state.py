@@ -24,6 +24,22 @@ from .setup import Permissions, check_permissions, wait_for_consistent_state
 log = logging.getLogger("containerboot")
 
 
+#: Upstream's words for the boot refusals it shares with this agent (containerboot's setupKube, v1.102): each of
+#: our messages starts with them, then says how to fix it, so that runbooks and alerts written against upstream's
+#: messages still match.
+UPSTREAM_WORDS = {
+    "get_failed": "getting Tailscale state Secret {name}",
+    "missing_not_creatable": "tailscale state Secret {name} does not exist and we don't have permissions to "
+                             "create it",
+    "authkey_without_patch": "authkey found in TS_KUBE_SECRET, but the pod doesn't have patch permissions on the "
+                             "Secret to manage the authkey",
+}
+
+
+def _upstream(condition: str, **values: str) -> str:
+    return UPSTREAM_WORDS[condition].format(**values)
+
+
 class KubeSetupError(Exception):
     """Kubernetes set-up failed; the message says what is missing and how to fix it."""
 
@@ -47,21 +63,24 @@ class SecretState:
     async def setup(self, s: Settings, deadline: float, *, config_authkey: str = "") -> KubeSetup:
         try:
             perms = await check_permissions(self.client, self.name, deadline=deadline)
-            secret = await self.client.get_secret(self.name, deadline=deadline)
         except KubeError as e:
             raise KubeSetupError(str(e)) from None
+        try:
+            secret = await self.client.get_secret(self.name, deadline=deadline)
+        except KubeError as e:
+            raise KubeSetupError(f"{_upstream('get_failed', name=self.name)}: {e}") from None
         if secret is None and not perms.create:
             raise KubeSetupError(
-                f'Tailscale state Secret "{self.name}" does not exist and the Pod may not create it: create '
-                f"the Secret, grant create on secrets ({ss_rbac('create', self.name)}), or set TS_KUBE_SECRET=\"\" "
-                "to keep no state in Kubernetes")
+                f"{_upstream('missing_not_creatable', name=self.name)}: create the Secret, grant create on secrets "
+                f"({ss_rbac('create', self.name)}), or set TS_KUBE_SECRET=\"\" to keep no state in Kubernetes")
         authkey = ""
         if not (s.authkey or s.client_id or s.client_secret or s.one_step) and secret is not None:
             authkey = ss.authkey_from_secret(secret.data)
             if authkey and not perms.patch:
                 raise KubeSetupError(
-                    f'authkey found in Secret "{self.name}", but the Pod may not patch the Secret to manage the '
-                    f"auth key: grant patch on secrets ({ss_rbac('patch', self.name)})")
+                    f"{_upstream('authkey_without_patch')} (Secret \"{self.name}\"): grant patch on secrets "
+                    f"({ss_rbac('patch', self.name)}), or remove the authkey key from the Secret and pass the key "
+                    "in TS_AUTHKEY")
             log.info("Using the auth key from Secret %r" if authkey else
                      "No auth key in TS_AUTHKEY or the state Secret; login will be interactive if needed",
                      self.name)

@@ -48,6 +48,7 @@ class Backend:
         self.serve_config: dict | None = None
         self.serve_etag = 0
         self.prefs = {"AdvertiseServices": None, "WantRunning": True}
+        self.has_netmap = self.state in ("Starting", "Running")   # as tailscaled: no netmap before the login
 
     def self_status(self) -> dict:
         return {"ID": "nStable1", "NodeID": 1, "PublicKey": "nodekey:01", "DNSName": "proxy.tailnet.test.",
@@ -69,6 +70,7 @@ class Backend:
             self.lock.notify_all()
 
     def _netmap(self) -> None:
+        self.has_netmap = True
         self.events.append({"SelfChange": {
             "ID": 1, "StableID": "nStable1", "Name": "proxy.tailnet.test.", "Key": "nodekey:01",
             "Addresses": [f"{ip}/{128 if ':' in ip else 32}" for ip in self.ips]}})
@@ -126,6 +128,8 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/localapi/v0/prefs":
             return self._reply(200, BACKEND.prefs)
         if path == "/localapi/v0/dns-config":
+            if not BACKEND.has_netmap:
+                return self._reply(503, {"error": "no netmap"})
             return self._reply(200, {"CertDomains": ["proxy.tailnet.test"], "ExtraRecords": []})
         if path == "/localapi/v0/serve-config":
             return self._reply(200, BACKEND.serve_config, {"Etag": f'"{BACKEND.serve_etag}"'})
@@ -150,6 +154,8 @@ class Handler(BaseHTTPRequestHandler):
                 f.write("reload\n")
             return self._reply(200, {"Reloaded": True})
         if path == "/localapi/v0/serve-config":
+            if not BACKEND.has_netmap:
+                return self._reply(500, {"error": "updating config: netMap is nil"})
             if self.headers.get("If-Match") and self.headers["If-Match"] != f'"{BACKEND.serve_etag}"':
                 return self._reply(412, {"error": "etag mismatch"})
             BACKEND.serve_config = json.loads(body or b"{}") or None

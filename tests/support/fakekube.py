@@ -72,7 +72,7 @@ class FakeKube:
         out = []
         for (p, ns, _), o in sorted(self.objects.items()):
             labels = o["metadata"].get("labels") or {}
-            if p == res.plural and (not res.namespaced or ns == namespace) and \
+            if p == res.plural and (not res.namespaced or not namespace or ns == namespace) and \
                     all(labels.get(k) == v for k, v in want.items()):
                 out.append(copy.deepcopy(o))
         return out

@@ -767,9 +767,17 @@ class KubeAPIServer:
         return 200, self._write_over(resource, ns, name, old, new), {}
 
     def _delete(self, resource, ns, name, body, ctype, query):
-        old = self._objects.pop((ns, resource, name), None)
+        old = self._objects.get((ns, resource, name))
         if old is None:
             raise _not_found(resource, name)
+        if old["metadata"].get("finalizers"):
+            # As the real API server: the object stays, marked, until the last finalizer is removed.
+            if old["metadata"].get("deletionTimestamp"):
+                return 200, copy.deepcopy(old), {}
+            marked = copy.deepcopy(old)
+            marked["metadata"]["deletionTimestamp"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            return 200, self._store(resource, ns, name, marked, old), {}
+        del self._objects[(ns, resource, name)]
         self._rv += 1
         return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                      "details": {"name": name, "kind": resource, "uid": old["metadata"]["uid"]}}, {}
@@ -804,6 +812,10 @@ class KubeAPIServer:
         # creationTimestamp in every strategic merge patch).
         for k in ("uid", "creationTimestamp"):
             meta[k] = old["metadata"][k]
+        if old["metadata"].get("deletionTimestamp"):
+            meta["deletionTimestamp"] = old["metadata"]["deletionTimestamp"]
+        else:
+            meta.pop("deletionTimestamp", None)
         meta["name"], meta["namespace"] = name, ns
         new = self._normalize(resource, new, name, ns)
         cmp_old = {k: v for k, v in old.items()}
@@ -812,7 +824,11 @@ class KubeAPIServer:
         cmp_new["metadata"] = {k: v for k, v in new["metadata"].items() if k != "resourceVersion"}
         if cmp_old == cmp_new:
             return copy.deepcopy(old)            # a no-op write keeps the resourceVersion, like etcd3 storage
-        return self._store(resource, ns, name, new, old)
+        stored = self._store(resource, ns, name, new, old)
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            del self._objects[(ns, resource, name)]     # the last finalizer is gone: the deletion completes
+            self._rv += 1
+        return stored
 
     def _store(self, resource, ns, name, obj, old) -> dict:
         self._rv += 1

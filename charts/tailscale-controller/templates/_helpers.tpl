@@ -1,6 +1,7 @@
-{{/* The proxies' image reference and the controller's. */}}
+{{/* An image reference: (list $ .Values.image) -> <imageRegistry>/<repository>:<tag or appVersion>. */}}
 {{- define "tsc.image" -}}
-{{ .repository }}:{{ .tag }}
+{{- $root := index . 0 -}}{{- $img := index . 1 -}}
+{{ $root.Values.imageRegistry | trimSuffix "/" }}/{{ $img.repository }}:{{ $img.tag | default $root.Chart.AppVersion }}
 {{- end -}}
 
 {{/* Stop before anything is installed when a setting is wrong, naming the value and the fix. */}}
@@ -11,10 +12,20 @@
 {{- if and (eq .Values.provider "headscale") (not .Values.headscale.url) -}}
 {{- fail "provider headscale needs headscale.url, the headscale server's URL: --set headscale.url=https://headscale.example.com" -}}
 {{- end -}}
+{{- if not .Values.imageRegistry -}}
+{{- fail "imageRegistry is empty: set it to the registry you pushed both images to (make images REGISTRY=registry.example.com/tailscale TAG=<chart appVersion>), e.g. --set imageRegistry=registry.example.com/tailscale" -}}
+{{- end -}}
 {{- if not (has .Values.ingressScheme (list "auto" "https" "http")) -}}
 {{- fail (printf "ingressScheme=%q is not a scheme; use auto, https or http" .Values.ingressScheme) -}}
 {{- end -}}
 {{- if not (has .Values.proxy.firewallMode (list "" "auto" "iptables" "nftables")) -}}
 {{- fail (printf "proxy.firewallMode=%q is not a firewall mode; use auto, iptables or nftables (or \"\")" .Values.proxy.firewallMode) -}}
 {{- end -}}
+{{- end -}}
+
+{{/* imagePullSecrets ([{name: a}, {name: b}]) as PROXY_IMAGE_PULL_SECRETS wants them: "a,b". */}}
+{{- define "tsc.pullSecretNames" -}}
+{{- $names := list -}}
+{{- range . }}{{ $names = append $names .name }}{{ end -}}
+{{ join "," $names }}
 {{- end -}}

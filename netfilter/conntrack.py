@@ -1,0 +1,123 @@
+"""UDP conntrack hygiene after a rule change: bindings that point at targets the rules no longer want are deleted.
+
+A backend's `apply` only changes rules and says whether the kernel changed; whoever applies (the agent's
+reconciler, `netfilter.cli`) decides when this clean-up runs, because it is a dump of the whole conntrack table
+(tens of milliseconds on a busy node) and the agent keeps it off the path to "Startup complete".
+`PendingCleanup` is the value such a caller carries between an apply and the clean-up.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .model import RuleSet
+
+log = logging.getLogger("containerboot")
+
+
+@dataclass(frozen=True)
+class PendingCleanup:
+    """A clean-up owed after one or more applies: `rules` is in force, bindings may date from `previous`."""
+
+    rules: RuleSet
+    previous: RuleSet | None
+
+    def after(self, rules: RuleSet) -> "PendingCleanup":
+        """Another apply before the clean-up ran: bindings may still come from the older rule set."""
+        return PendingCleanup(rules, self.previous)
+
+    def run(self) -> int:
+        return flush_stale_conntrack(self.rules, self.previous)
+
+
+IPS_DST_NAT = 1 << 5      # conntrack status bit: the flow's destination was translated
+
+
+def _only_additions(previous: RuleSet, rules: RuleSet) -> bool:
+    """True when `rules` keeps every translation of `previous` unchanged (it may add new ones)."""
+    return all(set(getattr(previous, f)) <= set(getattr(rules, f))
+               for f in ("dnats", "egress", "port_maps", "service_dnats"))
+
+
+def flush_stale_conntrack(rules: RuleSet, previous: RuleSet | None = None) -> int:
+    """Delete UDP conntrack entries whose DNAT binding contradicts `rules`; returns how many. Best effort.
+
+    Only UDP: a TCP connection to a target that is no longer wanted keeps working while that target lives and
+    ends on its own (the same policy kube-proxy follows), whereas a UDP "flow" from a fixed source port never
+    ends and would stick to the old target forever. A binding is stale when the current rules send its flow
+    elsewhere, or when `previous` (the rules this binding came from) covered it and the current rules do not
+    (a removed service). When the change only adds translations no binding can be stale, so the conntrack
+    table (whose dump costs time in proportion to its size) is not read at all. Errors (no
+    nf_conntrack_netlink, no CAP_NET_ADMIN) are logged, never raised: the rules themselves are already correct.
+    """
+    import ipaddress
+    import socket
+
+    from .plan import NatOracle
+
+    if previous is not None and _only_additions(previous, rules):
+        return 0
+    removed = 0
+    for version, family in ((4, socket.AF_INET), (6, socket.AF_INET6)):
+        oracle = NatOracle(rules, version)
+        old = NatOracle(previous, version) if previous is not None else None
+        try:
+            ct = conntrack_class()(nfgen_family=family)
+        except Exception as err:
+            log.debug("conntrack unavailable (IPv%d): %s", version, err)
+            continue
+        try:
+            # Read the whole dump before deleting: pyroute2 cannot interleave requests with a running dump.
+            for e in list(ct.dump_entries()):
+                if not (e.status or 0) & IPS_DST_NAT or e.tuple_orig.proto != socket.IPPROTO_UDP:
+                    continue
+                o, r = e.tuple_orig, e.tuple_reply
+                dst = ipaddress.ip_address(o.daddr)
+                gone = old is not None and old.covers("udp", dst, o.dport) and not oracle.covers("udp", dst, o.dport)
+                if gone or oracle.is_stale("udp", dst, o.dport, ipaddress.ip_address(r.saddr), r.sport):
+                    try:
+                        ct.delete(e)
+                        removed += 1
+                    except Exception as err:   # already gone
+                        log.debug("conntrack delete %s: %s", e, err)
+        except Exception as err:
+            log.info("could not clean up conntrack entries (IPv%d): %s", version, err)
+        finally:
+            ct.close()
+    if removed:
+        log.info("removed %d UDP conntrack entries that pointed at targets no longer wanted", removed)
+    return removed
+
+
+def conntrack_class():
+    """pyroute2's Conntrack, without the rest of pyroute2.
+
+    `import pyroute2` runs a package __init__ that imports every part of the library (IPDB, NDB, IPVS, iw,
+    ethtool, ...): about 10 MB of resident memory for the agent's whole life. The conntrack module needs none
+    of it, so the package is registered without running its __init__ (its submodules import each other by
+    full name, never through the package's namespace). The first use of a name from the package itself
+    (`from pyroute2 import IPRoute`, anywhere later) runs the real __init__ then, so nothing else changes.
+    """
+    import sys
+    if "pyroute2" not in sys.modules:
+        import importlib
+        import importlib.util
+        spec = importlib.util.find_spec("pyroute2")
+        if spec is None or spec.loader is None:
+            raise ImportError("pyroute2 is not installed")
+        pkg = importlib.util.module_from_spec(spec)
+        loaded = []
+
+        def complete(name: str):   # PEP 562: called only for names the bare package lacks
+            if not loaded and importlib.util.find_spec(f"pyroute2.{name}") is not None:
+                return importlib.import_module(f"pyroute2.{name}")   # a submodule: `from pyroute2 import config`
+            if not loaded:
+                loaded.append(True)
+                del pkg.__getattr__
+                spec.loader.exec_module(pkg)
+            return pkg.__dict__[name] if name in pkg.__dict__ else getattr(pkg, name)
+
+        pkg.__getattr__ = complete
+        sys.modules["pyroute2"] = pkg
+    from pyroute2.conntrack import Conntrack
+    return Conntrack

@@ -1,0 +1,46 @@
+"""The Kubernetes contract on the project's stand-ins: the in-memory fake and the test API server pass the same
+checks the real kube-apiserver passes in netns-tests/test_controller_apiserver.py (tests/support/kube_contract.py).
+"""
+from __future__ import annotations
+
+import pytest
+
+from containerboot.kube.client import KubeClient
+from controller.kubeapi import Kube
+from tests.support.fakekube import FakeKube
+from tests.support.kube_contract import AGENT_CHECKS, KUBE_CHECKS
+from tests.support.kubeapi import KubeAPIServer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One test API server for the module (every check names its own objects), allow-all RBAC."""
+    tmp = tmp_path_factory.mktemp("kube-contract")
+    api = KubeAPIServer(namespace="contract", workdir=str(tmp / "kubeapi"))
+    api.start()
+    try:
+        api.root = str(tmp / "root")
+        api.write_sa_root(api.root)
+        yield api
+    finally:
+        api.stop()
+
+
+@pytest.mark.parametrize("check", sorted(KUBE_CHECKS))
+async def test_the_in_memory_fake_keeps_the_contract(check):
+    await KUBE_CHECKS[check](FakeKube(), "contract")
+
+
+@pytest.mark.parametrize("check", sorted(KUBE_CHECKS))
+async def test_the_test_api_server_keeps_the_contract(server, check):
+    kube = Kube(server.url, token=server.token, verify=server.ssl_context())
+    try:
+        await KUBE_CHECKS[check](kube, server.namespace)
+    finally:
+        await kube.aclose()
+
+
+@pytest.mark.parametrize("check", sorted(AGENT_CHECKS))
+async def test_the_test_api_server_keeps_the_agent_clients_contract(server, check):
+    async with KubeClient.from_environment(server.env(), root=server.root, url=server.url) as client:
+        await AGENT_CHECKS[check](client)
