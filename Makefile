@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin image images images-archives chart demo test test-unit test-netns bench clean-lab readme manifests check
+.PHONY: setup setup-bin image images images-archives chart demo test test-unit test-netns bench clean-lab readme manifests check fuzz outages hostile
 
 setup:
 	@bash scripts/setup.sh
@@ -67,6 +67,23 @@ test-unit: setup
 test-netns: setup-bin
 	@$(MAKE_IMAGE)
 	$(PY) -m pytest -q netns-tests
+
+## fuzz: the long run of the generated-input tests (tests/test_fuzz_*.py): random seeds, FUZZ_EXAMPLES examples
+## a target (default 20000; `make test` runs 100 with a fixed seed). A failure prints the input that shows it.
+FUZZ_EXAMPLES ?= 20000
+fuzz: setup
+	CB_FUZZ_PROFILE=fuzz CB_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q \
+		--hypothesis-show-statistics tests/test_fuzz_agent.py tests/test_fuzz_controller.py
+
+## outages: the outage tests (netns-tests/test_outages.py) with five-minute outages instead of the suite's 20 s;
+## the figures (data path gap, recovery) go to outages.jsonl (root).
+outages: setup-bin
+	OUTAGE_SECONDS=300 CB_OUTAGE_REPORT=outages.jsonl $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_outages.py
+
+## hostile: the controller under a hostile API server (tests/test_controller_hostile_api.py) with 500 Services
+## instead of the suite's 60; prints convergence time and requests per Service.
+hostile: setup
+	HOSTILE_SERVICES=500 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_controller_hostile_api.py
 
 ## bench: boot time, rule programming and footprint against upstream containerboot, measured in the same run (root).
 bench: setup-bin

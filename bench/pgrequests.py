@@ -70,7 +70,8 @@ class World:
                 "device_ips": b'["100.64.9.1"]'}.items()}
             self.prov.tags[str(11 + i)] = ("tag:k8s",)
             k.put(PODS, {"metadata": {"name": f"{PG}-{i}", "namespace": NS, "labels": group_labels(PG)},
-                         "status": {"phase": "Running", "podIPs": [{"ip": f"10.0.0.{i + 1}"}]}})
+                         "status": {"phase": "Running", "podIPs": [{"ip": f"10.0.0.{i + 1}"}],
+                                    "conditions": [{"type": "Ready", "status": "True"}]}})
         k.objects[("statefulsets", NS, PG)]["status"] = {"readyReplicas": 2}
         await self.rec.reconcile("proxygroup", "", PG)
 

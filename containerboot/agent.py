@@ -209,7 +209,7 @@ class Agent:
             tailnet_ips=tuple(str(ip) for ip in node.tailnet_ips),
             targets=rec.target_statuses() if rec is not None else (),
             serve=serve,
-            netmap_seen_at=node.netmap_seen_at,
+            netmap_seen_at=node.netmap_seen_at, health_warnings=node.health_warnings,
             started_at=self.started_at,
             last_reconcile_at=rec.last_reconcile_at if rec is not None else None,
             loop_heartbeat_at=rec.heartbeat if rec is not None else time.time(),

@@ -11,12 +11,13 @@ tailscaled. Keys match case-insensitively, as they do when tailscaled decodes th
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from tscommon import jsontext
 
 __all__ = [
     "ConfigFile",
@@ -155,7 +156,7 @@ def _type_ok(kind: str, value: Any) -> bool:
 def parse(text: str, path: str = "<config>") -> ConfigFile:
     """Check HuJSON config text the way upstream's loader does, and return its fields."""
     try:
-        document = json.loads(standardize(text), parse_constant=_reject_constant)
+        document = jsontext.loads(standardize(text), parse_constant=_reject_constant)
     except (ValueError, ConfigFileError) as e:
         # json's messages give a position, never the content, so they are safe to show.
         raise ConfigFileError(f"{path}: not valid HuJSON/JSON: {e}") from None

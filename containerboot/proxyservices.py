@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from netfilter.model import ServiceDnat, ServicePortMap
+from tscommon import jsontext
 
 from .state import IP, NodeState, ResolveError, resolve_tailnet_fqdn
 
@@ -141,7 +142,7 @@ def _load_object(text: str | None, what: str, shape: str) -> dict | None:
     if text is None or not text.strip():
         return None
     try:
-        doc = json.loads(text)
+        doc = jsontext.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{what} is not valid JSON: {e}") from None
     if doc is not None and not isinstance(doc, dict):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from netfilter.backend import Backend
 from netfilter.conntrack import PendingCleanup
 from netfilter.model import RuleSet
+from tscommon import crashpoint
 
 from . import desired as desired_mod
 from .desired import Desired, DNSAnswer
@@ -219,6 +220,7 @@ class Reconciler:
             if force or want.rules != self.applied.rules:
                 if want.rules != self.applied.rules:
                     log.info("Applying rules: %s", describe(want.rules))
+                crashpoint.hit(crashpoint.RULES_APPLY)
                 if self.firewall.in_process and want.rules.entries() <= INLINE_APPLY_MAX_ENTRIES:
                     changed = self.firewall.apply(want.rules)
                 else:

@@ -97,6 +97,10 @@ class NodeState:
     cert_domains: tuple[str, ...] = ()
     extra_records: tuple[DNSRecord, ...] = ()
     login_failed: bool = False  # tailscaled reports the "login-state" health warning
+    # tailscaled's health warnings as (code, text), sorted: what it says is wrong beyond the backend state (the
+    # control plane unreachable, DNS failing, ...). Reported in /status; readiness does not depend on them, as
+    # the data path often keeps working through them (a control plane outage).
+    health_warnings: tuple[tuple[str, str], ...] = ()
     netmap_seen_at: float | None = None  # when the last netmap-bearing notification arrived
 
     @property
@@ -175,7 +179,11 @@ def apply_notify(state: NodeState, notify: Mapping[str, Any], now: float) -> Nod
         changes["peers"] = MappingProxyType(peers)
     health = notify.get("Health")
     if isinstance(health, Mapping):
-        changes["login_failed"] = "login-state" in (health.get("Warnings") or {})
+        warnings = health.get("Warnings") or {}
+        warnings = warnings if isinstance(warnings, Mapping) else {}
+        changes["login_failed"] = "login-state" in warnings
+        changes["health_warnings"] = tuple(sorted(
+            (str(code), str((w.get("Text") if isinstance(w, Mapping) else "") or "")) for code, w in warnings.items()))
     if carries_netmap(notify):
         changes["netmap_seen_at"] = now
     return replace(state, **changes) if changes else state

@@ -81,6 +81,7 @@ class AgentStatus:
     # The firewall the agent programs, when it programs one: {"backend", "ipv6", "rules"} (the rule set last
     # applied, RuleSet.to_dict()). With TS_TEST_FAKE_NETFILTER this is the in-memory firewall's whole content.
     firewall: Mapping[str, Any] | None = None
+    health_warnings: tuple[tuple[str, str], ...] = ()   # tailscaled's, (code, text): reported, not gating
 
     def __post_init__(self) -> None:
         # Copy and freeze so that the agent mutating its own counters dict later cannot change a snapshot.
@@ -159,6 +160,7 @@ class AgentStatus:
             "serve": self.serve.to_json() if self.serve is not None else None,
             "counters": {k: _num(v) for k, v in sorted(self.counters.items())},
             "firewall": dict(self.firewall) if self.firewall is not None else None,
+            "tailscaled_health": [{"code": c, "text": t} for c, t in self.health_warnings],
         }
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import subprocess
 
 from tscommon.redact import redact
-from .settings import Settings
+from .settings import SETTINGS, Settings
 
 log = logging.getLogger("containerboot")
 
@@ -112,9 +112,20 @@ def tailscale_set_argv(s: Settings) -> tuple[list[str], list[str]]:
     return argv, skipped
 
 
+# Variables that hold credentials. The agent passes them to `tailscale up` as flags (as files, see
+# `secret_flags_to_files`); neither tailscaled nor the CLI reads them from the environment, and a child's
+# environment is readable in /proc/<pid>/environ for its whole life.
+SECRET_ENV = tuple(setting.name for setting in SETTINGS if setting.secret)
+
+# `tailscale up` flags whose value is a credential, and which read a `file:<path>` value from that file
+# (tailscale v1.102's CLI: --auth-key, its alias --authkey, --client-secret, --id-token).
+SECRET_FLAGS = frozenset({"authkey", "auth-key", "client-secret", "id-token"})
+
+
 def child_env(s: Settings, env: Mapping[str, str]) -> dict[str, str]:
-    """tailscaled and the CLI inherit the agent's environment (the operator passes knobs this way)."""
-    out = dict(env)
+    """tailscaled and the CLI inherit the agent's environment (the operator passes knobs this way), without the
+    credentials: they need none of them from there."""
+    out = {k: v for k, v in env.items() if k not in SECRET_ENV}
     if s.cert_share_mode:
         out["TS_CERT_SHARE_MODE"] = s.cert_share_mode
     # tailscaled's kube store joins host and port with a colon; an IPv6 host needs brackets (upstream defect 27).
@@ -325,19 +336,64 @@ class Tailscaled:
             return await self.proc.wait()
 
 
+def secret_flags_to_files(argv: Sequence[str], directory: str) -> list[str]:
+    """argv with each credential flag's value written to a file in `directory` and passed as `file:<path>`.
+
+    A command line is readable by every process on the host (/proc/<pid>/cmdline, `ps`); a 0600 file in a
+    0700 directory only by the agent's user. Values already given as `file:` stay as they are. Both the
+    `--flag=value` and the `--flag value` forms are handled (TS_EXTRA_ARGS may use either)."""
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        a = args[i]
+        name = flag_name(a)
+        if name not in SECRET_FLAGS:
+            out.append(a)
+            i += 1
+            continue
+        if "=" in a:
+            flag, value = a.split("=", 1)
+            i += 1
+        elif i + 1 < len(args):
+            flag, value = a, args[i + 1]
+            i += 2
+        else:
+            out.append(a)
+            i += 1
+            continue
+        if value and not value.startswith("file:"):
+            path = os.path.join(directory, name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(value)
+            value = "file:" + path
+        out.append(f"{flag}={value}")
+    return out
+
+
 async def run_cli(argv: Sequence[str], env: Mapping[str, str], deadline: float | None) -> None:
-    """Run a `tailscale` CLI command; SIGKILL it when the deadline passes. Raises on failure."""
+    """Run a `tailscale` CLI command; SIGKILL it when the deadline passes. Raises on failure.
+
+    Credentials on the command line go to the CLI as files (a private directory removed when it exits)."""
     import asyncio
-    shown = redact(" ".join(argv))
-    log.info("Running %s", shown)
-    proc = await asyncio.create_subprocess_exec(*argv, env=dict(env))
+    import shutil
+    import tempfile
+    directory = tempfile.mkdtemp(prefix="containerboot-")   # 0700
     try:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        rc = await asyncio.wait_for(proc.wait(), timeout)
-    except (asyncio.TimeoutError, asyncio.CancelledError):
-        proc.kill()
-        await proc.wait()
-        raise
+        argv = secret_flags_to_files(argv, directory)
+        shown = redact(" ".join(argv))
+        log.info("Running %s", shown)
+        proc = await asyncio.create_subprocess_exec(*argv, env=dict(env))
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            rc = await asyncio.wait_for(proc.wait(), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            proc.kill()
+            await proc.wait()
+            raise
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
     if rc != 0:
         raise RuntimeError(f"{argv[2] if len(argv) > 2 else argv[0]} failed: exit status {rc}")
 

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tscommon import jsontext
+
 from .validation import tag_problems
 
 
@@ -110,7 +112,7 @@ def _proxy_env(raw: str) -> tuple[tuple[str, str], ...]:
     if not raw:
         return ()
     try:
-        env = json.loads(raw)
+        env = jsontext.loads(raw)
     except ValueError as e:
         raise ConfigError(f"PROXY_ENV is not JSON ({e}); use e.g. "
                           '{"TS_DEBUG_USE_DERP_HTTP":"true"}') from None
@@ -178,7 +180,7 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
     raw_res = get("PROXY_RESOURCES")
     if raw_res:
         try:
-            res = json.loads(raw_res)
+            res = jsontext.loads(raw_res)
         except ValueError as e:
             raise ConfigError(f"PROXY_RESOURCES is not JSON ({e}); use e.g. "
                               '{"requests":{"cpu":"10m","memory":"32Mi"}}') from None
@@ -211,7 +213,8 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
             kw["login_server"] = kw["headscale_url"]
     kw["headscale_api_key_file"] = get("HEADSCALE_API_KEY_FILE", ControllerConfig.headscale_api_key_file)
     user = get("HEADSCALE_USER")
-    if user and not user.isdigit():
+    # ASCII digits: str.isdigit() is also true for "²" or "٣", which headscale's API does not take as an ID.
+    if user and not (user.isascii() and user.isdigit()):
         raise ConfigError(f"HEADSCALE_USER={user!r} must be the numeric user ID (headscale users list)")
     kw["headscale_user"] = user
     kw["tailscale_api_url"] = get("TAILSCALE_API_URL", ControllerConfig.tailscale_api_url).rstrip("/")

@@ -7,14 +7,17 @@ it) and CA. Errors are `KubeError` with the HTTP status and the API's reason; me
 """
 from __future__ import annotations
 
+import email.utils
 import json
 import os
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import httpx
 
+from tscommon.jsontext import response_json
 from tscommon.redact import redact, register
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -48,9 +51,25 @@ CLUSTERROLEBINDINGS = Resource("/apis/rbac.authorization.k8s.io/v1", "clusterrol
 
 
 class KubeError(Exception):
-    def __init__(self, message: str, *, status: int = 0, reason: str = "") -> None:
+    """A failed API call. `retry_after`: the seconds the server asked the client to wait (429/503 Retry-After)."""
+
+    def __init__(self, message: str, *, status: int = 0, reason: str = "", retry_after: float | None = None) -> None:
         super().__init__(redact(message))
-        self.status, self.reason = status, reason
+        self.status, self.reason, self.retry_after = status, reason, retry_after
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A Retry-After header's delay: seconds, or an HTTP date (None when absent or unreadable)."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
 
 
 def path(res: Resource, namespace: str = "", name: str = "", subresource: str = "") -> str:
@@ -69,11 +88,13 @@ class Kube:
     """The controller's API client. `transport` and explicit credentials are for tests."""
 
     def __init__(self, url: str, *, token: str = "", token_file: str = "", ca_file: str = "",
-                 verify: ssl.SSLContext | bool | None = None, timeout: float = 15.0) -> None:
+                 verify: ssl.SSLContext | bool | None = None, timeout: float = 15.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self._token, self._token_file, self.ca_file = token, token_file, ca_file
         if verify is None:
             verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
-        self._client = httpx.AsyncClient(base_url=url.rstrip("/"), verify=verify, timeout=timeout)
+        self._client = httpx.AsyncClient(base_url=url.rstrip("/"), verify=verify, timeout=timeout,
+                                         transport=transport)
         self.requests: list[tuple[str, str]] = []    # (method, path): for the request-count figures
         #: the leader election's fence: when set and False, every write is refused before it is sent, so a
         #: replica that lost the Lease cannot write even from a pass that was already running
@@ -130,19 +151,33 @@ class Kube:
             return None
         if r.status_code >= 400:
             try:
-                st = r.json()
+                st = response_json(r)
             except ValueError:
                 st = {}
+            st = st if isinstance(st, dict) else {}
             raise KubeError(f"{method} {p}: {r.status_code} {st.get('message') or r.text[:200]}",
-                            status=r.status_code, reason=str(st.get("reason") or ""))
-        return r.json() if r.content else {}
+                            status=r.status_code, reason=str(st.get("reason") or ""),
+                            retry_after=retry_after_seconds(r.headers.get("Retry-After")))
+        try:
+            out = response_json(r) if r.content else {}
+        except ValueError:
+            out = None
+        if not isinstance(out, dict):
+            # Every answer of the API server is a JSON object; anything else (a proxy's error page, a cut
+            # stream) is a failed request, retried like one, not a value to read fields from.
+            raise KubeError(f"{method} {p}: {r.status_code} answer is not a JSON object", status=r.status_code,
+                            reason="InvalidResponse")
+        return out
 
     async def get(self, res: Resource, name: str, namespace: str = "") -> dict | None:
         return await self._call("GET", path(res, namespace, name), ok404=True)
 
     async def list(self, res: Resource, namespace: str = "", selector: str = "") -> list[dict]:
         out = await self._call("GET", path(res, namespace), params={"labelSelector": selector} if selector else None)
-        return list(out.get("items") or [])
+        items = out.get("items") or []
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise KubeError(f"GET {path(res, namespace)}: the list's items are not objects", reason="InvalidResponse")
+        return items
 
     async def create(self, res: Resource, obj: Mapping[str, Any], namespace: str = "") -> dict:
         return await self._call("POST", path(res, namespace), body=obj)

@@ -254,7 +254,10 @@ class GroupReconciler:
             name = p["metadata"]["name"]
             pst = p.get("status") or {}
             # A terminating Pod leaves the EndpointSlices at once: that is what its pre-stop drain waits for.
-            live = not p["metadata"].get("deletionTimestamp") and pst.get("phase") == "Running"
+            # A Pod that is not Ready (its tailscaled down, its container restarting, its node lost) leaves them
+            # too, until its readiness probe passes again.
+            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in pst.get("conditions") or [])
+            live = not p["metadata"].get("deletionTimestamp") and pst.get("phase") == "Running" and ready
             ips = tuple(a["ip"] for a in pst.get("podIPs") or [] if a.get("ip")) if live else ()
             data = _decode(secrets.get(name)) or {}
             out.append(Replica(name, ips, egress.parse_status(data.get(sc.KEY_EGRESS_SERVICES))))

@@ -150,6 +150,11 @@ def statefulset(g: GroupSpec, cfg: ControllerConfig, pc: pcl.ProxyClass | None =
         # asks the health check on its default address: a class that moves it gets no hook (as upstream).
         container["lifecycle"] = {"preStop": {"httpGet": {"path": PRESHUTDOWN_PATH, "port": LOCAL_PORT}}}
         pod_spec["terminationGracePeriodSeconds"] = GRACE_SECONDS
+        # Ready only while tailscaled is up with its tailnet addresses (the agent's /healthz, on the same
+        # address): a replica whose tailscaled died, or that is still logging in after a restart, leaves the
+        # EndpointSlices (they list Ready replicas only) instead of taking every other new connection nowhere.
+        container["readinessProbe"] = {"httpGet": {"path": "/healthz", "port": LOCAL_PORT}, "periodSeconds": 1,
+                                       "failureThreshold": 1, "timeoutSeconds": 1}
     sts = _hashed({
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": {"name": g.name, "namespace": cfg.namespace, "labels": labels(g)},

@@ -3,7 +3,12 @@
 Any number of events for one parent while a pass runs become one more pass; at most one pass per parent runs
 at a time, and `concurrency` passes overall. A pass that fails is retried after 1 s, 2 s, 4 s ... up to 5 min
 (kopf does not retry event handlers, and its own retrying handlers would write their progress into every
-parent); a pass that returns a delay is run again after it unless an event comes first.
+parent), and never sooner than the API server asked (a 429's or 503's Retry-After); a pass that returns a
+delay is run again after it unless an event comes first.
+
+Failures are logged without flooding: the first failure of each kind (an API status and reason, or an
+exception type) is logged at once; more of that kind within FAULT_LOG_WINDOW seconds are counted, and the
+next line of that kind after the window says how many there were and for how many parents.
 """
 from __future__ import annotations
 
@@ -16,6 +21,42 @@ from tscommon.redact import redact
 
 log = logging.getLogger("controller")
 
+FAULT_LOG_WINDOW = 60.0
+
+
+def fault_kind(e: BaseException) -> str:
+    """What a failure is, for grouping log lines: "HTTP 429 TooManyRequests", "ProviderError", ..."""
+    status = getattr(e, "status", 0)
+    if status:
+        return f"HTTP {status} {getattr(e, 'reason', '') or ''}".strip()
+    return type(e).__name__
+
+
+class FaultLog:
+    """One log line per kind of failure per window, with the count of those not logged."""
+
+    def __init__(self, window: float = FAULT_LOG_WINDOW, clock: Callable[[], float] | None = None) -> None:
+        self.window = window
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, tuple[int, set[Hashable]]] = {}
+
+    def failed(self, key: Hashable, attempt: int, after: float, e: BaseException) -> None:
+        now = self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+        kind = fault_kind(e)
+        last = self._last.get(kind)
+        if last is not None and now - last < self.window:
+            n, keys = self._held.get(kind, (0, set()))
+            keys.add(key)
+            self._held[kind] = (n + 1, keys)
+            return
+        self._last[kind] = now
+        n, keys = self._held.pop(kind, (0, set()))
+        more = (f" ({n} more {kind} failure(s) of {len(keys)} parent(s) in the last {self.window:.0f}s not "
+                "logged)") if n else ""
+        log.warning("reconcile %s failed (attempt %d, retry in %.0fs): %s%s", key, attempt, after,
+                    redact(str(e) or type(e).__name__), more)
+
 
 class WorkQueue:
     def __init__(self, work: Callable[[Hashable], Awaitable[float | None]], *, concurrency: int = 16,
@@ -26,6 +67,7 @@ class WorkQueue:
         self._pokes: dict[Hashable, asyncio.Event] = {}
         self._tasks: dict[Hashable, asyncio.Task] = {}
         self.failures: dict[Hashable, int] = {}
+        self.fault_log = FaultLog()
 
     def poke(self, key: Hashable) -> None:
         """Something about `key` changed: make sure a pass runs after now."""
@@ -47,8 +89,9 @@ class WorkQueue:
             except Exception as e:   # any failure: retried with backoff, the loop survives
                 n = self.failures[key] = self.failures.get(key, 0) + 1
                 after = min(self._max, self._base * 2 ** (n - 1))
-                log.warning("reconcile %s failed (attempt %d, retry in %.0fs): %s", key, n, after,
-                            redact(str(e) or type(e).__name__))
+                # The server said when to come back: never sooner (its own ceiling, not ours, applies).
+                after = max(after, getattr(e, "retry_after", None) or 0.0)
+                self.fault_log.failed(key, n, after, e)
             if after is None:
                 if not ev.is_set():
                     self._tasks.pop(key, None)

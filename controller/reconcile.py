@@ -260,7 +260,7 @@ class Reconciler:
                 action = st.authkey_action(data)
                 if action in ("new", "reissue"):
                     if action == "reissue":
-                        old = (data or {}).get("device_id", b"").decode()
+                        old = (data or {}).get("device_id", b"").decode(errors="replace").strip()
                         if old:
                             await self.provider.delete_device(old)
                         log.info("%s %s/%s replica %d asked for a new auth key; issuing one", kind,

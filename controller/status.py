@@ -11,11 +11,11 @@ are built from our own words and the control plane's redacted errors.
 from __future__ import annotations
 
 import ipaddress
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tscommon import jsontext
 from tscommon import secretcontract as sc
 
 from .model import APISERVER, CONNECTOR, COND_CONNECTOR_READY, COND_PROXY_READY, INGRESS, ProxySpec
@@ -57,7 +57,7 @@ def config_authkey(data: Mapping[str, bytes] | None) -> str:
     """The AuthKey currently in the replica's config file ("" when none)."""
     raw = (data or {}).get(sc.config_key(max(sc.CONFIG_CAPVERS)))
     try:
-        conf = json.loads(raw) if raw else {}
+        conf = jsontext.loads(raw) if raw else {}
     except ValueError:
         return ""
     return str(conf.get("AuthKey") or "") if isinstance(conf, dict) else ""

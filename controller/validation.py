@@ -48,7 +48,8 @@ def hostname_problem(value: str) -> str:
 
 
 def tag_problems(tags: Iterable[str]) -> str:
-    bad = [t for t in tags if not _TAG_RE.match(t)]
+    # Not a string at all: a CRD installed without its schema lets anything through.
+    bad = [t for t in tags if not isinstance(t, str) or not _TAG_RE.match(t)]
     if not bad:
         return ""
     return (f"invalid tag(s) {', '.join(repr(t) for t in bad)}; a tag is 'tag:' followed by a letter and "

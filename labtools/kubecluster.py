@@ -1,4 +1,4 @@
-"""A real Kubernetes (v1.34.4, built here) for the lab: control plane, and optionally one node with Pods.
+"""A real Kubernetes (v1.34.4, built here) for the lab: control plane, and optionally one or two nodes with Pods.
 
 API (root only; binaries from scripts/install-kubernetes.sh, built on first use under an flock)::
 
@@ -8,6 +8,10 @@ API (root only; binaries from scripts/install-kubernetes.sh, built on first use 
     # in a lab: namespace <prefix>-k8s on the island (10.99.0.50), API https://10.99.0.50:6443,
     # with node=True also containerd + kubelet + kube-proxy + CNI there (Pods get 10.244.0.0/24):
     kc = KubeCluster.start(lab=lab, node=True)      # node=False: the control plane alone, in that namespace
+    # nodes=2: also node knode2 in namespace <prefix>-k8s2 (10.99.0.51, Pods 10.244.1.0/24), routes between the
+    # nodes' Pod ranges, the scheduler spreading a workload's Pods over the nodes, node loss noticed in ~25 s:
+    kc = KubeCluster.start(lab=lab, node=True, nodes=2); kc.nodes  # ["knode", "knode2"]
+    kc.lose_node("knode2")                           # its island link down, its kubelet stopped (Pods live on)
     # (one cluster per lab at a time: the namespace is "k8s"; clusters without a lab can run side by side)
     kc.server, kc.token, kc.ca_cert, kc.kubeconfig   # admin (system:masters) by bearer token
     kc.kubectl("get", "pods", "-A")                  # runs in the cluster's network namespace
@@ -43,6 +47,9 @@ What runs, and why so:
   puts Pods under the cgroup ``/cbpy-<name>`` (created here, removed at close), so clusters do not share
   cgroups. CNI: bridge ``cni0`` + host-local IPAM + portmap, with ipMasq so Pods reach the island.
   kube-proxy in ``iptables`` or ``nftables`` mode; its and the CNI's chains live in the cluster's namespace.
+* A second node (``nodes=2``) is the first one again in its own network namespace, mount namespace (holder),
+  run directory, cgroup root and certificates; each node routes the other's Pod range to the other's island
+  address (no overlay; the CNI's ipMasq SNATs Pod traffic leaving the node). Its start adds about 3 s.
 * Nothing is reachable from the host's own network and nothing is added to the host's firewall.
 """
 from __future__ import annotations
@@ -78,6 +85,13 @@ PAUSE_IMAGE = "localhost/pause:lab"
 ECHO_IMAGE = "localhost/lab-echo:lab"
 NODE_HOST = 50          # the cluster's namespace on the island: 10.99.0.50
 NODE_NAME = "knode"
+#: Node-loss timing of a cluster with more than one node, shortened from Kubernetes' defaults (50 s and 300 s)
+#: so that a test of a lost node ends in about half a minute: a node whose kubelet has not renewed its Lease for
+#: NODE_MONITOR_GRACE_S is marked Unknown and tainted unreachable; its Pods (which tolerate that taint for
+#: UNREACHABLE_TOLERATION_S, the API server's default toleration) are then deleted (they stay Terminating, as
+#: no kubelet confirms).
+NODE_MONITOR_GRACE_S = 20
+UNREACHABLE_TOLERATION_S = 5
 
 _LIVE: "weakref.WeakSet[KubeCluster]" = weakref.WeakSet()
 
@@ -148,6 +162,12 @@ class ClusterConfig:
     token: str = ""
     audit_users: tuple[str, ...] = ()     # also audit every request of these users (not only Secrets)
     controllers: tuple[str, ...] = ()     # kube-controller-manager's --controllers; () = its default set
+    # a node's own settings: the first node shares the control plane's namespace and address (node_dir
+    # "node"); another node has its own directory, address and cgroup root (see node_config)
+    node_dir: str = "node"
+    node_ip: str = ""
+    extra_nodes: tuple[tuple[str, str], ...] = ()   # (name, address) of the nodes after the first
+    spread_pods: bool = False             # the scheduler spreads a workload's Pods over the nodes (hard)
 
     @property
     def server(self) -> str:
@@ -164,12 +184,33 @@ class ClusterConfig:
         return self.run_dir / "pki"
 
     @property
+    def first_node(self) -> bool:
+        return self.node_dir == "node"
+
+    @property
+    def node_suffix(self) -> str:
+        """Appended to a node's certificate, kubeconfig and cgroup names ("" for the first node)."""
+        return "" if self.first_node else f"-{self.node_name}"
+
+    @property
+    def kubelet_ip(self) -> str:
+        return self.node_ip or self.api_host
+
+    @property
+    def node_run_dir(self) -> Path:
+        return self.run_dir / self.node_dir
+
+    @property
     def cgroup_root(self) -> str:
-        return f"/cbpy-{self.name}"
+        return f"/cbpy-{self.name}{self.node_suffix}"
+
+    @property
+    def containerd_dir(self) -> Path:
+        return self.run_dir / "containerd" if self.first_node else self.node_run_dir / "containerd"
 
     @property
     def containerd_socket(self) -> Path:
-        return self.run_dir / "containerd" / "containerd.sock"
+        return self.containerd_dir / "containerd.sock"
 
     def kubeconfig_path(self, who: str) -> Path:
         return self.run_dir / "kubeconfig" / f"{who}.json"
@@ -185,6 +226,12 @@ class CertSpec:
     sans: tuple[str, ...] = ()
 
 
+def node_config(cfg: ClusterConfig, name: str, ip: str) -> ClusterConfig:
+    """The configuration of a node after the first: its own name, address, directory and cgroup root."""
+    from dataclasses import replace
+    return replace(cfg, node_name=name, node_ip=ip, node_dir=f"node-{name}")
+
+
 def cert_plan(cfg: ClusterConfig) -> list[CertSpec]:
     """The certificates of the cluster, each for one identity the default RBAC roles already know."""
     api_sans = tuple(dict.fromkeys((
@@ -198,6 +245,9 @@ def cert_plan(cfg: ClusterConfig) -> list[CertSpec]:
         CertSpec("kubelet-client", f"system:node:{cfg.node_name}", "system:nodes", client=True),
         CertSpec("kubelet-serving", cfg.node_name, server=True, sans=(f"IP:{cfg.api_host}", f"DNS:{cfg.node_name}")),
         CertSpec("kube-proxy", "system:kube-proxy", client=True),
+        *[spec for name, ip in cfg.extra_nodes for spec in (
+            CertSpec(f"kubelet-client-{name}", f"system:node:{name}", "system:nodes", client=True),
+            CertSpec(f"kubelet-serving-{name}", name, server=True, sans=(f"IP:{ip}", f"DNS:{name}")))],
     ]
 
 
@@ -247,7 +297,9 @@ def apiserver_argv(cfg: ClusterConfig) -> list[str]:
             # every request on Secrets, with its response code, for the tests (KubeCluster.audit)
             f"--audit-policy-file={p / 'audit-policy.json'}",
             f"--audit-log-path={cfg.run_dir / 'logs' / 'audit.jsonl'}",
-            "--audit-log-mode=blocking"]
+            "--audit-log-mode=blocking",
+            *([f"--default-unreachable-toleration-seconds={UNREACHABLE_TOLERATION_S}",
+               f"--default-not-ready-toleration-seconds={UNREACHABLE_TOLERATION_S}"] if cfg.extra_nodes else [])]
 
 
 AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
@@ -272,28 +324,46 @@ def controller_manager_argv(cfg: ClusterConfig) -> list[str]:
             f"--cluster-signing-cert-file={p / 'ca.crt'}", f"--cluster-signing-key-file={p / 'ca.key'}",
             "--allocate-node-cidrs=true", f"--cluster-cidr={cfg.cluster_cidr}",
             f"--node-cidr-mask-size={cfg.node_cidr_mask}", f"--service-cluster-ip-range={cfg.service_cidr}",
-            "--profiling=false", "--v=1", *([f"--controllers={','.join(cfg.controllers)}"] if cfg.controllers else [])]
+            "--profiling=false", "--v=1", *([f"--controllers={','.join(cfg.controllers)}"] if cfg.controllers else []),
+            *([f"--node-monitor-grace-period={NODE_MONITOR_GRACE_S}s"] if cfg.extra_nodes else [])]
 
 
 def scheduler_argv(cfg: ClusterConfig) -> list[str]:
+    if cfg.spread_pods:
+        return [str(cfg.bin_dir / "kube-scheduler"), f"--config={cfg.run_dir / 'scheduler.json'}",
+                "--secure-port=0", "--v=1"]
     return [str(cfg.bin_dir / "kube-scheduler"), f"--kubeconfig={cfg.kubeconfig_path('scheduler')}",
             "--secure-port=0", "--leader-elect=false", "--profiling=false", "--v=1"]
+
+
+def scheduler_config(cfg: ClusterConfig) -> dict:
+    """With ``spread_pods``: the cluster-wide default topology spread made a hard rule on the node's hostname,
+    so the Pods of one StatefulSet or ReplicaSet land on different nodes as a preferred anti-affinity would put
+    them on an idle cluster, without the workload having to ask (the ProxyGroup, as upstream's, sets none)."""
+    spread = {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule"}
+    return {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+            "clientConnection": {"kubeconfig": str(cfg.kubeconfig_path("scheduler"))},
+            "leaderElection": {"leaderElect": False}, "enableProfiling": False,
+            "profiles": [{"schedulerName": "default-scheduler", "pluginConfig": [
+                {"name": "PodTopologySpread",
+                 "args": {"defaultingType": "List", "defaultConstraints": [spread]}}]}]}
 
 
 def kubelet_config(cfg: ClusterConfig) -> dict:
     p = cfg.pki
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
-        "address": cfg.api_host, "port": 10250, "readOnlyPort": 0,
+        "address": cfg.kubelet_ip, "port": 10250, "readOnlyPort": 0,
         "healthzBindAddress": "127.0.0.1", "healthzPort": 10248,
-        "tlsCertFile": str(p / "kubelet-serving.crt"), "tlsPrivateKeyFile": str(p / "kubelet-serving.key"),
+        "tlsCertFile": str(p / f"kubelet-serving{cfg.node_suffix}.crt"),
+        "tlsPrivateKeyFile": str(p / f"kubelet-serving{cfg.node_suffix}.key"),
         "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": False},
                            "x509": {"clientCAFile": str(p / "ca.crt")}},
         "authorization": {"mode": "AlwaysAllow"},
         "cgroupDriver": "cgroupfs", "cgroupRoot": cfg.cgroup_root, "cgroupsPerQOS": True,
         "enforceNodeAllocatable": ["pods"], "failCgroupV1": False, "failSwapOn": False,
         "containerRuntimeEndpoint": f"unix://{cfg.containerd_socket}",
-        "clusterDomain": "cluster.local", "resolvConf": str(cfg.run_dir / "node" / "resolv.conf"),
+        "clusterDomain": "cluster.local", "resolvConf": str(cfg.node_run_dir / "resolv.conf"),
         # a test node on a shared machine: never evict, and never collect imported images (no registry
         # could bring them back)
         "evictionHard": {"memory.available": "1Mi", "nodefs.available": "1%", "nodefs.inodesFree": "1%",
@@ -306,10 +376,10 @@ def kubelet_config(cfg: ClusterConfig) -> dict:
 
 
 def kubelet_argv(cfg: ClusterConfig) -> list[str]:
-    node = cfg.run_dir / "node"
+    node = cfg.node_run_dir
     return [str(cfg.bin_dir / "kubelet"), f"--config={node / 'kubelet.json'}",
-            f"--kubeconfig={cfg.kubeconfig_path('kubelet')}", f"--hostname-override={cfg.node_name}",
-            f"--node-ip={cfg.api_host}", f"--root-dir={node / 'kubelet'}", f"--cert-dir={node / 'kubelet-pki'}",
+            f"--kubeconfig={cfg.kubeconfig_path('kubelet' + cfg.node_suffix)}", f"--hostname-override={cfg.node_name}",
+            f"--node-ip={cfg.kubelet_ip}", f"--root-dir={node / 'kubelet'}", f"--cert-dir={node / 'kubelet-pki'}",
             "--v=1"]
 
 
@@ -325,11 +395,11 @@ def kube_proxy_config(cfg: ClusterConfig) -> dict:
 
 
 def kube_proxy_argv(cfg: ClusterConfig) -> list[str]:
-    return [str(cfg.bin_dir / "kube-proxy"), f"--config={cfg.run_dir / 'node' / 'kube-proxy.json'}", "--v=1"]
+    return [str(cfg.bin_dir / "kube-proxy"), f"--config={cfg.node_run_dir / 'kube-proxy.json'}", "--v=1"]
 
 
 def containerd_config(cfg: ClusterConfig) -> str:
-    c = cfg.run_dir / "containerd"
+    c = cfg.containerd_dir
     unused = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
               "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
               "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
@@ -368,7 +438,7 @@ disabled_plugins = {json.dumps(unused)}
         Root = "{c / 'runc'}"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "{CNI_BIN_DIR}"
-    conf_dir = "{cfg.run_dir / 'node' / 'cni'}"
+    conf_dir = "{cfg.node_run_dir / 'cni'}"
 """
 
 
@@ -380,7 +450,7 @@ def cni_conflist(cfg: ClusterConfig, pod_cidr: str) -> dict:
             {"type": "bridge", "bridge": "cni0", "isGateway": True, "ipMasq": True, "hairpinMode": True,
              "ipam": {"type": "host-local", "ranges": [[{"subnet": pod_cidr, "gateway": gw}]],
                       "routes": [{"dst": "0.0.0.0/0"}],
-                      "dataDir": str(cfg.run_dir / "node" / "ipam")}},
+                      "dataDir": str(cfg.node_run_dir / "ipam")}},
             {"type": "portmap", "capabilities": {"portMappings": True}},
         ],
     }
@@ -388,8 +458,8 @@ def cni_conflist(cfg: ClusterConfig, pod_cidr: str) -> dict:
 
 def holder_script(cfg: ClusterConfig) -> str:
     """The node's private mount namespace: /run and /var/lib private tmpfs, /var/log from the run dir."""
-    varlog = cfg.run_dir / "node" / "varlog"
-    ready = cfg.run_dir / "node" / "holder.ready"
+    varlog = cfg.node_run_dir / "varlog"
+    ready = cfg.node_run_dir / "holder.ready"
     return (f"set -e; mount -t tmpfs -o mode=755 tmpfs /run; mount -t tmpfs -o mode=755 tmpfs /var/lib; "
             f"mkdir -p /run/netns; mount --bind {shlex.quote(str(varlog))} /var/log; "
             f"echo ok > {shlex.quote(str(ready))}; exec sleep infinity")
@@ -469,6 +539,12 @@ class KubeCluster:
         self._made_cgroups: list[Path] = []
         self.with_node = False
         self._made_run_dir = False
+        self.holders: dict[str, _Proc] = {}
+        self.node_cfgs: dict[str, ClusterConfig] = {}
+        self.pod_cidrs: dict[str, str] = {}
+        self._node_links: dict[str, str] = {}     # node -> its veth's name on the island bridge
+        self._node_netns: dict[str, str] = {}
+        self._lost: set[str] = set()
 
     # ------------------------------------------------------------------ properties for clients
     @property
@@ -496,17 +572,21 @@ class KubeCluster:
     def start(cls, *, lab: Any = None, node: bool = False, proxy_mode: str = "iptables",
               run_dir: str | Path | None = None, bin_dir: str | Path | None = None, name: str | None = None,
               timeout: float = 90.0, service_cidr: str = ClusterConfig.service_cidr,
-              audit_users: Sequence[str] = (), controllers: Sequence[str] = ()) -> "KubeCluster":
+              audit_users: Sequence[str] = (), controllers: Sequence[str] = (), nodes: int = 1) -> "KubeCluster":
         """Start a control plane (and with ``node=True``, which needs ``lab``, a node) and wait until it is
         ready (with a node: Node Ready and the ``default`` ServiceAccount present). ``service_cidr``
         "v4,v6" makes Services dual-stack; ``audit_users``: ``audit(user=...)`` then has every request of
         those users, not only those on Secrets; ``controllers``: only these of kube-controller-manager (e.g.
-        a test that writes a StatefulSet's status itself runs without the statefulset controller). On failure everything
+        a test that writes a StatefulSet's status itself runs without the statefulset controller); ``nodes=2``
+        (with ``node=True``): a second node ``knode2`` in its own namespace ``k8s2`` (10.99.0.51), routes between
+        the nodes' Pod ranges, and the scheduler spreading a workload's Pods over the nodes. On failure everything
         started is torn down and ClusterError says which component failed, with its log."""
         if os.geteuid() != 0:
             raise ClusterError("the cluster needs root")
         if node and lab is None:
             raise ClusterError("node=True needs a lab (the node lives in a namespace of the island)")
+        if nodes < 1 or (nodes > 1 and not node):
+            raise ClusterError(f"nodes={nodes}: use 1, or more with node=True")
         if proxy_mode not in ("iptables", "nftables"):
             raise ClusterError(f"proxy_mode={proxy_mode!r}: use iptables or nftables")
         bdir = Path(bin_dir) if bin_dir else ensure_binaries()
@@ -514,10 +594,12 @@ class KubeCluster:
         name = name or (f"{lab.prefix}k" if lab is not None else "k" + _secrets.token_hex(3))
         if lab is not None:
             rdir = Path(run_dir) if run_dir else lab.run_dir / "k8s"
-            host = lab.namespaces["hs"].ipv4.rsplit(".", 1)[0] + f".{NODE_HOST}"
+            net = lab.namespaces["hs"].ipv4.rsplit(".", 1)[0]
+            host = f"{net}.{NODE_HOST}"
+            extra = tuple((f"{NODE_NAME}{i + 1}", f"{net}.{NODE_HOST + i}") for i in range(1, nodes))
             cfg = ClusterConfig(name, rdir, bdir, host, proxy_mode=proxy_mode, token=_secrets.token_hex(16),
                                 service_cidr=service_cidr, audit_users=tuple(audit_users),
-                                controllers=tuple(controllers))
+                                controllers=tuple(controllers), extra_nodes=extra, spread_pods=nodes > 1)
         else:
             rdir = Path(run_dir) if run_dir else Path("/tmp") / f"cbpy-{name}"
             cfg = ClusterConfig(name, rdir, bdir, "127.0.0.1", api_port=_free_port(), etcd_port=_free_port(),
@@ -533,29 +615,50 @@ class KubeCluster:
             (rdir / "owner").write_text(f"{os.getpid()}\n")
             (rdir / "name").write_text(f"{name}\n")
             if lab is not None:
-                info = lab.add_namespace("k8s", host=NODE_HOST)
-                kc.netns = info.netns
-                lab._sysctl(info.netns, "net.ipv4.ip_forward", "1")
-                # a previous cluster of this lab had the same addresses on another MAC: a neighbour entry
-                # still REACHABLE elsewhere would black-hole new connections to the node for up to 45 s
-                for other in list(lab.namespaces.values()):
-                    if other.netns != info.netns:
-                        for addr in (info.ipv4, info.ipv6):
-                            if addr:
-                                _run(["ip", "-n", other.netns, "neigh", "flush", "to", addr], check=False)
+                kc.netns = kc._add_node_namespace("k8s", NODE_HOST)
+                kc._node_netns[cfg.node_name] = kc.netns
             kc._write_pki()
             kc.timings["pki"] = time.monotonic() - t0
             kc._start_control_plane()
             kc.timings["control_plane"] = time.monotonic() - t0
             if node:
-                kc._start_node()
+                assert kc.netns is not None
+                kc._start_node(cfg, kc.netns)
+                kc._node_links[cfg.node_name] = "v-k8s"
                 kc.timings["node_ready"] = time.monotonic() - t0
+                for i, (nname, nip) in enumerate(cfg.extra_nodes, start=1):
+                    ns_name = f"k8s{i + 1}"
+                    netns = kc._add_node_namespace(ns_name, NODE_HOST + i)
+                    kc._node_netns[nname] = netns
+                    kc._node_links[nname] = f"v-{ns_name}"[:15]
+                    kc._start_node(node_config(cfg, nname, nip), netns)
+                kc._route_pod_ranges()
+                kc.timings["nodes_ready"] = time.monotonic() - t0
             kc._wait_default_sa(timeout)
             kc.timings["start_total"] = time.monotonic() - t0
         except BaseException:
             kc.close()
             raise
         return kc
+
+    def _add_node_namespace(self, ns_name: str, host: int) -> str:
+        info = self.lab.add_namespace(ns_name, host=host)
+        self.lab._sysctl(info.netns, "net.ipv4.ip_forward", "1")
+        # a previous cluster of this lab had the same addresses on another MAC: a neighbour entry
+        # still REACHABLE elsewhere would black-hole new connections to the node for up to 45 s
+        for other in list(self.lab.namespaces.values()):
+            if other.netns != info.netns:
+                for addr in (info.ipv4, info.ipv6):
+                    if addr:
+                        _run(["ip", "-n", other.netns, "neigh", "flush", "to", addr], check=False)
+        return info.netns
+
+    def _route_pod_ranges(self) -> None:
+        """Each node reaches the other nodes' Pod ranges through their island addresses (no overlay)."""
+        for node, netns in self._node_netns.items():
+            for other, cidr in self.pod_cidrs.items():
+                if other != node:
+                    _run(["ip", "-n", netns, "route", "replace", cidr, "via", self.node_ip(other)])
 
     def __enter__(self) -> "KubeCluster":
         return self
@@ -564,11 +667,12 @@ class KubeCluster:
         self.close()
 
     # ------------------------------------------------------------------ processes
-    def _wrap(self, argv: Sequence[str], env: Mapping[str, str], *, in_node: bool) -> list[str]:
+    def _wrap(self, argv: Sequence[str], env: Mapping[str, str], *, in_node: bool,
+              holder: _Proc | None = None) -> list[str]:
         envargs = ["env", "-i", *[f"{k}={v}" for k, v in env.items()]]
-        if in_node:
-            assert self.holder is not None
-            return ["nsenter", f"--target={self.holder.proc.pid}", "--mount", "--net", "--", *envargs, *argv]
+        holder = holder or (self.holder if in_node else None)
+        if holder is not None:
+            return ["nsenter", f"--target={holder.proc.pid}", "--mount", "--net", "--", *envargs, *argv]
         if self.netns:
             return ["nsenter", f"--net=/run/netns/{self.netns}", "--", *envargs, *argv]
         return [*envargs, *argv]
@@ -576,11 +680,12 @@ class KubeCluster:
     def _env(self) -> dict[str, str]:
         return {"PATH": f"{self.cfg.bin_dir}:{SYS_PATH}", "HOME": str(self.cfg.run_dir)}
 
-    def _spawn(self, name: str, argv: Sequence[str], *, in_node: bool = False, raw: bool = False) -> _Proc:
+    def _spawn(self, name: str, argv: Sequence[str], *, in_node: bool = False, raw: bool = False,
+               holder: _Proc | None = None) -> _Proc:
         log = self.cfg.run_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         logf = open(log, "ab", buffering=0)
-        full = list(argv) if raw else self._wrap(argv, self._env(), in_node=in_node)
+        full = list(argv) if raw else self._wrap(argv, self._env(), in_node=in_node, holder=holder)
         p = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                              start_new_session=True, cwd=str(self.cfg.run_dir))
         pr = _Proc(name, list(argv), p, log, logf)
@@ -676,6 +781,8 @@ class KubeCluster:
                           "-CA", str(p / "ca.crt"), "-CAkey", str(p / "ca.key"))
         self._openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(p / "sa.key"))
         (p / "audit-policy.json").write_text(json.dumps(audit_policy(cfg)))
+        if cfg.spread_pods:
+            (cfg.run_dir / "scheduler.json").write_text(json.dumps(scheduler_config(cfg), indent=1))
         (p / "tokens.csv").write_text(f'{cfg.token},lab-admin,lab-admin,"system:masters"\n')
         for f in p.iterdir():
             f.chmod(0o600)
@@ -684,7 +791,8 @@ class KubeCluster:
         ca = p / "ca.crt"
         files = {"admin": kubeconfig(cfg.server, ca, "lab-admin", token=cfg.token)}
         for who, cert in (("controller-manager", "controller-manager"), ("scheduler", "scheduler"),
-                          ("kubelet", "kubelet-client"), ("kube-proxy", "kube-proxy")):
+                          ("kubelet", "kubelet-client"), ("kube-proxy", "kube-proxy"),
+                          *[(f"kubelet-{n}", f"kubelet-client-{n}") for n, _ in cfg.extra_nodes]):
             files[who] = kubeconfig(cfg.server, ca, who, cert=p / f"{cert}.crt", key=p / f"{cert}.key")
         for who, kc in files.items():
             path = cfg.kubeconfig_path(who)
@@ -763,79 +871,119 @@ class KubeCluster:
                 out.append(Path(parts[1]))
         return out
 
-    def _make_cgroups(self) -> None:
+    def _make_cgroups(self, ncfg: ClusterConfig) -> None:
         for m in self._cgroup_mounts():
-            d = m / self.cfg.cgroup_root.lstrip("/")
+            d = m / ncfg.cgroup_root.lstrip("/")
             d.mkdir(exist_ok=True)
             self._made_cgroups.append(d)
             if (m / "cpuset.cpus").exists():   # v1 cpuset: a new group starts with no CPUs and no memory nodes
                 for f in ("cpuset.cpus", "cpuset.mems"):
                     (d / f).write_text((m / f).read_text())
 
-    def _start_node(self, timeout: float = 60.0) -> None:
-        cfg, node = self.cfg, self.cfg.run_dir / "node"
+    def _start_node(self, ncfg: ClusterConfig, netns: str, timeout: float = 60.0) -> str:
+        """containerd, kubelet, kube-proxy and CNI of one node in network namespace ``netns``; its Pod CIDR."""
+        node, sfx = ncfg.node_run_dir, ncfg.node_suffix
         t = time.monotonic()
         for d in ("varlog", "cni", "ipam", "kubelet", "kubelet-pki"):
             (node / d).mkdir(parents=True, exist_ok=True)
         (node / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        (node / "kubelet.json").write_text(json.dumps(kubelet_config(cfg), indent=1))
-        (node / "kube-proxy.json").write_text(json.dumps(kube_proxy_config(cfg), indent=1))
-        (cfg.run_dir / "containerd").mkdir(exist_ok=True)
-        (cfg.run_dir / "containerd" / "config.toml").write_text(containerd_config(cfg))
-        self._make_cgroups()
-        holder_argv = ["nsenter", f"--net=/run/netns/{self.netns}", "--", "unshare", "--mount",
-                       "--propagation", "private", "sh", "-c", holder_script(cfg)]
-        self.holder = self._spawn("holder", holder_argv, raw=True)
-        _wait(lambda: (node / "holder.ready").exists(), 10, "the node's mount namespace", 0.05, procs=[self.holder])
-        ctd = self._spawn("containerd", ["containerd", "--config", str(cfg.run_dir / "containerd" / "config.toml")],
-                          in_node=True)
-        _wait(lambda: self._ctr("version", check=False).returncode == 0, timeout, "containerd", 0.1, procs=[ctd])
-        self.timings["containerd"] = time.monotonic() - t
+        (node / "kubelet.json").write_text(json.dumps(kubelet_config(ncfg), indent=1))
+        (node / "kube-proxy.json").write_text(json.dumps(kube_proxy_config(ncfg), indent=1))
+        ncfg.containerd_dir.mkdir(parents=True, exist_ok=True)
+        (ncfg.containerd_dir / "config.toml").write_text(containerd_config(ncfg))
+        self._make_cgroups(ncfg)
+        holder_argv = ["nsenter", f"--net=/run/netns/{netns}", "--", "unshare", "--mount",
+                       "--propagation", "private", "sh", "-c", holder_script(ncfg)]
+        holder = self._spawn("holder" + sfx, holder_argv, raw=True)
+        self.holders[ncfg.node_name] = holder
+        if ncfg.first_node:
+            self.holder = holder
+        _wait(lambda: (node / "holder.ready").exists(), 10, "the node's mount namespace", 0.05, procs=[holder])
+        ctd = self._spawn("containerd" + sfx, ["containerd", "--config", str(ncfg.containerd_dir / "config.toml")],
+                          holder=holder)
+        self.node_cfgs[ncfg.node_name] = ncfg
+        _wait(lambda: self._ctr("version", check=False, node=ncfg.node_name).returncode == 0, timeout,
+              "containerd" + sfx, 0.1, procs=[ctd])
+        self.timings["containerd" + sfx] = time.monotonic() - t
         for image, name in ((PAUSE_IMAGE, "pause"), (ECHO_IMAGE, "lab-echo")):
-            files = [ociimage.File(name, (cfg.bin_dir / name).read_bytes())]
-            self.import_image_bytes(ociimage.oci_archive(image, files, [f"/{name}"]), f"{name}.tar")
-        self.timings["images"] = time.monotonic() - t
+            files = [ociimage.File(name, (ncfg.bin_dir / name).read_bytes())]
+            self.import_image_bytes(ociimage.oci_archive(image, files, [f"/{name}"]), f"{name}.tar",
+                                    nodes=(ncfg.node_name,))
+        self.timings["images" + sfx] = time.monotonic() - t
         t_kubelet = time.monotonic()
-        kubelet = self._spawn("kubelet", kubelet_argv(cfg), in_node=True)
+        kubelet = self._spawn("kubelet" + sfx, kubelet_argv(ncfg), holder=holder)
         # the CNI config needs the node's pod CIDR, which kube-controller-manager allocates once the node exists
-        pod_cidr = _wait(lambda: (self.get("node", cfg.node_name) or {}).get("spec", {}).get("podCIDR"), timeout,
-                         "the node's podCIDR", 0.2, procs=[kubelet, self.procs["kube-controller-manager"]])
-        (node / "cni" / "10-lab.conflist").write_text(json.dumps(cni_conflist(cfg, pod_cidr), indent=1))
-        self.pod_cidr = pod_cidr
-        self._spawn("kube-proxy", kube_proxy_argv(cfg), in_node=True)
+        pod_cidr = _wait(lambda: (self.get("node", ncfg.node_name) or {}).get("spec", {}).get("podCIDR"), timeout,
+                         f"node {ncfg.node_name}'s podCIDR", 0.2,
+                         procs=[kubelet, self.procs["kube-controller-manager"]])
+        (node / "cni" / "10-lab.conflist").write_text(json.dumps(cni_conflist(ncfg, pod_cidr), indent=1))
+        self._spawn("kube-proxy" + sfx, kube_proxy_argv(ncfg), holder=holder)
         self.with_node = True
-        self.wait_node_ready(timeout)
-        self.timings["kubelet_to_ready"] = time.monotonic() - t_kubelet
+        self.pod_cidrs[ncfg.node_name] = pod_cidr
+        if ncfg.first_node:
+            self.pod_cidr = pod_cidr
+        self.wait_node_ready(timeout, ncfg.node_name)
+        self.timings["kubelet_to_ready" + sfx] = time.monotonic() - t_kubelet
+        return pod_cidr
 
-    def _ctr(self, *args: str, check: bool = True, timeout: float = 120.0, input: bytes | None = None):
-        return _run(["ctr", "--address", str(self.cfg.containerd_socket), "--namespace", "k8s.io", *args],
+    @property
+    def nodes(self) -> list[str]:
+        """The names of the cluster's nodes, the first (with the control plane) first."""
+        return list(self.node_cfgs)
+
+    def node_ip(self, node: str) -> str:
+        return self.node_cfgs[node].kubelet_ip
+
+    def lose_node(self, node: str) -> None:
+        """Cut a node off as a dead machine would be: its link to the island down (nothing in or out) and its
+        kubelet stopped; its containers run on, unreachable. Not the first node (it holds the control plane)."""
+        ncfg = self.node_cfgs[node]
+        if ncfg.first_node:
+            raise ClusterError("the first node holds the control plane; lose another one")
+        self.stop_component("kubelet" + ncfg.node_suffix, 10)
+        self._lost.add(node)
+        sw = self.lab.namespaces["sw"].netns
+        _run(["ip", "-n", sw, "link", "set", self._node_links[node], "down"])
+
+    def _ctr(self, *args: str, check: bool = True, timeout: float = 120.0, input: bytes | None = None,
+             node: str | None = None):
+        sock = self.node_cfgs[node].containerd_socket if node else self.cfg.containerd_socket
+        return _run(["ctr", "--address", str(sock), "--namespace", "k8s.io", *args],
                     check=check, timeout=timeout, input=input)
 
     def import_image(self, archive: str | Path) -> str:
-        """Import an OCI (or docker-archive) tar into the node's containerd; ``ctr``'s output."""
-        return self._ctr("images", "import", "--no-unpack=false", str(archive)).stdout
+        """Import an OCI (or docker-archive) tar into every node's containerd; ``ctr``'s output (the first's)."""
+        nodes: list[str | None] = [*self.node_cfgs] or [None]
+        outs = [self._ctr("images", "import", "--no-unpack=false", str(archive), node=n).stdout for n in nodes]
+        return outs[0]
 
     def tag_image(self, source: str, target: str) -> None:
-        """Another name for an image in the node's containerd (as a registry serves one image under two tags)."""
-        self._ctr("images", "tag", "--force", source, target)
+        """Another name for an image in every node's containerd (as a registry serves one image under two tags)."""
+        nodes: list[str | None] = [*self.node_cfgs] or [None]
+        for n in nodes:
+            self._ctr("images", "tag", "--force", source, target, node=n)
 
-    def import_image_bytes(self, data: bytes, filename: str) -> str:
+    def import_image_bytes(self, data: bytes, filename: str, nodes: Sequence[str] = ()) -> str:
         p = self.cfg.run_dir / "images" / filename
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
-        return self._ctr("images", "import", str(p)).stdout
+        targets: list[str | None] = [*(nodes or self.node_cfgs)] or [None]
+        outs = [self._ctr("images", "import", str(p), node=n).stdout for n in targets]
+        return outs[0]
 
-    def images(self) -> list[str]:
-        return [ln.split()[0] for ln in self._ctr("images", "ls", "-q").stdout.splitlines() if ln.strip()]
+    def images(self, node: str | None = None) -> list[str]:
+        return [ln.split()[0] for ln in self._ctr("images", "ls", "-q", node=node).stdout.splitlines() if ln.strip()]
 
-    def node_ready(self) -> bool:
-        n = self.get("node", self.cfg.node_name)
+    def node_ready(self, node: str | None = None) -> bool:
+        n = self.get("node", node or self.cfg.node_name)
         conds = (n or {}).get("status", {}).get("conditions", [])
         return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
-    def wait_node_ready(self, timeout: float = 60.0) -> None:
-        _wait(self.node_ready, timeout, f"node {self.cfg.node_name} Ready", 0.3,
-              procs=[self.procs[n] for n in ("kubelet", "containerd") if n in self.procs])
+    def wait_node_ready(self, timeout: float = 60.0, node: str | None = None) -> None:
+        name = node or self.cfg.node_name
+        sfx = self.node_cfgs[name].node_suffix if name in self.node_cfgs else ""
+        _wait(lambda: self.node_ready(name), timeout, f"node {name} Ready", 0.3,
+              procs=[self.procs[n + sfx] for n in ("kubelet", "containerd") if n + sfx in self.procs])
 
     def wait_pod_ready(self, namespace: str, name: str, timeout: float = 90.0) -> dict:
         def ready() -> dict | None:
@@ -901,23 +1049,26 @@ class KubeCluster:
                 return
             self._closed = True
         problems: list[str] = []
-        for name in ("kubelet", "kube-proxy", "kube-scheduler", "kube-controller-manager"):
+        node_procs = [n for n in self.procs if n.startswith(("kubelet-", "kube-proxy-"))]
+        for name in ("kubelet", "kube-proxy", *node_procs, "kube-scheduler", "kube-controller-manager"):
             try:
                 self.stop_component(name, 10)
             except Exception as e:
                 problems.append(f"{name}: {e}")
         # the Pods' processes: everything in our cgroup tree (they are in their own namespaces)
         self._kill_cgroup_tree(problems)
-        for name in ("containerd", "kube-apiserver", "etcd"):
+        for name in ("containerd", *[n for n in self.procs if n.startswith("containerd-")], "kube-apiserver", "etcd"):
             try:
-                self.stop_component(name, 15)
+                # a lost node's connections to the API server are half-open: its graceful stop would wait 15 s
+                # for them, for a cluster whose data is thrown away
+                self.stop_component(name, 2 if name == "kube-apiserver" and self._lost else 15)
             except Exception as e:
                 problems.append(f"{name}: {e}")
-        if self.holder is not None:
+        for holder in (list(self.holders.values()) or ([self.holder] if self.holder else [])):
             # the shims and anything else in the node's mount namespace, then the holder: the namespace and
             # every mount in it (Pods' netns pins, rootfs overlays, volume tmpfs) go with it
             try:
-                proc = self.holder.proc
+                proc = holder.proc
                 mnt = os.stat(f"/proc/{proc.pid}/ns/mnt").st_ino if proc.poll() is None else None
             except OSError:
                 mnt = None
@@ -927,7 +1078,7 @@ class KubeCluster:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-            self.stop_component("holder", 5)
+            self.stop_component(holder.name, 5)
         self._kill_cgroup_tree(problems)
         self._remove_cgroups(problems)
         for pr in self.procs.values():
@@ -948,6 +1099,18 @@ class KubeCluster:
                 problems.append(f"ip netns del {self.netns}: {cp.stderr.strip()}")
             shutil.rmtree(Path("/etc/netns") / self.netns, ignore_errors=True)
             self.lab.namespaces.pop("k8s", None)
+            for nname, netns in self._node_netns.items():
+                if netns == self.netns:
+                    continue
+                ns_key = self._node_links[nname][2:]
+                self.lab.kill_ns_leftovers(ns_key, 5) if self.lab.ns_pids(ns_key) else None
+                if sw is not None:
+                    _run(["ip", "-n", sw.netns, "link", "del", self._node_links[nname]], check=False, timeout=15)
+                cp = _run(["ip", "netns", "del", netns], check=False, timeout=15)
+                if cp.returncode != 0 and "No such file" not in cp.stderr:
+                    problems.append(f"ip netns del {netns}: {cp.stderr.strip()}")
+                shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
+                self.lab.namespaces.pop(ns_key, None)
         if self._made_run_dir and os.environ.get("CBPY_KEEP_RUN_DIR") != "1":
             shutil.rmtree(self.cfg.run_dir, ignore_errors=True)
         _LIVE.discard(self)
@@ -1056,7 +1219,9 @@ def reap_stale(run_root: str | Path = "/tmp") -> list[str]:
                         os.kill(int(d.name), signal.SIGKILL)
                 except (OSError, ProcessLookupError):
                     pass
-        kc._made_cgroups = [m / kc.cfg.cgroup_root.lstrip("/") for m in kc._cgroup_mounts()]
+        kc._made_cgroups = [d for m in kc._cgroup_mounts()
+                            for d in [m / kc.cfg.cgroup_root.lstrip("/"),
+                                      *m.glob(kc.cfg.cgroup_root.lstrip("/") + "-*")]]
         problems: list[str] = []
         kc._kill_cgroup_tree(problems)
         time.sleep(0.5)

@@ -6,6 +6,12 @@ and the agent must program both families. `iptables-restore`/`ip6tables-restore`
 one per family, each committing its tables (nat, mangle) atomically at COMMIT; a batch is also far faster than
 one command per rule. The flavour (legacy x_tables vs iptables-nft) is the one that already holds rules
 (`detect.iptables_variant`), else the plain `iptables` on $PATH, which is what tailscaled uses too.
+
+On the iptables-nft flavour (the rules are nf_tables underneath) a change that only adds and removes rules
+inside our chains (an egress Service more or less) is a delta: no `iptables-save`, a restore of only the
+`-D`/`-I` lines (`netfilter.plan.plan_iptables_delta`), as long as the kernel's ruleset generation is the one
+our last apply left (`netfilter.generation`). Otherwise, and always on iptables-legacy (x_tables keeps no
+generation), the tables are saved, compared and rewritten.
 """
 from __future__ import annotations
 
@@ -14,9 +20,10 @@ import shutil
 import subprocess
 
 from .errors import FirewallError
+from .generation import RulesetGeneration, advanced_by
 from .model import RuleSet
-from .plan import (IPT_CHAINS, IPT_TABLES, IptState, canonical_iptables, filter_iptables_save,
-                   plan_iptables, render_iptables)
+from .plan import (IPT_CHAINS, IPT_TABLES, IptState, canonical_iptables, filter_iptables_save, ipt_chain_rules,
+                   plan_iptables, plan_iptables_delta, render_iptables)
 
 log = logging.getLogger("containerboot")
 
@@ -36,6 +43,11 @@ class IptablesBackend:
             raise ValueError(f"iptables variant must be '', 'legacy' or 'nft', not {variant!r}")
         self.variant = variant
         self.ipv6 = ipv6
+        # Delta reference (iptables-nft only): the rule set applied last, our chains' rules per family, and the
+        # ruleset generation that apply left.
+        self._ref: tuple[RuleSet, dict[int, dict[str, tuple[str, ...]]]] | None = None
+        self._gen: int | None = None
+        self._generation_reader: RulesetGeneration | None = None
 
     # ---- commands --------------------------------------------------------------------------------------------
 
@@ -101,12 +113,68 @@ class IptablesBackend:
     def render(self, rules: RuleSet) -> str:
         return "".join(self._format(fam, render_iptables(rules, fam)) for fam in self._families())
 
+    def _generation(self) -> int | None:
+        """The nf_tables ruleset generation when our rules are nf_tables (iptables-nft), else None."""
+        if self._generation_reader is None:
+            nf_tables = self.variant == "nft"
+            if not self.variant:
+                try:
+                    nf_tables = "nf_tables" in self._exec([self._bin(4, ""), "-V"])
+                except FirewallError:
+                    nf_tables = False
+            if not nf_tables:
+                return None
+            self._generation_reader = RulesetGeneration()
+        return self._generation_reader.read()
+
+    def _apply_delta(self, rules: RuleSet) -> bool | None:
+        """Apply `rules` as a delta of the last applied rule set; None when that is not possible."""
+        if self._ref is None or self._gen is None:
+            return None
+        gen = self._generation()
+        if gen != self._gen:
+            return None
+        last, chains = self._ref
+        if last == rules:
+            return False
+        new = {fam: ipt_chain_rules(rules, fam) for fam in self._families()}
+        texts = {fam: plan_iptables_delta(chains[fam], new[fam]) for fam in self._families()}
+        if any(t is None for t in texts.values()):
+            return None
+        commits = 0
+        try:
+            for fam, text in texts.items():
+                if text:
+                    self._restore(fam, text)
+                    commits += text.count("\nCOMMIT")
+        except FirewallError as e:      # e.g. a rule deleted behind our back: save, compare and rewrite
+            log.warning("%s; rewriting the chains instead", e)
+            return None
+        self._remember(rules, new, gen, commits)
+        return commits > 0
+
+    def _remember(self, rules: RuleSet, chains: dict[int, dict[str, tuple[str, ...]]] | None, before: int | None,
+                  commits: int) -> None:
+        """Keep `rules` as the delta reference if the generation moved by exactly our own commits."""
+        after = self._generation() if before is not None else None
+        if advanced_by(before, after, commits):
+            self._ref = (rules, chains or {fam: ipt_chain_rules(rules, fam) for fam in self._families()})
+            self._gen = after
+        else:
+            self._ref = self._gen = None
+
     def apply(self, rules: RuleSet) -> bool:
         if not self.ipv6 and rules.family(6).versions():
             raise FirewallError(
                 "the rule set has IPv6 rules but ip6tables NAT is not usable in this network namespace (no IPv6, "
                 "no ip6tables binary, or no ip6table_nat module); enable IPv6 NAT or drop the IPv6 targets")
+        done = self._apply_delta(rules)
+        if done is not None:
+            return done
+        self._ref = self._gen = None
+        gen = self._generation()
         changed = False
+        commits = 0
         for fam in self._families():
             save = self._save(fam)
             if self._converged(rules, fam, save):
@@ -114,6 +182,7 @@ class IptablesBackend:
             text = plan_iptables(rules, fam, save)
             if text:
                 self._restore(fam, text)
+                commits += text.count("\nCOMMIT")
                 changed = True
         if not self.ipv6 and shutil.which(self._bin(6, "save")):
             # IPv6 became unusable: best-effort removal of chains a previous run left in ip6tables.
@@ -121,8 +190,10 @@ class IptablesBackend:
                 text = plan_iptables(RuleSet(), 6, self._save(6))
                 if text:
                     self._restore(6, text)
+                    commits += text.count("\nCOMMIT")
             except FirewallError as e:
                 log.debug("ip6tables cleanup skipped: %s", e)
+        self._remember(rules, None, gen, commits)
         return changed
 
     def _converged(self, rules: RuleSet, fam: int, save: str) -> bool:
@@ -137,6 +208,7 @@ class IptablesBackend:
         """Nothing to warm: each apply runs its own iptables-save/-restore processes."""
 
     def cleanup(self) -> None:
+        self._ref = self._gen = None
         errors = []
         for fam in (4, 6):
             if fam == 6 and shutil.which(self._bin(6, "save")) is None:

@@ -1,9 +1,18 @@
-"""nftables backend: libnftables JSON batches through python-nftables (`nftables.Nftables().json_cmd`).
+"""nftables backend: libnftables batches through python-nftables (`nftables.Nftables().json_cmd` / `cmd`).
 
-The agent owns the tables `ip containerboot` and `ip6 containerboot` and nothing else. `apply` sends one batch
-(see `netfilter.plan.plan_nft`) that deletes and rebuilds both tables; the kernel commits it atomically. When
-the kernel already holds exactly the desired rules, nothing is sent at all, so repeated applies do not even
-reset counters.
+The agent owns the tables `ip containerboot` and `ip6 containerboot` and nothing else. An apply is one
+transaction, in one of two forms:
+
+- a delta (`netfilter.plan.plan_nft_delta`): when only named map elements differ from the rule set this object
+  applied last (an egress Service added, removed or moved: its port map and SNAT elements) and the kernel's
+  ruleset generation is still the one that apply produced (nobody, here or in another process, has committed
+  anything to nftables in this network namespace since), only those elements are added and deleted;
+- otherwise the kernel's tables are listed and compared with the desired ones, and, when they differ, one
+  batch (`plan_nft` / `plan_nft_script`) deletes and rebuilds both tables.
+
+When nothing differs, nothing is sent at all, so repeated applies do not even reset counters. The generation
+(`NFT_MSG_GETGEN`, one netlink round trip) is what makes the delta safe: a foreign or stale change anywhere
+bumps it, and the next apply then compares and repairs the whole tables.
 
 libnftables runs in-process: the batches are of a small fixed set of shapes, all exercised by the netns tests
 (libnftables 1.0.6 can crash the process on some malformed JSON; we never generate free-form input).
@@ -18,8 +27,10 @@ from collections.abc import Callable
 from ipaddress import ip_address
 
 from .errors import FirewallError
+from .generation import RulesetGeneration, advanced_by
 from .model import Dnat, EgressForward, PortMatch, RuleSet
-from .plan import NFT_FAMILY, TABLE, normalize_nft_text, plan_nft, render_nft
+from .plan import (NFT_FAMILY, TABLE, NftState, nft_state, normalize_nft_text, plan_nft, plan_nft_delta,
+                   plan_nft_script, render_nft)
 
 log = logging.getLogger("containerboot")
 
@@ -70,6 +81,11 @@ class NftBackend:
         self._applied = False               # an apply has written our tables through this object
         self.ipv6 = ipv6
         self._absent_at_warm_up = False     # `warm_up` found none of our tables (the first apply must write)
+        # The reference for deltas: what the kernel holds after our last apply, and the ruleset generation
+        # it left (None: unknown, so the next apply lists and compares).
+        self._ref: tuple[tuple[RuleSet, tuple[int, ...]], NftState] | None = None
+        self._gen: int | None = None
+        self._generation = RulesetGeneration().read
 
     @property
     def families(self) -> tuple[int, ...]:
@@ -81,12 +97,28 @@ class NftBackend:
                 "the rule set has IPv6 rules but IPv6 is not usable in this network namespace (see the log for "
                 "the probe result); enable IPv6 in the Pod/cluster or drop the IPv6 targets")
 
-    def _run(self, batch: dict, what: str) -> None:
+    def _run(self, batch: dict | str, what: str) -> None:
         with self._lock:
-            rc, _out, err = self._nft.json_cmd(batch)
+            rc, _out, err = self._nft.json_cmd(batch) if isinstance(batch, dict) else self._nft.cmd(batch)
         if rc != 0:
+            shown = json.dumps(batch) if isinstance(batch, dict) else batch
             raise FirewallError(f"nftables: {what} failed: {err.strip() or f'libnftables returned {rc}'}; "
-                                f"batch was: {json.dumps(batch)[:2000]}")
+                                f"batch was: {shown[:2000]}")
+
+    def _full_batch(self, rules: RuleSet, families: tuple[int, ...]) -> dict | str:
+        try:
+            return plan_nft(rules, families)
+        except ValueError:      # named maps: only the text form declares them
+            return plan_nft_script(rules, families)
+
+    def _remember(self, rules: RuleSet, families: tuple[int, ...], state: NftState | None, before: int | None,
+                  commits: int) -> None:
+        """Keep `rules` as the delta reference if the generation moved from `before` by exactly our own
+        `commits` (0: nothing was written); anything else means someone else committed in between."""
+        after = self._generation()
+        ok = advanced_by(before, after, commits)
+        self._gen = after if ok else None
+        self._ref = ((rules, families), state or nft_state(rules, families)) if ok else None
 
     def _list_table(self, fam: str) -> str:
         with self._lock:
@@ -108,6 +140,26 @@ class NftBackend:
     def apply(self, rules: RuleSet) -> bool:
         self._check_families(rules)
         families = self.families
+        if self._ref is not None and self._gen is not None:
+            gen = self._generation()
+            if gen == self._gen:
+                if self._ref[0] == (rules, families):
+                    return False        # the kernel holds what we last applied, and that is wanted
+                state = nft_state(rules, families)
+                delta = plan_nft_delta(self._ref[1], state)
+                if delta == "":
+                    self._ref = ((rules, families), state)
+                    return False
+                if delta is not None:
+                    try:
+                        self._run(delta, "updating the containerboot maps")
+                    except FirewallError as e:      # never expected; the full path below repairs whatever it is
+                        log.warning("%s; replacing the tables instead", e)
+                    else:
+                        self._remember(rules, families, state, gen, 1)
+                        return True
+                    self._ref = self._gen = None
+        gen = self._generation()
         if not self._applied and self._absent_at_warm_up:
             # The first apply after `warm_up` found none of our tables: it has to write whatever the kernel
             # holds now (nobody else writes our tables), so the two dumps that could only find the rules equal
@@ -119,21 +171,23 @@ class NftBackend:
             desired = self.render(rules)
             current = self.installed()
             if current == desired:
+                self._remember(rules, families, None, gen, 0)
                 return False
             if 6 not in families and f"table {NFT_FAMILY[6]} {TABLE} " in current:
                 families = (4, 6)     # IPv6 became unusable: still remove our stale ip6 table
-        self._run(plan_nft(rules, families), "replacing the containerboot tables")
+        self._run(self._full_batch(rules, families), "replacing the containerboot tables")
         self._applied = True
+        self._remember(rules, self.families, None, gen, 1)
         if not log.isEnabledFor(logging.DEBUG):
             return True     # listing big maps costs ~0.2 ms per element; only worth it when someone looks
         if desired is None:
             desired = self.render(rules)
-        after = self.installed()
-        if after != desired:
+        after_text = self.installed()
+        if after_text != desired:
             # Not fatal: the kernel accepted the batch, the text differs only if our renderer lags nft's
             # printer. Keep it visible for `containerboot rules`.
             log.debug("nftables: installed rules differ from the rendered desired rules:\n%s\n---\n%s",
-                      after, desired)
+                      after_text, desired)
         return True
 
     def warm_up(self) -> None:
@@ -158,6 +212,7 @@ class NftBackend:
 
     def cleanup(self) -> None:
         self._absent_at_warm_up = False     # from now on an apply compares with what the kernel holds
+        self._ref = self._gen = None
         # Both families regardless of current IPv6 state, so nothing of ours survives a changed probe.
         try:
             self._run(plan_nft(RuleSet(), (4, 6)), "removing the containerboot tables")

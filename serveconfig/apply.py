@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from tscommon import crashpoint
 from tscommon.aio import wait_event
 from tscommon.redact import redact
 from serveconfig.status import ServeStatus
@@ -400,6 +401,7 @@ class ServeApplier:
                 self._in_force = desired
                 return False
             log.info("serve proxy: applying serve config")
+            crashpoint.hit(crashpoint.SERVE_APPLY)
             try:
                 await self._api.set_serve_config(body, etag)
             except Exception as e:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 from urllib.parse import urlsplit
 
+from tscommon import jsontext
 from tscommon.redact import redact
 
 __all__ = [
@@ -669,7 +670,7 @@ def parse(text: str | bytes | None, cert_domain: str) -> ServeConfig | None:
         return None
     text = text.replace(CERT_DOMAIN_TOKEN, cert_domain or NO_HTTPS)
     try:
-        obj = json.loads(text)
+        obj = jsontext.loads(text)
     except json.JSONDecodeError as e:
         raise ServeConfigError([f"serve config is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}"]) \
             from None

@@ -74,6 +74,7 @@ def test_statefulset_env_mounts_hook_and_grace():
     assert env["TS_ENABLE_HEALTH_CHECK"] == "true" and env["TS_LOCAL_ADDR_PORT"] == "$(POD_IP):9002"
     assert env["POD_IPS"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIPs"}}
     assert c["lifecycle"]["preStop"]["httpGet"] == {"path": "/internal-egress-services-preshutdown", "port": 9002}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 9002}
     assert pod["terminationGracePeriodSeconds"] >= 310       # the hook's 300 s wait and 10 s settle fit
     mounts = {m["mountPath"] for m in c["volumeMounts"]}
     assert mounts == {"/etc/tsconfig/pg-0", "/etc/tsconfig/pg-1", "/etc/proxies"}
@@ -159,10 +160,12 @@ def agent_reports(kube, name, **data: bytes):
                                              base64.b64encode(v).decode() for k, v in data.items()}}
 
 
-def run_pod(kube, name, v4, v6=""):
+def run_pod(kube, name, v4, v6="", ready=True):
     ips = [{"ip": v4}] + ([{"ip": v6}] if v6 else [])
     kube.put(PODS, {"metadata": {"name": name, "namespace": NS, "labels": pgrender.labels(
-        proxygroup.decide(pg_obj(), CFG))}, "status": {"phase": "Running", "podIP": v4, "podIPs": ips}})
+        proxygroup.decide(pg_obj(), CFG))}, "status": {"phase": "Running", "podIP": v4, "podIPs": ips,
+                                                       "conditions": [{"type": "Ready",
+                                                                       "status": str(ready)}]}})
 
 
 def register(kube, prov, i, dev):
@@ -314,6 +317,14 @@ async def test_egress_service_on_a_group_end_to_end_with_membership(env):
     await rec.reconcile("proxygroup", "", "pg")
     await rec.reconcile("svc", "apps", "db")
     assert kube.writes()[before:] == []
+    # the replica's Pod is not Ready (its tailscaled died, its node is lost): it leaves the slice, and comes
+    # back once Ready again (its rules are still reported)
+    run_pod(kube, "pg-0", "10.0.0.1", "fd00::1", ready=False)
+    await rec.reconcile("proxygroup", "", "pg")
+    assert egress_objects(kube)[2]["endpoints"] == []
+    run_pod(kube, "pg-0", "10.0.0.1", "fd00::1")
+    await rec.reconcile("proxygroup", "", "pg")
+    assert [e["addresses"] for e in egress_objects(kube)[2]["endpoints"]] == [["10.0.0.1"]]
     # the replica's Pod terminates: it leaves the slice at once (its pre-stop drain waits for that)
     kube.objects[("pods", NS, "pg-0")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     await rec.reconcile("proxygroup", "", "pg")
@@ -427,7 +438,7 @@ def test_a_class_on_a_group_is_the_same_merge_exactly_and_keeps_the_selector_lab
         "annotations"][SPEC_HASH] != base["metadata"]["annotations"][SPEC_HASH]
 
 
-def test_a_class_setting_ts_local_addr_port_removes_the_pre_stop_hook_and_its_grace_only():
+def test_a_class_setting_ts_local_addr_port_removes_the_pre_stop_hook_its_grace_and_the_probe_only():
     from controller import proxyclass as pcl
     from controller.render import SPEC_HASH
     g = proxygroup.decide(pg_obj(replicas=2), CFG)
@@ -438,6 +449,7 @@ def test_a_class_setting_ts_local_addr_port_removes_the_pre_stop_hook_and_its_gr
     pod = want["spec"]["template"]["spec"]
     del pod["terminationGracePeriodSeconds"]
     del pod["containers"][0]["lifecycle"]
+    del pod["containers"][0]["readinessProbe"]      # it asks the same address
     pod["containers"][0]["env"].append({"name": "TS_LOCAL_ADDR_PORT", "value": "[::]:9999"})
     for o in (got, want):
         o["metadata"]["annotations"].pop(SPEC_HASH)
@@ -445,6 +457,7 @@ def test_a_class_setting_ts_local_addr_port_removes_the_pre_stop_hook_and_its_gr
     # metrics.enable alone keeps the hook: its TS_LOCAL_ADDR_PORT is the hook's address
     kept = pgrender.statefulset(g, CFG, pcl.ProxyClass.from_object(pclass(spec={"metrics": {"enable": True}})))
     assert kept["spec"]["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["httpGet"]["port"] == 9002
+    assert kept["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] == 9002
 
 
 @pytest.fixture

@@ -95,3 +95,33 @@ def test_control_plane_options_default_to_the_lab_cluster_and_add_only_what_is_a
     # that user's every request first, once per request (no ResponseStarted for watches); Secrets as before
     assert rules[0] == {"level": "Metadata", "users": [user], "omitStages": ["RequestReceived", "ResponseStarted"]}
     assert rules[1:] == kc.AUDIT_POLICY["rules"]
+
+
+def test_a_second_node_has_its_own_identity_address_files_and_cgroup(tmp_path):
+    from dataclasses import replace
+    cfg = replace(_cfg(tmp_path), extra_nodes=(("knode2", "10.99.0.51"),), spread_pods=True)
+    certs = {s.name: s for s in kc.cert_plan(cfg)}
+    assert (certs["kubelet-client-knode2"].cn, certs["kubelet-client-knode2"].org) == ("system:node:knode2",
+                                                                                       "system:nodes")
+    assert certs["kubelet-serving-knode2"].sans == ("IP:10.99.0.51", "DNS:knode2")
+    n2 = kc.node_config(cfg, "knode2", "10.99.0.51")
+    argv = kc.kubelet_argv(n2)
+    assert "--node-ip=10.99.0.51" in argv and "--hostname-override=knode2" in argv
+    assert f"--kubeconfig={cfg.kubeconfig_path('kubelet-knode2')}" in argv
+    conf = kc.kubelet_config(n2)
+    assert conf["address"] == "10.99.0.51" and conf["tlsCertFile"].endswith("kubelet-serving-knode2.crt")
+    # nothing of the second node's runtime is shared with the first's
+    first = kc.kubelet_config(cfg)
+    assert first["address"] == "10.99.0.50" and first["cgroupRoot"] == "/cbpy-t1"
+    assert conf["cgroupRoot"] == "/cbpy-t1-knode2" and n2.containerd_socket != cfg.containerd_socket
+    assert str(cfg.containerd_socket) not in kc.containerd_config(n2)
+    assert kc.cni_conflist(n2, "10.244.1.0/24")["plugins"][0]["ipam"]["dataDir"].startswith(str(n2.node_run_dir))
+    # the scheduler spreads a workload's Pods over the nodes, as a hard rule
+    sched = kc.scheduler_config(cfg)
+    spread = sched["profiles"][0]["pluginConfig"][0]["args"]["defaultConstraints"]
+    assert spread == [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule"}]
+    assert any(a.startswith("--config=") for a in kc.scheduler_argv(cfg))
+    # node-loss timing shortened only with more than one node
+    assert f"--node-monitor-grace-period={kc.NODE_MONITOR_GRACE_S}s" in kc.controller_manager_argv(cfg)
+    assert not any(a.startswith("--node-monitor") for a in kc.controller_manager_argv(_cfg(tmp_path)))
+    assert not any("toleration-seconds" in a for a in kc.apiserver_argv(_cfg(tmp_path)))

@@ -12,7 +12,7 @@ import pytest
 
 from netfilter.model import Dnat, EgressForward, PortMatch, RuleSet, ServiceDnat, ServicePortMap
 from netfilter.plan import (IptState, canonical_iptables, filter_iptables_save, normalize_nft_text,
-                            plan_iptables, plan_nft, render_iptables, render_nft)
+                            plan_iptables, plan_nft, plan_nft_script, render_iptables, render_nft)
 
 TS4, TS6 = "100.64.0.5", "fd7a:115c:a1e0::5"
 EXEMPT = (PortMatch("udp", 41641), PortMatch("tcp", 9002))
@@ -106,20 +106,24 @@ CASES = {
                '-A CB-PREROUTING ! -i tailscale0 -p udp -m udp --dport 10002 -m comment --comment "svc default-dns udp/10002" -j DNAT --to-destination 100.99.99.98:53',  # noqa: E501 -- a rule verbatim
                "-A CB-POSTROUTING -d 100.99.99.98/32 -j SNAT --to-source 100.64.0.5",
                "-A CB-POSTROUTING -d 100.99.99.99/32 -j SNAT --to-source 100.64.0.5"], CLAMP_IPT,
-              "table ip containerboot {\n" + PRE +
-              '\t\tiifname != "tailscale0" dnat ip to meta l4proto . th dport map '
-              "{ tcp . 10001 : 100.99.99.99 . 5432, udp . 10002 : 100.99.99.98 . 53 }\n"
+              "table ip containerboot {\n"
+              "\tmap portmap {\n\t\ttype inet_proto . inet_service : ipv4_addr . inet_service\n"
+              "\t\telements = { tcp . 10001 : 100.99.99.99 . 5432, udp . 10002 : 100.99.99.98 . 53 }\n\t}\n\n"
+              "\tmap snatmap {\n\t\ttype ipv4_addr : ipv4_addr\n"
+              "\t\telements = { 100.99.99.98 : 100.64.0.5, 100.99.99.99 : 100.64.0.5 }\n\t}\n\n" + PRE +
+              '\t\tiifname != "tailscale0" dnat ip to meta l4proto . th dport map @portmap\n'
               "\t}\n\n" + POST +
-              "\t\tsnat to ip daddr map { 100.99.99.98 : 100.64.0.5, 100.99.99.99 : 100.64.0.5 }\n\t}\n"
+              "\t\tsnat to ip daddr map @snatmap\n\t}\n"
               + CLAMP_NFT + "\n}\n"),
     "O5-v6": (RuleSet(port_maps=(
                   ServicePortMap("default-mysvc", "tcp", 10001, 80, "fd7a:115c:a1e0::701:b62a", TS6),),
                       clamp_mss=True), 6,
               ['-A CB-PREROUTING ! -i tailscale0 -p tcp -m tcp --dport 10001 -m comment --comment "svc default-mysvc tcp/10001" -j DNAT --to-destination [fd7a:115c:a1e0::701:b62a]:80',  # noqa: E501 -- a rule verbatim
                "-A CB-POSTROUTING -d fd7a:115c:a1e0::701:b62a/128 -j SNAT --to-source fd7a:115c:a1e0::5"], CLAMP_IPT,
-              "table ip6 containerboot {\n" + PRE +
-              '\t\tiifname != "tailscale0" dnat ip6 to meta l4proto . th dport map '
-              "{ tcp . 10001 : fd7a:115c:a1e0::701:b62a . 80 }\n"
+              "table ip6 containerboot {\n"
+              "\tmap portmap {\n\t\ttype inet_proto . inet_service : ipv6_addr . inet_service\n"
+              "\t\telements = { tcp . 10001 : fd7a:115c:a1e0::701:b62a . 80 }\n\t}\n\n" + PRE +
+              '\t\tiifname != "tailscale0" dnat ip6 to meta l4proto . th dport map @portmap\n'
               "\t}\n\n" + POST +
               "\t\tip6 daddr fd7a:115c:a1e0::701:b62a snat to fd7a:115c:a1e0::5\n\t}\n" + CLAMP_NFT + "\n}\n"),
     # O6: ingress services, VIP -> ClusterIP, no interface restriction.
@@ -174,6 +178,14 @@ def test_nft_render(case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_nft_batch_replaces_both_tables_atomically(case):
     rules, fam, *_ = CASES[case]
+    if case.startswith("O5"):       # named maps: the text batch
+        script = plan_nft_script(rules).splitlines()
+        assert script[:2] == ["add table ip containerboot", "delete table ip containerboot"]
+        assert "delete table ip6 containerboot" in script
+        assert render_nft(rules) in "\n".join(script) + "\n"     # the tables are written as rendered
+        with pytest.raises(ValueError, match="plan_nft_script"):
+            plan_nft(rules)
+        return
     cmds = plan_nft(rules)["nftables"]
     fam_name = "ip" if fam == 4 else "ip6"
     other = "ip6" if fam == 4 else "ip"
@@ -219,17 +231,17 @@ def test_nft_json_chains_and_priorities():
          "prio": -150, "policy": "accept"}]
 
 
-def test_nft_json_port_map_is_one_rule_with_a_map():
+def test_nft_port_map_is_one_rule_with_a_named_map():
     maps = tuple(ServicePortMap(f"ns-svc{i}", "tcp", 10000 + i, 80, f"100.99.{i // 250}.{i % 250 + 1}", TS4)
                  for i in range(500))
-    cmds = plan_nft(RuleSet(port_maps=maps), (4,))["nftables"]
-    pre = [c["add"]["rule"] for c in cmds if c.get("add", {}).get("rule", {}).get("chain") == "prerouting"]
-    assert len(pre) == 1                                   # per-packet cost independent of the service count
-    dnat = pre[0]["expr"][1]["dnat"]
-    assert dnat["family"] == "ip" and len(dnat["addr"]["map"]["data"]["set"]) == 500
-    assert dnat["addr"]["map"]["data"]["set"][0] == [{"concat": ["tcp", 10000]}, {"concat": ["100.99.0.1", 80]}]
-    post = [c for c in cmds if c.get("add", {}).get("rule", {}).get("chain") == "postrouting"]
-    assert len(post) == 1
+    lines = render_nft(RuleSet(port_maps=maps), (4,)).splitlines()
+    rules = [ln for ln in lines if " to " in ln]
+    # per-packet cost independent of the service count: one rule each, a hash map lookup
+    assert rules == ['\t\tiifname != "tailscale0" dnat ip to meta l4proto . th dport map @portmap',
+                     "\t\tsnat to ip daddr map @snatmap"]
+    elements = [ln for ln in lines if "elements" in ln]
+    assert len(elements) == 2 and all(ln.count(" : ") == 500 for ln in elements)
+    assert "tcp . 10000 : 100.99.0.1 . 80, " in elements[0]
     # iptables is allowed to be linear: one rule per map.
     assert plan_iptables(RuleSet(port_maps=maps), 4).count("-j DNAT") == 500
 
@@ -454,7 +466,7 @@ def test_egress_and_port_maps_never_capture_traffic_from_the_tun():        # [E1
         assert ipt and all(ln.startswith("-A CB-PREROUTING ! -i tailscale0 ") for ln in ipt)
         nft = [ln.strip() for ln in render_nft(r).splitlines() if "dnat" in ln]
         assert len(nft) == 2 and all(ln.startswith('iifname != "tailscale0" ') for ln in nft)
-        assert "oifname" not in json.dumps(plan_nft(r))      # (no clamp here, so no legitimate oifname)
+        assert "oifname" not in plan_nft_script(r)      # (no clamp here, so no legitimate oifname)
 
 
 def test_exempt_ports_come_from_all_egress_entries():                       # [E18]

@@ -127,3 +127,14 @@ def test_a_new_netmap_replaces_the_peer_set():
         resolve_tailnet_fqdn(st2, "client.tailnet.test")
     st3 = apply_notify(st, {"SelfChange": me}, 2)  # no peer list: peers are kept
     assert resolve_tailnet_fqdn(st3, "client.tailnet.test")
+
+
+def test_health_warnings_are_kept_for_the_status():
+    st = apply_notify(NodeState(), {"Health": {"Warnings": {
+        "not-in-map-poll": {"Severity": "medium", "Text": "Unable to connect to the coordination server"},
+        "login-state": {"Text": "Logged out."}}}}, 1)
+    assert st.health_warnings == (("login-state", "Logged out."),
+                                  ("not-in-map-poll", "Unable to connect to the coordination server"))
+    assert apply_notify(st, {"Health": {"Warnings": None}}, 2).health_warnings == ()
+    assert apply_notify(st, {"Health": {"Warnings": ["junk"]}}, 3).health_warnings == ()
+    assert apply_notify(st, {"NetMap": None}, 4).health_warnings == st.health_warnings  # no Health: kept

@@ -112,3 +112,12 @@ def test_to_json_is_strict_json() -> None:
 def test_sample_key() -> None:
     assert sample_key("m") == "m"
     assert sample_key("m", b="2", a='x"y\\') == 'm{a="x\\"y\\\\",b="2"}'
+
+
+def test_tailscaled_health_is_reported_without_gating_readiness() -> None:
+    st = running(health_warnings=(("not-in-map-poll", "Unable to connect to the coordination server"),))
+    j = st.to_json(NOW)
+    assert j["tailscaled_health"] == [{"code": "not-in-map-poll",
+                                      "text": "Unable to connect to the coordination server"}]
+    # A control plane outage leaves the data path working: the proxy stays ready (in its Service's endpoints).
+    assert j["ready"] is True

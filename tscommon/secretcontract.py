@@ -9,6 +9,8 @@ import ipaddress
 import json
 from typing import Any, Iterable
 
+from tscommon import jsontext
+
 # Keys written by the agent.
 KEY_CAPVER = "tailscale_capver"
 KEY_POD_UID = "pod_uid"
@@ -71,7 +73,7 @@ def config_key(capver: int) -> str:
 def parse_device_ips(raw: bytes | None) -> tuple[str, ...]:
     """device_ips back to addresses; () for absent, null or malformed (the proxy has not finished yet)."""
     try:
-        v = json.loads(raw) if raw else None
+        v = jsontext.loads(raw) if raw else None
     except ValueError:
         return ()
     if not isinstance(v, list):

@@ -32,6 +32,8 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
+from tscommon import crashpoint
+from tscommon.jsontext import response_json
 from tscommon.redact import redact, register
 
 log = logging.getLogger("containerboot")
@@ -244,6 +246,8 @@ class KubeClient:
         if deadline is None:
             deadline = time.monotonic() + self.retry_budget
         content = None if json_body is None else json.dumps(json_body, separators=(",", ":")).encode()
+        if method in ("POST", "PATCH", "PUT", "DELETE") and resource == "secrets":
+            crashpoint.hit(crashpoint.SECRET_WRITE)
         what = f'{resource} "{name}"' if name else resource
         attempt = 0
         reauthed = False
@@ -268,7 +272,7 @@ class KubeClient:
                 status = resp.status_code
                 if status in (200, 201):
                     try:
-                        return resp.json() if resp.content else None
+                        return response_json(resp) if resp.content else None
                     except ValueError:
                         raise KubeError(f"{verb} {what}: the API server sent a body that is not JSON",
                                         status=status, reason="InvalidResponse", verb=verb, resource=resource,
@@ -317,7 +321,7 @@ class KubeClient:
 
 def _status(resp: httpx.Response) -> dict:
     try:
-        st = resp.json()
+        st = response_json(resp)
         return st if isinstance(st, dict) else {}
     except ValueError:
         return {"message": resp.text[:200]}
@@ -338,20 +342,31 @@ def _retry_after(value: str | None) -> float | None:
 
 
 def _secret_from_json(name: str, obj: Any) -> Secret:
+    def invalid(what: str) -> KubeError:
+        return KubeError(f'secrets "{name}": the API server sent a Secret whose {what}', reason="InvalidResponse",
+                         verb="get", resource="secrets", name=name)
+
     obj = obj if isinstance(obj, dict) else {}
-    meta = obj.get("metadata") or {}
+    meta, raw_data = obj.get("metadata") or {}, obj.get("data") or {}
+    if not isinstance(meta, dict):
+        raise invalid("metadata is not an object")
+    labels = meta.get("labels") or {}
+    if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+        raise invalid("metadata.labels is not an object of strings")
+    if not isinstance(raw_data, dict):
+        raise invalid("data is not an object")
     data: dict[str, bytes] = {}
-    for k, v in (obj.get("data") or {}).items():
+    for k, v in raw_data.items():
         try:
-            data[k] = base64.b64decode(v or "")
+            if not isinstance(v, str | None):
+                raise ValueError(k)
+            data[k] = base64.b64decode(v or "", validate=True)
         except ValueError:
-            raise KubeError(f'secrets "{name}": value of key {k!r} is not valid base64', reason="InvalidResponse",
-                            verb="get", resource="secrets", name=name) from None
+            raise invalid(f"value of key {k!r} is not valid base64") from None
     # Credentials read from the Secret must be masked wherever they might show up later (headscale's hex
     # pre-auth keys have no recognisable prefix, so the pattern-based redaction alone would miss them).
     for k in _CREDENTIAL_KEYS:
         if data.get(k):
             register(data[k].decode(errors="replace").strip())
-    return Secret(name=meta.get("name") or name, resource_version=str(meta.get("resourceVersion") or ""),
-                  data=types.MappingProxyType(data),
-                  labels=types.MappingProxyType(dict(meta.get("labels") or {})))
+    return Secret(name=str(meta.get("name") or name), resource_version=str(meta.get("resourceVersion") or ""),
+                  data=types.MappingProxyType(data), labels=types.MappingProxyType(dict(labels)))

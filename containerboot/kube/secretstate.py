@@ -34,7 +34,8 @@ def boot_reset_patch(existing: Mapping[str, bytes] | None, *, capver: int | str 
     existing is the Secret's data, or None when the Secret does not exist yet. In that case the result holds
     only values to set (no deletions), so the agent can use it to create the Secret, or to patch it if
     tailscaled created it in the meantime. device_id/device_fqdn/device_ips are kept so that the operator can
-    still clean up the old device; tailscaled's own keys are never touched.
+    still clean up the old device; tailscaled's own keys are never touched, except to finish an answered
+    reissue request (reissue_clear_patch) that the previous run was killed before clearing.
     capver None (unknown) deletes a stale tailscale_capver rather than keep a possibly wrong one.
     """
     patch: Patch = {KEY_CAPVER: None if capver is None else str(int(capver)).encode()}
@@ -45,9 +46,10 @@ def boot_reset_patch(existing: Mapping[str, bytes] | None, *, capver: int | str 
     for k in (KEY_HTTPS_ENDPOINT, KEY_EGRESS_SERVICES, KEY_INGRESS_CONFIG):
         patch[k] = None
     # Clear the reissue request only once the operator has acted on it: the config now holds a different key.
-    old = existing.get(KEY_REISSUE_AUTHKEY)
-    if old is not None and config_authkey and old != config_authkey.encode():
-        patch[KEY_REISSUE_AUTHKEY] = None
+    # Then clear all of it, the stale identity and tailscaled's login state too: the run that asked would have
+    # (reissue_clear_patch) had it not been killed first, and tailscaled has not started yet to read them.
+    if reissue_needs_clear(existing, config_authkey):
+        patch.update(reissue_clear_patch(existing))
     if KEY_CAPVER not in existing and capver is None:
         del patch[KEY_CAPVER]
     return patch
@@ -161,7 +163,9 @@ def reissue_clear_patch(data: Mapping[str, bytes] | None) -> Patch:
     current = (data or {}).get(KEY_CURRENT_PROFILE)
     if current:
         name = current.decode(errors="replace").strip()
-        if name:
+        # Only a profile key is tailscaled's to drop: a damaged _current-profile naming another key (the new
+        # authkey, pod_uid) must not delete it.
+        if name.startswith(PROFILE_PREFIX):
             patch[name] = None
     return patch
 

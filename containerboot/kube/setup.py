@@ -14,6 +14,7 @@ from typing import Awaitable, Callable
 
 from containerboot.kube import secretstate
 from containerboot.kube.client import KubeClient, KubeError, rbac_hint
+from tscommon import crashpoint
 from tscommon.aio import wait_event
 from tscommon.redact import redact
 
@@ -101,6 +102,7 @@ async def request_reissue(client: KubeClient, name: str, old_key: str, *, deadli
                  secretstate.reissue_attempts(data), _fmt_duration(delay))
         await asyncio.sleep(delay)
     log.info("Requesting a new auth key from operator")
+    crashpoint.hit(crashpoint.REISSUE_REQUEST)
     await client.patch_secret(name, secretstate.reissue_request_patch(old_key, now=clock(), data=data),
                               deadline=deadline)
 
@@ -110,6 +112,7 @@ async def clear_reissue(client: KubeClient, name: str, *, deadline: float | None
     secret = await client.get_secret(name, deadline=deadline)
     if secret is None:
         return
+    crashpoint.hit(crashpoint.REISSUE_CLEAR)
     await client.patch_secret(name, secretstate.reissue_clear_patch(secret.data), deadline=deadline)
 
 

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tscommon import jsontext
+
 from ..config import ControllerConfig
 from ..model import (ANN_PROXY_GROUP, ANN_TAILNET_FQDN, ANN_TAILNET_IP, ANN_TAILNET_IP_OLD, LABEL_MANAGED,
                      LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, LABEL_PROXY_GROUP, LABEL_SVC_TYPE, SVC,
@@ -149,7 +151,7 @@ def parse_entries(text: str | None) -> dict[str, dict]:
     """The ConfigMap's `egress-services`: {entry name: config}; a missing or broken document is empty (the
     passes write it back whole)."""
     try:
-        doc = json.loads(text) if text else {}
+        doc = jsontext.loads(text) if text else {}
     except ValueError:
         return {}
     return {k: v for k, v in doc.items() if isinstance(v, dict)} if isinstance(doc, dict) else {}
@@ -162,7 +164,8 @@ def dump_entries(entries: Mapping[str, Any]) -> str:
 def entry_ports(entry: Mapping[str, Any] | None) -> dict[tuple[str, int], int]:
     """{(PROTOCOL, target port): matchPort} of an existing entry."""
     out: dict[tuple[str, int], int] = {}
-    for p in (entry or {}).get("ports") or []:
+    ports = (entry or {}).get("ports") or []
+    for p in ports if isinstance(ports, list) else []:
         try:
             out[(str(p["protocol"]).upper(), int(p["targetPort"]))] = int(p["matchPort"])
         except (KeyError, TypeError, ValueError):
@@ -325,7 +328,7 @@ def addresses(replicas: Iterable[Replica], name: str, want: Mapping[str, Any] | 
 def parse_status(raw: bytes | None) -> dict | None:
     """A state Secret's `egress-services` value."""
     try:
-        doc = json.loads(raw) if raw else None
+        doc = jsontext.loads(raw) if raw else None
     except ValueError:
         return None
     return doc if isinstance(doc, dict) else None

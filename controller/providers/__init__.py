@@ -7,6 +7,7 @@ an event or a status.
 """
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import httpx
@@ -49,6 +50,15 @@ def http_error(what: str, e: Exception) -> ProviderError:
         return ProviderError(f"{what}: HTTP {code}{': ' + body if body else ''}",
                              transient=code >= 500 or code == 429)
     return ProviderError(f"{what}: control plane unreachable ({type(e).__name__}: {e})")
+
+
+def not_an_id(provider: str, device_id: str) -> bool:
+    """delete_device's answer for a device_id that cannot be an ID (a damaged or hostile state Secret): it names
+    no device, so there is nothing to delete; said once in the log rather than blocking the pass for good."""
+    logging.getLogger("controller.providers").warning(
+        "%s", redact(f"{provider}: device_id {device_id!r} in a proxy's state Secret is not a device ID; "
+                     "no device deleted"))
+    return False
 
 
 def read_secret_file(path: str, what: str) -> str:

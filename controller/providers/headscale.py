@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from . import ProviderError, http_error, read_secret_file
+from . import ProviderError, http_error, not_an_id, read_secret_file
 
 KEY_TTL = 3600.0
 
@@ -54,9 +54,11 @@ class HeadscaleProvider:
         return key
 
     async def delete_device(self, device_id: str) -> bool:
-        self._node_id(device_id)
+        if not _is_node_id(device_id):
+            return not_an_id("headscale", device_id)
+        node = device_id
         try:
-            r = await self._client.delete(f"/api/v1/node/{device_id}", headers=self._headers())
+            r = await self._client.delete(f"/api/v1/node/{node}", headers=self._headers())
             if r.status_code == 404:
                 return False
             r.raise_for_status()
@@ -65,7 +67,7 @@ class HeadscaleProvider:
         return True
 
     def _node_id(self, device_id: str) -> str:
-        if not device_id.isdigit():
+        if not _is_node_id(device_id):
             raise ProviderError(f"headscale: device_id {device_id!r} is not a headscale node ID", transient=False)
         return device_id
 
@@ -92,3 +94,8 @@ class HeadscaleProvider:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _is_node_id(device_id: str) -> bool:
+    # ASCII digits only: str.isdigit() also accepts other scripts' digits ("٣", "²"), which no node ID has.
+    return device_id.isascii() and device_id.isdigit()

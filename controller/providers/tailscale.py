@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from . import ProviderError, http_error, read_secret_file
+from . import ProviderError, http_error, not_an_id, read_secret_file
 
 KEY_EXPIRY_S = 3600
 
@@ -71,6 +71,8 @@ class TailscaleProvider:
         return key
 
     async def delete_device(self, device_id: str) -> bool:
+        if not _is_device_id(device_id):
+            return not_an_id("tailscale", device_id)
         try:
             r = await self._client.delete(f"/api/v2/device/{device_id}", headers=await self._bearer())
             if r.status_code == 404:
@@ -81,6 +83,8 @@ class TailscaleProvider:
         return True
 
     async def device_tags(self, device_id: str) -> tuple[str, ...] | None:
+        if not _is_device_id(device_id):
+            raise ProviderError(f"tailscale: device_id {device_id!r} is not a device ID", transient=False)
         try:
             r = await self._client.get(f"/api/v2/device/{device_id}", headers=await self._bearer())
             if r.status_code == 404:
@@ -92,6 +96,8 @@ class TailscaleProvider:
         return tuple(sorted(set(tags)))
 
     async def set_device_tags(self, device_id: str, tags: tuple[str, ...]) -> None:
+        if not _is_device_id(device_id):
+            raise ProviderError(f"tailscale: device_id {device_id!r} is not a device ID", transient=False)
         try:
             r = await self._client.post(f"/api/v2/device/{device_id}/tags", json={"tags": sorted(set(tags))},
                                         headers=await self._bearer())
@@ -101,3 +107,9 @@ class TailscaleProvider:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _is_device_id(device_id: str) -> bool:
+    # The ID goes into an API path, and it comes from a Secret the proxy writes: anything but an ID (a '/', '..',
+    # '?') would send the request to another endpoint with the controller's credentials.
+    return device_id.isascii() and device_id.isalnum()

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """A stand-in for the `tailscale` CLI in unit tests: records its argv, and `up` logs the fake backend in.
 
+Like the real CLI, a credential flag's `file:<path>` value is read from that file: `tailscale.argv` records the
+flags as the CLI understood them (values read), `tailscale.rawargv` the command line as given.
 FAKE_TS_UP_FAIL=1 makes `up` fail; FAKE_TS_UP_HANG=1 makes it hang (to test the boot timeout). Like the real
 `up`, it exits only once the backend is Running. FAKE_TS_UP_EXIT_GATE=<path>: once Running, `up` writes
 <path>.running and exits only when <path> exists (the test decides when the CLI's exit lands).
@@ -14,10 +16,23 @@ import sys
 import time
 
 
+_FILE_FLAGS = ("--authkey=", "--auth-key=", "--client-secret=", "--id-token=")
+
+
+def _resolved(arg: str) -> str:
+    flag, _, value = arg.partition("=")
+    if arg.startswith(_FILE_FLAGS) and value.startswith("file:"):
+        with open(value[len("file:"):]) as f:
+            return f"{flag}={f.read().strip()}"
+    return arg
+
+
 def main() -> int:
-    args = sys.argv[1:]
-    with open(os.path.join(os.environ["FAKE_TS_DIR"], "tailscale.argv"), "a") as f:
-        f.write(json.dumps(args) + "\n")
+    raw = sys.argv[1:]
+    args = [_resolved(a) for a in raw]
+    for name, recorded in (("tailscale.argv", args), ("tailscale.rawargv", raw)):
+        with open(os.path.join(os.environ["FAKE_TS_DIR"], name), "a") as f:
+            f.write(json.dumps(recorded) + "\n")
     sock = next((a.split("=", 1)[1] for a in args if a.startswith("--socket=")), "/tmp/tailscaled.sock")
     verb = next((a for a in args if not a.startswith("-")), "")
     if verb == "up":

@@ -1,0 +1,455 @@
+"""ProxyGroup failover on two nodes: the scenario that netns-tests/test_pg_failover_twonode.py asserts and
+bench/pgfailover.py measures.
+
+A two-node lab cluster (labtools.kubecluster ``nodes=2``: the replicas land on different nodes), the controller
+installed from deploy/ with the headscale provider, a ProxyGroup of 2 (type egress) and an egress Service on it
+for a TCP echo server on the lab's tailnet node ``client`` (it answers each line with the peer's address: the
+replica's tailnet IP, so every answer says which replica carried it). A client Pod on the first node:
+
+* opens a NEW connection to the Service every 0.2 s (2 s timeout) and logs ``<t> new ok <peer>`` or
+  ``<t> new fail <error>``;
+* holds one connection through each replica and sends a line on each every 0.5 s: ``<t> held <peer> <port>
+  ok|fail``; a broken one is replaced by a new connection (a new local port) until both replicas are held.
+
+The cases (each on a group with both replicas serving, and returning a :class:`CaseResult`):
+
+* ``delete_pod``: ``kubectl delete pod`` of one replica (its pre-stop drain, the StatefulSet's new Pod);
+* ``kill_tailscaled``: SIGKILL to one replica's tailscaled (the container restarts);
+* ``lose_node``: the second node cut off (island link down, kubelet stopped): its replica lives on, unreachable,
+  until Kubernetes marks the node unreachable and evicts (deletes) the Pod; the controller then drops it from
+  the EndpointSlice. The lab's node-loss timing is kubecluster.NODE_MONITOR_GRACE_S and
+  UNREACHABLE_TOLERATION_S (Kubernetes' defaults: 50 s and 300 s).
+
+Each case ends on an event, never after a fixed time: the victim serving new connections again (cases a, b), or
+ten consecutive successes after the victim left the EndpointSlice (case c).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from labtools import clusterdns, kubecluster, kubecontroller
+from labtools.lab import Lab, wait_until
+
+PG = "ha"
+PREFIX = "ha"
+NS = "fo"
+SVC = "echo"
+PORT = 18100
+
+#: the client Pod's program (see the module docstring)
+CLIENT = r'''
+import socket, threading, time
+HOST, PORT = "echo", {port}
+lock = threading.Lock()
+
+def out(*a):
+    with lock:
+        print(f"{{time.time():.3f}}", *a, flush=True)
+
+def ask(s):
+    s.sendall(b"ping\n")
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = s.recv(256)
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return buf.split()[0].decode()
+
+def held():
+    socks = {{}}
+    while True:
+        t = time.time()
+        for peer, s in list(socks.items()):
+            try:
+                ask(s)
+                out("held", peer, s.getsockname()[1], "ok")
+            except Exception as e:
+                out("held", peer, s.getsockname()[1], "fail", type(e).__name__)
+                s.close()
+                del socks[peer]
+        if len(socks) < 2:
+            try:
+                s = socket.create_connection((HOST, PORT), timeout=2)
+                peer = ask(s)
+                if peer in socks:
+                    s.close()
+                else:
+                    socks[peer] = s
+            except Exception:
+                pass
+        time.sleep(max(0.0, 0.5 - (time.time() - t)))
+
+threading.Thread(target=held, daemon=True).start()
+while True:
+    t = time.time()
+    try:
+        with socket.create_connection((HOST, PORT), timeout=2) as s:
+            s.settimeout(2)
+            peer = ask(s)
+        print(f"{{t:.3f}} new ok {{peer}}", flush=True)
+    except Exception as e:
+        print(f"{{t:.3f}} new fail {{type(e).__name__}}", flush=True)
+    time.sleep(max(0.0, 0.2 - (time.time() - t)))
+'''
+
+
+# --------------------------------------------------------------------------------------------------------
+# the client's log, pure
+# --------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Attempt:
+    t: float
+    ok: bool
+    peer: str            # the replica's tailnet IP ("" for a failure)
+
+
+@dataclass(frozen=True)
+class Held:
+    t: float
+    peer: str
+    port: int            # the client's local port: one held connection
+    ok: bool
+
+
+def parse_log(text: str) -> tuple[list[Attempt], list[Held]]:
+    new: list[Attempt] = []
+    held: list[Held] = []
+    for line in text.splitlines():
+        p = line.split()
+        try:
+            if len(p) >= 4 and p[1] == "new":
+                new.append(Attempt(float(p[0]), p[2] == "ok", p[3] if p[2] == "ok" else ""))
+            elif len(p) >= 5 and p[1] == "held":
+                held.append(Held(float(p[0]), p[2], int(p[3]), p[4] == "ok"))
+        except ValueError:
+            continue
+    return new, held
+
+
+def longest_gap(attempts: list[Attempt], start: float, end: float) -> float:
+    """The longest time between two successful new connections around [start, end]: from the last success at
+    or before ``start`` to the first at or after ``end``."""
+    oks = sorted(a.t for a in attempts if a.ok)
+    before = [t for t in oks if t <= start]
+    after = [t for t in oks if t >= end]
+    inside = [t for t in oks if start < t < end]
+    pts = before[-1:] + inside + after[:1]
+    return max((b - a for a, b in zip(pts, pts[1:])), default=float("inf"))
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    case: str
+    victim: str                  # the replica Pod
+    victim_ip: str
+    survivor_ip: str
+    start: float                 # the event (wall clock)
+    end: float                   # the case's closing event
+    gap_s: float                 # longest time between successful new connections over the case
+    new_ok: int                  # new connections over the case
+    new_fail: int
+    new_ok_survivor: int         # successes through the surviving replica while the victim was out
+    held_port: int               # the connection through the survivor held from before the event
+    held_ok_after: bool          # ... answered after the victim was back (or gone for good)
+    held_failed: bool            # ... broke during the case
+    events: dict[str, float] = field(default_factory=dict)   # seconds after start
+
+
+def judge(case: str, victim: str, victim_ip: str, survivor_ip: str, start: float, out_end: float, end: float,
+          text: str, events: dict[str, float] | None = None) -> CaseResult:
+    """The figures of one case from the client's log: ``out_end`` is when the victim was back (or gone for
+    good), ``end`` the case's closing event."""
+    new, held = parse_log(text)
+    window = [a for a in new if start <= a.t <= end]
+    before = [h for h in held if h.peer == survivor_ip and h.t < start and h.ok]
+    port = before[-1].port if before else -1
+    mine = [h for h in held if h.port == port]
+    return CaseResult(
+        case, victim, victim_ip, survivor_ip, start, end, longest_gap(new, start, end),
+        sum(a.ok for a in window), sum(not a.ok for a in window),
+        sum(1 for a in window if a.ok and a.peer == survivor_ip and a.t <= out_end),
+        port, any(h.ok and h.t >= out_end for h in mine), any(not h.ok for h in mine if h.t >= start),
+        dict(events or {}))
+
+
+# --------------------------------------------------------------------------------------------------------
+# the scenario, on a real cluster
+# --------------------------------------------------------------------------------------------------------
+
+def echo_serve(addr: str, port: int) -> int:
+    """A TCP server answering each line with ``<peer address> <line>`` (run inside the tailnet node's
+    namespace)."""
+    import socketserver
+
+    class H(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            for line in self.rfile:
+                self.wfile.write(f"{self.client_address[0]} ".encode() + line)
+
+    class S(socketserver.ThreadingTCPServer):
+        allow_reuse_address = True
+        daemon_threads = True
+
+    with S((addr, port), H) as srv:
+        print(f"listening on {addr}:{port}", flush=True)
+        srv.serve_forever()
+    return 0
+
+
+class Scenario:
+    """One two-node cluster with the controller, the group, the Service and the client Pod (see the module
+    docstring). ``Scenario.start(lab, kc, images)``; cases with ``delete_pod()``, ``kill_tailscaled()``,
+    ``lose_node()``; ``stop()``."""
+
+    def __init__(self, lab: Lab, kc: kubecluster.KubeCluster) -> None:
+        self.lab, self.kc = lab, kc
+        self.procs: list[subprocess.Popen] = []
+        self.figures: dict[str, float] = {}
+        self.target = ""
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def start(cls, lab: Lab, kc: kubecluster.KubeCluster, images: tuple[Any, Any], *,
+              timeout: float = 240.0) -> "Scenario":
+        sc = cls(lab, kc)
+        try:
+            sc._start(images, timeout)
+        except BaseException:
+            sc.stop()
+            raise
+        return sc
+
+    def _start(self, images: tuple[Any, Any], timeout: float) -> None:
+        lab, kc = self.lab, self.kc
+        c4, _ = lab.tailnet_ips("client")
+        assert c4
+        self.target = c4
+        self.procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", lab.netns("client"), sys.executable, "-m", "labtools.pgfailover", "echo-serve",
+             c4, str(PORT)], env={"PYTHONPATH": str(kubecontroller.REPO), "PATH": kubecluster.SYS_PATH},
+            stdout=open(kc.run_dir / "echo-server.log", "w"), stderr=subprocess.STDOUT))
+        token = kc.run_dir / "clusterdns-fo.token"
+        token.write_text(kc.token)
+        token.chmod(0o600)
+        self.procs.append(kc.popen(
+            [sys.executable, "-m", "labtools.clusterdns", "--listen", kc.cfg.api_host, "--server", kc.server,
+             "--token-file", str(token), "--ca", str(kc.ca_cert)], env={"PYTHONPATH": str(kubecontroller.REPO)},
+            stdout=open(kc.run_dir / "clusterdns-fo.log", "w"), stderr=subprocess.STDOUT))
+        # the controller on the first node: losing the second node then loses a replica, not the controller too
+        # (which a real cluster would run with replicas of its own)
+        kc.kubectl("cordon", kc.nodes[1])
+        kubecontroller.install(kc, lab, *images, firewall=lab.firewall_mode, method="kubectl")
+        kc.kubectl("uncordon", kc.nodes[1])
+        t0 = time.monotonic()
+        kc.apply({"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyGroup", "metadata": {"name": PG},
+                  "spec": {"type": "egress", "replicas": 2, "hostnamePrefix": PREFIX}})
+        wait_until(self._group_ready, timeout, 1, "the ProxyGroup ready with 2 devices")
+        self.figures["group_ready_s"] = time.monotonic() - t0
+        kc.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
+                  {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "client", "namespace": NS},
+                   "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                            "nodeName": kc.nodes[0], **clusterdns.pod_dns_config(kc.cfg.api_host, NS),
+                            "containers": [{"name": "c", "image": kubecontroller.PROXY_IMAGE,
+                                            "imagePullPolicy": "Never",
+                                            "command": ["python3", "-u", "-c", CLIENT.format(port=PORT)]}]}}])
+        kc.wait_pod_ready(NS, "client")
+        t_svc = time.time()
+        kc.apply({"apiVersion": "v1", "kind": "Service",
+                  "metadata": {"name": SVC, "namespace": NS, "annotations": {
+                      "tailscale.com/proxy-group": PG, "tailscale.com/tailnet-ip": c4}},
+                  "spec": {"type": "ExternalName", "externalName": "placeholder",
+                           "ports": [{"name": "echo", "port": PORT, "protocol": "TCP"}]}})
+        first = wait_until(lambda: next((a for a in self.new() if a.ok and a.t >= t_svc), None), timeout, 0.5,
+                           "a first successful connection through the egress Service")
+        self.figures["service_to_first_success_s"] = first.t - t_svc
+        self.wait_both_serving(timeout)
+
+    def _group_ready(self) -> dict | None:
+        g = self.kc.get("proxygroup", PG) or {}
+        conds = {c["type"]: c for c in (g.get("status") or {}).get("conditions") or []}
+        ok = conds.get("ProxyGroupReady", {}).get("status") == "True"
+        return g if ok and len((g.get("status") or {}).get("devices") or []) == 2 else None
+
+    # ------------------------------------------------------------------ observations
+    def log(self) -> str:
+        return self.kc.kubectl("-n", NS, "logs", "client", check=False, timeout=30).stdout
+
+    def new(self) -> list[Attempt]:
+        return parse_log(self.log())[0]
+
+    def replicas(self) -> dict[str, dict[str, str]]:
+        """Replica Pod name → its node, Pod IP and tailnet IPv4 (from the group's status)."""
+        g = self.kc.get("proxygroup", PG) or {}
+        ips = {d["hostname"].split(".")[0]: next((i for i in d.get("tailnetIPs") or [] if ":" not in i), "")
+               for d in (g.get("status") or {}).get("devices") or []}
+        pods = json.loads(self.kc.kubectl("-n", kubecontroller.NS, "get", "pods", "-l",
+                                          f"tailscale.com/parent-resource={PG}", "-o", "json").stdout)["items"]
+        out = {}
+        for p in pods:
+            name = p["metadata"]["name"]
+            idx = name.rsplit("-", 1)[1]
+            out[name] = {"node": p["spec"].get("nodeName", ""), "pod_ip": (p.get("status") or {}).get("podIP", ""),
+                         "tailnet_ip": ips.get(f"{PREFIX}-{idx}", ""), "uid": p["metadata"]["uid"]}
+        return out
+
+    def slice_addresses(self) -> set[str]:
+        s = self.kc.get("service", SVC, NS) or {}
+        target = (s.get("spec") or {}).get("externalName", "").split(".")[0]
+        eps = self.kc.get("endpointslice", f"{target}-ipv4", kubecontroller.NS) or {}
+        return {a for e in eps.get("endpoints") or [] for a in e.get("addresses") or []}
+
+    def wait_both_serving(self, timeout: float = 240.0) -> dict[str, dict[str, str]]:
+        """Both replicas in the EndpointSlice, new connections through each, a held connection through each."""
+        def pred():
+            reps = self.replicas()
+            if len(reps) != 2 or self.slice_addresses() != {r["pod_ip"] for r in reps.values()}:
+                return None
+            new, held = parse_log(self.log())
+            since = max((a.t for a in new), default=0) - 10
+            peers = {r["tailnet_ip"] for r in reps.values()}
+            fresh_new = {a.peer for a in new if a.ok and a.t > since}
+            fresh_held = {h.peer for h in held if h.ok and h.t > since}
+            return reps if peers <= fresh_new and peers <= fresh_held else None
+        return wait_until(pred, timeout, 1, "both replicas serving new and held connections")
+
+    # ------------------------------------------------------------------ the cases
+    def _victim(self, node_index: int) -> tuple[str, dict[str, str], dict[str, str]]:
+        reps = self.wait_both_serving()
+        node = self.kc.nodes[node_index]
+        victim = next(n for n, r in reps.items() if r["node"] == node)
+        survivor = next(r for n, r in reps.items() if n != victim)
+        return victim, reps[victim], survivor
+
+    def _back(self, victim_ip: str, after: float, timeout: float) -> float:
+        a = wait_until(lambda: next((a for a in self.new() if a.ok and a.peer == victim_ip and a.t > after), None),
+                       timeout, 0.5, f"new connections through the victim ({victim_ip}) again")
+        return a.t
+
+    def _close(self, out_end: float, timeout: float) -> float:
+        """The case's closing event: a held connection through the survivor answered after ``out_end``."""
+        def pred():
+            _, held = parse_log(self.log())
+            return next((h.t for h in held if h.ok and h.t > out_end + 1), None)
+        return wait_until(pred, timeout, 0.5, "a held connection answering after the case")
+
+    def delete_pod(self, timeout: float = 240.0) -> CaseResult:
+        victim, v, s = self._victim(1)
+        start = time.time()
+        self.kc.kubectl("-n", kubecontroller.NS, "delete", "pod", victim, "--wait=false")
+        events: dict[str, float] = {}
+        wait_until(lambda: v["pod_ip"] not in self.slice_addresses(), timeout, 0.2, "the victim out of the slice")
+        events["left_slice"] = time.time() - start
+
+        def replaced() -> bool:
+            r = self.replicas().get(victim)
+            return bool(r and r["uid"] != v["uid"] and r["pod_ip"] and r["pod_ip"] in self.slice_addresses())
+        wait_until(replaced, timeout, 0.5, f"{victim}'s new Pod in the EndpointSlice")
+        t_new = time.time()
+        events["new_pod_in_slice"] = t_new - start
+        back = self._back(v["tailnet_ip"], t_new, timeout)
+        events["back"] = back - start
+        end = self._close(back, timeout)
+        return judge("delete_pod", victim, v["tailnet_ip"], s["tailnet_ip"], start, back, end, self.log(), events)
+
+    def kill_tailscaled(self, timeout: float = 240.0) -> CaseResult:
+        victim, v, s = self._victim(0)
+        kill = ("import os, signal\n"
+                "for p in os.listdir('/proc'):\n"
+                "    try:\n"
+                "        if p.isdigit() and open(f'/proc/{p}/comm').read().strip() == 'tailscaled':\n"
+                "            os.kill(int(p), signal.SIGKILL); print('killed', p)\n"
+                "    except OSError:\n"
+                "        pass\n")
+        start = time.time()
+        cp = self.kc.kubectl("-n", kubecontroller.NS, "exec", victim, "-c", "tailscale", "--", "python3", "-c", kill)
+        if "killed" not in cp.stdout:
+            raise AssertionError(f"no tailscaled found in {victim}: {cp.stdout}{cp.stderr}")
+        killed = time.time()
+        back = self._back(v["tailnet_ip"], killed, timeout)
+        events = {"killed": killed - start, "back": back - start}
+        end = self._close(back, timeout)
+        return judge("kill_tailscaled", victim, v["tailnet_ip"], s["tailnet_ip"], start, back, end, self.log(),
+                     events)
+
+    def lose_node(self, timeout: float = 240.0) -> CaseResult:
+        victim, v, s = self._victim(1)
+        node = self.kc.nodes[1]
+        start = time.time()
+        self.kc.lose_node(node)
+        events: dict[str, float] = {}
+
+        def node_unknown():
+            n = self.kc.get("node", node) or {}
+            c = next((c for c in (n.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"), {})
+            return c.get("status") != "True"
+        wait_until(node_unknown, timeout, 0.5, f"node {node} no longer Ready")
+        events["node_not_ready"] = time.time() - start
+
+        def evicted():
+            p = self.kc.get("pod", victim, kubecontroller.NS) or {}
+            return p.get("metadata", {}).get("uid") != v["uid"] or p.get("metadata", {}).get("deletionTimestamp")
+        wait_until(evicted, timeout, 0.5, f"{victim} evicted")
+        events["pod_evicted"] = time.time() - start
+        wait_until(lambda: v["pod_ip"] not in self.slice_addresses(), timeout, 0.2, "the victim out of the slice")
+        left = time.time()
+        events["left_slice"] = left - start
+
+        def ten_ok() -> float | None:
+            run = 0
+            for a in self.new():
+                if a.t <= left:
+                    continue
+                run = run + 1 if a.ok else 0
+                if run >= 10:
+                    return a.t
+            return None
+        settled = wait_until(ten_ok, timeout, 0.5, "ten consecutive successes after the victim left the slice")
+        events["ten_ok_after_slice"] = settled - start
+        end = self._close(settled, timeout)
+        return judge("lose_node", victim, v["tailnet_ip"], s["tailnet_ip"], start, left, end, self.log(), events)
+
+    def report(self) -> str:
+        kc = self.kc
+        got = kc.kubectl("get", "pods,endpointslices", "-A", "-o", "wide", check=False).stdout
+        return (f"{kubecontroller.controller_log(kc, 80)}\n--- objects\n{got}\n--- client (tail)\n"
+                f"{self.log()[-3000:]}")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        self.procs.clear()
+
+
+def run_all(lab: Lab, kc: kubecluster.KubeCluster, images: tuple[Any, Any],
+            say: Callable[[str], None] = print) -> tuple[dict[str, float], list[CaseResult]]:
+    """The whole scenario: set-up, then the three cases in order (the last one leaves the second node lost)."""
+    sc = Scenario.start(lab, kc, images)
+    try:
+        results = []
+        for case in (sc.delete_pod, sc.kill_tailscaled, sc.lose_node):
+            r = case()
+            say(f"{r.case}: gap {r.gap_s:.2f}s, {r.new_ok} ok / {r.new_fail} failed new connections, events "
+                + ", ".join(f"{k} {v:.1f}s" for k, v in r.events.items()))
+            results.append(r)
+        return sc.figures, results
+    finally:
+        sc.stop()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "echo-serve":
+        sys.exit(echo_serve(sys.argv[2], int(sys.argv[3])))
+    print("usage: python -m labtools.pgfailover echo-serve ADDR PORT", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,81 @@
+"""ProxyGroup failover on a cluster of two nodes (labtools.pgfailover's scenario, one cluster for the module).
+
+A ProxyGroup of 2 (type egress) whose replicas run on different nodes, an egress Service on it for a TCP echo
+server on the lab's tailnet node, and a client Pod on the first node opening a new connection through the
+Service every 0.2 s while holding one connection through each replica. Then, one after the other:
+
+(a) one replica's Pod deleted, (b) one replica's tailscaled killed, (c) the second node lost (island link down,
+kubelet stopped: its replica lives on, unreachable).
+
+In each case new connections keep succeeding through the other replica while the victim is out, the connection
+held through the surviving replica is never reset and still answers after the case, and the group serves
+through both replicas again (a, b) or the lost replica leaves the Service's EndpointSlice and every new
+connection succeeds (c). The figures (gaps, time from Service creation to the first success) are printed and
+measured by bench/pgfailover.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from labtools import kubecluster, kubecontroller, pgfailover
+from needs import unavailable
+
+pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def scenario(lab):
+    try:
+        bdir = kubecluster.ensure_binaries()
+    except kubecluster.ClusterError as e:
+        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
+    try:
+        images = kubecontroller.build_images()
+    except RuntimeError as e:
+        if "setup.sh --image" in str(e):
+            unavailable(f"the image build's packages cannot be installed: {e}")
+        raise
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, nodes=2, bin_dir=bdir)
+    sc = None
+    try:
+        sc = pgfailover.Scenario.start(lab, kc, images)
+        yield sc
+    except BaseException:
+        print(kubecontroller.controller_log(kc, 200))
+        print(kc.diagnostics())
+        raise
+    finally:
+        if sc is not None:
+            sc.stop()
+        kc.close()
+
+
+def _check(sc: pgfailover.Scenario, r: pgfailover.CaseResult) -> None:
+    print(f"{r.case}: victim {r.victim} ({r.victim_ip}), longest gap {r.gap_s:.2f}s, {r.new_ok} ok / "
+          f"{r.new_fail} failed new connections, {r.new_ok_survivor} through the survivor while the victim was "
+          f"out; events: " + ", ".join(f"{k} {v:.1f}s" for k, v in r.events.items()))
+    detail = f"{r}\n{sc.report()}"
+    assert r.new_ok_survivor > 0, f"no new connection succeeded through the surviving replica\n{detail}"
+    assert r.held_port > 0, f"no connection held through the survivor before the event\n{detail}"
+    assert not r.held_failed, f"the connection held through the surviving replica broke\n{detail}"
+    assert r.held_ok_after, f"the connection held through the surviving replica went quiet\n{detail}"
+
+
+def test_replicas_run_on_different_nodes_and_serve_from_the_service_creation(scenario):
+    reps = scenario.wait_both_serving()
+    assert sorted(r["node"] for r in reps.values()) == scenario.kc.nodes, reps
+    assert all(r["tailnet_ip"] for r in reps.values()), reps
+    print(f"figures: {scenario.figures}")
+    assert scenario.figures["service_to_first_success_s"] > 0
+
+
+def test_a_replica_pod_deleted_new_connections_keep_working(scenario):
+    _check(scenario, scenario.delete_pod())
+
+
+def test_a_replica_tailscaled_killed_new_connections_keep_working(scenario):
+    _check(scenario, scenario.kill_tailscaled())
+
+
+def test_a_node_lost_new_connections_keep_working_through_the_other(scenario):
+    _check(scenario, scenario.lose_node())

@@ -1,0 +1,89 @@
+"""No credential in the process table of anything the agent starts, with a real tailscaled, `tailscale up` and
+headscale: while the agent boots, every process it starts (tailscaled, each CLI run) has its /proc/<pid>/environ
+and /proc/<pid>/cmdline read as soon as it appears; the auth key is in none of them, and the node still logs in
+with it (so the key did reach the CLI, as a file:).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.netns, pytest.mark.e2e]
+
+
+def _children_of(pid: int) -> list[int]:
+    """Every descendant of pid (one /proc scan)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+                parents[int(entry)] = int(fields[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+class ProcessWatch:
+    """Reads environ and cmdline of each descendant of `pid` every few milliseconds until stopped."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: dict[int, tuple[bytes, bytes]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for child in _children_of(self.pid):
+                try:
+                    with open(f"/proc/{child}/cmdline", "rb") as f:
+                        cmdline = f.read()
+                    with open(f"/proc/{child}/environ", "rb") as f:
+                        environ = f.read()
+                except OSError:
+                    continue
+                old = self.seen.get(child, (b"", b""))
+                # A process that execs (a shell wrapper) shows a new command line: keep the longest of each.
+                self.seen[child] = (max(old[0], cmdline, key=len), max(old[1], environ, key=len))
+            time.sleep(0.005)
+
+    def stop(self) -> dict[int, tuple[bytes, bytes]]:
+        self._stop.set()
+        self._thread.join(5)
+        return self.seen
+
+
+def test_no_key_in_environ_or_cmdline_of_any_child(lab, start_agent) -> None:
+    key = lab.authkey
+    agent = start_agent({"TS_AUTH_ONCE": "false"})
+    watch = ProcessWatch(agent.proc.pid)
+    try:
+        agent.wait_running(60)
+        agent.wait_for_log("Startup complete", 60)
+    finally:
+        seen = watch.stop()
+    names = {os.path.basename(cmd.split(b"\0", 1)[0]).decode() for cmd, _ in seen.values()}
+    assert {"tailscaled", "tailscale"} <= names, f"the watch missed a process: {sorted(names)}"
+    for pid, (cmdline, environ) in seen.items():
+        shown = cmdline.replace(b"\0", b" ").decode(errors="replace")
+        assert key.encode() not in cmdline, f"auth key on the command line of {pid}: {shown}"
+        assert key.encode() not in environ, f"auth key in the environment of {pid}: {shown}"
+        assert b"TS_AUTHKEY=" not in environ, f"TS_AUTHKEY in the environment of {pid}: {shown}"
+    up = [cmd for cmd, _ in seen.values() if b"\0up\0" in cmd]
+    assert up and all(b"--authkey=file:" in cmd for cmd in up), up
+    # The key file is gone once `tailscale up` has exited.
+    path = up[0].split(b"--authkey=file:", 1)[1].split(b"\0", 1)[0].decode()
+    assert not os.path.exists(path)
+    assert key not in agent.log_text()

@@ -1,0 +1,187 @@
+"""The controller under a hostile API server: many Services, and at random a 500, a 429 with Retry-After, a 409
+Conflict on a write, or a slow answer (the in-memory API server of tests/support/fakekube.py behind a fault
+injector, the work queue and the reconciler as the controller runs them; a fixed seed).
+
+It converges (every Service gets its proxy and a Ready condition), it never writes in a loop (writes per Service
+stay within a small multiple of a fault-free run's, and a full re-run after convergence writes nothing), it
+respects Retry-After (no request for a parent before the time a 429 named), and it logs each kind of fault
+without flooding (one line per kind per window, with a count of those folded in).
+
+HOSTILE_SERVICES (default 60) sets the number of Services; `make hostile` runs 500. The figures are printed.
+Not covered here: dropped watch streams (kopf's watcher re-lists and resumes; the real-API-server tests in
+netns-tests/test_controller_apiserver.py run kopf).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import os
+import random
+import time
+from collections import Counter
+from typing import Any, cast
+
+import pytest
+
+from controller.config import ControllerConfig
+from controller.kubeapi import SERVICES, STATEFULSETS, KubeError
+from controller.queue import FaultLog, WorkQueue
+from controller.reconcile import Reconciler
+from tests.support.fakekube import FakeKube, FakeProvider
+
+N = int(os.environ.get("HOSTILE_SERVICES", "60"))
+# Per API call. A pass makes about 15 calls, so about half the passes meet at least one fault.
+FAULT_RATE = 0.05
+CFG = ControllerConfig(namespace="tailscale", proxy_image="registry.local/proxy:1", login_server="http://hs:8080")
+WRITES = ("create", "patch", "delete")
+current: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("current", default=None)
+
+
+class HostileKube:
+    """FakeKube's interface, with faults: each call fails at random with 500, 429 + Retry-After or (writes) 409
+    Conflict, or is slow. Records every call and every 429 per parent."""
+
+    def __init__(self, inner: FakeKube, rng: random.Random, fault_rate: float) -> None:
+        self.inner, self.rng, self.rate = inner, rng, fault_rate
+        self.calls: Counter[tuple[tuple | None, str]] = Counter()
+        self.faults: Counter[str] = Counter()
+        self.not_before: dict[tuple, float] = {}       # parent -> earliest time a 429 allowed
+        self.early: list[tuple[tuple, float]] = []      # requests before that time
+        for name in ("get", "list") + WRITES:
+            setattr(self, name, self._wrap(name, getattr(inner, name)))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            key = current.get()
+            now = time.monotonic()
+            if key is not None and now < self.not_before.get(key, 0.0):
+                self.early.append((key, self.not_before[key] - now))
+            self.calls[(key, "write" if name in WRITES else "read")] += 1
+            r = self.rng.random()
+            if r < self.rate:
+                kind = self.rng.choice(["500", "429", "409"] if name in WRITES else ["500", "429"])
+                self.faults[kind] += 1
+                if kind == "500":
+                    raise KubeError(f"{name}: 500 etcdserver: request timed out", status=500,
+                                    reason="InternalError")
+                if kind == "429":
+                    wait = self.rng.choice([0.2, 0.5, 1.0])
+                    if key is not None:
+                        self.not_before[key] = now + wait
+                    raise KubeError(f"{name}: 429 too many requests", status=429, reason="TooManyRequests",
+                                    retry_after=wait)
+                raise KubeError(f"{name}: 409 the object has been modified", status=409, reason="Conflict")
+            if r < self.rate + 0.05:
+                self.faults["slow"] += 1
+                await asyncio.sleep(0.05)
+            return await fn(*args, **kwargs)
+        return call
+
+
+def _service(kube: FakeKube, i: int) -> None:
+    kube.put(SERVICES, {"metadata": {"name": f"s{i}", "namespace": "apps",
+                                     "annotations": {"tailscale.com/expose": "true"}},
+                        "spec": {"type": "ClusterIP", "clusterIP": f"10.96.{i // 250}.{i % 250 + 1}",
+                                 "clusterIPs": [f"10.96.{i // 250}.{i % 250 + 1}"], "ipFamilies": ["IPv4"]}})
+
+
+def _converged(kube: FakeKube) -> bool:
+    if len(kube.of(STATEFULSETS)) != N:
+        return False
+    return all(((kube.obj(SERVICES, f"s{i}", "apps") or {}).get("status") or {}).get("conditions") for i in range(N))
+
+
+async def _run(fault_rate: float, seed: int = 7) -> tuple[HostileKube, WorkQueue, float]:
+    inner, prov = FakeKube(), FakeProvider()
+    for i in range(N):
+        _service(inner, i)
+    hostile = HostileKube(inner, random.Random(seed), fault_rate)
+    rec = Reconciler(cast(Any, hostile), prov, CFG)
+
+    async def work(key: tuple) -> float | None:
+        current.set(key)
+        await rec.reconcile(*key)
+        return None        # the rechecks a real run schedules are not what this test is about
+
+    q = WorkQueue(work, concurrency=16, base_delay=0.05, max_delay=2.0)
+    q.fault_log = FaultLog(window=60.0)
+    t0 = time.monotonic()
+    for i in range(N):
+        q.poke(("svc", "apps", f"s{i}"))
+    for _ in range(6000):
+        await asyncio.sleep(0.05)
+        if _converged(inner) and not q.failures:
+            break
+    took = time.monotonic() - t0
+    assert _converged(inner), f"not converged after {took:.0f}s; failing: {dict(list(q.failures.items())[:5])}"
+    return hostile, q, took
+
+
+def _writes_per_service(h: HostileKube) -> list[int]:
+    return [h.calls[(("svc", "apps", f"s{i}"), "write")] for i in range(N)]
+
+
+async def test_converges_with_bounded_writes_respecting_retry_after(caplog: pytest.LogCaptureFixture) -> None:
+    clean, q0, clean_took = await _run(0.0)
+    await q0.aclose()
+    clean_max = max(_writes_per_service(clean))
+    caplog.set_level(logging.WARNING, logger="controller")
+    hostile, q, took = await _run(FAULT_RATE)
+    writes = _writes_per_service(hostile)
+    reads = [hostile.calls[(("svc", "apps", f"s{i}"), "read")] for i in range(N)]
+    print(f"hostile API: {N} Services, faults {dict(hostile.faults)}, converged in {took:.1f}s "
+          f"(fault-free {clean_took:.1f}s); writes per Service: max {max(writes)}, mean {sum(writes) / N:.1f} "
+          f"(fault-free {clean_max}); reads per Service: max {max(reads)}, mean {sum(reads) / N:.1f}")
+    assert set(hostile.faults) >= {"500", "429", "409", "slow"}
+    # Bounded: a failed write is retried, nothing is written again and again.
+    assert max(writes) <= 4 * clean_max, writes
+    # Retry-After: no request for a parent before the time a 429 for it named.
+    assert hostile.early == [], hostile.early[:5]
+    # A full re-run after convergence writes nothing.
+    before = sum(writes)
+    for i in range(N):
+        q.poke(("svc", "apps", f"s{i}"))
+    await asyncio.sleep(0.5)
+    hostile.rate = 0.0
+    for _ in range(300):
+        await asyncio.sleep(0.01)
+        if not q._tasks:
+            break
+    assert sum(_writes_per_service(hostile)) == before
+    await q.aclose()
+    # Logs: every kind of fault said, but one line per kind per window (here the whole run is one window).
+    lines = [r.getMessage() for r in caplog.records if r.name == "controller" and "failed (attempt" in r.message]
+    kinds = {k for k in ("HTTP 500", "HTTP 429", "HTTP 409") if any(f": {k[5:]} " in m or k[5:] in m for m in lines)}
+    assert kinds == {"HTTP 500", "HTTP 429", "HTTP 409"}, lines
+    windows = int(took // 60.0) + 1
+    assert len(lines) <= 3 * windows, lines
+
+
+def test_fault_log_folds_repeats_into_the_next_line(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    fl = FaultLog(window=60.0, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="controller")
+    e = KubeError("500 boom", status=500, reason="InternalError")
+    for i in range(50):
+        now[0] = i
+        fl.failed(("svc", "apps", f"s{i % 7}"), 1, 1.0, e)
+    fl.failed(("svc", "apps", "x"), 1, 1.0, KubeError("429", status=429, reason="TooManyRequests"))
+    now[0] = 61
+    fl.failed(("svc", "apps", "s0"), 2, 2.0, e)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert "49 more HTTP 500 InternalError failure(s) of 7 parent(s)" in lines[2]
+
+
+async def test_a_429s_retry_after_reaches_the_queue() -> None:
+    import httpx
+
+    from controller.kubeapi import Kube
+    kube = Kube("http://api", token="t", transport=httpx.MockTransport(lambda request: httpx.Response(
+        429, json={"kind": "Status", "reason": "TooManyRequests", "message": "slow down"},
+        headers={"Retry-After": "7"})))
+    with pytest.raises(KubeError) as e:
+        await kube.get(SERVICES, "s", "apps")
+    await kube.aclose()
+    assert (e.value.status, e.value.reason, e.value.retry_after) == (429, "TooManyRequests", 7.0)
