@@ -46,6 +46,7 @@ ENDPOINTSLICES = Resource("/apis/discovery.k8s.io/v1", "endpointslices")
 PROXYCLASSES = Resource("/apis/tailscale.com/v1alpha1", "proxyclasses", namespaced=False)
 CRDS = Resource("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
 SERVICEMONITORS = Resource("/apis/monitoring.coreos.com/v1", "servicemonitors")
+CLUSTERROLEBINDINGS = Resource("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", namespaced=False)
 
 
 class KubeError(Exception):

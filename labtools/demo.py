@@ -1,7 +1,7 @@
 """Demo: a proxy Pod's agent exposing a backend to the tailnet, in an island of network namespaces.
 
     sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
-                                           [--image [IMAGE]] [--kube | --controller | --proxygroup]
+                                           [--image [IMAGE]] [--kube | --controller | --proxygroup | --apiserver-proxy]
 
 Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
 namespace with TS_DEST_IP=<backend IPv4>[,<backend IPv6>] (--dest; dual-stack by default for our agent), prints
@@ -10,6 +10,7 @@ destination has an IPv6 address), then waits for Ctrl-C (or exits at once
 with --once) and tears everything down. Exit status: 0 if every curl that was expected to work worked.
 --kube (labtools.kubedemo) and --controller (labtools.controllerdemo) run the same story in a real Kubernetes;
 --proxygroup (labtools.pgdemo) egresses to the tailnet through a ProxyGroup of two and deletes one replica.
+--apiserver-proxy (labtools.apiproxydemo) shows kubectl from the tailnet client through the API server proxy.
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--diagnostics", action="store_true", help="print lab diagnostics at the end")
     ap.add_argument("--kube", action="store_true", help="the agent as a StatefulSet Pod in a real Kubernetes "
                     "exposing a backend Deployment's ClusterIP (labtools.kubedemo)")
+    ap.add_argument("--apiserver-proxy", action="store_true", help="the controller installed with helm and "
+                    "apiServerProxy.mode=auth: kubectl from the tailnet client through it (labtools.apiproxydemo)")
     ap.add_argument("--controller", action="store_true", help="the companion controller installed from deploy/ "
                     "in a real Kubernetes exposes an annotated Service (labtools.controllerdemo)")
     ap.add_argument("--proxygroup", action="store_true", help="a client Pod egresses to a tailnet node through "
@@ -77,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C must unwind even if we were started with SIGINT ignored (e.g. as a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    if a.apiserver_proxy:
+        from labtools import apiproxydemo
+        try:
+            return apiproxydemo.run(a.firewall, a.once)
+        except KeyboardInterrupt:
+            return 130
     if a.kube or a.controller or a.proxygroup:
         from labtools import controllerdemo, kubedemo, pgdemo
         try:

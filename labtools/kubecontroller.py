@@ -100,9 +100,11 @@ def helm(kc: kubecluster.KubeCluster, *args: str, input: str | None = None, time
 
 
 def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, controller_tar: Path, *,
-            firewall: str = "", method: str = "helm", timeout: float = 120.0) -> dict[str, float]:
+            firewall: str = "", method: str = "helm", timeout: float = 120.0,
+            values: dict | None = None) -> dict[str, float]:
     """Import both images, install the controller (the chart with helm, or deploy/ with kubectl) configured for
-    the lab's headscale; returns timings (s)."""
+    the lab's headscale; returns timings (s). `values`: more chart values (helm only), e.g.
+    ``{"apiServerProxy": {"mode": "auth"}}``."""
     t: dict[str, float] = {}
     t0 = time.monotonic()
     kc.import_image(proxy_tar)
@@ -114,7 +116,7 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
     if method == "helm":
         # the key goes in through stdin (a values file "-"), never on a command line
         cp = helm(kc, "install", helmchart.RELEASE, str(helmchart.CHART), "--namespace", NS, "--create-namespace",
-                  "-f", "-", input=json.dumps(lab_values(firewall, key)), timeout=timeout)
+                  "-f", "-", input=json.dumps({**lab_values(firewall, key), **(values or {})}), timeout=timeout)
         kc.helm_output = cp.stdout + cp.stderr
     elif method == "kubectl":
         # deploy/ names the controller's image in a placeholder registry: replaced before applying, as a kubectl

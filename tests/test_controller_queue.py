@@ -116,7 +116,8 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
         "proxygroups": (True, None), "proxyclasses": (True, None),
         "secrets": (False, {"tailscale.com/managed": "true"}),
         "statefulsets": (False, {"tailscale.com/managed": "true"}),
-        "pods": (False, {"tailscale.com/managed": "true", "tailscale.com/parent-resource-type": "proxygroup"})}
+        "pods": (False, {"tailscale.com/managed": "true", "tailscale.com/parent-resource-type": "proxygroup"}),
+        "configmaps": (False, {"tailscale.com/apiserver-proxy": "true"})}
     exposed = {"metadata": {"name": "web", "namespace": "apps", "annotations": {"tailscale.com/expose": "true"}}}
     await watched["services"][2](body=exposed)
     await watched["services"][2](body={"metadata": {"name": "other", "namespace": "apps"}})   # not ours
@@ -126,8 +127,8 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
     await watched["statefulsets"][2](body=child)
     assert queue.keys == [("svc", "apps", "web"), ("svc", "apps", "web")]
     s = settings(True)
-    assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/managed=true"] * 2 + [
-        "tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]
+    assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/apiserver-proxy=true"] + [
+        "tailscale.com/managed=true"] * 2 + ["tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]
     assert not settings(False).posting.enabled
 
 
