@@ -133,7 +133,7 @@ def test_expose_service_proxy_pod_logs_in_status_curl_and_clean_delete(lab, kube
     dep = kc.get("deployment", "tailscale-controller", kubecontroller.NS)
     assert dep["metadata"]["labels"].get("app.kubernetes.io/managed-by") == "Helm", dep["metadata"]
     key = kubecontroller.secret_data(kc, kubecontroller.NS, "headscale-api")["key"].decode()
-    assert len(key) > 20 and "kubectl annotate service" in kc.helm_output, kc.helm_output
+    assert len(key) > 20 and "annotate service <name> tailscale.com/expose=true" in kc.helm_output, kc.helm_output
     assert key not in kc.helm_output and key not in kubecontroller.controller_log(kc, 2000)
     lab.delete_node("apps-web")
 
