@@ -14,14 +14,19 @@ setup-bin:
 # The netns tests run the proxy image (netns-tests/test_image_e2e.py) and the controller's
 # (test_controller_realkube_e2e.py): build both first (idempotent). Without podman they are skipped, except
 # under CI, where that is a failure.
-CONTROLLER_IMAGE = bash images/build.sh --dockerfile images/controller/Dockerfile --name localhost/containerboot-py-controller:latest
-MAKE_IMAGE = bash scripts/setup.sh --image && bash images/build.sh && $(CONTROLLER_IMAGE) || [ -z "$$CI" ]
+# Image names and archives are one per machine, shared by every checkout: LAB_PROXY_IMAGE and
+# LAB_CONTROLLER_IMAGE (e.g. localhost/containerboot-py:<branch>) give a checkout its own (docs/lab-and-tests.md).
+LAB_PROXY_IMAGE ?= localhost/containerboot-py:latest
+LAB_CONTROLLER_IMAGE ?= localhost/containerboot-py-controller:latest
+export LAB_PROXY_IMAGE LAB_CONTROLLER_IMAGE
+CONTROLLER_IMAGE = bash images/build.sh --dockerfile images/controller/Dockerfile --name $(LAB_CONTROLLER_IMAGE)
+MAKE_IMAGE = bash scripts/setup.sh --image && bash images/build.sh --name $(LAB_PROXY_IMAGE) && $(CONTROLLER_IMAGE) || [ -z "$$CI" ]
 
 ## image: the proxy image localhost/containerboot-py:latest from the Dockerfile, offline, plus its OCI archive
 ## (path: bash images/build.sh --print-archive). Cached: nothing changed, nothing rebuilt. See images/README.md.
 image: setup-bin
 	@bash scripts/setup.sh --image
-	@bash images/build.sh
+	@bash images/build.sh --name $(LAB_PROXY_IMAGE)
 
 # Images for a registry (docs/install-headscale.md, step 1). TAG defaults to the chart's appVersion.
 REGISTRY ?=
@@ -50,9 +55,14 @@ chart: setup-bin
 	@mkdir -p dist
 	$$(bash scripts/install-helm.sh --print-dir)/helm package charts/tailscale-controller --destination dist
 
-## demo: a local tailnet in network namespaces with the agent exposing a backend (root).
-demo: setup-bin
-	$(if $(findstring --image,$(DEMO_ARGS)),bash scripts/setup.sh --image && bash images/build.sh)
+## demo: a local tailnet in network namespaces with the agent exposing a backend (root). Each variant builds only
+## what it uses: the plain demo tailscale and headscale; --kube, --controller and --proxygroup Kubernetes too
+## (their images are built by the demo itself).
+DEMO_PARTS = tailscale$(if $(or $(findstring --kube,$(DEMO_ARGS)),$(findstring --controller,$(DEMO_ARGS)),$(findstring --proxygroup,$(DEMO_ARGS))),$(COMMA)kubernetes)
+COMMA := ,
+demo: setup
+	@bash scripts/setup.sh --binaries=$(DEMO_PARTS)
+	$(if $(findstring --image,$(DEMO_ARGS)),bash scripts/setup.sh --image && bash images/build.sh --name $(LAB_PROXY_IMAGE))
 	$(PY) -m labtools.demo $(DEMO_ARGS)
 
 ## test: unit tests (no root, no network), then the namespace and end-to-end tests (root).
@@ -98,7 +108,7 @@ clean-lab:
 	$(PY) -m labtools.kubecluster reap-stale
 	$(PY) -m labtools.lab reap-stale
 
-## readme: regenerate the README's variable reference from the settings table.
+## readme: regenerate the variable reference in docs/agent.md from the settings table.
 readme: setup
 	$(PY) scripts/update_readme.py
 

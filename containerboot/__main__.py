@@ -32,10 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "rules":
         from .rulesview import main as rules_main
         return rules_main(argv[1:])
+    if argv and argv[0] == "apiserver-proxy":
+        setup_logging(logging.DEBUG if os.environ.get("TS_DEBUG_AGENT_LOG") == "debug" else logging.INFO)
+        from .apiproxy.run import main as proxy_main
+        return proxy_main(os.environ)
     if argv and argv[0] in ("-h", "--help"):
         print("usage: containerboot            run the agent (configured by TS_* environment variables)\n"
               "       containerboot rules      show the desired and installed firewall rules\n"
-              "See the README for every variable.")
+              "       containerboot apiserver-proxy   the Kubernetes API server proxy (next to an agent)\n"
+              "See docs/agent.md for every variable.")
         return 0
     import faulthandler
     import signal

@@ -169,7 +169,7 @@ class Agent:
     async def _start_tailscaled(self) -> None:
         argv = ts.tailscaled_argv(self.s)
         if self.s.one_step:
-            from serveconfig.watch import read_text
+            from tscommon.watch import read_text
             # What tailscaled is about to load: the config watcher compares against this, not against its own
             # first read, so that a rewrite landing between here and the watcher's start is not missed.
             self._config_loaded = await asyncio.to_thread(read_text, self.s.tailscaled_config_path)

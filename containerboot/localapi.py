@@ -217,6 +217,16 @@ class LocalAPI:
         resp = await self._call("GET", f"cert/{domain}?type=pair&min_validity=0s", timeout=300.0)
         return _split_pem_pair(resp.content)
 
+    async def whois(self, addr: str) -> dict | None:
+        """The node and user behind a tailnet address ("ip:port" or "[ipv6]:port"); None when unknown."""
+        from urllib.parse import quote
+        try:
+            return await self._json("GET", f"whois?addr={quote(addr, safe='')}")
+        except LocalAPIError as e:
+            if e.status == 404:
+                return None
+            raise
+
     async def usermetrics(self) -> str:
         resp = await self._call("GET", "usermetrics")
         return resp.text

@@ -22,7 +22,7 @@ REISSUE_POLL_INTERVAL = 5.0
 async def reissue(reason: str, *, secret: Any, config_path: str, old_key: str, api: Any) -> None:
     """Ask for a new auth key through the state Secret (`secret`: kube.state.SecretState), disconnecting
     tailscaled from control first (`api`: the LocalAPI), and return once the config file holds a new key."""
-    from serveconfig.watch import DirWatch
+    from tscommon.watch import DirWatch
 
     from .conffile import authkey_from_config
     from .kube.setup import reissue_flow

@@ -1,9 +1,9 @@
-"""The agent's settings: one table of environment variables that drives parsing, validation and the README.
+"""The agent's settings: one table of environment variables that drives parsing, validation and the docs.
 
 `load(env)` turns the environment into a frozen `Settings` value, or raises `SettingsError` with one message that
 names the variable(s), the offending value (never a secret's value) and the fix. The steps and their order follow
 upstream containerboot (`configFromEnv` then `validate`) so that the first error a user sees is the same one, with
-these deliberate differences, each also noted in the table and so in the README:
+these deliberate differences, each also noted in the table and so in the variable reference (docs/agent.md):
 
 * values upstream silently ignores are errors: a Go bool that is not one of ParseBool's words, a `TS_ACCEPT_DNS`
   that is not, a `TS_DEBUG_FIREWALL_MODE` that no backend knows;
@@ -258,7 +258,7 @@ def parse_accept_dns(extra_args: str, accept_dns: bool) -> tuple[str, bool]:
 
 
 class Kind(enum.Enum):
-    """How a variable's text is read. The value is the type as the README shows it."""
+    """How a variable's text is read. The value is the type as the reference shows it."""
 
     STRING = "string"
     PATH = "path"
@@ -289,7 +289,7 @@ class Setting:
     help: str
     field: str | None = None
     default: str = ""
-    default_doc: str = ""  # the README's default column, when the default is not a plain value
+    default_doc: str = ""  # the reference's default column, when the default is not a plain value
     secret: bool = False
     deprecated: bool = False
     choices: tuple[str, ...] = ()
@@ -1074,7 +1074,7 @@ def _mask_args(tokens: tuple[str, ...]) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The README reference.
+# The variable reference (docs/agent.md).
 
 
 def _type_text(s: Setting) -> str:
@@ -1090,7 +1090,7 @@ def _cell(text: str) -> str:
 
 
 def reference_markdown() -> str:
-    """The README's variable reference, generated from SETTINGS."""
+    """The variable reference of docs/agent.md, generated from SETTINGS."""
     lines = [
         "| Variable | Type | Default | Meaning | Differs from upstream |",
         "|---|---|---|---|---|",
@@ -1110,7 +1110,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="python -m containerboot.settings",
                                      description="The agent's environment variables.")
-    parser.add_argument("--markdown", action="store_true", help="print the README's variable reference")
+    parser.add_argument("--markdown", action="store_true", help="print the variable reference (docs/agent.md)")
     args = parser.parse_args(argv)
     if not args.markdown:
         parser.print_help()

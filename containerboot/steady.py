@@ -179,7 +179,7 @@ class SteadyState:
 
     async def watch_config_file(self) -> None:
         """One-step mode: when the operator rewrites the tailscaled config, have tailscaled reload it."""
-        from serveconfig.watch import watch_file
+        from tscommon.watch import watch_file
 
         async for text in watch_file(self.s.tailscaled_config_path, 5.0, label="tailscaled config watch"):
             if text is None or text == self.config_loaded:
@@ -205,7 +205,7 @@ class SteadyState:
         """Follow one ProxyGroup services file; a broken file is reported and the last good config stays.
 
         `first_read` is set once the file's first content (or its absence) has been handed to the reconciler."""
-        from serveconfig.watch import watch_file
+        from tscommon.watch import watch_file
 
         from . import proxyservices as ps
 

@@ -112,7 +112,7 @@ async def run(cfg: ControllerConfig) -> int:
         parents, children = registries(state, login)
         # One stop flag for both operators: each kopf operator installs its own SIGTERM handler, and the
         # second would replace the first's (that operator then never stops). Ours is installed again once
-        # both are up. kopf's peering is off (standalone): the Lease decides who runs (README).
+        # both are up. kopf's peering is off (standalone): the Lease decides who runs (docs/controller.md).
         ready = (asyncio.Event(), asyncio.Event())
 
         async def signals() -> None:

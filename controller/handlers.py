@@ -20,8 +20,8 @@ import kopf
 
 from . import dnsconfig, proxyclass
 from .config import ControllerConfig
-from .kinds import connector, egress, proxygroup
-from .model import (CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS,
+from .kinds import apiserverproxy, connector, egress, proxygroup
+from .model import (APISERVER, CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS,
                     LABEL_PARENT_TYPE, PROXYCLASS, PROXYGROUP, SVC)
 from .queue import WorkQueue
 from .reconcile import Reconciler, handled
@@ -60,7 +60,7 @@ def child_key(body: Any) -> tuple[str, str, str] | None:
     """The parent's key from a child's labels (upstream's managedResourceHandlerForType)."""
     labels = (body.get("metadata") or {}).get("labels") or {}
     kind = labels.get(LABEL_PARENT_TYPE)
-    if labels.get(LABEL_MANAGED) != "true" or kind not in (SVC, INGRESS, CONNECTOR, PROXYGROUP):
+    if labels.get(LABEL_MANAGED) != "true" or kind not in (SVC, INGRESS, CONNECTOR, PROXYGROUP, APISERVER):
         return None
     return (kind, labels.get(LABEL_PARENT_NS, ""), labels.get(LABEL_PARENT_NAME, ""))
 
@@ -112,6 +112,9 @@ def registries(state: State, login=None) -> tuple[kopf.OperatorRegistry, kopf.Op
             state.queue.poke(key)
 
     kopf.on.event("v1", "secrets", labels={LABEL_MANAGED: "true"}, registry=children)(on_child)
+    # The API server proxy's ConfigMap: in the controller's namespace, so watched with the children.
+    kopf.on.event("v1", "configmaps", labels={apiserverproxy.LABEL: "true"},
+                  registry=children)(on_parent(APISERVER))
     kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_MANAGED: "true"}, registry=children)(on_child)
     # The proxies' Pod IPs (the DNS records) as the headless Services' EndpointSlices report them.
     kopf.on.event("discovery.k8s.io", "v1", "endpointslices", registry=children)(on_dns)
@@ -135,4 +138,5 @@ def settings(child_watch: bool) -> kopf.OperatorSettings:
         for plural in ("secrets", "statefulsets"):
             s.watching.label_selectors[plural] = f"{LABEL_MANAGED}=true"
         s.watching.label_selectors["pods"] = f"{LABEL_MANAGED}=true,{LABEL_PARENT_TYPE}={PROXYGROUP}"
+        s.watching.label_selectors["configmaps"] = f"{apiserverproxy.LABEL}=true"
     return s

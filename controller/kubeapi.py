@@ -17,10 +17,9 @@ from typing import Any, Callable, Mapping
 
 import httpx
 
+from tscommon.kubeconn import TokenFile, https_url, sa_path, service_host_port, tls_context
 from tscommon.jsontext import response_json
 from tscommon.redact import redact, register
-
-SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 @dataclass(frozen=True)
@@ -47,6 +46,7 @@ ENDPOINTSLICES = Resource("/apis/discovery.k8s.io/v1", "endpointslices")
 PROXYCLASSES = Resource("/apis/tailscale.com/v1alpha1", "proxyclasses", namespaced=False)
 CRDS = Resource("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False)
 SERVICEMONITORS = Resource("/apis/monitoring.coreos.com/v1", "servicemonitors")
+CLUSTERROLEBINDINGS = Resource("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", namespaced=False)
 DEPLOYMENTS = Resource("/apis/apps/v1", "deployments")
 DNSCONFIGS = Resource("/apis/tailscale.com/v1alpha1", "dnsconfigs", namespaced=False)
 
@@ -91,9 +91,11 @@ class Kube:
     def __init__(self, url: str, *, token: str = "", token_file: str = "", ca_file: str = "",
                  verify: ssl.SSLContext | bool | None = None, timeout: float = 15.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self._token, self._token_file, self.ca_file = token, token_file, ca_file
+        self._token, self.ca_file = token, ca_file
+        self._token_file = TokenFile(token_file) if token_file else None
+        register(token)
         if verify is None:
-            verify = ssl.create_default_context(cafile=ca_file) if ca_file else True
+            verify = tls_context(ca_file) if ca_file else True
         self._client = httpx.AsyncClient(base_url=url.rstrip("/"), verify=verify, timeout=timeout,
                                          transport=transport)
         self.requests: list[tuple[str, str]] = []    # (method, path): for the request-count figures
@@ -106,33 +108,22 @@ class Kube:
         return str(self._client.base_url).rstrip("/")
 
     def token(self) -> str:
-        """The current bearer token (re-read from its file): kopf's login uses the same credentials."""
-        if self._token_file:
-            with open(self._token_file, encoding="utf-8") as f:
-                return f.read().strip()
-        return self._token
+        """The current bearer token (re-read when its file changes): kopf's login uses the same credentials."""
+        return self._token_file.get() if self._token_file else self._token
 
     @classmethod
     def in_cluster(cls, env: Mapping[str, str] = os.environ) -> "Kube":
-        host = env.get("KUBERNETES_SERVICE_HOST", "")
-        port = env.get("KUBERNETES_SERVICE_PORT_HTTPS") or env.get("KUBERNETES_SERVICE_PORT") or "443"
+        host, port = service_host_port(env)
         url = env.get("CONTROLLER_KUBE_URL", "")
         if not url and not host:
             raise KubeError("KUBERNETES_SERVICE_HOST is not set: the controller runs in a Pod with a "
                             "ServiceAccount (or set CONTROLLER_KUBE_URL)")
-        if ":" in host:
-            host = f"[{host}]"
-        kube = cls(url or f"https://{host}:{port}", token_file=env.get("CONTROLLER_KUBE_TOKEN_FILE", f"{SA_DIR}/token"),
-                   ca_file=env.get("CONTROLLER_KUBE_CA_FILE", f"{SA_DIR}/ca.crt"))
-        return kube
+        return cls(url or https_url(host, port or "443"),
+                   token_file=env.get("CONTROLLER_KUBE_TOKEN_FILE", sa_path("token")),
+                   ca_file=env.get("CONTROLLER_KUBE_CA_FILE", sa_path("ca.crt")))
 
     def _headers(self, ctype: str = "") -> dict[str, str]:
-        token = self._token
-        if self._token_file:
-            with open(self._token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        register(token)
-        h = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+        h = {"Authorization": f"Bearer {self.token()}", "Accept": "application/json"}
         if ctype:
             h["Content-Type"] = ctype
         return h

@@ -3,7 +3,7 @@
 Only the holder of Lease `tailscale-controller` in the controller's namespace runs kopf's watches and the work
 queue; every other replica is a standby that only reads the Lease (no watch, no write). Why not kopf's
 peering: it pauses kopf's watch streams only, not our queue's retries and re-checks, and replicas of one
-Deployment have equal priorities, which kopf answers by pausing all of them (see the README).
+Deployment have equal priorities, which kopf answers by pausing all of them (see docs/controller.md).
 
 Timing, as client-go's defaults: a candidate takes the Lease over when its record has not changed for
 `duration` (15 s) by the candidate's own clock (so clock skew between nodes does not matter); the leader renews
@@ -169,8 +169,11 @@ class LeaderElector:
         while True:
             await asyncio.sleep(self.t.retry)
             try:
-                ok = await asyncio.wait_for(self._try(), max(0.1, self.t.renew_deadline - self.t.retry))
-            except (KubeError, asyncio.TimeoutError) as e:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that arrives as the
+                # renewal completes, and a holder cancelled at shutdown would then go on renewing the Lease
+                async with asyncio.timeout(max(0.1, self.t.renew_deadline - self.t.retry)):
+                    ok = await self._try()
+            except (KubeError, TimeoutError) as e:
                 ok = None
                 log.warning("leader election: renewing the Lease failed: %s", redact(str(e) or type(e).__name__))
             if ok is False:

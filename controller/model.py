@@ -41,6 +41,8 @@ LABEL_PROXY_GROUP = "tailscale.com/proxy-group"
 LABEL_SVC_TYPE = "tailscale.com/svc-type"
 #: The work-queue kind of a ProxyClass (not a parent: it has no proxy of its own).
 PROXYCLASS = "proxyclass"
+#: The API server proxy's parent: the chart's ConfigMap in the controller's namespace (kinds/apiserverproxy.py).
+APISERVER = "apiserverproxy"
 
 # Conditions and reasons (upstream's names).
 COND_PROXY_READY = "TailscaleProxyReady"
@@ -76,7 +78,7 @@ class Decision:
 class Parent:
     """The object a proxy is made for."""
 
-    kind: str          # SVC | INGRESS | CONNECTOR | PROXYGROUP
+    kind: str          # SVC | INGRESS | CONNECTOR | PROXYGROUP | APISERVER
     name: str
     namespace: str     # "" for a Connector or a ProxyGroup (cluster-scoped)
     uid: str
@@ -103,6 +105,7 @@ class ProxySpec:
     exit_node: bool = False                         # Connector: spec.exitNode, for its status
     ingress_http: bool = False                      # L7 Ingress served over plain HTTP on port 80 (ours)
     ingress_http_name: str = ""                     # ... the MagicDNS name its serve config answers to
+    apiserver_proxy_mode: str = ""                  # API server proxy: auth | noauth (a second container)
 
     def replica_hostname(self, i: int) -> str:
         return f"{self.hostname_prefix}-{i}" if self.hostname_prefix else self.hostname

@@ -56,6 +56,21 @@ def identity(name: str, namespace: str, labels: dict[str, str], secrets: list[st
     return sa, role, binding
 
 
+def impersonation_binding(spec: ProxySpec, cfg: ControllerConfig, cluster_role: str) -> dict | None:
+    """Auth mode of the API server proxy: its ServiceAccount bound to the chart's ClusterRole that allows
+    `impersonate` on users and groups and nothing else (the API server then authorizes each request as the
+    impersonated caller). None in every other case."""
+    if spec.apiserver_proxy_mode != "auth":
+        return None
+    name = base_name(spec.parent)
+    return _hashed({
+        "apiVersion": RBAC_API, "kind": "ClusterRoleBinding",
+        "metadata": {"name": f"{cfg.namespace}-{name}-impersonate", "labels": child_labels(spec.parent)},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": cfg.namespace}],
+    })
+
+
 def objects(spec: ProxySpec, cfg: ControllerConfig) -> tuple[dict, dict, dict]:
     """ServiceAccount, Role, RoleBinding of one proxy: the order they are created in (the binding names both)."""
     return identity(base_name(spec.parent), cfg.namespace, child_labels(spec.parent),

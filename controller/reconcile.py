@@ -21,18 +21,20 @@ from tscommon.redact import redact
 
 from . import podsecurity, proxyclass as pcl, proxyrbac, render, status as st
 from .config import ControllerConfig
-from .kinds import connector, egress, ingress, meta, service
-from .kubeapi import (CONNECTORS, CRDS, EVENTS, INGRESSES, NAMESPACES, PROXYCLASSES, PROXYGROUPS, ROLEBINDINGS, ROLES,
-                      SECRETS, SERVICEACCOUNTS, SERVICEMONITORS, SERVICES, STATEFULSETS, Kube, KubeError, Resource)
-from .model import (CONNECTOR, FINALIZER, INGRESS, LABEL_PROXY_GROUP, PROXYCLASS, PROXYGROUP, SVC, Decision, Invalid,
-                    Parent, Pending, ProxySpec)
+from .kinds import apiserverproxy, connector, egress, ingress, meta, service
+from .kubeapi import (CLUSTERROLEBINDINGS, CONFIGMAPS, CONNECTORS, CRDS, EVENTS, INGRESSES, NAMESPACES, PROXYCLASSES,
+                      PROXYGROUPS, ROLEBINDINGS, ROLES, SECRETS, SERVICEACCOUNTS, SERVICEMONITORS, SERVICES,
+                      STATEFULSETS, Kube, KubeError, Resource)
+from .model import (APISERVER, CONNECTOR, FINALIZER, INGRESS, LABEL_PROXY_GROUP, PROXYCLASS, PROXYGROUP, SVC, Decision,
+                    Invalid, Parent, Pending, ProxySpec)
 from .pgreconcile import GroupReconciler
 from .sameness import same
 from .providers import Provider, ProviderError
 
 log = logging.getLogger("controller")
 
-RESOURCES: dict[str, Resource] = {SVC: SERVICES, INGRESS: INGRESSES, CONNECTOR: CONNECTORS, PROXYGROUP: PROXYGROUPS}
+RESOURCES: dict[str, Resource] = {SVC: SERVICES, INGRESS: INGRESSES, CONNECTOR: CONNECTORS, PROXYGROUP: PROXYGROUPS,
+                                  APISERVER: CONFIGMAPS}
 #: A proxy's own identity (controller/proxyrbac.py), in creation order.
 RBAC_RESOURCES = (SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
 #: Safety-net re-checks of a parent whose proxy is not ready yet and of a ready one: the watches on the proxies'
@@ -63,7 +65,8 @@ def handled(kind: str, obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
         return True
     if kind == SVC and egress.handled(obj):
         return True
-    return {SVC: service.handled, INGRESS: ingress.handled, CONNECTOR: connector.handled}[kind](obj, cfg)
+    return {SVC: service.handled, INGRESS: ingress.handled, CONNECTOR: connector.handled,
+            APISERVER: apiserverproxy.handled}[kind](obj, cfg)
 
 
 class Reconciler:
@@ -210,6 +213,8 @@ class Reconciler:
             return service.decide(obj, self.cfg)
         if kind == CONNECTOR:
             return connector.decide(obj, self.cfg)
+        if kind == APISERVER:
+            return apiserverproxy.decide(obj, self.cfg)
         ns = meta(obj).get("namespace", "")
         services = {}
         for n in ingress.backend_services(obj):
@@ -280,6 +285,8 @@ class Reconciler:
         # scale-up's new Secret is in the Role before its Pod exists).
         for res, desired in zip(RBAC_RESOURCES, proxyrbac.objects(spec, cfg)):
             await self._apply(res, desired)
+        if kind == APISERVER:
+            await self._apply_impersonation(spec)
         sts = await self._apply(STATEFULSETS, rendered.statefulset)
         await self._metrics(kind, spec, rendered.statefulset, pc if pc is not None and target.endpoints else None)
         # Replicas scaled away: their devices and Secrets go too (as upstream).
@@ -380,13 +387,24 @@ class Reconciler:
     async def _apply(self, res: Resource, desired: dict) -> dict | None:
         """Create, or merge-patch when the rendering's hash differs; nothing when it is equal."""
         md = desired["metadata"]
-        cur = await self.kube.get(res, md["name"], md["namespace"])
+        ns = md.get("namespace", "")
+        cur = await self.kube.get(res, md["name"], ns)
         if cur is None:
-            return await self.kube.create(res, desired, md["namespace"])
+            return await self.kube.create(res, desired, ns)
         want = md["annotations"][render.SPEC_HASH]
         if (cur["metadata"].get("annotations") or {}).get(render.SPEC_HASH) == want:
             return cur
-        return await self.kube.patch(res, md["name"], desired, md["namespace"])
+        return await self.kube.patch(res, md["name"], desired, ns)
+
+    async def _apply_impersonation(self, spec: ProxySpec) -> None:
+        """The API server proxy's ClusterRoleBinding to `impersonate`: there in auth mode, gone otherwise."""
+        want = proxyrbac.impersonation_binding(spec, self.cfg, apiserverproxy.IMPERSONATE_CLUSTER_ROLE)
+        keep = want["metadata"]["name"] if want else None
+        for o in await self.kube.list(CLUSTERROLEBINDINGS, "", render.child_selector(spec.parent)):
+            if o["metadata"]["name"] != keep:
+                await self.kube.delete(CLUSTERROLEBINDINGS, o["metadata"]["name"])
+        if want is not None:
+            await self._apply(CLUSTERROLEBINDINGS, want)
 
     async def _apply_secret(self, desired: dict, cur: Mapping[str, Any] | None) -> None:
         md = desired["metadata"]
@@ -432,6 +450,9 @@ class Reconciler:
         for res in reversed(RBAC_RESOURCES):
             for o in await self.kube.list(res, ns, sel):
                 await self.kube.delete(res, o["metadata"]["name"], ns)
+        if kind == APISERVER:
+            for o in await self.kube.list(CLUSTERROLEBINDINGS, "", sel):
+                await self.kube.delete(CLUSTERROLEBINDINGS, o["metadata"]["name"])
         if await self.kube.get(CRDS, pcl.SERVICE_MONITOR_CRD) is not None:
             await self._delete_service_monitors(p)
         log.info("%s %s: proxy removed", kind, _ref(p))
@@ -492,6 +513,8 @@ class Reconciler:
             lb = st.ingress_load_balancer(devices, spec)
             if not same((cur.get("loadBalancer") or {}).get("ingress"), lb.get("ingress")):
                 want["loadBalancer"] = {"ingress": lb.get("ingress")}
+        elif kind == APISERVER and spec is not None:
+            await self._apiserver_status(obj, spec, devices)
         elif kind == CONNECTOR:
             body = st.connector_status(spec, devices)
             for k in ("subnetRoutes", "isExitNode", "isAppConnector", "devices", "hostname", "tailnetIPs"):
@@ -500,6 +523,26 @@ class Reconciler:
         if want:
             await self.kube.patch(RESOURCES[kind], m["name"], {"status": want}, m.get("namespace", ""),
                                   subresource="status")
+
+    async def _apiserver_status(self, obj: Mapping[str, Any], spec: ProxySpec,
+                                devices: list[st.DeviceInfo]) -> None:
+        """The API server proxy's status: its URL in an annotation on the ConfigMap, a Normal event and a log
+        line when it becomes known or changes (ConfigMaps have no status)."""
+        m = meta(obj)
+        dev = devices[0] if devices else None
+        # HTTPS where the control plane issues certificates, and in noauth mode anyway (a self-signed one: kubectl
+        # sends credentials over TLS only); plain HTTP in auth mode without certificates
+        https = not self.cfg.ingress_http or spec.apiserver_proxy_mode == "noauth"
+        # the device's name, not the Pod's readiness: a restart (a mode change) keeps the same device and URL
+        url = apiserverproxy.url(dev.hostname, dev.ips, https) if dev and dev.device_id and dev.hostname else ""
+        if (m.get("annotations") or {}).get(apiserverproxy.ANN_URL, "") == url:
+            return
+        await self.kube.patch(CONFIGMAPS, m["name"], {"metadata": {"annotations": {
+            apiserverproxy.ANN_URL: url or None}}}, m.get("namespace", ""))
+        if url:      # once per new URL: the annotation is the record that it was announced
+            await self._warn(obj, APISERVER, "APIServerProxyReady",
+                             f"the API server proxy ({spec.apiserver_proxy_mode} mode) is at {url}; point kubectl "
+                             f"at it: kubectl config set-cluster tailnet --server={url}", etype="Normal")
 
     async def _warn(self, obj: Mapping[str, Any], kind: str, reason: str, message: str, *,
                     etype: str = "Warning") -> None:
@@ -514,7 +557,7 @@ class Reconciler:
         ns = m.get("namespace") or "default"
         now = self.now()
         api = {SVC: "v1", INGRESS: "networking.k8s.io/v1", CONNECTOR: "tailscale.com/v1alpha1",
-               PROXYGROUP: "tailscale.com/v1alpha1", PROXYCLASS: "tailscale.com/v1alpha1"}[kind]
+               PROXYGROUP: "tailscale.com/v1alpha1", PROXYCLASS: "tailscale.com/v1alpha1", APISERVER: "v1"}[kind]
         k8s_kind = _k8s_kind(kind)
         ev = {"apiVersion": "v1", "kind": "Event",
               "metadata": {"generateName": f"{m.get('name', 'x')}.", "namespace": ns},
@@ -533,13 +576,13 @@ class Reconciler:
 
 def _k8s_kind(kind: str) -> str:
     return {SVC: "Service", INGRESS: "Ingress", CONNECTOR: "Connector", PROXYGROUP: "ProxyGroup",
-            PROXYCLASS: pcl.KIND}[kind]
+            PROXYCLASS: pcl.KIND, APISERVER: "ConfigMap"}[kind]
 
 
 def _proxy_type(kind: str, spec: ProxySpec) -> str:
     """The `ts_proxy_type` label of a proxy's metrics (upstream's values)."""
     return {SVC: "ingress_service", INGRESS: "ingress_resource", CONNECTOR: "connector",
-            PROXYGROUP: "proxygroup"}[kind]
+            PROXYGROUP: "proxygroup", APISERVER: "apiserver_proxy"}[kind]
 
 
 def proxy_target(kind: str, spec: ProxySpec, cfg: ControllerConfig) -> pcl.Target:

@@ -32,6 +32,9 @@ SYSCTL_SCRIPT = ("echo 1 > /proc/sys/net/ipv4/ip_forward && if [ -e /proc/sys/ne
 #: Env read by tailscaled itself (envknobs), not by the agent's settings table.
 TAILSCALED_ENV = ("TS_INTERNAL_APP", "TS_DEBUG_ACME_FORCE_RENEWAL", "TS_DEBUG_ACME_DIRECTORY_URL")
 _NAME_MAX = 52   # a StatefulSet's Pods get a controller-revision-hash label of name + 11 chars, max 63
+#: The API server proxy's container talks to tailscaled over this socket, on a volume both containers mount.
+APISERVER_SOCKET_DIR = "/var/run/tailscale"
+APISERVER_SOCKET = APISERVER_SOCKET_DIR + "/tailscaled.sock"
 
 
 def child_labels(parent: Parent) -> dict[str, str]:
@@ -127,6 +130,8 @@ def _env(spec: ProxySpec, cfg: ControllerConfig) -> list[dict]:
         env.append({"name": "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS", "value": "true"})
     if cfg.firewall_mode:
         env.append({"name": "TS_DEBUG_FIREWALL_MODE", "value": cfg.firewall_mode})
+    if spec.apiserver_proxy_mode:
+        env.append({"name": "TS_SOCKET", "value": APISERVER_SOCKET})
     env += [{"name": k, "value": v} for k, v in spec.target_env]
     env.append({"name": "TS_INTERNAL_APP", "value": spec.app})
     # The default ProxyClass's extra env last: as in upstream, the user's value wins over a rendered one.
@@ -161,6 +166,20 @@ def statefulset(spec: ProxySpec, cfg: ControllerConfig) -> dict:
                                        "securityContext": {"privileged": True},
                                        "command": ["/bin/sh", "-c", SYSCTL_SCRIPT]}]
     pod_spec["containers"] = [container]
+    if spec.apiserver_proxy_mode:
+        # The API server proxy: a second process of the same image, in the Pod's network namespace (it serves
+        # on the tailnet addresses tailscaled puts on tailscale0) and with tailscaled's socket (WhoIs).
+        volumes.append({"name": "tailscaled-socket", "emptyDir": {}})
+        sock = {"name": "tailscaled-socket", "mountPath": APISERVER_SOCKET_DIR}
+        mounts.append(sock)
+        pod_spec["containers"].append({
+            "name": "apiserver-proxy", "image": cfg.proxy_image, "imagePullPolicy": cfg.image_pull_policy,
+            "args": ["apiserver-proxy"],
+            "env": [{"name": "TS_APISERVER_PROXY_MODE", "value": spec.apiserver_proxy_mode},
+                    {"name": "TS_SOCKET", "value": APISERVER_SOCKET}],
+            "resources": cfg.proxy_resources, "volumeMounts": [sock],
+            # Binding the tailnet ports (80/443) needs this one capability, nothing else.
+            "securityContext": {"capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}})
     pod_spec["volumes"] = volumes
     if cfg.proxy_image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in cfg.proxy_image_pull_secrets]

@@ -1,4 +1,4 @@
-"""The controller variant of the demo (``make demo DEMO_ARGS=--controller``): the user story of the README.
+"""The controller variant of the demo (``make demo DEMO_ARGS=--controller``): the user story of docs/controller.md.
 
 Builds the lab (headscale, a ``client`` tailscaled node) and a real cluster with one node in the island,
 builds and imports both images (the proxy's and the controller's), installs the controller from ``deploy/``
@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import time
 
-from labtools import kubecluster, kubecontroller, kubemanifests
+from labtools import kubecluster, kubecontroller
+from labtools.kubedemo import controller_images, curl_from_client, deploy_backend, hold_open, report_failure
 from labtools.lab import Lab, LabError, ensure_binaries
 
 
@@ -30,10 +31,7 @@ def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
     t_all = time.monotonic()
     bin_dir = ensure_binaries()
     k8s_bin = kubecluster.ensure_binaries()
-    t0 = time.monotonic()
-    proxy_tar, ctl_tar = kubecontroller.build_images()
-    _say(f"images {kubecontroller.PROXY_IMAGE} and {kubecontroller.CONTROLLER_IMAGE} built "
-         f"({time.monotonic() - t0:.1f}s): {proxy_tar}, {ctl_tar}")
+    proxy_tar, ctl_tar = controller_images()
     ok = False
     with Lab.create(bin_dir=bin_dir, firewall_mode=firewall) as lab:
         _say(f"lab {lab.prefix} up; headscale {lab.login_server}; client tailnet IPs: "
@@ -46,10 +44,7 @@ def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
                      f"kubectl set env CONTROL_PLANE=headscale ...): images imported {t['import']:.1f}s, "
                      f"rolled out {t['rollout']:.1f}s")
                 _say(kc.kubectl("-n", kubecontroller.NS, "get", "deploy,pods", "-o", "wide").stdout.rstrip())
-                marker = f"echo-ok-{lab.prefix}"
-                kc.apply([kubemanifests.namespace("demo"),
-                          *kubemanifests.echo_backend("demo", "backend", marker, kubecluster.ECHO_IMAGE)])
-                kc.kubectl("-n", "demo", "rollout", "status", "deployment/backend", "--timeout=90s", timeout=100)
+                marker = deploy_backend(kc, lab)
                 t0 = time.monotonic()
                 kc.apply(SERVICE)
                 _say("Service demo/web (type LoadBalancer, annotated tailscale.com/expose: \"true\") applied")
@@ -61,19 +56,10 @@ def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
                 ip = kubecontroller.lb_ips(svc)[0]
                 host = svc["status"]["loadBalancer"]["ingress"][0].get("hostname", "")
                 lab.wait_peer("client", host.split(".")[0], 60)
-                t0 = time.monotonic()
-                body = lab.wait_curl("client", lab.url(ip, 8080, "/demo-controller"), marker, timeout=60)
-                _say(f"curl client -> http://{ip}:8080/demo-controller ({host}): OK in {time.monotonic() - t0:.1f}s: "
-                     f"{body.strip().replace(chr(10), ' | ')}")
+                curl_from_client(lab, ip, "/demo-controller", marker, host)
                 ok = True
             except (TimeoutError, LabError, kubecluster.ClusterError) as e:
-                _say(f"FAILED: {e}")
-                _say(kubecontroller.controller_log(kc))
-                _say(kc.diagnostics())
-            if not once:
-                _say("cluster is up; press Ctrl-C to tear it down "
-                     f"(kubectl: ip netns exec {kc.netns} {k8s_bin}/kubectl --kubeconfig {kc.kubeconfig} ...)")
-                while True:
-                    time.sleep(1)
+                report_failure(kc, e, kubecontroller.controller_log(kc))
+            hold_open(kc, k8s_bin, once)
     _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
     return 0 if ok else 1

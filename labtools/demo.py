@@ -1,7 +1,8 @@
 """Demo: a proxy Pod's agent exposing a backend to the tailnet, in an island of network namespaces.
 
     sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
-                                           [--image [IMAGE]] [--kube | --controller | --proxygroup | --dns]
+                                           [--image [IMAGE]] [--kube | --controller | --proxygroup | --apiserver-proxy
+                                            | --dns]
 
 Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
 namespace with TS_DEST_IP=<backend IPv4>[,<backend IPv6>] (--dest; dual-stack by default for our agent), prints
@@ -9,7 +10,8 @@ the proxy's tailnet IPs and the result of curl from the client through the proxy
 destination has an IPv6 address), then waits for Ctrl-C (or exits at once
 with --once) and tears everything down. Exit status: 0 if every curl that was expected to work worked.
 --kube (labtools.kubedemo) and --controller (labtools.controllerdemo) run the same story in a real Kubernetes;
---proxygroup (labtools.pgdemo) egresses to the tailnet through a ProxyGroup of two and deletes one replica;
+--proxygroup (labtools.pgdemo) egresses to the tailnet through a ProxyGroup of two and deletes one replica.
+--apiserver-proxy (labtools.apiproxydemo) shows kubectl from the tailnet client through the API server proxy.
 --dns (labtools.dnsdemo) shows a tailnet name resolving in a Pod through a DNSConfig.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import signal
 import sys
 import time
 
+from labtools import image as labimage
 from labtools.lab import Lab, LabError, ensure_binaries
 
 STARTUP = "Startup complete, waiting for shutdown signal"
@@ -49,14 +52,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="TS_DEST_IP: the backend's IPv4 only, or its IPv4 and IPv6 (our agent's dual-stack form; "
                          "upstream takes one address). Default: dual for --agent python, v4 for upstream")
     ap.add_argument("--timeout", type=float, default=90, help="seconds to wait for the agent to be Running")
-    ap.add_argument("--image", nargs="?", const="localhost/containerboot-py:latest", default=None,
-                    help="run our agent from this container image (default localhost/containerboot-py:latest, "
-                         "built by `make image`) with podman in the proxy namespace")
+    ap.add_argument("--image", nargs="?", const=labimage.IMAGE, default=None,
+                    help="run our agent from this container image (default: LAB_PROXY_IMAGE, else "
+                         "localhost/containerboot-py:latest; built by `make image`) with podman in the proxy namespace")
     ap.add_argument("--diagnostics", action="store_true", help="print lab diagnostics at the end")
     ap.add_argument("--kube", action="store_true", help="the agent as a StatefulSet Pod in a real Kubernetes "
                     "exposing a backend Deployment's ClusterIP (labtools.kubedemo)")
     ap.add_argument("--dns", action="store_true", help="a DNSConfig in a real Kubernetes with CoreDNS: a Pod "
                     "resolves a tailnet node's MagicDNS name and fetches its page (labtools.dnsdemo)")
+    ap.add_argument("--apiserver-proxy", action="store_true", help="the controller installed with helm and "
+                    "apiServerProxy.mode=auth: kubectl from the tailnet client through it (labtools.apiproxydemo)")
     ap.add_argument("--controller", action="store_true", help="the companion controller installed from deploy/ "
                     "in a real Kubernetes exposes an annotated Service (labtools.controllerdemo)")
     ap.add_argument("--proxygroup", action="store_true", help="a client Pod egresses to a tailnet node through "
@@ -79,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C must unwind even if we were started with SIGINT ignored (e.g. as a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    if a.apiserver_proxy:
+        from labtools import apiproxydemo
+        try:
+            return apiproxydemo.run(a.firewall, a.once)
+        except KeyboardInterrupt:
+            return 130
     if a.kube or a.controller or a.proxygroup or a.dns:
         from labtools import controllerdemo, dnsdemo, kubedemo, pgdemo
         try:

@@ -33,8 +33,8 @@ CHART = REPO / "charts" / "tailscale-controller"
 DEPLOY = REPO / "deploy"
 RELEASE = "tailscale-controller"
 #: what deploy/ sets beyond the chart's defaults: the headscale URL and the images' registry are required,
-#: deploy/ carries placeholders that a kubectl user replaces (README: `kubectl set env ... HEADSCALE_URL=...`,
-#: `kubectl set image ...`)
+#: deploy/ carries placeholders that a kubectl user replaces (docs/controller.md:
+#: `kubectl set env ... HEADSCALE_URL=...`, `kubectl set image ...`)
 DEPLOY_REGISTRY = "registry.example.com/tailscale"
 DEPLOY_VALUES = {"headscale": {"url": "http://headscale.example:8080"}, "imageRegistry": DEPLOY_REGISTRY}
 #: chart file -> deploy/ file

@@ -11,12 +11,16 @@ detection `make image` uses.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Iterable, Mapping
 
-IMAGE = "localhost/containerboot-py:latest"
+DEFAULT_IMAGE = "localhost/containerboot-py:latest"      # what `make image` builds and the manifests name
+#: The lab's proxy image. Image names and their archives are one per machine, shared by every checkout on it:
+#: LAB_PROXY_IMAGE (e.g. localhost/containerboot-py:<branch>) builds, imports and runs a checkout's own.
+IMAGE = os.environ.get("LAB_PROXY_IMAGE") or DEFAULT_IMAGE
 REPO = Path(__file__).resolve().parent.parent
 # What the operator's privileged sysctler initContainer sets before the proxy starts; with podman the same is
 # `--sysctl`. The container's /proc/sys is read-only, so the agent only reads these.

@@ -9,7 +9,7 @@ API (root; a running ``labtools.lab.Lab`` and a ``KubeCluster`` with a node)::
     svc = wait_service_ip(kc, "apps", "web")            # the Service once its status has a tailnet IP
     controller_log(kc)                                  # the controller Pod's log (for failures)
 
-What ``install`` sets is the README's headscale user story, nothing test-only in the controller. With helm
+What ``install`` sets is the headscale user story of docs/controller.md, nothing test-only in the controller. With helm
 (the default): ``helm install`` of charts/tailscale-controller with ``provider=headscale``, ``headscale.url``,
 ``magicDNSSuffix``, the proxy image, and an API key made with the lab's headscale passed as
 ``credentials.headscaleAPIKey`` through stdin (never on a command line); helm's output (its NOTES) is kept in
@@ -32,13 +32,14 @@ from typing import Any
 
 from labtools import helmchart, kubecluster
 from labtools import lab as labmod
+from labtools import image as labimage
 from labtools.lab import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 #: LAB_PROXY_IMAGE / LAB_CONTROLLER_IMAGE build and install the images under other names: image archives are
 #: shared by every checkout on a machine, so a branch whose images differ tests its own under its own tag
-PROXY_IMAGE = os.environ.get("LAB_PROXY_IMAGE") or "localhost/containerboot-py:latest"
+PROXY_IMAGE = labimage.IMAGE
 CONTROLLER_IMAGE = os.environ.get("LAB_CONTROLLER_IMAGE") or "localhost/containerboot-py-controller:latest"
 CONTROLLER_DOCKERFILE = "images/controller/Dockerfile"
 NS = "tailscale"
@@ -103,9 +104,11 @@ def helm(kc: kubecluster.KubeCluster, *args: str, input: str | None = None, time
 
 
 def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, controller_tar: Path, *,
-            firewall: str = "", method: str = "helm", timeout: float = 120.0) -> dict[str, float]:
+            firewall: str = "", method: str = "helm", timeout: float = 120.0,
+            values: dict | None = None) -> dict[str, float]:
     """Import both images, install the controller (the chart with helm, or deploy/ with kubectl) configured for
-    the lab's headscale; returns timings (s)."""
+    the lab's headscale; returns timings (s). `values`: more chart values (helm only), e.g.
+    ``{"apiServerProxy": {"mode": "auth"}}``."""
     t: dict[str, float] = {}
     t0 = time.monotonic()
     kc.import_image(proxy_tar)
@@ -117,8 +120,8 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
     if method == "helm":
         # the key goes in through stdin (a values file "-"), never on a command line
         cp = helm(kc, "install", helmchart.RELEASE, str(helmchart.CHART), "--namespace", NS, "--create-namespace",
-                  "-f", "-", input=json.dumps(lab_values(firewall, key, STUB_ZONE if kc.cfg.cluster_dns else "")),
-                  timeout=timeout)
+                  "-f", "-", input=json.dumps({**lab_values(firewall, key, STUB_ZONE if kc.cfg.cluster_dns else ""),
+                                               **(values or {})}), timeout=timeout)
         kc.helm_output = cp.stdout + cp.stderr
     elif method == "kubectl":
         # deploy/ names the controller's image in a placeholder registry: replaced before applying, as a kubectl

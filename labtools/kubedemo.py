@@ -14,23 +14,71 @@ import subprocess
 import time
 from pathlib import Path
 
+from labtools import image as labimage
 from labtools import kubecluster, kubemanifests
 from labtools import lab as labmod
 from labtools.lab import Lab, LabError, ensure_binaries, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
-IMAGE = "localhost/containerboot-py:latest"
+IMAGE = labimage.IMAGE
 
 
 def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
+# What both cluster demos (this one and labtools.controllerdemo) do the same way.
+
+def controller_images() -> tuple[Path, Path]:
+    """Both images the controller's demos run (the proxy's and the controller's), built or found current."""
+    from labtools import kubecontroller
+    t0 = time.monotonic()
+    proxy_tar, ctl_tar = kubecontroller.build_images()
+    _say(f"images {kubecontroller.PROXY_IMAGE} and {kubecontroller.CONTROLLER_IMAGE} built "
+         f"({time.monotonic() - t0:.1f}s): {proxy_tar}, {ctl_tar}")
+    return proxy_tar, ctl_tar
+
+
+def deploy_backend(kc: kubecluster.KubeCluster, lab: Lab) -> str:
+    """The echo backend Deployment and its ClusterIP Service demo/backend, rolled out; returns the marker its
+    answers carry."""
+    marker = f"echo-ok-{lab.prefix}"
+    kc.apply([kubemanifests.namespace("demo"),
+              *kubemanifests.echo_backend("demo", "backend", marker, kubecluster.ECHO_IMAGE)])
+    kc.kubectl("-n", "demo", "rollout", "status", "deployment/backend", "--timeout=90s", timeout=100)
+    return marker
+
+
+def curl_from_client(lab: Lab, ip: str, path: str, marker: str, route: str) -> None:
+    """A curl from the tailnet client to http://<ip>:8080<path>, printed with the route it takes."""
+    t0 = time.monotonic()
+    body = lab.wait_curl("client", lab.url(ip, 8080, path), marker, timeout=60)
+    _say(f"curl client -> http://{ip}:8080{path} ({route}): OK in {time.monotonic() - t0:.1f}s: "
+         f"{body.strip().replace(chr(10), ' | ')}")
+
+
+def report_failure(kc: kubecluster.KubeCluster, e: Exception, log: str) -> None:
+    _say(f"FAILED: {e}")
+    _say(log)
+    _say(kc.diagnostics())
+
+
+def hold_open(kc: kubecluster.KubeCluster, k8s_bin: Path, once: bool) -> None:
+    """Unless --once, keep the cluster up for a look with kubectl until Ctrl-C."""
+    if once:
+        return
+    _say("cluster is up; press Ctrl-C to tear it down "
+         f"(kubectl: ip netns exec {kc.netns} {k8s_bin}/kubectl --kubeconfig {kc.kubeconfig} ...)")
+    while True:
+        time.sleep(1)
+
+
 def _image_archive() -> Path:
     t0 = time.monotonic()
     subprocess.run(["bash", str(REPO / "scripts" / "setup.sh"), "--image"], check=True)
-    subprocess.run(["bash", str(REPO / "images" / "build.sh")], check=True, stdout=subprocess.DEVNULL)
-    p = Path(subprocess.run(["bash", str(REPO / "images" / "build.sh"), "--print-archive"], check=True,
+    build = ["bash", str(REPO / "images" / "build.sh"), "--name", IMAGE]
+    subprocess.run(build, check=True, stdout=subprocess.DEVNULL)
+    p = Path(subprocess.run([*build, "--print-archive"], check=True,
                             capture_output=True, text=True).stdout.strip())
     _say(f"proxy image {IMAGE}: {p} ({time.monotonic() - t0:.1f}s)")
     return p
@@ -54,10 +102,7 @@ def run(firewall: str, once: bool, timeout: float = 120.0) -> int:
             t0 = time.monotonic()
             kc.import_image(archive)
             _say(f"imported {IMAGE} into the node's containerd ({time.monotonic() - t0:.1f}s)")
-            marker = f"echo-ok-{lab.prefix}"
-            kc.apply([kubemanifests.namespace("demo"),
-                      *kubemanifests.echo_backend("demo", "backend", marker, kubecluster.ECHO_IMAGE)])
-            kc.kubectl("-n", "demo", "rollout", "status", "deployment/backend", "--timeout=90s", timeout=100)
+            marker = deploy_backend(kc, lab)
             cip = kc.get("service", "backend", "demo")["spec"]["clusterIP"]
             _say(f"backend Deployment ready behind Service demo/backend, ClusterIP {cip}:8080")
             env = {k: v for k, v in lab.tailscaled_env(Path("/tmp"), Path("/tmp")).items()
@@ -87,21 +132,13 @@ def run(firewall: str, once: bool, timeout: float = 120.0) -> int:
                     _say(f"  {k} = {d.get(k)}")
                 v4 = next(i for i in json.loads(d["device_ips"]) if ":" not in i)
                 lab.wait_peer("client", "kube-proxy-demo", 60)
-                t0 = time.monotonic()
-                body = lab.wait_curl("client", lab.url(v4, 8080, "/demo-kube"), marker, timeout=60)
-                _say(f"curl client -> http://{v4}:8080/demo-kube (tailnet -> Pod -> ClusterIP {cip} -> kube-proxy "
-                     f"-> backend Pod): OK in {time.monotonic() - t0:.1f}s: {body.strip().replace(chr(10), ' | ')}")
+                curl_from_client(lab, v4, "/demo-kube", marker,
+                                 f"tailnet -> Pod -> ClusterIP {cip} -> kube-proxy -> backend Pod")
                 ok = True
             except (TimeoutError, LabError, kubecluster.ClusterError) as e:
-                _say(f"FAILED: {e}")
-                _say(kc.kubectl("-n", "demo", "logs", "proxy-0", "--tail=80", check=False).stdout)
-                _say(kc.diagnostics())
+                report_failure(kc, e, kc.kubectl("-n", "demo", "logs", "proxy-0", "--tail=80", check=False).stdout)
             rss = kc.rss_mb()
             _say("memory (RSS MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(rss.items())))
-            if not once:
-                _say("cluster is up; press Ctrl-C to tear it down "
-                     f"(kubectl: ip netns exec {kc.netns} {k8s_bin}/kubectl --kubeconfig {kc.kubeconfig} ...)")
-                while True:
-                    time.sleep(1)
+            hold_open(kc, k8s_bin, once)
     _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
     return 0 if ok else 1

@@ -13,6 +13,7 @@ import json
 import time
 
 from labtools import kubecluster, kubecontroller
+from labtools.kubedemo import controller_images, hold_open, report_failure
 from labtools.lab import Lab, LabError, ensure_binaries, wait_until
 
 PG = "demo-egress"
@@ -56,10 +57,7 @@ def run(firewall: str, once: bool, timeout: float = 240.0) -> int:
     t_all = time.monotonic()
     bin_dir = ensure_binaries()
     k8s_bin = kubecluster.ensure_binaries()
-    t0 = time.monotonic()
-    proxy_tar, ctl_tar = kubecontroller.build_images()
-    _say(f"images {kubecontroller.PROXY_IMAGE} and {kubecontroller.CONTROLLER_IMAGE} built "
-         f"({time.monotonic() - t0:.1f}s)")
+    proxy_tar, ctl_tar = controller_images()
     ok = False
     with Lab.create(bin_dir=bin_dir, firewall_mode=firewall) as lab:
         c4, _ = lab.tailnet_ips("client")
@@ -115,13 +113,7 @@ def run(firewall: str, once: bool, timeout: float = 240.0) -> int:
                      f"{longest_gap(results):.2f}s")
                 ok = True
             except (TimeoutError, LabError, kubecluster.ClusterError) as e:
-                _say(f"FAILED: {e}")
-                _say(kubecontroller.controller_log(kc))
-                _say(kc.diagnostics())
-            if not once:
-                _say("cluster is up; press Ctrl-C to tear it down "
-                     f"(kubectl: ip netns exec {kc.netns} {k8s_bin}/kubectl --kubeconfig {kc.kubeconfig} ...)")
-                while True:
-                    time.sleep(1)
+                report_failure(kc, e, kubecontroller.controller_log(kc))
+            hold_open(kc, k8s_bin, once)
     _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
     return 0 if ok else 1

@@ -48,7 +48,7 @@ ONLY_GC = ("garbagecollector", "serviceaccount")
 def kube():
     """A control plane alone on loopback (labtools.kubecluster), with dual-stack Services."""
     if os.geteuid() != 0:
-        pytest.skip("the control plane (labtools.kubecluster) runs as root")
+        unavailable("the control plane (labtools.kubecluster) runs as root")
     if not binaries_present(default_bin_dir()):
         unavailable("etcd/kube-apiserver are not built here (scripts/install-kubernetes.sh)")
     with KubeCluster.start(service_cidr=DUAL_STACK, controllers=ONLY_GC) as k:

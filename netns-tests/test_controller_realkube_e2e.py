@@ -43,6 +43,8 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
 8. Two controller replicas: one holds the leader Lease, the other stands by; the leader's Pod is deleted, and
    a live replica (the standby or the Deployment's replacement Pod) takes the Lease over and gives a new
    annotated Service its proxy (a tailnet IP in its status); deleting it leaves nothing.
+7. The API server proxy (``helm upgrade --set apiServerProxy.mode=auth``, then ``noauth``, then ``off``):
+   kubectl from the lab's tailnet client through it, with the tailnet identity impersonated.
 """
 from __future__ import annotations
 
@@ -134,7 +136,7 @@ def test_expose_service_proxy_pod_logs_in_status_curl_and_clean_delete(lab, kube
     dep = kc.get("deployment", "tailscale-controller", kubecontroller.NS)
     assert dep["metadata"]["labels"].get("app.kubernetes.io/managed-by") == "Helm", dep["metadata"]
     key = kubecontroller.secret_data(kc, kubecontroller.NS, "headscale-api")["key"].decode()
-    assert len(key) > 20 and "kubectl annotate service" in kc.helm_output, kc.helm_output
+    assert len(key) > 20 and "annotate service <name> tailscale.com/expose=true" in kc.helm_output, kc.helm_output
     assert key not in kc.helm_output and key not in kubecontroller.controller_log(kc, 2000)
     lab.delete_node("apps-web")
 
@@ -681,6 +683,147 @@ def test_two_controller_replicas_one_leads_and_the_other_takes_over_when_its_pod
         assert _hs_nodes_named(lab, "apps-ha") == []
     finally:
         kc.kubectl("-n", kubecontroller.NS, "scale", "deployment/tailscale-controller", "--replicas=1", check=False)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# 7. The API server proxy (docs/apiserver-proxy.md); the uninstall (last) below.
+
+def _talker_objects(image: str) -> list[dict]:
+    """A Pod with a shell (the proxy image) that logs a line a second; a ServiceAccount that may view apps."""
+    rbac = "rbac.authorization.k8s.io/v1"
+    return [
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "talker", "namespace": "apps"},
+         "spec": {"terminationGracePeriodSeconds": 1,
+                  "containers": [{"name": "talker", "image": image, "imagePullPolicy": "Never",
+                                  "command": ["/bin/sh", "-c",
+                                              "i=0; while true; do echo talker-line-$i; i=$((i+1)); sleep 1; done"]}]}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tailnet-noauth", "namespace": "apps"}},
+        {"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": "tailnet-noauth-view", "namespace": "apps"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "view"},
+         "subjects": [{"kind": "ServiceAccount", "name": "tailnet-noauth", "namespace": "apps"}]},
+    ]
+
+
+def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
+    """``apiServerProxy.mode: auth`` with a headscale policy granting the lab client's user (``e2e``)
+    ``impersonate.groups: ["tailnet-readers"]``, bound to ``view`` (plus exec/attach/port-forward in ``apps``,
+    labtools.apiproxylab).
+    From the client node (a plain tailscaled, not a Pod), with the cluster's own kubectl and nothing but the
+    proxy's tailnet address in its kubeconfig: get pods -A, get -w sees a change, logs -f streams, exec -it
+    answers, port-forward carries a curl; creating a Pod is refused by RBAC naming user "e2e"; a second node of
+    another user without the grant is refused; a client speaking garbage is closed while the others carry on;
+    while the API server restarts requests fail cleanly and then succeed. Then ``noauth``: a ServiceAccount
+    token works, no credentials is the API server's anonymous refusal. ``off`` removes the proxy and its device."""
+    import threading
+
+    from labtools import apiproxylab as ap
+    from labtools.apiproxylab import TailnetKubectl
+    kc = kube
+    kubectl = kc.cfg.bin_dir / "kubectl"
+    lab.delete_node("kube-apiserver")
+    kc.apply([*ap.reader_rbac("apps"), *_talker_objects(kubecontroller.PROXY_IMAGE)])
+    outsider = lab.create_user("outsider")
+    if "outsider" not in lab.namespaces:
+        lab.add_namespace("outsider")
+        lab.start_node("outsider", "outsider", authkey=lab.preauth_key(user_id=int(outsider["id"])))
+    work = lab.run_dir / "apiproxy"
+    with lab.hs_policy(ap.policy("e2e")):
+        try:
+            ap.set_mode(kc, "auth")
+            url = ap.wait_url(kc)
+            assert url == "http://kube-apiserver.tailnet.test", url
+            ip = ap.proxy_ip(kc)
+            client = TailnetKubectl(lab, "client", kubectl, f"http://{ip}", work, token="unused")
+            other = TailnetKubectl(lab, "outsider", kubectl, f"http://{ip}", work)
+            got = wait_until(lambda: (cp := client.run("get", "pods", "-A")).returncode == 0 and cp, 90, 1,
+                             "kubectl get pods -A through the proxy")
+            assert "echo-" in got.stdout and "kube-apiserver" not in got.stderr, got
+            kc.kubectl("-n", "apps", "wait", "pod/talker", "--for=condition=Ready", "--timeout=90s", timeout=100)
+
+            # get -w sees a change made by someone else
+            watch = client.background("-n", "apps", "get", "pods", "-w", "--output-watch-events")
+            try:
+                watch.wait_line(lambda ln: "talker" in ln, 30, "the watch's first listing")
+                kc.kubectl("-n", "apps", "label", "pod", "talker", "seen=yes")
+                kc.apply(kubemanifests.echo_backend("apps", "echo-watched", "w", kubecluster.ECHO_IMAGE))
+                watch.wait_line(lambda ln: "ADDED" in ln and "echo-watched" in ln, 60, "the new Pod in the watch")
+            finally:
+                watch.stop()
+            # logs -f streams lines as the Pod writes them
+            logs = client.background("-n", "apps", "logs", "-f", "talker", "--tail=1")
+            try:
+                first = logs.wait_line(lambda ln: "talker-line-" in ln, 30, "a first log line")
+                logs.wait_line(lambda ln: "talker-line-" in ln and ln != first, 30, "a later log line")
+            finally:
+                logs.stop()
+            # exec -it, interactive (a pseudo-terminal)
+            ex = client.run_tty("-n", "apps", "exec", "-it", "talker", "--", "sh", "-c", "echo exec-ok-$((6*7))")
+            assert ex.returncode == 0 and "exec-ok-42" in ex.stdout, ex
+            # port-forward to an echo Pod, and a curl through it from the same node
+            pod = json.loads(kc.kubectl("-n", "apps", "get", "pods", "-l", "app=echo", "-o", "json").stdout)[
+                "items"][0]["metadata"]["name"]
+            pf = client.background("-n", "apps", "port-forward", f"pod/{pod}", "18080:8080")
+            try:
+                pf.wait_line(lambda ln: "Forwarding from 127.0.0.1:18080" in ln, 30, "port-forward's listener")
+                assert kc.marker in lab.wait_curl("client", "http://127.0.0.1:18080/", kc.marker, 30)
+            finally:
+                pf.stop()
+            # a write the groups do not allow: RBAC's 403, naming the impersonated user
+            w = client.run("-n", "apps", "run", "intruder", f"--image={kubecluster.ECHO_IMAGE}")
+            assert w.returncode != 0 and 'User "e2e" cannot create resource "pods"' in w.stderr, w
+            # another user's node, without the grant: itself, with no group, so nothing to read
+            o = other.run("get", "pods", "-A")
+            assert o.returncode != 0 and 'User "outsider" cannot list resource "pods"' in o.stderr, o
+            # garbage on the proxy's port: answered 400 and closed; kubectl is not affected
+            g = lab.exec("client", ["python3", "-c", (
+                "import socket,sys; s=socket.create_connection((sys.argv[1],80),5); "
+                "s.sendall(b'\\x16\\x03\\x01 garbage\\r\\n\\r\\n'); d=b''\n"
+                "while (c:=s.recv(4096)): d+=c\n"
+                "print(d.split(b'\\r\\n')[0].decode())"), ip], timeout=20)
+            assert g.stdout.startswith("HTTP/1.1 400"), g
+            assert client.run("get", "ns").returncode == 0
+            # the API server restarts: a request meanwhile fails cleanly, later ones succeed
+            t = threading.Thread(target=kc.restart_apiserver, kwargs={"down_for": 4.0})
+            t.start()
+            try:
+                down = wait_until(lambda: (cp := client.run("get", "ns", timeout=20)).returncode != 0 and cp, 10,
+                                  0.3, "a request while the API server is down")
+            finally:
+                t.join(90)
+            assert "error reaching the API server" in down.stderr or "ServiceUnavailable" in down.stderr, down
+            wait_until(lambda: client.run("get", "ns").returncode == 0, 60, 1, "a request after the restart")
+
+            # noauth: the client's own credentials
+            ap.set_mode(kc, "noauth")
+            # (HTTPS with a self-signed certificate: kubectl sends a kubeconfig's token over TLS only)
+            sa = TailnetKubectl(lab, "client", kubectl, f"https://{ip}", work,
+                                token=kc.service_account_token("apps", "tailnet-noauth"))
+
+            last: list = []
+
+            def noauth_serves() -> bool:
+                # without credentials (curl: kubectl would prompt for a user name on an https:// server)
+                cp = lab.curl("client", f"https://{ip}/api/v1/namespaces/apps/pods", 10, extra=["-k"])
+                last[:] = [cp.returncode, cp.stdout[-500:], cp.stderr[-500:]]
+                return '\\"system:anonymous\\" cannot list resource \\"pods\\"' in cp.stdout
+            try:
+                wait_until(noauth_serves, 150, 1, "the proxy in noauth mode (anonymous refused by the API server)")
+            except TimeoutError:
+                raise AssertionError(f"noauth: the last answer without credentials: {last}") from None
+            s = sa.run("-n", "apps", "get", "pods")
+            assert s.returncode == 0 and "talker" in s.stdout, s
+            assert ap.wait_url(kc) == "https://kube-apiserver.tailnet.test"
+        except BaseException:
+            print(f"{kubecontroller.controller_log(kc)}\n{ap.proxy_log(kc)}")
+            raise
+        finally:
+            ap.set_mode(kc, "off")
+    wait_until(lambda: kubecontroller.children(kc, kubecontroller.NS, "apiserver-proxy", "apiserverproxy")
+               == kubecontroller.NO_CHILDREN, 120, 1, "the API server proxy's objects gone")
+    wait_until(lambda: _hs_nodes_named(lab, "kube-apiserver") == [], 60, 1, "its device gone from headscale")
+    crbs = kc.kubectl("get", "clusterrolebindings", "-l", "tailscale.com/parent-resource-type=apiserverproxy",
+                      "-o", "json").stdout
+    assert json.loads(crbs)["items"] == []
 
 
 def _pg_children(kc, name: str) -> dict[str, list[str]]:

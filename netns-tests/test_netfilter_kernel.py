@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from needs import unavailable
 from netfilter.model import Dnat, EgressForward, PortMatch, RuleSet, ServiceDnat, ServicePortMap
 
 pytestmark = pytest.mark.netns
@@ -24,8 +25,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 IP = shutil.which("ip") or "ip"   # absolute: some tests run with a $PATH that hides iptables (and maybe ip)
 
-if os.geteuid() != 0 or shutil.which("ip") is None:
-    pytest.skip("needs root and iproute2 (network namespaces)", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _root_and_iproute2() -> None:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        unavailable("these tests need root and iproute2 (network namespaces)")
+
 
 TS = {4: "100.64.0.5", 6: "fd7a:115c:a1e0::5"}
 BACKEND = {4: ("10.0.0.1", "10.0.0.2"), 6: ("fd00::1", "fd00::2")}
@@ -284,18 +290,16 @@ def test_empty_rule_set_is_cleanup(agent):
     assert agent.installed() == ""
 
 
-def test_many_services_apply_fast_and_exactly(agent):
+def test_many_services_apply_exactly(agent):
+    # How fast is a figure, not a test: bench/rules.py times 10,000 maps against the per-rule baseline.
     maps = tuple(ServicePortMap(f"ns-svc{i}", "tcp" if i % 2 else "udp", 10000 + i, 80 + i % 7,
                                 f"100.99.{i // 250}.{i % 250 + 1}", TS[4]) for i in range(1000))
     vips = tuple(ServiceDnat(f"svc:s{i}", f"100.100.{i // 250}.{i % 250 + 1}", f"10.96.{i // 250}.{i % 250 + 1}")
                  for i in range(300))
     rules = RuleSet(port_maps=maps, service_dnats=vips, clamp_mss=True)
-    t0 = time.monotonic()
     agent.apply(rules)
-    elapsed = time.monotonic() - t0
     out = agent.installed()
     assert out == agent.render(rules)
-    assert elapsed < 30, f"applying 1300 services took {elapsed:.1f}s"
     if agent.mode == "nftables":
         # one lookup rule each for port maps, VIP DNATs and SNATs, however many services
         assert out.count("dnat") == 2 and out.count("snat to ") == 1

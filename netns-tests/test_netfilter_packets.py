@@ -27,15 +27,10 @@ import sys
 
 import pytest
 
+from netfilter.model import Dnat, EgressForward, PortMatch, RuleSet, ServiceDnat, ServicePortMap
 from nettopo import ProxyLab
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-try:
-    from netfilter.model import (Dnat, EgressForward, PortMatch, RuleSet, ServiceDnat,
-                                 ServicePortMap)
-except ImportError as e:  # pragma: no cover - only while the model is being written
-    pytest.skip(f"netfilter.model not importable: {e}", allow_module_level=True)
 
 # "iptables" lets the backend pick the flavour (here: the plain `iptables`, nf_tables based);
 # "iptables-legacy" forces x_tables, which is what the official image's iptables symlinks use.

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from labtools import image as labimage
 from labtools import kubecluster, kubemanifests
 from labtools import lab as labmod
 from labtools.lab import wait_until
@@ -36,7 +37,7 @@ from needs import unavailable
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parent.parent
-IMAGE = "localhost/containerboot-py:latest"
+IMAGE = labimage.IMAGE      # LAB_PROXY_IMAGE: a checkout's own name (names and archives are one per machine)
 
 
 @pytest.fixture(scope="session")
@@ -46,9 +47,10 @@ def agent_image_archive(lab_bin_dir) -> Path:
                         timeout=1800)
     if cp.returncode != 0:
         unavailable(f"the image build's packages cannot be installed: {cp.stderr[-1500:]}")
-    cp = subprocess.run(["bash", str(REPO / "images" / "build.sh")], capture_output=True, text=True, timeout=3600)
+    build = ["bash", str(REPO / "images" / "build.sh"), "--name", IMAGE]
+    cp = subprocess.run(build, capture_output=True, text=True, timeout=3600)
     assert cp.returncode == 0, f"make image failed:\n{cp.stderr[-4000:]}"
-    path = Path(subprocess.run(["bash", str(REPO / "images" / "build.sh"), "--print-archive"], capture_output=True,
+    path = Path(subprocess.run([*build, "--print-archive"], capture_output=True,
                                text=True, check=True).stdout.strip())
     assert path.is_file(), path
     return path

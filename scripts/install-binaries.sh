@@ -11,6 +11,7 @@ if [ "${1:-}" = "--print-dir" ]; then echo "$BIN"; exit 0; fi
 mkdir -p "$BIN"
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$BIN" GOFLAGS=-mod=mod
 log() { echo "[install-binaries] $*" >&2; }
+. "$(dirname "$0")/progress.sh"
 need=()
 for b in tailscaled tailscale containerboot; do [ -x "$BIN/$b" ] || need+=("tailscale.com/cmd/$b@$TS_VER"); done
 if [ ${#need[@]} -gt 0 ]; then
@@ -18,7 +19,8 @@ if [ ${#need[@]} -gt 0 ]; then
   start=$(date +%s)
   go install -trimpath \
     -ldflags="-s -w -X tailscale.com/version.longStamp=${TS_VER#v}-cbpy -X tailscale.com/version.shortStamp=${TS_VER#v}" \
-    "${need[@]}"
+    "${need[@]}" &
+  watch_build $! "tailscale $TS_VER"
   log "tailscale binaries built in $(( $(date +%s) - start ))s"
 fi
 if [ ! -x "$BIN/headscale" ]; then
@@ -29,7 +31,8 @@ if [ ! -x "$BIN/headscale" ]; then
   # and building inside its (checksummed, read-only) module directory needs no list.
   dir=$(go mod download -json "github.com/juanfont/headscale@$HS_VER" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
   [ -n "$dir" ] || { log "could not download headscale $HS_VER"; exit 1; }
-  (cd "$dir" && GOFLAGS=-mod=readonly go build -trimpath -ldflags="-s -w" -o "$BIN/headscale" ./cmd/headscale)
+  (cd "$dir" && GOFLAGS=-mod=readonly exec go build -trimpath -ldflags="-s -w" -o "$BIN/headscale" ./cmd/headscale) &
+  watch_build $! "headscale $HS_VER"
   log "headscale built in $(( $(date +%s) - start ))s"
 fi
 echo "$BIN"

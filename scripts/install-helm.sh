@@ -13,6 +13,7 @@ CACHE=${CB_CACHE:-$HOME/.cache/containerboot-py}
 BIN="$CACHE/bin/helm-$HELM_VER"
 if [ "${1:-}" = "--print-dir" ]; then echo "$BIN"; exit 0; fi
 log() { echo "[install-helm] $*" >&2; }
+. "$(dirname "$0")/progress.sh"
 if [ -x "$BIN/helm" ]; then echo "$BIN"; exit 0; fi
 
 command -v go >/dev/null 2>&1 || { log "no Go toolchain: cannot build helm"; exit 1; }
@@ -30,7 +31,8 @@ for p in pkg/lint/rules pkg/chartutil; do
 done
 log "building helm $HELM_VER (cold: about 2 minutes on 2 cores)"
 mkdir -p "$BIN"
-(cd "$dir" && GOFLAGS=-mod=readonly go build -trimpath -ldflags="$ld" -o "$BIN/helm.new.$$" ./cmd/helm) >&2
+(cd "$dir" && GOFLAGS=-mod=readonly exec go build -trimpath -ldflags="$ld" -o "$BIN/helm.new.$$" ./cmd/helm) >&2 &
+watch_build $! "helm $HELM_VER"
 mv "$BIN/helm.new.$$" "$BIN/helm"   # a concurrent build of the same pin just replaces it
 [ "$("$BIN/helm" version --short)" = "$HELM_VER" ] || { log "built helm reports $("$BIN/helm" version --short), not $HELM_VER"; exit 1; }
 log "helm $HELM_VER built in $(( $(date +%s) - start ))s into $BIN"

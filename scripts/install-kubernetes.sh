@@ -16,6 +16,7 @@ CACHE=${CB_CACHE:-$HOME/.cache/containerboot-py}
 BIN="$CACHE/bin/k8s-$K8S_VER-etcd-$ETCD_VER"
 if [ "${1:-}" = "--print-dir" ]; then echo "$BIN"; exit 0; fi
 log() { echo "[install-kubernetes] $*" >&2; }
+. "$(dirname "$0")/progress.sh"
 
 cmds=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl)
 missing=()
@@ -82,11 +83,13 @@ for c in "${missing[@]}"; do
 done
 if [ ${#pkgs[@]} -gt 0 ]; then
   log "building ${pkgs[*]} (cold: about 9 minutes on 2 cores)"
-  (cd "$SRC" && go build -trimpath -ldflags="$ld" -o "$BIN/" "${pkgs[@]}") >&2
+  (cd "$SRC" && exec go build -trimpath -ldflags="$ld" -o "$BIN/" "${pkgs[@]}") >&2 &
+  watch_build $! "Kubernetes $K8S_VER"
 fi
 if [ ! -x "$BIN/etcd" ]; then
   log "building etcd $ETCD_VER"
-  (cd "$SRC" && go build -trimpath -ldflags="-s -w" -o "$BIN/etcd" go.etcd.io/etcd/server/v3) >&2
+  (cd "$SRC" && exec go build -trimpath -ldflags="-s -w" -o "$BIN/etcd" go.etcd.io/etcd/server/v3) >&2 &
+  watch_build $! "etcd $ETCD_VER"
 fi
 # 3. The Pods' sandbox ("pause") program: no registry is reachable, so the pause image is made here from this
 # tiny static program (it only waits for SIGTERM/SIGINT, and reaps children as PID 1 of a shared-PID Pod).

@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
 # Idempotent set-up for the demo and the tests: Debian packages, the Python venv, and (with --binaries) the
 # pinned Go-built binaries. Each step is skipped when already done. Progress goes to stderr.
+#   --binaries                  everything: tailscale (tailscaled, tailscale, upstream containerboot, headscale),
+#                               kubernetes (Kubernetes, etcd, CoreDNS and the node's Debian packages) and helm
+#   --binaries=tailscale,...    only those parts (the plain `make demo` needs tailscale alone)
+#   --image                     podman, runc and mmdebstrap for images/build.sh
+#   --multiarch                 qemu user mode for other architectures' images
 set -euo pipefail
 cd "$(dirname "$0")/.."
 log() { echo "[setup] $*" >&2; }
 
-want_binaries=0 want_image=0 want_multiarch=0
+want_image=0 want_multiarch=0 parts=""
 for a in "$@"; do
   case "$a" in
-    --binaries) want_binaries=1 ;;
-    --image) want_image=1 ;;  # podman, runc and mmdebstrap for images/build.sh (make image)
+    --binaries) parts=tailscale,kubernetes,helm ;;
+    --binaries=*) parts=${a#--binaries=} ;;
+    --image) want_image=1 ;;
     --multiarch) want_multiarch=1 ;;  # qemu user mode for other architectures' images (make images-archives)
+    *) log "unknown option $a"; exit 2 ;;
   esac
 done
+want() { [[ ",$parts," == *",$1,"* ]]; }
 
 # 1. Debian packages the agent and the lab use.
 pkgs=(iproute2 nftables iptables libnftables1 curl dnsmasq-base openssl python3-venv procps)
 # the real Kubernetes node of the lab (labtools/kubecluster.py): container runtime, OCI runtime, CNI plugins
-pkgs+=(containerd runc containernetworking-plugins)
+want kubernetes && pkgs+=(containerd runc containernetworking-plugins)
 [ $want_image = 1 ] && pkgs+=(podman runc mmdebstrap bc)
 [ $want_multiarch = 1 ] && pkgs+=(qemu-user-static)
 missing=()
@@ -47,15 +55,23 @@ fi
 
 # 3. tailscaled, tailscale, upstream containerboot, headscale, Kubernetes, helm and CoreDNS, built once into a cache outside
 #    the repo.
-if [ $want_binaries = 1 ]; then
+if [ -n "$parts" ]; then
   if command -v go >/dev/null 2>&1; then
-    bash scripts/install-binaries.sh >/dev/null || log "building the binaries failed; the end-to-end tests will be skipped"
+    if want tailscale; then
+      bash scripts/install-binaries.sh >/dev/null || log "building the binaries failed; the end-to-end tests will be skipped"
+    fi
     # Kubernetes v1.34.4 + etcd for the real-cluster tests and `make demo DEMO_ARGS=--kube` (about 9 min cold)
-    bash scripts/install-kubernetes.sh >/dev/null || log "building Kubernetes failed; the real-cluster tests will be skipped"
+    if want kubernetes; then
+      bash scripts/install-kubernetes.sh >/dev/null || log "building Kubernetes failed; the real-cluster tests will be skipped"
+    fi
     # helm v3.19.0 for the controller's chart (charts/tailscale-controller; about 2 min cold)
-    bash scripts/install-helm.sh >/dev/null || log "building helm failed; the chart tests will be skipped"
-    # CoreDNS v1.12.1, the lab cluster's DNS (labtools/coredns.py; about 3 min cold)
-    bash scripts/install-coredns.sh >/dev/null || log "building CoreDNS failed; the lab cluster will have no DNS"
+    if want helm; then
+      bash scripts/install-helm.sh >/dev/null || log "building helm failed; the chart tests will be skipped"
+    fi
+    # CoreDNS v1.12.1, the lab cluster's DNS (labtools/coredns.py; about 5 min cold)
+    if want kubernetes; then
+      bash scripts/install-coredns.sh >/dev/null || log "building CoreDNS failed; the lab cluster will have no DNS"
+    fi
   else
     log "no Go toolchain: the end-to-end tests will be skipped"
   fi

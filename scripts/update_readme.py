@@ -1,4 +1,4 @@
-"""Regenerate the README's variable reference from the settings table (`make readme`)."""
+"""Regenerate the agent's variable reference (docs/agent.md) from the settings table (`make readme`)."""
 from __future__ import annotations
 
 import pathlib
@@ -7,6 +7,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from containerboot.settings import reference_markdown
 
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "agent.md"
 BEGIN, END = "<!-- BEGIN SETTINGS REFERENCE -->", "<!-- END SETTINGS REFERENCE -->"
 
 
@@ -17,5 +18,4 @@ def render(readme: str) -> str:
 
 
 if __name__ == "__main__":
-    p = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-    p.write_text(render(p.read_text()))
+    DOC.write_text(render(DOC.read_text()))

@@ -1,1 +1,1 @@
-"""serveconfig: the L7 serve config model, file watch and LocalAPI apply."""
+"""serveconfig: the L7 serve config model and its LocalAPI apply (the file watch is tscommon.watch)."""

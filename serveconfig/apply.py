@@ -515,7 +515,7 @@ class ServeLoop:
         self._wake.set()
 
     async def _follow_file(self) -> None:
-        from serveconfig.watch import watch_file   # local import: keeps this module importable without watchdog
+        from tscommon.watch import watch_file   # local import: keeps this module importable without watchdog
 
         async for text in watch_file(self.path, self._poll_interval):
             self._text = text

@@ -145,14 +145,20 @@ def test_rbac_covers_the_controllers_calls():
 
 def test_no_shared_proxy_identity_and_the_controller_holds_what_it_grants():
     """No Role lets every proxy touch every Secret (upstream's `proxies`); the controller can write each
-    proxy's Role without `escalate`/`bind` because it holds every rule it grants in that namespace."""
+    proxy's Role without `escalate`/`bind` because it holds every rule it grants in that namespace (the one
+    `bind` it holds is for the API server proxy's impersonation ClusterRole, by name)."""
     assert [r["metadata"]["name"] for r in by_kind("Role")] == ["tailscale-controller",
                                                                 "tailscale-controller-leader-election"]
     assert [s["metadata"]["name"] for s in by_kind("ServiceAccount")] == ["tailscale-controller"]
     (cr,) = [d for d in by_kind("ClusterRole") if d["metadata"]["name"] == "tailscale-controller"]
     (role,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "tailscale-controller"]
     held = cr["rules"] + role["rules"]
-    assert not any({"escalate", "bind", "impersonate", "*"} & set(r["verbs"]) for r in held)
+    assert not any({"escalate", "impersonate", "*"} & set(r["verbs"]) for r in held)
+    # `bind` on one ClusterRole only: the API server proxy's (auth mode) impersonation role, which the
+    # controller binds to that proxy's ServiceAccount without being able to impersonate anyone itself
+    binds = [r for r in held if "bind" in r["verbs"]]
+    assert binds == [{"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"],
+                      "resourceNames": ["tailscale-apiserver-proxy-impersonate"], "verbs": ["bind"]}]
     spec = service.decide({"metadata": {"name": "web", "namespace": "apps", "uid": "u", "annotations": {
         "tailscale.com/expose": "true"}}, "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.1"}},
         cconfig.ControllerConfig(namespace="tailscale", proxy_image="x")).spec

@@ -88,14 +88,50 @@ def test_event_mapping():
     assert parent_key("proxygroup", {"metadata": {"name": "pg"}}, cfg) == ("proxygroup", "", "pg")
 
 
-def test_kopf_registries_and_server_side_child_filter():
-    parents, children = registries(State(ControllerConfig(), None, None))
-    # + ProxyGroups, ProxyClasses, DNSConfigs; children: + EndpointSlices (the DNS records' Pod IPs)
-    assert len(list(parents._watching.get_all_handlers())) == 6
-    assert len(list(children._watching.get_all_handlers())) == 4
+async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_server_side(monkeypatch):
+    # What the controller asks of kopf, seen at kopf's public decorator: which resources each operator watches,
+    # with which label filter, and what each handler puts on the queue.
+    import kopf
+    watched: dict[str, tuple] = {}
+
+    def event(*resource: str, registry, labels=None, **_):
+        def register(fn):
+            watched[resource[-1]] = (registry, labels, fn)
+            return fn
+        return register
+
+    monkeypatch.setattr(kopf.on, "event", event)
+
+    class Queue:
+        def __init__(self) -> None:
+            self.keys: list = []
+
+        def poke(self, key) -> None:
+            self.keys.append(key)
+
+    queue = Queue()
+    parents, children = registries(State(ControllerConfig(), None, queue))
+    assert {r: (reg is parents, labels) for r, (reg, labels, _) in watched.items()} == {
+        "services": (True, None), "ingresses": (True, None), "connectors": (True, None),
+        "proxygroups": (True, None), "proxyclasses": (True, None), "dnsconfigs": (True, None),
+        "endpointslices": (False, None),
+        "secrets": (False, {"tailscale.com/managed": "true"}),
+        "statefulsets": (False, {"tailscale.com/managed": "true"}),
+        "pods": (False, {"tailscale.com/managed": "true", "tailscale.com/parent-resource-type": "proxygroup"}),
+        "configmaps": (False, {"tailscale.com/apiserver-proxy": "true"})}
+    exposed = {"metadata": {"name": "web", "namespace": "apps", "annotations": {"tailscale.com/expose": "true"}}}
+    await watched["services"][2](body=exposed)
+    await watched["services"][2](body={"metadata": {"name": "other", "namespace": "apps"}})   # not ours
+    child = {"metadata": {"labels": {"tailscale.com/managed": "true", "tailscale.com/parent-resource": "web",
+                                     "tailscale.com/parent-resource-ns": "apps",
+                                     "tailscale.com/parent-resource-type": "svc"}}}
+    await watched["statefulsets"][2](body=child)
+    # every Service event also queues the DNSConfig pass (an egress Service's tailnet name may have changed)
+    dns = ("dnsconfig", "", "")
+    assert queue.keys == [("svc", "apps", "web"), dns, dns, ("svc", "apps", "web")]
     s = settings(True)
-    assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/managed=true"] * 2 + [
-        "tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]
+    assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/apiserver-proxy=true"] + [
+        "tailscale.com/managed=true"] * 2 + ["tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]
     assert not settings(False).posting.enabled
 
 

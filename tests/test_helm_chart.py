@@ -203,12 +203,33 @@ def test_rbac_in_another_namespace_equals_deploys():
      "credentials.oauthClientID and credentials.oauthClientSecret go together"),
     ({"imageRegistry": REGISTRY, "provider": "tailscale", "dns": {"stubZoneConfigMap": "coredns"}},
      'dns.stubZoneConfigMap="coredns" is not <namespace>/<name> of a ConfigMap; use e.g. kube-system/coredns'),
+    ({"imageRegistry": REGISTRY, "provider": "tailscale", "apiServerProxy": {"mode": "true"}},
+     'apiServerProxy.mode="true" is not a mode; use off, auth or noauth'),
 ])
 def test_bad_values_stop_with_the_value_and_the_fix(values, message):
     with pytest.raises(helmchart.HelmError) as e:
         helmchart.template(values)
     assert message in str(e.value)
     assert "only-the-secret" not in str(e.value)
+
+
+def test_apiserver_proxy_mode_renders_its_configmap_and_in_auth_mode_only_impersonation():
+    from controller.kinds import apiserverproxy
+    from controller.kinds import meta as _meta
+    base = {"provider": "tailscale"}
+    for off in ({}, {"apiServerProxy": {"mode": "off"}}, {"apiServerProxy": {"mode": False}}):
+        assert not [o for o in render({**base, **off}) if o["kind"] == "ConfigMap"]
+    objs = render({**base, "apiServerProxy": {"mode": "auth", "tags": ["tag:k8s-api"]}})
+    cm = one(objs, "ConfigMap", "apiserver-proxy")
+    assert cm["data"] == {"mode": "auth", "hostname": "kube-apiserver", "tags": "tag:k8s-api"}
+    cfg = cconfig.ControllerConfig(namespace="tailscale")
+    assert apiserverproxy.handled(cm, cfg) and _meta(cm)["namespace"] == "tailscale"
+    assert apiserverproxy.decide(cm, cfg).spec.apiserver_proxy_mode == "auth"
+    role = one(objs, "ClusterRole", apiserverproxy.IMPERSONATE_CLUSTER_ROLE)
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["users", "groups"], "verbs": ["impersonate"]}]
+    noauth = render({**base, "apiServerProxy": {"mode": "noauth"}})
+    assert one(noauth, "ConfigMap")["data"]["mode"] == "noauth"
+    assert not [o for o in noauth if o["metadata"]["name"] == apiserverproxy.IMPERSONATE_CLUSTER_ROLE]
 
 
 def test_helm_is_the_pinned_version():

@@ -84,9 +84,10 @@ def test_conflicting_intents_are_refused():
 
 
 def test_same_port_number_in_both_families_and_protocols_is_fine():
-    RuleSet(port_maps=(ServicePortMap("a", "tcp", 10001, 80, "100.1.1.1", "100.64.0.1"),
-                       ServicePortMap("a", "udp", 10001, 80, "100.1.1.1", "100.64.0.1"),
-                       ServicePortMap("a", "tcp", 10001, 80, "fd7a::1", "fd7a::5")))
+    maps = (ServicePortMap("a", "tcp", 10001, 80, "100.1.1.1", "100.64.0.1"),
+            ServicePortMap("a", "udp", 10001, 80, "100.1.1.1", "100.64.0.1"),
+            ServicePortMap("a", "tcp", 10001, 80, "fd7a::1", "fd7a::5"))
+    assert RuleSet(port_maps=maps).port_maps == maps     # accepted, none merged or dropped
 
 
 def test_identical_entries_are_deduplicated():

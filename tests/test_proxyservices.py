@@ -138,7 +138,7 @@ def test_a_service_without_ports_is_recorded_with_its_targets_and_follows_them()
     assert seen[0] == {"db": {"ports": [], "tailnetTargetIPs": ["100.64.0.9", "fd7a:115c:a1e0::9"],
                               "tailnetTarget": {"ip": "", "fqdn": "db.tailnet.test"}}}
     assert seen[1]["db"]["tailnetTargetIPs"] == ["100.64.0.19"] and seen[1]["db"]["ports"] == []
-    assert seen[2] is None      # the target is gone: not recorded (a deliberate difference, README)
+    assert seen[2] is None      # the target is gone: not recorded (a deliberate difference, docs/agent.md)
     # a missing "ports" field reads like an empty list
     raw = ps.parse_egress_services(json.dumps({"x": {"tailnetTarget": {"ip": "100.64.0.9"}}}))
     out = ps.compute_services(ps.ServicesInput(egress=raw), node(DB))

@@ -69,7 +69,7 @@ async def test_reissue_reacts_to_the_data_swap_through_the_watch(kube_api, tmp_p
 
 
 async def test_without_a_usable_watch_the_poll_still_finds_the_key(kube_api, tmp_path, monkeypatch, caplog):
-    import serveconfig.watch as watch_mod
+    import tscommon.watch as watch_mod
 
     def broken_start(self):
         raise OSError(24, "inotify instance limit reached")

@@ -358,11 +358,10 @@ def test_every_go_bool_rejects_unknown_words(name):
     assert f"default ({S._BY_NAME[name].default})" in message
 
 
-@pytest.mark.parametrize("name", BOOL_NAMES)
+@pytest.mark.parametrize("name", [n for n in BOOL_NAMES if S._BY_NAME[n].field])
 def test_every_go_bool_empty_means_default(name):
     setting = S._BY_NAME[name]
-    if setting.field:
-        assert getattr(load({name: ""}), setting.field) is S.parse_go_bool(setting.default)
+    assert getattr(load({name: ""}), setting.field) is S.parse_go_bool(setting.default)
 
 
 @pytest.mark.parametrize("mode", ["", "auto", "iptables", "nftables"])
@@ -634,7 +633,10 @@ def test_repr_hides_secrets():
     {"TS_CLIENT_ID": "cid", "TS_ID_TOKEN": ID_TOKEN}, {"TS_CLIENT_ID": "cid", "TS_AUDIENCE": "aud"},
 ])
 def test_valid_login_combinations(env):
-    load(env)
+    s = load(env)
+    assert s.authkey == (env.get("TS_AUTHKEY") or env.get("TS_AUTH_KEY") or "")
+    assert (s.client_id, s.client_secret, s.id_token, s.audience) == tuple(
+        env.get(f"TS_{k}", "") for k in ("CLIENT_ID", "CLIENT_SECRET", "ID_TOKEN", "AUDIENCE"))
 
 
 @pytest.mark.parametrize("env, variables, fragment", [

@@ -34,11 +34,11 @@ import httpx
 
 from tscommon import crashpoint
 from tscommon.jsontext import response_json
+from tscommon.kubeconn import SA_DIR, TokenFile, https_url, service_host_port, tls_context
 from tscommon.redact import redact, register
 
 log = logging.getLogger("containerboot")
 
-SA_DIR = "var/run/secrets/kubernetes.io/serviceaccount"
 DEFAULT_URL = "https://kubernetes.default.svc"
 FIELD_MANAGER = "tailscale-container"
 SSAR_PATH = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
@@ -92,40 +92,26 @@ def api_url_from_env(env: Mapping[str, str], *, root: str = "/") -> str:
     """The API server URL: kubernetes.default.svc, or the service env vars (IPv6 hosts bracketed)."""
     if root.rstrip("/") == "" and env.get("TS_KUBERNETES_READ_API_SERVER_ADDRESS_FROM_ENV") != "true":
         return DEFAULT_URL
-    host = env.get("KUBERNETES_SERVICE_HOST", "").strip()
-    port = env.get("KUBERNETES_SERVICE_PORT_HTTPS", "").strip() or env.get("KUBERNETES_SERVICE_PORT", "").strip()
+    host, port = service_host_port(env)
     if not host:
         raise KubeError("KUBERNETES_SERVICE_HOST is empty, but the API server address must come from the "
                         "environment (TS_KUBERNETES_READ_API_SERVER_ADDRESS_FROM_ENV=true or a test root); "
                         "set KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT_HTTPS", reason="Config")
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"https://{host}:{port}" if port else f"https://{host}"
+    return https_url(host, port)
 
 
-class _Token:
-    """The bearer token file, re-read whenever it changes on disk (kubelet rotates projected tokens)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._stamp: tuple[int, int, int] | None = None
-        self._value = ""
+class _Token(TokenFile):
+    """The shared token file, with the agent's messages for a missing or empty one."""
 
     def get(self, *, force: bool = False) -> str:
         try:
-            st = os.stat(self.path)
-            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if force or stamp != self._stamp:
-                with open(self.path, encoding="utf-8", errors="replace") as f:
-                    value = f.read().strip()
-                self._value, self._stamp = value, stamp
-                register(value)
+            value = super().get(force=force)
         except OSError as e:
             raise KubeError(f"cannot read the ServiceAccount token {self.path}: {e.strerror or e}; mount "
                             f"{_SA_FILE_HELP['token']}", reason="Config") from None
-        if not self._value:
+        if not value:
             raise KubeError(f"the ServiceAccount token file {self.path} is empty", reason="Config")
-        return self._value
+        return value
 
 
 class KubeClient:
@@ -140,7 +126,7 @@ class KubeClient:
         self.retry_budget = retry_budget
         self._token = _Token(token_path)
         try:
-            ctx = ssl.create_default_context(cafile=ca_path)
+            ctx = tls_context(ca_path)
         except (ssl.SSLError, OSError) as e:
             raise KubeError(f"the cluster CA bundle {ca_path} is not a valid PEM certificate file: {e}",
                             reason="Config") from None

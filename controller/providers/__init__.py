@@ -8,7 +8,8 @@ an event or a status.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import httpx
 
@@ -50,6 +51,26 @@ def http_error(what: str, e: Exception) -> ProviderError:
         return ProviderError(f"{what}: HTTP {code}{': ' + body if body else ''}",
                              transient=code >= 500 or code == 429)
     return ProviderError(f"{what}: control plane unreachable ({type(e).__name__}: {e})")
+
+
+async def mint_key(what: str, answer: Awaitable[httpx.Response], key_of: Callable[[Any], object], *,
+                   no_key: str, on_answer: Callable[[httpx.Response], None] | None = None) -> str:
+    """The key from a control plane's answer to a key-minting request, registered for redaction before it can
+    reach any message. `what` names the call in errors, `no_key` is the error for an answer without a key;
+    `on_answer` sees the answer before its status is checked (e.g. to drop a rejected token)."""
+    from tscommon.redact import register
+    try:
+        r = await answer
+        if on_answer is not None:
+            on_answer(r)
+        r.raise_for_status()
+        key = str(key_of(r.json()) or "")
+    except (httpx.HTTPError, ValueError) as e:
+        raise http_error(what, e) from None
+    if not key:
+        raise ProviderError(no_key)
+    register(key)
+    return key
 
 
 def not_an_id(provider: str, device_id: str) -> bool:

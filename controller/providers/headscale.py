@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from . import ProviderError, http_error, not_an_id, read_secret_file
+from . import ProviderError, http_error, mint_key, not_an_id, read_secret_file
 
 KEY_TTL = 3600.0
 
@@ -41,17 +41,10 @@ class HeadscaleProvider:
                       "expiration": exp.strftime("%Y-%m-%dT%H:%M:%SZ")}
         if self.user:
             body["user"] = self.user
-        try:
-            r = await self._client.post("/api/v1/preauthkey", json=body, headers=self._headers())
-            r.raise_for_status()
-            key = (r.json().get("preAuthKey") or {}).get("key", "")
-        except (httpx.HTTPError, ValueError) as e:
-            raise http_error("headscale: creating a pre-auth key", e) from None
-        if not key:
-            raise ProviderError("headscale: the pre-auth key answer has no key")
-        from tscommon.redact import register
-        register(key)
-        return key
+        return await mint_key("headscale: creating a pre-auth key",
+                              self._client.post("/api/v1/preauthkey", json=body, headers=self._headers()),
+                              lambda doc: (doc.get("preAuthKey") or {}).get("key"),
+                              no_key="headscale: the pre-auth key answer has no key")
 
     async def delete_device(self, device_id: str) -> bool:
         if not _is_node_id(device_id):

@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from . import ProviderError, http_error, not_an_id, read_secret_file
+from . import ProviderError, http_error, mint_key, not_an_id, read_secret_file
 
 KEY_EXPIRY_S = 3600
 
@@ -55,20 +55,15 @@ class TailscaleProvider:
         body = {"capabilities": {"devices": {"create": {"reusable": False, "ephemeral": False,
                                                         "preauthorized": True, "tags": list(tags)}}},
                 "expirySeconds": KEY_EXPIRY_S, "description": description[:50]}
-        try:
-            r = await self._client.post(f"/api/v2/tailnet/{self.tailnet}/keys", json=body,
-                                        headers=await self._bearer())
-            if r.status_code == 401:
-                self._token = ""
-            r.raise_for_status()
-            key = str(r.json().get("key") or "")
-        except (httpx.HTTPError, ValueError) as e:
-            raise http_error("tailscale: creating an auth key", e) from None
-        if not key:
-            raise ProviderError("tailscale: the auth key answer has no key")
-        from tscommon.redact import register
-        register(key)
-        return key
+        return await mint_key("tailscale: creating an auth key",
+                              self._client.post(f"/api/v2/tailnet/{self.tailnet}/keys", json=body,
+                                                headers=await self._bearer()),
+                              lambda doc: doc.get("key"), no_key="tailscale: the auth key answer has no key",
+                              on_answer=self._forget_rejected_token)
+
+    def _forget_rejected_token(self, r: httpx.Response) -> None:
+        if r.status_code == 401:     # the OAuth token expired early or was revoked: the next call fetches one
+            self._token = ""
 
     async def delete_device(self, device_id: str) -> bool:
         if not _is_device_id(device_id):

@@ -1,4 +1,4 @@
-"""serveconfig.watch: kubelet-style atomic ..data swaps, rewrites, delete/recreate, polling fallback."""
+"""tscommon.watch: kubelet-style atomic ..data swaps, rewrites, delete/recreate, polling fallback."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from serveconfig import watch as watchmod
-from serveconfig.watch import watch_file
+from tscommon import watch as watchmod
+from tscommon.watch import watch_file
 from tests.support.kubelet import Kubelet
 
 # With inotify working, only events may wake the watcher within a test (the safety resync is far away).

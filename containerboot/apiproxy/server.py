@@ -1,0 +1,343 @@
+"""The API server proxy's HTTP handling: h11 on the client side and on the API server side (adapter).
+
+One client connection gets at most one API server connection at a time, opened when its first request is
+forwarded and reused while both sides keep the connection alive (kubectl's own keep-alive is mirrored).
+Bodies stream in both directions an event at a time, each chunk written and drained before the next is read,
+so watches and `logs -f` arrive as the API server sends them. While a response streams, the client side is
+watched: a client that goes away closes the API server connection at once (a watch does not linger).
+
+Upgrades (exec, attach, port-forward: SPDY/3.1 or WebSocket) are forwarded as an ordinary request; when the
+API server answers 101 the 101 goes to the client and from then on bytes are copied both ways until either
+side closes, as Go's ReverseProxy does after a protocol switch.
+
+Refusals are Kubernetes Status objects (kubectl prints their message); a client that does not speak HTTP gets
+a 400 when h11 can still frame one, and its connection is closed; nothing else is affected. Why h11 rather
+than aiohttp: a proxy must pass a 101 and the bytes after it through untouched and must not buffer bodies;
+with h11 both are the natural shape (events in, events out, `trailing_data` after a switch), while aiohttp's
+server and client would each have to be bypassed for upgrades. h11 is already the agent's HTTP framing.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+
+from tscommon.redact import redact
+
+from .identity import (GrantError, Impersonation, NoIdentity, forwarded_request_headers,
+                       forwarded_response_headers, impersonation)
+
+log = logging.getLogger("containerboot")
+
+READ_SIZE = 262144
+#: The API server side's stream buffer: asyncio stops reading a socket at twice this, and its 64 KiB default
+#: cut a list of thousands of objects into many small reads and writes.
+UPSTREAM_BUFFER = 1 << 20
+AUTH, NOAUTH = "auth", "noauth"
+#: How long a connection's caller, once identified, stands for its next requests (seconds). A LocalAPI WhoIs
+#: per request is a round trip to tailscaled on every `kubectl get`; kubectl sends its requests in bursts on
+#: one kept-alive connection, so the burst asks once, and a changed grant still counts within this time.
+WHOIS_TTL = 1.0
+_GONE = (OSError, EOFError, asyncio.IncompleteReadError, h11.ProtocolError)
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where the API server is: host and port to dial, TLS context (verifying the cluster CA) and Host."""
+
+    host: str
+    port: int
+    ssl: ssl.SSLContext | None
+    host_header: bytes
+
+
+class Refused(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def status_body(status: int, reason: str, message: str) -> bytes:
+    """A Kubernetes Status object: what kubectl expects in an error response."""
+    return json.dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                       "message": message, "reason": reason, "code": status}).encode()
+
+
+class _Side:
+    """One end of the proxy: a stream pair and its h11 state machine."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, role: Any) -> None:
+        self.reader, self.writer = reader, writer
+        self.conn = h11.Connection(role)
+
+    async def next_event(self) -> Any:
+        while True:
+            event = self.conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            self.conn.receive_data(await self.reader.read(READ_SIZE))
+
+    async def send(self, *events: Any) -> None:
+        for event in events:
+            data = self.conn.send(event)
+            if data:
+                self.writer.write(data)
+        await self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _peer_addr(peer: Any) -> str:
+    host, port = peer[0], peer[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ApiServerProxy:
+    """Serves one client connection at a time per `handle` call; shared state is read-only or atomic."""
+
+    def __init__(self, *, mode: str, upstream: Upstream, token: Callable[[], str],
+                 whois: Callable[[str], Awaitable[dict | None]]) -> None:
+        if mode not in (AUTH, NOAUTH):
+            raise ValueError(f"mode {mode!r}: want {AUTH!r} or {NOAUTH!r}")
+        self.mode, self.upstream, self._token, self._whois = mode, upstream, token, whois
+        self._identified: dict[str, tuple[float, Impersonation]] = {}   # open connection's peer -> caller
+        self.connections = 0    # open client connections (for tests and the status line)
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        client = _Side(reader, writer, h11.SERVER)
+        peer = _peer_addr(writer.get_extra_info("peername") or ("?", 0))
+        upstream: _Side | None = None
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    event = await client.next_event()
+                except h11.RemoteProtocolError as e:
+                    await self._garbage(client, peer, e)
+                    return
+                if not isinstance(event, h11.Request):
+                    return       # ConnectionClosed: the client is done
+                upstream = await self._exchange(client, event, peer, upstream)
+                if upstream is None and client.conn.our_state is h11.SWITCHED_PROTOCOL:
+                    return
+                if client.conn.our_state is not h11.DONE or client.conn.their_state is not h11.DONE:
+                    return
+                client.conn.start_next_cycle()
+        except (_ClientGone, *_GONE):
+            pass
+        finally:
+            self.connections -= 1
+            self._identified.pop(peer, None)
+            client.close()
+            if upstream is not None:
+                upstream.close()
+
+    async def _garbage(self, client: _Side, peer: str, e: h11.RemoteProtocolError) -> None:
+        log.info("api-server-proxy: closing the connection from %s: not HTTP/1.1 (%s)", peer, e)
+        if client.conn.our_state is h11.SEND_RESPONSE or client.conn.our_state is h11.IDLE:
+            body = status_body(400, "BadRequest", f"bad request: {e}")
+            try:
+                await client.send(h11.Response(status_code=400, headers=[
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close")]), h11.Data(data=body), h11.EndOfMessage())
+            except (h11.LocalProtocolError, *_GONE):
+                pass
+
+    async def _refuse(self, client: _Side, r: Refused) -> None:
+        body = status_body(r.status, r.reason, r.message)
+        await client.send(h11.Response(status_code=r.status, headers=[
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close")]), h11.Data(data=body), h11.EndOfMessage())
+
+    async def identify(self, peer: str) -> Impersonation:
+        """The caller's impersonation; Refused (403) when it has no identity or a malformed grant."""
+        now = time.monotonic()
+        known = self._identified.get(peer)
+        if known is not None and now - known[0] < WHOIS_TTL:
+            return known[1]
+        try:
+            who = await self._whois(peer)
+        except Exception as e:   # any LocalAPI failure means: no identity
+            log.warning("api-server-proxy: failed to authenticate caller %s: WhoIs failed: %s", peer, e)
+            raise Refused(403, "Forbidden", "failed to authenticate caller") from None
+        if not who:
+            log.warning("api-server-proxy: failed to authenticate caller %s: not a tailnet node known to this "
+                        "proxy", peer)
+            raise Refused(403, "Forbidden", "failed to authenticate caller")
+        try:
+            imp = impersonation(who)
+            self._identified[peer] = (now, imp)
+            return imp
+        except NoIdentity as e:
+            log.warning("api-server-proxy: failed to authenticate caller %s: %s", peer, e)
+            raise Refused(403, "Forbidden", "failed to authenticate caller") from None
+        except GrantError as e:
+            name = str((who.get("UserProfile") or {}).get("LoginName") or (who.get("Node") or {}).get("Name"))
+            log.error("api-server-proxy: refusing %s (%s): malformed capability grant: %s", peer, name, e)
+            raise Refused(403, "Forbidden", f"forbidden: the tailnet policy grants this caller a malformed "
+                                            f"capability: {e}; fix the grant in the tailnet policy") from None
+
+    async def _connect(self) -> _Side:
+        up = self.upstream
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                up.host, up.port, ssl=up.ssl, server_hostname=up.host if up.ssl else None,
+                limit=UPSTREAM_BUFFER), 30)
+        except (OSError, asyncio.TimeoutError, ssl.SSLError) as e:
+            log.warning("api-server-proxy: cannot reach the API server at %s:%s: %s", up.host, up.port, e)
+            raise Refused(502, "ServiceUnavailable",
+                          f"error reaching the API server at {up.host}:{up.port}: {e}") from None
+        return _Side(reader, writer, h11.CLIENT)
+
+    async def _exchange(self, client: _Side, req: h11.Request, peer: str, upstream: _Side | None) -> _Side | None:
+        """Forward one request and its response; the API server connection to keep, or None."""
+        try:
+            who = await self.identify(peer) if self.mode == AUTH else None
+            headers = forwarded_request_headers(req.headers, host=self.upstream.host_header, who=who,
+                                                token=self._token() if who is not None else "")
+        except Refused as r:
+            await self._refuse(client, r)
+            return upstream
+        except Exception as e:   # the token file: reported to the caller without detail
+            log.error("api-server-proxy: %s", redact(str(e)))
+            await self._refuse(client, Refused(500, "InternalError", "the proxy cannot read its own credentials"))
+            return upstream
+        if client.conn.they_are_waiting_for_100_continue:
+            await client.send(h11.InformationalResponse(status_code=100, headers=[]))
+        bodyless = not any(k in (b"content-length", b"transfer-encoding") for k, _ in headers) or \
+            (b"content-length", b"0") in headers
+        request = h11.Request(method=req.method, target=req.target, headers=headers)
+        fresh = upstream is None or upstream.conn.our_state is not h11.IDLE
+        try:
+            if fresh:
+                if upstream is not None:
+                    upstream.close()
+                upstream = await self._connect()
+            assert upstream is not None
+            try:
+                first = await self._send_request(client, upstream, request)
+            except _GONE:
+                if fresh or not bodyless:
+                    raise
+                # A kept-alive connection the API server had already closed: once more on a new one.
+                upstream.close()
+                upstream = await self._connect()
+                first = await self._send_request(client, upstream, request)
+        except Refused as r:
+            await self._refuse(client, r)
+            return None
+        except _GONE as e:
+            if upstream is not None:
+                upstream.close()
+            if client.conn.our_state is h11.SEND_RESPONSE:
+                await self._refuse(client, Refused(502, "ServiceUnavailable",
+                                                   f"error talking to the API server: {e!r}"))
+            return None
+        if isinstance(first, h11.InformationalResponse):     # 101: the protocol switched
+            await client.send(h11.InformationalResponse(
+                status_code=101, reason=first.reason,
+                headers=forwarded_response_headers(first.headers, upgrade=True)))
+            await _pipe(client, upstream)
+            upstream.close()
+            return None
+        await client.send(h11.Response(status_code=first.status_code, reason=first.reason,
+                                       headers=forwarded_response_headers(first.headers)))
+        await self._stream_body(client, upstream)
+        if upstream.conn.our_state is h11.DONE and upstream.conn.their_state is h11.DONE:
+            upstream.conn.start_next_cycle()
+            return upstream
+        upstream.close()
+        return None
+
+    async def _send_request(self, client: _Side, upstream: _Side, request: h11.Request) -> Any:
+        """Send the request head and body; the response head (a Response, or a 101 InformationalResponse)."""
+        await upstream.send(request)
+        while True:
+            event = await client.next_event()
+            if isinstance(event, h11.Data):
+                await upstream.send(h11.Data(data=event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                await upstream.send(h11.EndOfMessage())
+                break
+            else:
+                raise _ClientGone()
+        while True:
+            event = await upstream.next_event()
+            if isinstance(event, h11.Response):
+                return event
+            if isinstance(event, h11.InformationalResponse) and event.status_code == 101:
+                return event
+            if isinstance(event, h11.ConnectionClosed):
+                raise EOFError("the API server closed the connection")
+
+    async def _stream_body(self, client: _Side, upstream: _Side) -> None:
+        """Copy the response body chunk by chunk; stop (and close upstream) as soon as the client goes."""
+        # What already arrived with the head (a small response: all of it) goes out without the two tasks.
+        while (event := upstream.conn.next_event()) is not h11.NEED_DATA:
+            if isinstance(event, h11.Data):
+                client.writer.write(client.conn.send(h11.Data(data=event.data)) or b"")
+            elif isinstance(event, h11.EndOfMessage):
+                client.writer.write(client.conn.send(h11.EndOfMessage()) or b"")
+                await client.writer.drain()
+                return
+            else:
+                raise EOFError("the API server closed the connection mid-response")
+        await client.writer.drain()
+        pump = asyncio.ensure_future(self._pump(client, upstream))
+        watch = asyncio.ensure_future(client.reader.read(READ_SIZE))
+        try:
+            done, _ = await asyncio.wait({pump, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if watch in done and not watch.exception():
+                data = watch.result()
+                if not data:          # EOF: the client went away mid-response
+                    raise _ClientGone()
+                client.conn.receive_data(data)     # a pipelined request: h11 keeps it for later
+            await pump
+        finally:
+            for t in (pump, watch):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(pump, watch, return_exceptions=True)
+
+    async def _pump(self, client: _Side, upstream: _Side) -> None:
+        while True:
+            event = await upstream.next_event()
+            if isinstance(event, h11.Data):
+                await client.send(h11.Data(data=event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                await client.send(h11.EndOfMessage())
+                return
+            else:       # the API server closed mid-body: the client's connection must end too
+                raise EOFError("the API server closed the connection mid-response")
+
+
+async def _pipe(client: _Side, upstream: _Side) -> None:
+    """After a 101: bytes both ways (what h11 already read first) until either side closes."""
+    async def copy(src: _Side, dst: _Side) -> None:
+        data, _closed = src.conn.trailing_data
+        if data:
+            dst.writer.write(bytes(data))
+            await dst.writer.drain()
+        while chunk := await src.reader.read(READ_SIZE):
+            dst.writer.write(chunk)
+            await dst.writer.drain()
+
+    tasks = [asyncio.ensure_future(copy(client, upstream)), asyncio.ensure_future(copy(upstream, client))]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

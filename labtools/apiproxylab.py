@@ -1,0 +1,215 @@
+"""kubectl from a tailnet node through the API server proxy, in the lab (real-cluster test, demo, bench).
+
+API (root; a running ``labtools.lab.Lab`` and a ``KubeCluster`` with the controller installed)::
+
+    with lab.hs_policy(policy()): ...            # grants the lab user "e2e" impersonate.groups [GROUP]
+    kc.apply(reader_rbac())                      # GROUP: view, get/list nodes, exec/attach/port-forward in apps
+    set_mode(kc, "auth")                         # helm upgrade --reuse-values --set apiServerProxy.mode=auth
+    url = wait_url(kc); ip = proxy_ip(kc)        # from the ConfigMap annotation / the proxy's state Secret
+    k = TailnetKubectl(lab, "client", kc.cfg.bin_dir / "kubectl", f"http://{ip}", workdir)
+    k.run("get", "nodes"); k.run_tty("exec", "-it", ...); bg = k.background("get", "pods", "-w")
+
+A `TailnetKubectl` runs the cluster's own kubectl binary inside a lab node's network namespace (not a Pod),
+with a kubeconfig whose server is the proxy's tailnet address; background commands (watch, logs -f,
+port-forward) are read line by line by a thread so a caller can wait for a line without blocking.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import threading
+from pathlib import Path
+
+from labtools import helmchart, kubecontroller
+from labtools.lab import wait_until
+
+CAP_KUBERNETES = "tailscale.com/cap/kubernetes"
+GROUP = "tailnet-readers"
+LABEL = "tailscale.com/parent-resource-type=apiserverproxy"
+_RBAC = "rbac.authorization.k8s.io/v1"
+
+
+def policy(user: str = "e2e", dst: str = "tag:k8s") -> dict:
+    """headscale's policy: everyone reaches everyone, and `user` gets impersonate.groups [GROUP] on `dst` (the
+    proxy: the controller's tag, owned by `user` so that its tagged keys are accepted, or a user's `name@`)."""
+    return {"tagOwners": {"tag:k8s": [f"{user}@"]},
+            "grants": [{"src": ["*"], "dst": ["*"], "ip": ["*"]},
+                       {"src": [f"{user}@"], "dst": [dst],
+                        "app": {CAP_KUBERNETES: [{"impersonate": {"groups": [GROUP]}}]}}]}
+
+
+def reader_rbac(namespace: str = "apps") -> list[dict]:
+    """GROUP may read (ClusterRole `view`), list nodes, and open exec/attach/port-forward in `namespace`."""
+    group = [{"kind": "Group", "name": GROUP, "apiGroup": "rbac.authorization.k8s.io"}]
+    ref = {"apiGroup": "rbac.authorization.k8s.io"}
+    return [
+        {"apiVersion": _RBAC, "kind": "ClusterRoleBinding", "metadata": {"name": f"{GROUP}-view"},
+         "roleRef": {**ref, "kind": "ClusterRole", "name": "view"}, "subjects": group},
+        {"apiVersion": _RBAC, "kind": "ClusterRole", "metadata": {"name": f"{GROUP}-nodes"},
+         "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": _RBAC, "kind": "ClusterRoleBinding", "metadata": {"name": f"{GROUP}-nodes"},
+         "roleRef": {**ref, "kind": "ClusterRole", "name": f"{GROUP}-nodes"}, "subjects": group},
+        {"apiVersion": _RBAC, "kind": "Role", "metadata": {"name": f"{GROUP}-sessions", "namespace": namespace},
+         "rules": [{"apiGroups": [""], "resources": ["pods/exec", "pods/attach", "pods/portforward"],
+                    "verbs": ["create", "get"]}]},
+        {"apiVersion": _RBAC, "kind": "RoleBinding", "metadata": {"name": f"{GROUP}-sessions", "namespace": namespace},
+         "roleRef": {**ref, "kind": "Role", "name": f"{GROUP}-sessions"}, "subjects": group},
+    ]
+
+
+def set_mode(kc, mode: str) -> None:
+    kubecontroller.helm(kc, "upgrade", helmchart.RELEASE, str(helmchart.CHART), "--namespace", kubecontroller.NS,
+                        "--reuse-values", "--set", f"apiServerProxy.mode={mode}")
+
+
+def wait_url(kc, timeout: float = 150.0) -> str:
+    """The proxy's URL as the controller wrote it on the ConfigMap."""
+    def url() -> str | None:
+        cm = kc.get("configmap", "apiserver-proxy", kubecontroller.NS) or {}
+        return (cm.get("metadata", {}).get("annotations") or {}).get("tailscale.com/apiserver-proxy-url")
+    return wait_until(url, timeout, 0.5, "the API server proxy's URL on its ConfigMap")
+
+
+def proxy_ip(kc, timeout: float = 150.0) -> str:
+    """The proxy's tailnet IPv4, from its state Secret."""
+    def ip() -> str | None:
+        out = kc.kubectl("-n", kubecontroller.NS, "get", "secrets", "-l", LABEL, "-o", "json").stdout
+        for s in json.loads(out).get("items") or []:
+            raw = (s.get("data") or {}).get("device_ips")
+            if raw:
+                return next((a for a in json.loads(base64.b64decode(raw)) if "." in a), None)
+        return None
+    return wait_until(ip, timeout, 0.5, "the API server proxy's tailnet IP in its state Secret")
+
+
+def proxy_log(kc, tail: int = 80) -> str:
+    cp = kc.kubectl("-n", kubecontroller.NS, "logs", "-l", LABEL, "--all-containers", f"--tail={tail}", check=False)
+    return f"--- API server proxy log\n{cp.stdout}{cp.stderr}"
+
+
+class Background:
+    """A kubectl running in the background; its stdout+stderr lines as they come."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     stdin=subprocess.DEVNULL)
+        self.lines: list[str] = []
+        self._t = threading.Thread(target=self._read, daemon=True)
+        self._t.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_line(self, pred, timeout: float = 30.0, what: str = "") -> str:
+        def found() -> str | None:
+            return next((ln for ln in self.lines if pred(ln)), None)
+        try:
+            return wait_until(found, timeout, 0.2, what or "a line")
+        except TimeoutError:
+            raise AssertionError(f"{what}: not seen in {self.lines[-20:]}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class TailnetKubectl:
+    def __init__(self, lab, ns: str, kubectl: Path, server: str, workdir: Path, token: str = "") -> None:
+        """`server` http://... (auth mode on headscale) or https://... (the proxy's self-signed certificate is
+        not checked: insecure-skip-tls-verify, as docs/apiserver-proxy.md says for noauth on headscale)."""
+        self.lab, self.ns, self.kubectl = lab, ns, str(kubectl)
+        workdir.mkdir(parents=True, exist_ok=True)
+        scheme = server.split(":", 1)[0]
+        self.config = workdir / f"kubeconfig-{ns}-{scheme}-{'token' if token else 'none'}"
+        user: dict = {"token": token} if token else {}
+        cluster: dict = {"server": server}
+        if scheme == "https":
+            cluster["insecure-skip-tls-verify"] = True
+        self.config.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "tailnet",
+            "clusters": [{"name": "tailnet", "cluster": cluster}],
+            "users": [{"name": "tailnet", "user": user}],
+            "contexts": [{"name": "tailnet", "context": {"cluster": "tailnet", "user": "tailnet"}}]}))
+
+    def argv(self, *args: str) -> list[str]:
+        return ["ip", "netns", "exec", self.lab.netns(self.ns), self.kubectl, f"--kubeconfig={self.config}",
+                "--request-timeout=30s", *args]
+
+    def run(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+
+    def run_tty(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """With a pseudo-terminal (util-linux `script`), as an interactive `kubectl exec -it` has."""
+        import shlex
+        return subprocess.run(["script", "-qec", shlex.join(self.argv(*args)), "/dev/null"], capture_output=True,
+                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+    def background(self, *args: str) -> Background:
+        return Background(self.argv(*args))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Without Kubernetes: the proxy next to a lab agent, in front of labtools.fakeapiserver (lab test, bench).
+
+class LocalProxy:
+    """`containerboot apiserver-proxy` in the lab's proxy namespace next to a running agent (kernel mode), in
+    front of a stand-in API server on that namespace's loopback (TLS with `ca`/`cert`/`key`, checked by the
+    proxy with `ca` as a cluster CA); and a plain TCP forward on the same tailnet address for comparison."""
+
+    def __init__(self, lab, agent, *, ca: str, cert: str, key: str, mode: str = "auth", port: int = 80,
+                 objects: int = 5000, forward_port: int = 0) -> None:
+        import os
+        import sys
+        self.lab, self.agent, self.port = lab, agent, port
+        d = agent.dir / "apiproxy"
+        sa = d / "root" / "var/run/secrets/kubernetes.io/serviceaccount"
+        sa.mkdir(parents=True, exist_ok=True)
+        (sa / "token").write_text("lab-proxy-token\n")
+        (sa / "ca.crt").write_text(Path(ca).read_text())
+        (sa / "namespace").write_text("tailscale\n")
+        # this checkout first: labtools is not installed, and the proxy must be this tree's
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        self.api = lab._popen("fakeapi", "fakeapi", "proxy", [
+            sys.executable, "-m", "labtools.fakeapiserver", "--listen", "127.0.0.1:6443", "--cert", cert,
+            "--key", key, "--objects", str(objects)], env, d / "fakeapi.log")
+        self.log_path = d / "apiserver-proxy.log"
+        self.proc = lab._popen("apiproxy", "apiproxy", "proxy", [sys.executable, "-m", "containerboot",
+                                                                 "apiserver-proxy"], {
+            **env, "TS_APISERVER_PROXY_MODE": mode, "TS_SOCKET": agent.socket,
+            "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "6443",
+            "TS_TEST_ONLY_ROOT": str(d / "root"), "TS_APISERVER_PROXY_PORT": str(port)}, self.log_path)
+        self.forward = None
+        if forward_port:
+            self.forward = lab._popen("tcpforward", "tcpforward", "proxy", [
+                sys.executable, "-m", "labtools.fakeapiserver", "--forward", f"0.0.0.0:{forward_port}",
+                "--to", "127.0.0.1:6443"], env, d / "forward.log")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_listening(self, timeout: float = 30.0) -> str:
+        def seen() -> str | None:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the API server proxy exited:\n{self.log_text()[-3000:]}")
+            return next((ln for ln in self.log_text().splitlines() if "is listening on" in ln), None)
+        return wait_until(seen, timeout, 0.1, "the API server proxy listening")
+
+    def stop(self) -> None:
+        for p in (self.proc, self.api, self.forward):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
