@@ -309,7 +309,10 @@ class Scenario:
             since = max((a.t for a in new), default=0) - 10
             peers = {r["tailnet_ip"] for r in reps.values()}
             fresh_new = {a.peer for a in new if a.ok and a.t > since}
-            fresh_held = {h.peer for h in held if h.ok and h.t > since}
+            # a held connection counts when its replica's latest line is ok: one that broke moments ago (a
+            # previous case's victim) must be replaced before the next case starts
+            last = {h.peer: h for h in held}
+            fresh_held = {p for p, h in last.items() if h.ok and h.t > since}
             return reps if peers <= fresh_new and peers <= fresh_held else None
         return wait_until(pred, timeout, 1, "both replicas serving new and held connections")
 

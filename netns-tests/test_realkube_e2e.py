@@ -11,6 +11,7 @@ The agent's own scenarios in this cluster are in test_realkube_agent_e2e.py.
 """
 from __future__ import annotations
 
+import os
 import json
 import subprocess
 from pathlib import Path
@@ -164,8 +165,10 @@ def test_a_killed_owner_is_reaped(k8s_bin_dir, tmp_path):
     script.write_text("import sys, time\nfrom labtools.kubecluster import KubeCluster\n"
                       f"kc = KubeCluster.start(bin_dir={str(k8s_bin_dir)!r})\n"
                       "print(kc.run_dir, kc.cfg.name, flush=True)\ntime.sleep(600)\n")
-    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                         cwd=str(Path(__file__).resolve().parent.parent))
+    repo = str(Path(__file__).resolve().parent.parent)
+    # the lab tooling is not part of the installed package: the script imports it from the checkout
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=repo,
+                         env={**os.environ, "PYTHONPATH": repo})
     try:
         run_dir, name = p.stdout.readline().split()
     finally:
