@@ -29,7 +29,7 @@ SERVICE = {"apiVersion": "v1", "kind": "Service",
 
 def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
     t_all = time.monotonic()
-    bin_dir = ensure_binaries()
+    bin_dir = ensure_binaries(upstream=False)
     k8s_bin = kubecluster.ensure_binaries()
     proxy_tar, ctl_tar = controller_images()
     ok = False

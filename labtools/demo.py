@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.monotonic()
     try:
         t0 = time.monotonic()
-        bin_dir = ensure_binaries()
+        bin_dir = ensure_binaries(upstream=a.agent == "upstream")
         _say(f"binaries: {bin_dir} ({time.monotonic() - t0:.1f}s)")
         t0 = time.monotonic()
         with Lab.create(bin_dir=bin_dir, firewall_mode=a.firewall) as lab:

@@ -22,7 +22,7 @@ def _say(msg: str) -> None:
 
 def run(firewall: str, once: bool, timeout: float = 240.0) -> int:
     t_all = time.monotonic()
-    bin_dir = ensure_binaries()
+    bin_dir = ensure_binaries(upstream=False)
     k8s_bin = kubecluster.ensure_binaries()
     t0 = time.monotonic()
     proxy_tar, ctl_tar = kubecontroller.build_images()

@@ -86,7 +86,7 @@ def _image_archive() -> Path:
 
 def run(firewall: str, once: bool, timeout: float = 120.0) -> int:
     t_all = time.monotonic()
-    bin_dir = ensure_binaries()
+    bin_dir = ensure_binaries(upstream=False)
     t0 = time.monotonic()
     k8s_bin = kubecluster.ensure_binaries()
     _say(f"Kubernetes {kubecluster.K8S_VER} binaries: {k8s_bin} ({time.monotonic() - t0:.1f}s)")

@@ -46,6 +46,9 @@ INSTALL_SCRIPT = REPO_ROOT / "scripts" / "install-binaries.sh"
 TS_VER = os.environ.get("TS_VER", "v1.102.3")
 HS_VER = os.environ.get("HS_VER", "v0.29.2")
 BINARIES = ("tailscaled", "tailscale", "containerboot", "headscale")
+# what a lab needs when it runs only this project's agent (the demo): upstream containerboot is the reference
+# agent of the conformance tests and benchmarks, and a cold build need not wait for it
+OWN_BINARIES = ("tailscaled", "tailscale", "headscale")
 
 # Address plan (fixed: every lab has its own namespaces, so labs never see each other's addresses).
 UNDERLAY_V4 = "10.99.0.{}"
@@ -110,23 +113,26 @@ def default_bin_dir() -> Path:
     return cache / "bin" / f"ts-{TS_VER}-hs-{HS_VER}"
 
 
-def binaries_present(bin_dir: Path) -> bool:
-    return all(os.access(bin_dir / b, os.X_OK) for b in BINARIES)
+def binaries_present(bin_dir: Path, names: tuple[str, ...] = BINARIES) -> bool:
+    return all(os.access(bin_dir / b, os.X_OK) for b in names)
 
 
-def ensure_binaries(timeout: float = 45 * 60, build: bool = True) -> Path:
+def ensure_binaries(timeout: float = 45 * 60, build: bool = True, upstream: bool = True) -> Path:
     """Return the directory with tailscaled, tailscale, containerboot and headscale, building them if needed.
 
-    ``CBPY_BIN_DIR`` overrides the location (no build then). The build runs scripts/install-binaries.sh under
-    an flock, so two labs starting at once do not run two builds of the same thing."""
+    ``upstream=False`` needs (and builds) only tailscaled, tailscale and headscale: upstream containerboot is
+    built only for what runs it. ``CBPY_BIN_DIR`` overrides the location (no build then). The build runs
+    scripts/install-binaries.sh under an flock, so two labs starting at once do not run two builds of the same
+    thing."""
+    names = BINARIES if upstream else OWN_BINARIES
     override = os.environ.get("CBPY_BIN_DIR")
     if override:
         p = Path(override)
-        if not binaries_present(p):
-            raise LabError(f"CBPY_BIN_DIR={override} lacks one of {BINARIES}")
+        if not binaries_present(p, names):
+            raise LabError(f"CBPY_BIN_DIR={override} lacks one of {names}")
         return p
     bdir = default_bin_dir()
-    if binaries_present(bdir):
+    if binaries_present(bdir, names):
         return bdir
     if not build:
         raise LabError(f"binaries missing in {bdir}")
@@ -146,16 +152,16 @@ def ensure_binaries(timeout: float = 45 * 60, build: bool = True) -> Path:
                 if time.monotonic() > deadline:
                     raise LabError("timed out waiting for another binary build (lock held)")
                 time.sleep(2)
-        if binaries_present(bdir):
+        if binaries_present(bdir, names):
             return bdir
-        cp = _run(["bash", str(INSTALL_SCRIPT)], timeout=timeout, check=False,
+        cp = _run(["bash", str(INSTALL_SCRIPT), *([] if upstream else ["--no-upstream"])], timeout=timeout, check=False,
                   env={**os.environ, "TS_VER": TS_VER, "HS_VER": HS_VER})
         if cp.returncode != 0:
             raise LabError(f"install-binaries.sh failed (exit {cp.returncode}):\n{cp.stderr[-4000:]}")
         lines = [ln for ln in cp.stdout.splitlines() if ln.strip()]
         out = Path(lines[-1]) if lines else bdir
-        if not binaries_present(out):
-            raise LabError(f"install-binaries.sh finished but {out} lacks one of {BINARIES}")
+        if not binaries_present(out, names):
+            raise LabError(f"install-binaries.sh finished but {out} lacks one of {names}")
         return out
 
 

@@ -55,7 +55,7 @@ def longest_gap(results: list[tuple[float, bool, str]]) -> float:
 
 def run(firewall: str, once: bool, timeout: float = 240.0) -> int:
     t_all = time.monotonic()
-    bin_dir = ensure_binaries()
+    bin_dir = ensure_binaries(upstream=False)
     k8s_bin = kubecluster.ensure_binaries()
     proxy_tar, ctl_tar = controller_images()
     ok = False

@@ -2,18 +2,26 @@
 # Builds the pinned real binaries the lab needs (tailscaled, tailscale, upstream containerboot, headscale)
 # with `go install` into a version-keyed cache outside the repository. Idempotent: a binary that is already
 # there is not rebuilt. Prints the directory on its last line of stdout.
+#   --no-upstream   skip upstream containerboot (the reference agent of the conformance tests and benchmarks;
+#                   the demo does not run it)
 set -euo pipefail
 TS_VER=${TS_VER:-v1.102.3}
 HS_VER=${HS_VER:-v0.29.2}
 CACHE=${CB_CACHE:-$HOME/.cache/containerboot-py}
 BIN="$CACHE/bin/ts-$TS_VER-hs-$HS_VER"
-if [ "${1:-}" = "--print-dir" ]; then echo "$BIN"; exit 0; fi
+upstream=1
+case "${1:-}" in
+  --print-dir) echo "$BIN"; exit 0 ;;
+  --no-upstream) upstream=0 ;;
+esac
 mkdir -p "$BIN"
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOBIN="$BIN" GOFLAGS=-mod=mod
 log() { echo "[install-binaries] $*" >&2; }
 . "$(dirname "$0")/progress.sh"
 need=()
-for b in tailscaled tailscale containerboot; do [ -x "$BIN/$b" ] || need+=("tailscale.com/cmd/$b@$TS_VER"); done
+wanted=(tailscaled tailscale)
+[ $upstream = 1 ] && wanted+=(containerboot)
+for b in "${wanted[@]}"; do [ -x "$BIN/$b" ] || need+=("tailscale.com/cmd/$b@$TS_VER"); done
 if [ ${#need[@]} -gt 0 ]; then
   log "building ${need[*]} (cold build takes several minutes)"
   start=$(date +%s)

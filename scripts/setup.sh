@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up for the demo and the tests: Debian packages, the Python venv, and (with --binaries) the
 # pinned Go-built binaries. Each step is skipped when already done. Progress goes to stderr.
-#   --binaries                  everything: tailscale (tailscaled, tailscale, upstream containerboot, headscale),
-#                               kubernetes (Kubernetes, etcd, CoreDNS and the node's Debian packages) and helm
+#   --binaries                  everything: tailscale (tailscaled, tailscale, headscale), upstream (upstream
+#                               containerboot, the tests' reference agent), kubernetes (Kubernetes, etcd, CoreDNS
+#                               and the node's Debian packages) and helm
 #   --binaries=tailscale,...    only those parts (the plain `make demo` needs tailscale alone)
 #   --image                     podman, runc and mmdebstrap for images/build.sh
 #   --multiarch                 qemu user mode for other architectures' images
@@ -13,7 +14,7 @@ log() { echo "[setup] $*" >&2; }
 want_image=0 want_multiarch=0 parts=""
 for a in "$@"; do
   case "$a" in
-    --binaries) parts=tailscale,kubernetes,helm ;;
+    --binaries) parts=tailscale,upstream,kubernetes,helm ;;
     --binaries=*) parts=${a#--binaries=} ;;
     --image) want_image=1 ;;
     --multiarch) want_multiarch=1 ;;  # qemu user mode for other architectures' images (make images-archives)
@@ -58,7 +59,8 @@ fi
 if [ -n "$parts" ]; then
   if command -v go >/dev/null 2>&1; then
     if want tailscale; then
-      bash scripts/install-binaries.sh >/dev/null || log "building the binaries failed; the end-to-end tests will be skipped"
+      if want upstream; then up=(); else up=(--no-upstream); fi
+      bash scripts/install-binaries.sh "${up[@]}" >/dev/null || log "building the binaries failed; the end-to-end tests will be skipped"
     fi
     # Kubernetes v1.34.4 + etcd for the real-cluster tests and `make demo DEMO_ARGS=--kube` (about 9 min cold)
     if want kubernetes; then
