@@ -346,8 +346,9 @@ class Lab:
         if os.geteuid() != 0:
             raise LabError("the lab needs root (network namespaces)")
         bdir = Path(bin_dir) if bin_dir else ensure_binaries()
-        if not binaries_present(bdir):
-            raise LabError(f"{bdir} lacks one of {BINARIES}")
+        # the lab itself runs tailscaled and headscale; upstream containerboot only for those who start it
+        if not binaries_present(bdir, OWN_BINARIES):
+            raise LabError(f"{bdir} lacks one of {OWN_BINARIES}")
         lab = cls(prefix or _short_id(), bdir, ipv6, firewall_mode, Path(run_root), hs_log_level)
         _LIVE_LABS.add(lab)
         try:
