@@ -98,6 +98,11 @@ class _Side:
     def close(self) -> None:
         self.writer.close()
 
+    def abort(self) -> None:
+        """Close at once, dropping what is unsent: a TLS close waits (up to 30 s) for the peer's close_notify,
+        and a peer blocked writing a body the proxy no longer reads never sends it."""
+        self.writer.transport.abort()
+
 
 def _peer_addr(peer: Any) -> str:
     host, port = peer[0], peer[1]
@@ -135,14 +140,16 @@ class ApiServerProxy:
                 if client.conn.our_state is not h11.DONE or client.conn.their_state is not h11.DONE:
                     return
                 client.conn.start_next_cycle()
-        except (_ClientGone, *_GONE):
+        except _ClientGone:
+            client.abort()
+        except _GONE:
             pass
         finally:
             self.connections -= 1
             self._identified.pop(peer, None)
             client.close()
             if upstream is not None:
-                upstream.close()
+                upstream.abort()
 
     async def _garbage(self, client: _Side, peer: str, e: h11.RemoteProtocolError) -> None:
         log.info("api-server-proxy: closing the connection from %s: not HTTP/1.1 (%s)", peer, e)
@@ -223,7 +230,7 @@ class ApiServerProxy:
         try:
             if fresh:
                 if upstream is not None:
-                    upstream.close()
+                    upstream.abort()
                 upstream = await self._connect()
             assert upstream is not None
             try:
@@ -232,7 +239,7 @@ class ApiServerProxy:
                 if fresh or not bodyless:
                     raise
                 # A kept-alive connection the API server had already closed: once more on a new one.
-                upstream.close()
+                upstream.abort()
                 upstream = await self._connect()
                 first = await self._send_request(client, upstream, request)
         except Refused as r:
@@ -240,25 +247,33 @@ class ApiServerProxy:
             return None
         except _GONE as e:
             if upstream is not None:
-                upstream.close()
+                upstream.abort()
             if client.conn.our_state is h11.SEND_RESPONSE:
                 await self._refuse(client, Refused(502, "ServiceUnavailable",
                                                    f"error talking to the API server: {e!r}"))
             return None
-        if isinstance(first, h11.InformationalResponse):     # 101: the protocol switched
-            await client.send(h11.InformationalResponse(
-                status_code=101, reason=first.reason,
-                headers=forwarded_response_headers(first.headers, upgrade=True)))
-            await _pipe(client, upstream)
-            upstream.close()
-            return None
-        await client.send(h11.Response(status_code=first.status_code, reason=first.reason,
-                                       headers=forwarded_response_headers(first.headers)))
-        await self._stream_body(client, upstream)
+        except BaseException:       # the client went away mid-upload (or the task is cancelled)
+            if upstream is not None:
+                upstream.abort()
+            raise
+        try:
+            if isinstance(first, h11.InformationalResponse):     # 101: the protocol switched
+                await client.send(h11.InformationalResponse(
+                    status_code=101, reason=first.reason,
+                    headers=forwarded_response_headers(first.headers, upgrade=True)))
+                await _pipe(client, upstream)
+                upstream.abort()
+                return None
+            await client.send(h11.Response(status_code=first.status_code, reason=first.reason,
+                                           headers=forwarded_response_headers(first.headers)))
+            await self._stream_body(client, upstream)
+        except BaseException:       # whatever ends the exchange early, this API server connection goes now
+            upstream.abort()
+            raise
         if upstream.conn.our_state is h11.DONE and upstream.conn.their_state is h11.DONE:
             upstream.conn.start_next_cycle()
             return upstream
-        upstream.close()
+        upstream.abort()
         return None
 
     async def _send_request(self, client: _Side, upstream: _Side, request: h11.Request) -> Any:
