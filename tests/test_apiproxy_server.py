@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from containerboot.apiproxy.identity import CAP_KUBERNETES
-from containerboot.apiproxy.server import AUTH, NOAUTH, ApiServerProxy, Upstream
+from containerboot.apiproxy.server import AUTH, NOAUTH, ApiServerProxy, Upstream, status_body
 from tests.support.kubeapi import CertFiles, cached_certs, make_certs
 
 
@@ -60,10 +60,21 @@ class FakeApiServer:
                 req = await event()
                 if not isinstance(req, h11.Request):
                     return
+                path = req.target.decode()
+                if path.startswith("/early"):
+                    # as Go's server when a handler answers without reading a large body: the answer, a
+                    # short wait, then the connection closed with the body unread (a reset, on Linux)
+                    doc = status_body(403, "Forbidden", 'User "e2e" cannot patch resource "configmaps"')
+                    writer.write(conn.send(h11.Response(status_code=403, headers=[
+                        (b"content-type", b"application/json"), (b"content-length", str(len(doc)).encode()),
+                        (b"connection", b"close")])) + conn.send(h11.Data(data=doc)) + conn.send(h11.EndOfMessage()))
+                    await writer.drain()
+                    await asyncio.sleep(0.5)
+                    writer.transport.abort()
+                    return
                 body = b""
                 while not isinstance(e := await event(), h11.EndOfMessage):
                     body += e.data
-                path = req.target.decode()
                 if path.startswith("/exec"):
                     writer.write(conn.send(h11.InformationalResponse(
                         status_code=101, headers=[(b"connection", b"Upgrade"), (b"upgrade", b"SPDY/3.1")])))
@@ -277,6 +288,43 @@ async def test_a_client_that_leaves_during_its_upload_frees_the_upstream(auth):
     assert auth.api.connections == 1 and not auth.api.closed.is_set()
     writer.close()
     await asyncio.wait_for(auth.api.closed.wait(), 10)
+
+
+async def _upload_and_read(port: int, head: bytes, size: int) -> bytes:
+    """Send `head` and `size` bytes of body while reading the answer (as Go's client does); the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def upload() -> None:
+        writer.write(head)
+        try:
+            for _ in range(size // 65536):
+                writer.write(b"z" * 65536)
+                await writer.drain()
+        except OSError:
+            pass        # the proxy may close once it has answered
+    up = asyncio.ensure_future(upload())
+    got = b""
+    try:
+        while chunk := await asyncio.wait_for(reader.read(65536), 20):
+            got += chunk
+    except ConnectionResetError as e:
+        raise AssertionError(f"the connection was reset after {got!r}") from e
+    finally:
+        up.cancel()
+        writer.close()
+    return got
+
+
+async def test_an_answer_before_the_request_body_ends_reaches_the_client(auth):
+    """A write RBAC refuses: the API server answers 403 without reading the large body and closes. The client,
+    still uploading, gets the answer (not a reset), and the proxy's own refusals behave the same."""
+    head = b"PATCH /early HTTP/1.1\r\nHost: x\r\nContent-Length: 8388608\r\n\r\n"
+    got = await _upload_and_read(auth.port, head, 8388608)
+    assert got.startswith(b"HTTP/1.1 403"), got[:300]
+    assert b'User \\"e2e\\" cannot patch resource \\"configmaps\\"' in got and b"connection: close" in got.lower()
+    auth.whois_answer = None        # the proxy refuses the caller itself, before the body
+    got = await _upload_and_read(auth.port, head.replace(b"/early", b"/echo"), 8388608)
+    assert got.startswith(b"HTTP/1.1 403") and b"failed to authenticate caller" in got, got[:300]
 
 
 async def test_watch_delivers_later_events_and_ends(auth):
