@@ -4,7 +4,10 @@ One client connection gets at most one API server connection at a time, opened w
 forwarded and reused while both sides keep the connection alive (kubectl's own keep-alive is mirrored).
 Bodies stream in both directions an event at a time, each chunk written and drained before the next is read,
 so watches and `logs -f` arrive as the API server sends them. While a response streams, the client side is
-watched: a client that goes away closes the API server connection at once (a watch does not linger).
+watched: a client that goes away closes the API server connection at once (a watch does not linger). A
+request body is sent while the response head is awaited, so an answer that comes before the body has gone
+(RBAC's 403 to a large apply) is passed on; that client connection then ends, after the rest of its body has
+been read and dropped (a close with unread data would reset the answer away).
 
 Upgrades (exec, attach, port-forward: SPDY/3.1 or WebSocket) are forwarded as an ordinary request; when the
 API server answers 101 the 101 goes to the client and from then on bytes are copied both ways until either
