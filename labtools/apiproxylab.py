@@ -3,11 +3,14 @@
 API (root; a running ``labtools.lab.Lab`` and a ``KubeCluster`` with the controller installed)::
 
     with lab.hs_policy(policy()): ...            # grants the lab user "e2e" impersonate.groups [GROUP]
+    policy(extra_groups=[EDITORS])               # ... and, in a second grant, [EDITORS] (merged by the proxy)
     kc.apply(reader_rbac())                      # GROUP: view, get/list nodes, exec/attach/port-forward in apps
+    kc.apply(editor_rbac("rw"))                  # EDITORS: the ClusterRole edit in namespace rw only
     set_mode(kc, "auth")                         # helm upgrade --reuse-values --set apiServerProxy.mode=auth
     url = wait_url(kc); ip = proxy_ip(kc)        # from the ConfigMap annotation / the proxy's state Secret
     k = TailnetKubectl(lab, "client", kc.cfg.bin_dir / "kubectl", f"http://{ip}", workdir)
     k.run("get", "nodes"); k.run_tty("exec", "-it", ...); bg = k.background("get", "pods", "-w")
+    att = k.background("attach", "-i", "pod", stdin=True); att.send("line\n"); att.wait_line(...)
 
 A `TailnetKubectl` runs the cluster's own kubectl binary inside a lab node's network namespace (not a Pod),
 with a kubeconfig whose server is the proxy's tailnet address; background commands (watch, logs -f,
@@ -19,6 +22,7 @@ import base64
 import json
 import subprocess
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from labtools import helmchart, kubecontroller
@@ -26,17 +30,22 @@ from labtools.lab import wait_until
 
 CAP_KUBERNETES = "tailscale.com/cap/kubernetes"
 GROUP = "tailnet-readers"
+EDITORS = "tailnet-editors"
 LABEL = "tailscale.com/parent-resource-type=apiserverproxy"
 _RBAC = "rbac.authorization.k8s.io/v1"
 
 
-def policy(user: str = "e2e", dst: str = "tag:k8s") -> dict:
+def policy(user: str = "e2e", dst: str = "tag:k8s", extra_groups: Sequence[str] = ()) -> dict:
     """headscale's policy: everyone reaches everyone, and `user` gets impersonate.groups [GROUP] on `dst` (the
-    proxy: the controller's tag, owned by `user` so that its tagged keys are accepted, or a user's `name@`)."""
-    return {"tagOwners": {"tag:k8s": [f"{user}@"]},
-            "grants": [{"src": ["*"], "dst": ["*"], "ip": ["*"]},
-                       {"src": [f"{user}@"], "dst": [dst],
-                        "app": {CAP_KUBERNETES: [{"impersonate": {"groups": [GROUP]}}]}}]}
+    proxy: the controller's tag, owned by `user` so that its tagged keys are accepted, or a user's `name@`);
+    `extra_groups` come from a second grant of the same capability (the proxy merges both)."""
+    grants: list[dict] = [{"src": ["*"], "dst": ["*"], "ip": ["*"]},
+                          {"src": [f"{user}@"], "dst": [dst],
+                           "app": {CAP_KUBERNETES: [{"impersonate": {"groups": [GROUP]}}]}}]
+    if extra_groups:
+        grants.append({"src": [f"{user}@"], "dst": [dst],
+                       "app": {CAP_KUBERNETES: [{"impersonate": {"groups": list(extra_groups)}}]}})
+    return {"tagOwners": {"tag:k8s": [f"{user}@"]}, "grants": grants}
 
 
 def reader_rbac(namespace: str = "apps") -> list[dict]:
@@ -56,6 +65,14 @@ def reader_rbac(namespace: str = "apps") -> list[dict]:
         {"apiVersion": _RBAC, "kind": "RoleBinding", "metadata": {"name": f"{GROUP}-sessions", "namespace": namespace},
          "roleRef": {**ref, "kind": "Role", "name": f"{GROUP}-sessions"}, "subjects": group},
     ]
+
+
+def editor_rbac(namespace: str) -> list[dict]:
+    """EDITORS may do what the ClusterRole `edit` allows, in `namespace` only (a RoleBinding)."""
+    return [{"apiVersion": _RBAC, "kind": "RoleBinding",
+             "metadata": {"name": f"{EDITORS}-edit", "namespace": namespace},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit"},
+             "subjects": [{"kind": "Group", "name": EDITORS, "apiGroup": "rbac.authorization.k8s.io"}]}]
 
 
 def set_mode(kc, mode: str) -> None:
@@ -89,11 +106,12 @@ def proxy_log(kc, tail: int = 80) -> str:
 
 
 class Background:
-    """A kubectl running in the background; its stdout+stderr lines as they come."""
+    """A kubectl running in the background; its stdout+stderr lines as they come; with `stdin`, `send` writes to
+    its standard input (kept open until `stop`)."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], stdin: bool = False) -> None:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
         self.lines: list[str] = []
         self._t = threading.Thread(target=self._read, daemon=True)
         self._t.start()
@@ -111,7 +129,17 @@ class Background:
         except TimeoutError:
             raise AssertionError(f"{what}: not seen in {self.lines[-20:]}") from None
 
+    def send(self, text: str) -> None:
+        assert self.proc.stdin is not None, "started without stdin=True"
+        self.proc.stdin.write(text)
+        self.proc.stdin.flush()
+
     def stop(self) -> None:
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -153,8 +181,8 @@ class TailnetKubectl:
         return subprocess.run(["script", "-qec", shlex.join(self.argv(*args)), "/dev/null"], capture_output=True,
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
-    def background(self, *args: str) -> Background:
-        return Background(self.argv(*args))
+    def background(self, *args: str, stdin: bool = False) -> Background:
+        return Background(self.argv(*args), stdin=stdin)
 
 
 # ------------------------------------------------------------------------------------------------------------

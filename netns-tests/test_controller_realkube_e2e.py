@@ -48,7 +48,10 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import os
 import subprocess
 import time
 
@@ -704,13 +707,29 @@ def _talker_objects(image: str) -> list[dict]:
     ]
 
 
+RW = "apiproxy-rw"
+
+
+def _replier(image: str) -> dict:
+    """A Pod whose process answers each line of its standard input (for attach -i); the proxy image has tar
+    (Debian's essential set), which kubectl cp runs in the container."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "replier", "namespace": RW},
+            "spec": {"terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "replier", "image": image, "imagePullPolicy": "Never", "stdin": True,
+                                     "command": ["/bin/sh", "-c", 'while read -r l; do echo "reply:$l"; done']}]}}
+
+
 def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
     """``apiServerProxy.mode: auth`` with a headscale policy granting the lab client's user (``e2e``)
     ``impersonate.groups: ["tailnet-readers"]``, bound to ``view`` (plus exec/attach/port-forward in ``apps``,
-    labtools.apiproxylab).
+    labtools.apiproxylab), and in a second grant ``["tailnet-editors"]``, bound to ``edit`` in ``apiproxy-rw``
+    only.
     From the client node (a plain tailscaled, not a Pod), with the cluster's own kubectl and nothing but the
     proxy's tailnet address in its kubeconfig: get pods -A, get -w sees a change, logs -f streams, exec -it
-    answers, port-forward carries a curl; creating a Pod is refused by RBAC naming user "e2e"; a second node of
+    answers, port-forward carries a curl; in ``apiproxy-rw``: cp of a file to a Pod and back (content checked
+    in the Pod and after the round trip), attach -i to a Pod that answers its stdin (the answer reaches the
+    client), apply --server-side of a ~900 KB ConfigMap read back identical; the same apply in ``apps`` and
+    creating a Pod there are refused by RBAC naming user "e2e"; a second node of
     another user without the grant is refused; a client speaking garbage is closed while the others carry on;
     while the API server restarts requests fail cleanly and then succeed. Then ``noauth``: a ServiceAccount
     token works, no credentials is the API server's anonymous refusal. ``off`` removes the proxy and its device."""
@@ -721,13 +740,14 @@ def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
     kc = kube
     kubectl = kc.cfg.bin_dir / "kubectl"
     lab.delete_node("kube-apiserver")
-    kc.apply([*ap.reader_rbac("apps"), *_talker_objects(kubecontroller.PROXY_IMAGE)])
+    kc.apply([*ap.reader_rbac("apps"), *_talker_objects(kubecontroller.PROXY_IMAGE), kubemanifests.namespace(RW)])
+    kc.apply([*ap.editor_rbac(RW), _replier(kubecontroller.PROXY_IMAGE)])
     outsider = lab.create_user("outsider")
     if "outsider" not in lab.namespaces:
         lab.add_namespace("outsider")
         lab.start_node("outsider", "outsider", authkey=lab.preauth_key(user_id=int(outsider["id"])))
     work = lab.run_dir / "apiproxy"
-    with lab.hs_policy(ap.policy("e2e")):
+    with lab.hs_policy(ap.policy("e2e", extra_groups=[ap.EDITORS])):
         try:
             ap.set_mode(kc, "auth")
             url = ap.wait_url(kc)
@@ -768,6 +788,41 @@ def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
                 assert kc.marker in lab.wait_curl("client", "http://127.0.0.1:18080/", kc.marker, 30)
             finally:
                 pf.stop()
+            t_rw = time.monotonic()
+            # writes where the second grant's group is bound to edit: cp both ways (kubectl runs tar in the Pod)
+            kc.kubectl("-n", RW, "wait", "pod/replier", "--for=condition=Ready", "--timeout=90s", timeout=100)
+            up, down = work / "cp-up.bin", work / "cp-down.bin"
+            up.write_bytes(os.urandom(600_000))
+            down.unlink(missing_ok=True)
+            cp = client.run("cp", str(up), f"{RW}/replier:/tmp/up.bin")
+            assert cp.returncode == 0, cp
+            inpod = kc.kubectl("-n", RW, "exec", "replier", "--", "sha256sum", "/tmp/up.bin").stdout.split()[0]
+            assert inpod == hashlib.sha256(up.read_bytes()).hexdigest()
+            cp = client.run("cp", f"{RW}/replier:/tmp/up.bin", str(down))
+            assert cp.returncode == 0 and down.read_bytes() == up.read_bytes(), cp
+            # attach -i: a line to the Pod's stdin, its answer back on the client
+            att = client.background("-n", RW, "attach", "-i", "replier", stdin=True)
+            try:
+                att.send(f"ping-{lab.prefix}\n")
+                att.wait_line(lambda ln: ln == f"reply:ping-{lab.prefix}", 30, "the attached Pod's answer")
+            finally:
+                att.stop()
+            # apply of a large object (server-side: client-side apply would copy it into an annotation,
+            # which is limited to 256 KiB), read back identical through the proxy
+            big = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "big", "namespace": RW},
+                   "data": {"blob": base64.b64encode(os.urandom(675_000)).decode(), "small": "x"}}
+            manifest = work / "big.json"
+            manifest.write_text(json.dumps(big))
+            a = client.run("apply", "--server-side", "-f", str(manifest))
+            assert a.returncode == 0 and "configmap/big serverside-applied" in a.stdout, a
+            back = client.run("-n", RW, "get", "configmap", "big", "-o", "json")
+            assert back.returncode == 0 and json.loads(back.stdout)["data"] == big["data"], back.stderr
+            # ... and where the group is not bound, the same apply is refused naming the impersonated user
+            manifest.write_text(json.dumps({**big, "metadata": {"name": "big", "namespace": "apps"}}))
+            a = client.run("apply", "--server-side", "-f", str(manifest))
+            assert a.returncode != 0 and 'User "e2e" cannot patch resource "configmaps"' in a.stderr, a
+            print(f"API server proxy: cp both ways, attach -i, apply of {len(manifest.read_bytes())} bytes "
+                  f"{time.monotonic() - t_rw:.1f}s (loaded 2-core machine: an upper bound)")
             # a write the groups do not allow: RBAC's 403, naming the impersonated user
             w = client.run("-n", "apps", "run", "intruder", f"--image={kubecluster.ECHO_IMAGE}")
             assert w.returncode != 0 and 'User "e2e" cannot create resource "pods"' in w.stderr, w
@@ -818,6 +873,7 @@ def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
             raise
         finally:
             ap.set_mode(kc, "off")
+            kc.kubectl("delete", "namespace", RW, "--wait=false", check=False)
     wait_until(lambda: kubecontroller.children(kc, kubecontroller.NS, "apiserver-proxy", "apiserverproxy")
                == kubecontroller.NO_CHILDREN, 120, 1, "the API server proxy's objects gone")
     wait_until(lambda: _hs_nodes_named(lab, "kube-apiserver") == [], 60, 1, "its device gone from headscale")

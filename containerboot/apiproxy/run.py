@@ -32,7 +32,9 @@ from .server import AUTH, NOAUTH, ApiServerProxy, Upstream
 
 log = logging.getLogger("containerboot")
 _IP_FREEBIND = 15           # Linux: bind before the address is on tailscale0 (or while IPv6 DAD runs)
-_CERT_REFRESH = 12 * 3600   # seconds between certificate re-reads (tailscaled renews them)
+#: Seconds between asking tailscaled for the certificate again. tailscaled renews a certificate ahead of its
+#: expiry (days ahead for a 90-day certificate) and answers from its cache meanwhile: twice a day is plenty.
+_CERT_REFRESH = 12 * 3600
 
 
 class ConfigError(Exception):
@@ -91,7 +93,9 @@ def _listener(ip: str, port: int) -> socket.socket:
     return s
 
 
-async def _load_cert(lapi: LocalAPI, domain: str, ctx: ssl.SSLContext) -> None:
+async def _load_cert(lapi: LocalAPI, domain: str, ctx: ssl.SSLContext) -> bytes:
+    """Ask tailscaled for `domain`'s certificate pair and load it into ctx (new handshakes use it); returns
+    the certificate chain's PEM."""
     cert, key = await lapi.cert_pair(domain)
     with tempfile.TemporaryDirectory() as d:     # ssl loads from files only; gone once loaded
         cp, kp = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
@@ -99,7 +103,11 @@ async def _load_cert(lapi: LocalAPI, domain: str, ctx: ssl.SSLContext) -> None:
             f.write(cert)
         with open(os.open(kp, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
             f.write(key)
+        # checked on a scratch context first: a key that does not match would otherwise leave the live one
+        # with the new certificate and the old key, and every later handshake would fail
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cp, kp)
         ctx.load_cert_chain(cp, kp)
+    return cert
 
 
 def self_signed(names: list[str], ips: list[str], ctx: ssl.SSLContext) -> str:
@@ -149,11 +157,18 @@ async def serve(env: Mapping[str, str], root: str = "/") -> int:
     domains = [d for d in (st.get("CertDomains") or []) if d]
     dns_name = str((st.get("Self") or {}).get("DNSName") or "").removesuffix(".")
     tls: ssl.SSLContext | None = None
+    cert = b""
     if not force_http and (domains or mode == NOAUTH):
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.set_alpn_protocols(["http/1.1"])     # SPDY (exec, port-forward) does not survive HTTP/2
         if domains:
-            await _load_cert(lapi, domains[0], tls)
+            try:
+                cert = await _load_cert(lapi, domains[0], tls)
+            except (LocalAPIError, OSError, ssl.SSLError) as e:
+                log.error("api-server-proxy: cannot get the certificate of %s from tailscaled: %s; HTTPS "
+                          "certificates must be enabled for the tailnet (or set TS_APISERVER_PROXY_HTTP=true)",
+                          domains[0], e)
+                return 1
         else:
             try:
                 fp = self_signed([dns_name], ips, tls)
@@ -174,7 +189,7 @@ async def serve(env: Mapping[str, str], root: str = "/") -> int:
              f"{scheme}://{name or ips[0]}{suffix}",
              ", ".join(f"{scheme}://{'[' + ip + ']' if ':' in ip else ip}{suffix}" for ip in ips))
     # the control plane's certificate is renewed by tailscaled: re-read it now and then (a self-signed one lasts)
-    refresh = asyncio.ensure_future(_refresh_cert(lapi, domains[0], tls)) if tls and domains else None
+    refresh = asyncio.ensure_future(_refresh_cert(lapi, domains[0], tls, cert)) if tls and domains else None
     await stop.wait()
     if refresh:
         refresh.cancel()
@@ -183,13 +198,20 @@ async def serve(env: Mapping[str, str], root: str = "/") -> int:
     return 0
 
 
-async def _refresh_cert(lapi: LocalAPI, domain: str, ctx: ssl.SSLContext) -> None:
+async def _refresh_cert(lapi: LocalAPI, domain: str, ctx: ssl.SSLContext, current: bytes) -> None:
+    """Every _CERT_REFRESH seconds, ask tailscaled again (it renews the certificate before it expires and
+    answers with the cached one until then); a different certificate is loaded for the next handshakes, the
+    open connections keep theirs. A failure keeps the loaded certificate and is retried at the next turn."""
     while True:
         await asyncio.sleep(_CERT_REFRESH)
         try:
-            await _load_cert(lapi, domain, ctx)
+            cert = await _load_cert(lapi, domain, ctx)
         except (LocalAPIError, OSError, ssl.SSLError) as e:
             log.warning("api-server-proxy: cannot refresh the certificate of %s: %s", domain, e)
+            continue
+        if cert != current:
+            log.info("api-server-proxy: serving a renewed certificate for %s", domain)
+            current = cert
 
 
 def main(env: Mapping[str, str]) -> int:

@@ -4,7 +4,10 @@ One client connection gets at most one API server connection at a time, opened w
 forwarded and reused while both sides keep the connection alive (kubectl's own keep-alive is mirrored).
 Bodies stream in both directions an event at a time, each chunk written and drained before the next is read,
 so watches and `logs -f` arrive as the API server sends them. While a response streams, the client side is
-watched: a client that goes away closes the API server connection at once (a watch does not linger).
+watched: a client that goes away closes the API server connection at once (a watch does not linger). A
+request body is sent while the response head is awaited, so an answer that comes before the body has gone
+(RBAC's 403 to a large apply) is passed on; that client connection then ends, after the rest of its body has
+been read and dropped (a close with unread data would reset the answer away).
 
 Upgrades (exec, attach, port-forward: SPDY/3.1 or WebSocket) are forwarded as an ordinary request; when the
 API server answers 101 the 101 goes to the client and from then on bytes are copied both ways until either
@@ -68,6 +71,10 @@ class _ClientGone(Exception):
     pass
 
 
+class _UpstreamWriteFailed(Exception):
+    """Sending the request body to the API server failed (it may have answered and closed already)."""
+
+
 def status_body(status: int, reason: str, message: str) -> bytes:
     """A Kubernetes Status object: what kubectl expects in an error response."""
     return json.dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
@@ -97,6 +104,11 @@ class _Side:
 
     def close(self) -> None:
         self.writer.close()
+
+    def abort(self) -> None:
+        """Close at once, dropping what is unsent: a TLS close waits (up to 30 s) for the peer's close_notify,
+        and a peer blocked writing a body the proxy no longer reads never sends it."""
+        self.writer.transport.abort()
 
 
 def _peer_addr(peer: Any) -> str:
@@ -132,17 +144,22 @@ class ApiServerProxy:
                 upstream = await self._exchange(client, event, peer, upstream)
                 if upstream is None and client.conn.our_state is h11.SWITCHED_PROTOCOL:
                     return
+                if client.conn.their_state is h11.SEND_BODY and client.conn.our_state in (h11.DONE, h11.MUST_CLOSE):
+                    await _linger(client)      # answered before the request body ended
+                    return
                 if client.conn.our_state is not h11.DONE or client.conn.their_state is not h11.DONE:
                     return
                 client.conn.start_next_cycle()
-        except (_ClientGone, *_GONE):
+        except _ClientGone:
+            client.abort()
+        except _GONE:
             pass
         finally:
             self.connections -= 1
             self._identified.pop(peer, None)
             client.close()
             if upstream is not None:
-                upstream.close()
+                upstream.abort()
 
     async def _garbage(self, client: _Side, peer: str, e: h11.RemoteProtocolError) -> None:
         log.info("api-server-proxy: closing the connection from %s: not HTTP/1.1 (%s)", peer, e)
@@ -223,7 +240,7 @@ class ApiServerProxy:
         try:
             if fresh:
                 if upstream is not None:
-                    upstream.close()
+                    upstream.abort()
                 upstream = await self._connect()
             assert upstream is not None
             try:
@@ -232,7 +249,7 @@ class ApiServerProxy:
                 if fresh or not bodyless:
                     raise
                 # A kept-alive connection the API server had already closed: once more on a new one.
-                upstream.close()
+                upstream.abort()
                 upstream = await self._connect()
                 first = await self._send_request(client, upstream, request)
         except Refused as r:
@@ -240,39 +257,91 @@ class ApiServerProxy:
             return None
         except _GONE as e:
             if upstream is not None:
-                upstream.close()
+                upstream.abort()
             if client.conn.our_state is h11.SEND_RESPONSE:
                 await self._refuse(client, Refused(502, "ServiceUnavailable",
                                                    f"error talking to the API server: {e!r}"))
             return None
-        if isinstance(first, h11.InformationalResponse):     # 101: the protocol switched
-            await client.send(h11.InformationalResponse(
-                status_code=101, reason=first.reason,
-                headers=forwarded_response_headers(first.headers, upgrade=True)))
-            await _pipe(client, upstream)
-            upstream.close()
-            return None
-        await client.send(h11.Response(status_code=first.status_code, reason=first.reason,
-                                       headers=forwarded_response_headers(first.headers)))
-        await self._stream_body(client, upstream)
+        except BaseException:       # the client went away mid-upload (or the task is cancelled)
+            if upstream is not None:
+                upstream.abort()
+            raise
+        try:
+            if isinstance(first, h11.InformationalResponse):     # 101: the protocol switched
+                await client.send(h11.InformationalResponse(
+                    status_code=101, reason=first.reason,
+                    headers=forwarded_response_headers(first.headers, upgrade=True)))
+                await _pipe(client, upstream)
+                upstream.abort()
+                return None
+            headers = forwarded_response_headers(first.headers)
+            if client.conn.their_state is h11.SEND_BODY:     # an answer before the request body ended
+                headers.append((b"connection", b"close"))
+            await client.send(h11.Response(status_code=first.status_code, reason=first.reason, headers=headers))
+            await self._stream_body(client, upstream)
+        except BaseException:       # whatever ends the exchange early, this API server connection goes now
+            upstream.abort()
+            raise
         if upstream.conn.our_state is h11.DONE and upstream.conn.their_state is h11.DONE:
             upstream.conn.start_next_cycle()
             return upstream
-        upstream.close()
+        upstream.abort()
         return None
 
     async def _send_request(self, client: _Side, upstream: _Side, request: h11.Request) -> Any:
-        """Send the request head and body; the response head (a Response, or a 101 InformationalResponse)."""
+        """Send the request head and body; the response head (a Response, or a 101 InformationalResponse).
+
+        The head is read while the body is still being sent, as Go's transport does: the API server answers
+        a refused write (RBAC's 403) without reading a large body and then closes, so the answer can come
+        before the body has gone, and writing on would only fail. The rest of the body is then not sent."""
         await upstream.send(request)
-        while True:
-            event = await client.next_event()
+        # What of the body is already here (all of it for a GET, an upgrade or a small write) goes at once.
+        while (event := client.conn.next_event()) is not h11.NEED_DATA:
             if isinstance(event, h11.Data):
                 await upstream.send(h11.Data(data=event.data))
             elif isinstance(event, h11.EndOfMessage):
                 await upstream.send(h11.EndOfMessage())
-                break
+                return await self._response_head(upstream)
             else:
                 raise _ClientGone()
+        body = asyncio.ensure_future(self._send_body(client, upstream))
+        head = asyncio.ensure_future(self._response_head(upstream))
+        try:
+            done, _ = await asyncio.wait({body, head}, return_when=asyncio.FIRST_COMPLETED)
+            if head in done:
+                return head.result()
+            try:
+                body.result()
+            except _UpstreamWriteFailed as e:
+                # the API server may have answered and closed: its answer, if it sent one, is still to read
+                try:
+                    return await asyncio.wait_for(asyncio.shield(head), 5)
+                except (asyncio.TimeoutError, *_GONE):
+                    raise e.__cause__ or EOFError("the API server closed the connection") from None
+            return await head
+        finally:
+            for t in (body, head):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(body, head, return_exceptions=True)
+
+    async def _send_body(self, client: _Side, upstream: _Side) -> None:
+        while True:
+            event = await client.next_event()
+            if isinstance(event, h11.Data):
+                out: Any = h11.Data(data=event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                out = h11.EndOfMessage()
+            else:
+                raise _ClientGone()
+            try:
+                await upstream.send(out)
+            except _GONE as e:
+                raise _UpstreamWriteFailed() from e
+            if isinstance(out, h11.EndOfMessage):
+                return
+
+    async def _response_head(self, upstream: _Side) -> Any:
         while True:
             event = await upstream.next_event()
             if isinstance(event, h11.Response):
@@ -321,6 +390,29 @@ class ApiServerProxy:
                 return
             else:       # the API server closed mid-body: the client's connection must end too
                 raise EOFError("the API server closed the connection mid-response")
+
+
+#: After answering a request whose body had not ended: how long and how much of the rest to read and drop
+#: before closing. Closing a socket with unread data sends a reset, which can destroy the answer before the
+#: client has read it; the client stops sending once it sees the answer, and `Connection: close`.
+LINGER_SECONDS = 5.0
+LINGER_BYTES = 64 << 20
+
+
+async def _linger(client: _Side) -> None:
+    transport = client.writer.transport
+    try:
+        await client.writer.drain()
+        if transport.can_write_eof():
+            transport.write_eof()        # the answer is complete: the client may see the end at once
+        dropped, deadline = 0, time.monotonic() + LINGER_SECONDS
+        while dropped < LINGER_BYTES and (left := deadline - time.monotonic()) > 0:
+            chunk = await asyncio.wait_for(client.reader.read(READ_SIZE), left)
+            if not chunk:
+                return
+            dropped += len(chunk)
+    except (asyncio.TimeoutError, *_GONE):
+        pass
 
 
 async def _pipe(client: _Side, upstream: _Side) -> None:
