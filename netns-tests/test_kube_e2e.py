@@ -256,8 +256,7 @@ def test_ipv6_api_server_address(lab, lab_backend, kube, agent_cmd, request):
     Upstream containerboot and tailscaled's kube store both build ``https://%s:%s`` with a bare IPv6 host, so
     upstream fails in its own client and exits 1. Ours brackets the host for its own client and in the
     environment it gives tailscaled, whose kube store then works too."""
-    if not lab.ipv6:
-        pytest.skip("the lab has no IPv6 underlay")
+    assert lab.ipv6, "the lab has no IPv6 underlay (Lab.create builds one unless told not to)"
     ours = request.node.callspec.params["agent_cmd"] == "ours"
     secret = "ts-v6api"
     api = kube.api("v6api", host=kubelab.labmod.HS_V6, secrets=[secret])
