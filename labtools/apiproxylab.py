@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 
 from labtools import helmchart, kubecontroller
-from labtools.lab import wait_until
+from labtools.lab import stop_process, wait_until
 
 CAP_KUBERNETES = "tailscale.com/cap/kubernetes"
 GROUP = "tailnet-readers"
@@ -112,13 +112,7 @@ class Background:
             raise AssertionError(f"{what}: not seen in {self.lines[-20:]}") from None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
 
 
 class TailnetKubectl:

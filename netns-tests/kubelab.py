@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from labtools import lab as labmod
-from labtools.lab import AgentProcess, Lab, LabError, wait_until
+from labtools.lab import AgentProcess, Lab, LabError, stop_process, wait_until
 from tests.support.kubeapi import pod_mount_namespace_argv
 
 API_HOST = labmod.HS_V4
@@ -156,14 +155,7 @@ class KubeAPI:
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM the server (it dumps objects and the request log to <dir>/state.json) and wait."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
 
 def pod_argv(argv: Sequence[str], sa_dir: str, keep: Sequence[str]) -> list[str]:
