@@ -7,11 +7,8 @@ it) and CA. Errors are `KubeError` with the HTTP status and the API's reason; me
 """
 from __future__ import annotations
 
-import email.utils
-import json
 import os
 import ssl
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -19,6 +16,7 @@ import httpx
 
 from tscommon.kubeconn import TokenFile, https_url, sa_path, service_host_port, tls_context
 from tscommon.jsontext import response_json
+from tscommon.kubehttp import api_status, retry_after_seconds, send
 from tscommon.redact import redact, register
 
 
@@ -57,20 +55,6 @@ class KubeError(Exception):
     def __init__(self, message: str, *, status: int = 0, reason: str = "", retry_after: float | None = None) -> None:
         super().__init__(redact(message))
         self.status, self.reason, self.retry_after = status, reason, retry_after
-
-
-def retry_after_seconds(value: str | None) -> float | None:
-    """A Retry-After header's delay: seconds, or an HTTP date (None when absent or unreadable)."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
 
 
 def path(res: Resource, namespace: str = "", name: str = "", subresource: str = "") -> str:
@@ -122,33 +106,22 @@ class Kube:
                    token_file=env.get("CONTROLLER_KUBE_TOKEN_FILE", sa_path("token")),
                    ca_file=env.get("CONTROLLER_KUBE_CA_FILE", sa_path("ca.crt")))
 
-    def _headers(self, ctype: str = "") -> dict[str, str]:
-        h = {"Authorization": f"Bearer {self.token()}", "Accept": "application/json"}
-        if ctype:
-            h["Content-Type"] = ctype
-        return h
-
     async def _call(self, method: str, p: str, *, body: Any = None, ctype: str = "application/json",
                     params: Mapping[str, str] | None = None, ok404: bool = False) -> Any:
         if method != "GET" and self.write_guard is not None and not self.write_guard():
             raise KubeError(f"{method} {p}: refused, this replica does not hold the leader Lease")
         self.requests.append((method, p))
         try:
-            r = await self._client.request(method, p, params=params,
-                                           headers=self._headers(ctype if body is not None else ""),
-                                           content=None if body is None else json.dumps(body).encode())
+            r = await send(self._client, method, p, token=self.token(), body=body, content_type=ctype,
+                           params=params)
         except httpx.HTTPError as e:
             raise KubeError(f"{method} {p}: API server unreachable ({type(e).__name__}: {e})") from None
         if r.status_code == 404 and ok404:
             return None
         if r.status_code >= 400:
-            try:
-                st = response_json(r)
-            except ValueError:
-                st = {}
-            st = st if isinstance(st, dict) else {}
-            raise KubeError(f"{method} {p}: {r.status_code} {st.get('message') or r.text[:200]}",
-                            status=r.status_code, reason=str(st.get("reason") or ""),
+            st = api_status(r)
+            raise KubeError(f"{method} {p}: {r.status_code} {st.message or r.text[:200]}",
+                            status=r.status_code, reason=st.reason,
                             retry_after=retry_after_seconds(r.headers.get("Retry-After")))
         try:
             out = response_json(r) if r.content else {}

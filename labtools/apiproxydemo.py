@@ -13,7 +13,8 @@ import time
 
 from labtools import apiproxylab as ap
 from labtools import kubecluster, kubecontroller
-from labtools.lab import Lab, LabError, ensure_binaries
+from labtools.kubedemo import Stage, run_controller_demo
+from labtools.lab import wait_until
 
 
 def _say(msg: str) -> None:
@@ -21,46 +22,33 @@ def _say(msg: str) -> None:
 
 
 def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
-    t_all = time.monotonic()
-    bin_dir = ensure_binaries(upstream=False)
-    k8s_bin = kubecluster.ensure_binaries()
-    proxy_tar, ctl_tar = kubecontroller.build_images()
-    ok = False
-    with Lab.create(bin_dir=bin_dir, firewall_mode=firewall) as lab:
-        _say(f"lab {lab.prefix} up; headscale {lab.login_server}; client tailnet IPs: "
-             f"{' '.join(i for i in lab.tailnet_ips('client') if i)}")
-        with kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin) as kc, lab.hs_policy(ap.policy()):
-            _say(f"cluster up: API {kc.server} (not reachable from the tailnet client)")
-            try:
-                kubecontroller.install(kc, lab, proxy_tar, ctl_tar, firewall=firewall,
-                                       values={"apiServerProxy": {"mode": "auth"}})
-                _say("controller installed with helm, apiServerProxy.mode=auth; headscale policy grants user e2e "
-                     f"impersonate.groups [{ap.GROUP}]; {ap.GROUP} may view and list nodes")
-                kc.apply(ap.reader_rbac("default"))
-                url = ap.wait_url(kc, timeout)
-                ip = ap.proxy_ip(kc, timeout)
-                _say(f"API server proxy: {url} (tailnet IP {ip}; the client has no MagicDNS here, so kubectl uses "
-                     f"http://{ip})")
-                k = ap.TailnetKubectl(lab, "client", kc.cfg.bin_dir / "kubectl", f"http://{ip}",
-                                      lab.run_dir / "apiproxy", token="unused")
-                t0 = time.monotonic()
-                from labtools.lab import wait_until
-                read = wait_until(lambda: (cp := k.run("get", "nodes")).returncode == 0 and cp, 90, 1,
-                                  "kubectl get nodes through the proxy")
-                _say(f"client$ kubectl get nodes   (through the proxy, {time.monotonic() - t0:.1f}s)\n"
-                     f"{read.stdout.rstrip()}")
-                write = k.run("run", "demo-write", f"--image={kubecluster.ECHO_IMAGE}")
-                _say(f"client$ kubectl run demo-write ...   (exit {write.returncode})\n{write.stderr.rstrip()}")
-                ok = write.returncode != 0 and 'User "e2e" cannot create resource "pods"' in write.stderr
-                if not ok:
-                    _say("FAILED: the write was not refused by RBAC as user e2e")
-            except (TimeoutError, LabError, kubecluster.ClusterError) as e:
-                _say(f"FAILED: {e}")
-                _say(kubecontroller.controller_log(kc))
-                _say(ap.proxy_log(kc))
-            if not once:
-                _say("cluster is up; press Ctrl-C to tear it down")
-                while True:
-                    time.sleep(1)
-    _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
-    return 0 if ok else 1
+    return run_controller_demo(firewall, once, lambda st: story(st, timeout),
+                               logs=lambda kc: [kubecontroller.controller_log(kc), ap.proxy_log(kc)])
+
+
+def story(st: Stage, timeout: float) -> bool:
+    kc, lab = st.kc, st.lab
+    _say(f"the API server at {kc.server} is not reachable from the tailnet client")
+    with lab.hs_policy(ap.policy()):
+        kubecontroller.install(kc, lab, st.proxy_tar, st.ctl_tar, firewall=st.firewall,
+                               values={"apiServerProxy": {"mode": "auth"}})
+        _say("controller installed with helm, apiServerProxy.mode=auth; headscale policy grants user e2e "
+             f"impersonate.groups [{ap.GROUP}]; {ap.GROUP} may view and list nodes")
+        kc.apply(ap.reader_rbac("default"))
+        url = ap.wait_url(kc, timeout)
+        ip = ap.proxy_ip(kc, timeout)
+        _say(f"API server proxy: {url} (tailnet IP {ip}; the client has no MagicDNS here, so kubectl uses "
+             f"http://{ip})")
+        k = ap.TailnetKubectl(lab, "client", kc.cfg.bin_dir / "kubectl", f"http://{ip}",
+                              lab.run_dir / "apiproxy", token="unused")
+        t0 = time.monotonic()
+        read = wait_until(lambda: (cp := k.run("get", "nodes")).returncode == 0 and cp, 90, 1,
+                          "kubectl get nodes through the proxy")
+        _say(f"client$ kubectl get nodes   (through the proxy, {time.monotonic() - t0:.1f}s)\n"
+             f"{read.stdout.rstrip()}")
+        write = k.run("run", "demo-write", f"--image={kubecluster.ECHO_IMAGE}")
+        _say(f"client$ kubectl run demo-write ...   (exit {write.returncode})\n{write.stderr.rstrip()}")
+        ok = write.returncode != 0 and 'User "e2e" cannot create resource "pods"' in write.stderr
+        if not ok:
+            _say("FAILED: the write was not refused by RBAC as user e2e")
+        return ok

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from labtools import helmchart, kubecontroller
-from labtools.lab import wait_until
+from labtools.lab import stop_process, wait_until
 
 CAP_KUBERNETES = "tailscale.com/cap/kubernetes"
 GROUP = "tailnet-readers"
@@ -140,13 +140,7 @@ class Background:
                 self.proc.stdin.close()
             except OSError:
                 pass
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
 
 
 class TailnetKubectl:

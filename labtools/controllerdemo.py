@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 import time
 
-from labtools import kubecluster, kubecontroller
-from labtools.kubedemo import controller_images, curl_from_client, deploy_backend, hold_open, report_failure
-from labtools.lab import Lab, LabError, ensure_binaries
+from labtools import kubecontroller
+from labtools.kubedemo import Stage, curl_from_client, deploy_backend, run_controller_demo
 
 
 def _say(msg: str) -> None:
@@ -28,38 +27,27 @@ SERVICE = {"apiVersion": "v1", "kind": "Service",
 
 
 def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
-    t_all = time.monotonic()
-    bin_dir = ensure_binaries(upstream=False)
-    k8s_bin = kubecluster.ensure_binaries()
-    proxy_tar, ctl_tar = controller_images()
-    ok = False
-    with Lab.create(bin_dir=bin_dir, firewall_mode=firewall) as lab:
-        _say(f"lab {lab.prefix} up; headscale {lab.login_server}; client tailnet IPs: "
-             f"{' '.join(i for i in lab.tailnet_ips('client') if i)}")
-        with kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin) as kc:
-            _say(f"cluster up: API {kc.server}, node Ready {kc.timings['node_ready']:.1f}s after start")
-            try:
-                t = kubecontroller.install(kc, lab, proxy_tar, ctl_tar, firewall=firewall, method="kubectl")
-                _say(f"controller installed from deploy/ (kubectl apply -R -f deploy/, Secret headscale-api, "
-                     f"kubectl set env CONTROL_PLANE=headscale ...): images imported {t['import']:.1f}s, "
-                     f"rolled out {t['rollout']:.1f}s")
-                _say(kc.kubectl("-n", kubecontroller.NS, "get", "deploy,pods", "-o", "wide").stdout.rstrip())
-                marker = deploy_backend(kc, lab)
-                t0 = time.monotonic()
-                kc.apply(SERVICE)
-                _say("Service demo/web (type LoadBalancer, annotated tailscale.com/expose: \"true\") applied")
-                svc = kubecontroller.wait_service_ip(kc, "demo", "web", timeout)
-                _say(f"the controller wrote the Service's status {time.monotonic() - t0:.1f}s after it was applied:")
-                _say(json.dumps(svc["status"], indent=2))
-                _say(kc.kubectl("-n", kubecontroller.NS, "get", "statefulsets,pods,secrets,services",
-                                "-l", "tailscale.com/parent-resource=web").stdout.rstrip())
-                ip = kubecontroller.lb_ips(svc)[0]
-                host = svc["status"]["loadBalancer"]["ingress"][0].get("hostname", "")
-                lab.wait_peer("client", host.split(".")[0], 60)
-                curl_from_client(lab, ip, "/demo-controller", marker, host)
-                ok = True
-            except (TimeoutError, LabError, kubecluster.ClusterError) as e:
-                report_failure(kc, e, kubecontroller.controller_log(kc))
-            hold_open(kc, k8s_bin, once)
-    _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
-    return 0 if ok else 1
+    return run_controller_demo(firewall, once, lambda st: story(st, timeout))
+
+
+def story(st: Stage, timeout: float) -> bool:
+    kc, lab = st.kc, st.lab
+    t = kubecontroller.install(kc, lab, st.proxy_tar, st.ctl_tar, firewall=st.firewall, method="kubectl")
+    _say(f"controller installed from deploy/ (kubectl apply -R -f deploy/, Secret headscale-api, "
+         f"kubectl set env CONTROL_PLANE=headscale ...): images imported {t['import']:.1f}s, "
+         f"rolled out {t['rollout']:.1f}s")
+    _say(kc.kubectl("-n", kubecontroller.NS, "get", "deploy,pods", "-o", "wide").stdout.rstrip())
+    marker = deploy_backend(kc, lab)
+    t0 = time.monotonic()
+    kc.apply(SERVICE)
+    _say("Service demo/web (type LoadBalancer, annotated tailscale.com/expose: \"true\") applied")
+    svc = kubecontroller.wait_service_ip(kc, "demo", "web", timeout)
+    _say(f"the controller wrote the Service's status {time.monotonic() - t0:.1f}s after it was applied:")
+    _say(json.dumps(svc["status"], indent=2))
+    _say(kc.kubectl("-n", kubecontroller.NS, "get", "statefulsets,pods,secrets,services",
+                    "-l", "tailscale.com/parent-resource=web").stdout.rstrip())
+    ip = kubecontroller.lb_ips(svc)[0]
+    host = svc["status"]["loadBalancer"]["ingress"][0].get("hostname", "")
+    lab.wait_peer("client", host.split(".")[0], 60)
+    curl_from_client(lab, ip, "/demo-controller", marker, host)
+    return True

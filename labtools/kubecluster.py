@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from labtools import coredns, ociimage
+from labtools.lab import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 INSTALL_SCRIPT = REPO_ROOT / "scripts" / "install-kubernetes.sh"
@@ -847,13 +848,7 @@ class KubeCluster:
         pr = self.procs.get(name)
         if pr is None:
             return None
-        if pr.proc.poll() is None:
-            pr.proc.terminate()
-            try:
-                pr.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pr.proc.kill()
-                pr.proc.wait(5)
+        stop_process(pr.proc, timeout)
         pr.logf.close()
         return pr.proc.returncode
 

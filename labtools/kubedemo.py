@@ -12,6 +12,8 @@ import base64
 import json
 import subprocess
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from labtools import image as labimage
@@ -57,9 +59,10 @@ def curl_from_client(lab: Lab, ip: str, path: str, marker: str, route: str) -> N
          f"{body.strip().replace(chr(10), ' | ')}")
 
 
-def report_failure(kc: kubecluster.KubeCluster, e: Exception, log: str) -> None:
+def report_failure(kc: kubecluster.KubeCluster, e: Exception, *logs: str) -> None:
     _say(f"FAILED: {e}")
-    _say(log)
+    for log in logs:
+        _say(log)
     _say(kc.diagnostics())
 
 
@@ -71,6 +74,44 @@ def hold_open(kc: kubecluster.KubeCluster, k8s_bin: Path, once: bool) -> None:
          f"(kubectl: ip netns exec {kc.netns} {k8s_bin}/kubectl --kubeconfig {kc.kubeconfig} ...)")
     while True:
         time.sleep(1)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What a controller demo's story runs on: the lab, its one-node cluster, and both images' OCI archives
+    (not yet imported: the story installs the controller as it chooses)."""
+    lab: Lab
+    kc: kubecluster.KubeCluster
+    proxy_tar: Path
+    ctl_tar: Path
+    firewall: str
+
+
+def run_controller_demo(firewall: str, once: bool, story: Callable[[Stage], bool],
+                        logs: Callable[[kubecluster.KubeCluster], list[str]] | None = None) -> int:
+    """The frame of every demo with the controller (--controller, --proxygroup, --dns, --apiserver-proxy): the
+    binaries and both images, the lab, a one-node cluster, then `story`, whose True is the demo's success. A
+    lab, cluster or timeout failure prints the error, `logs` (default: the controller's log) and the cluster's
+    diagnostics. Unless `once`, the cluster stays up until Ctrl-C; everything is torn down after. Exit status
+    0 only on success."""
+    from labtools import kubecontroller
+    t_all = time.monotonic()
+    bin_dir = ensure_binaries(upstream=False)
+    k8s_bin = kubecluster.ensure_binaries()
+    proxy_tar, ctl_tar = controller_images()
+    ok = False
+    with Lab.create(bin_dir=bin_dir, firewall_mode=firewall) as lab:
+        _say(f"lab {lab.prefix} up; headscale {lab.login_server}; client tailnet IPs: "
+             f"{' '.join(i for i in lab.tailnet_ips('client') if i)}")
+        with kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin) as kc:
+            _say(f"cluster up: API {kc.server}, node Ready {kc.timings['node_ready']:.1f}s after start")
+            try:
+                ok = story(Stage(lab, kc, proxy_tar, ctl_tar, firewall))
+            except (TimeoutError, LabError, kubecluster.ClusterError) as e:
+                report_failure(kc, e, *(logs(kc) if logs else [kubecontroller.controller_log(kc)]))
+            hold_open(kc, k8s_bin, once)
+    _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
+    return 0 if ok else 1
 
 
 def _image_archive() -> Path:

@@ -96,6 +96,22 @@ def wait_until(pred: Callable[[], Any], timeout: float = 60.0, interval: float =
         time.sleep(interval)
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0, sig: int = signal.SIGTERM) -> int:
+    """Send `sig` to a process the lab started (if it still runs), wait up to `timeout`, then SIGKILL it;
+    its exit code (negative: the signal that ended it)."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
 def _run(argv: Sequence[str], *, timeout: float = 30.0, check: bool = True, env: Mapping[str, str] | None = None,
          input: str | None = None) -> subprocess.CompletedProcess[str]:
     try:
@@ -289,17 +305,7 @@ class AgentProcess:
         If it does not exit in time it is SIGKILLed and the negative signal number is returned; callers
         that care check the return value. Processes it leaves in the namespace are NOT killed here (that
         is for the caller to observe: see Lab.ns_pids / Lab.kill_ns_leftovers)."""
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return stop_process(self.proc, timeout, sig)
 
 
 class _Exited(Exception):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import time
 
-from labtools import kubecluster, kubecontroller
-from labtools.kubedemo import controller_images, hold_open, report_failure
-from labtools.lab import Lab, LabError, ensure_binaries, wait_until
+from labtools import kubecontroller
+from labtools.kubedemo import Stage, run_controller_demo
+from labtools.lab import wait_until
 
 PG = "demo-egress"
 PORT = 18080
@@ -54,66 +54,57 @@ def longest_gap(results: list[tuple[float, bool, str]]) -> float:
 
 
 def run(firewall: str, once: bool, timeout: float = 240.0) -> int:
-    t_all = time.monotonic()
-    bin_dir = ensure_binaries(upstream=False)
-    k8s_bin = kubecluster.ensure_binaries()
-    proxy_tar, ctl_tar = controller_images()
-    ok = False
-    with Lab.create(bin_dir=bin_dir, firewall_mode=firewall) as lab:
-        c4, _ = lab.tailnet_ips("client")
-        marker = f"tailnet-ok-{lab.prefix}"
-        lab.start_http_server("client", c4, PORT, marker)
-        _say(f"lab {lab.prefix} up; HTTP server on the tailnet node client at {c4}:{PORT}")
-        with kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin) as kc:
-            _say(f"cluster up: API {kc.server}")
-            try:
-                kc.wait_dns()    # the client Pod finds the egress Service by name (the cluster's CoreDNS)
-                kubecontroller.install(kc, lab, proxy_tar, ctl_tar, firewall=firewall, method="kubectl")
-                _say("controller installed from deploy/")
-                t0 = time.monotonic()
-                kc.apply({"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyGroup", "metadata": {"name": PG},
-                          "spec": {"type": "egress", "replicas": 2}})
-                kc.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "demo"}},
-                          {"apiVersion": "v1", "kind": "Service",
-                           "metadata": {"name": "tailnet", "namespace": "demo", "annotations": {
-                               "tailscale.com/proxy-group": PG, "tailscale.com/tailnet-ip": c4}},
-                           "spec": {"type": "ExternalName", "externalName": "placeholder",
-                                    "ports": [{"name": "http", "port": PORT, "protocol": "TCP"}]}}])
-                _say(f"ProxyGroup {PG} (egress, 2 replicas) and Service demo/tailnet (-> {c4}:{PORT}) applied")
+    return run_controller_demo(firewall, once, lambda st: story(st, timeout))
 
-                def served():
-                    s = kc.get("service", "tailnet", "demo") or {}
-                    target = (s.get("spec") or {}).get("externalName", "").split(".")[0]
-                    eps = kc.get("endpointslice", f"{target}-ipv4", kubecontroller.NS) or {}
-                    return eps if len(eps.get("endpoints") or []) == 2 else None
-                wait_until(served, timeout, 1, "both replicas serving the egress Service")
-                _say(f"both replicas serve it {time.monotonic() - t0:.1f}s after it was applied:")
-                _say(json.dumps(((kc.get("proxygroup", PG) or {}).get("status") or {}).get("devices"), indent=1))
-                kc.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "client", "namespace": "demo"},
-                          "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-                                   "containers": [{"name": "c", "image": kubecontroller.PROXY_IMAGE,
-                                                   "imagePullPolicy": "Never", "command": [
-                                                       "python3", "-c", CLIENT.format(seconds=60, port=PORT)]}]}})
 
-                def log() -> list[tuple[float, bool, str]]:
-                    return parse_client_log(kc.kubectl("-n", "demo", "logs", "client", check=False).stdout)
-                first = wait_until(lambda: next((r for r in log() if r[1]), None), 90, 0.5, "a first answer")
-                _say(f"curl from the client Pod before: OK: {first[2]}")
-                victim = f"{PG}-0"
-                t_del = time.time()
-                kc.kubectl("-n", kubecontroller.NS, "delete", "pod", victim, "--wait=false")
-                _say(f"replica Pod {victim} deleted")
-                after = wait_until(lambda: next((r for r in log() if r[1] and r[0] > t_del + 1), None), 60, 0.5,
-                                   "an answer after the deletion")
-                _say(f"curl from the client Pod after: OK: {after[2]}")
-                time.sleep(10)
-                results = [r for r in log() if r[0] >= first[0]]
-                fails = sum(1 for r in results if not r[1])
-                _say(f"{len(results)} new connections, {fails} failed; longest gap between successful ones: "
-                     f"{longest_gap(results):.2f}s")
-                ok = True
-            except (TimeoutError, LabError, kubecluster.ClusterError) as e:
-                report_failure(kc, e, kubecontroller.controller_log(kc))
-            hold_open(kc, k8s_bin, once)
-    _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
-    return 0 if ok else 1
+def story(st: Stage, timeout: float) -> bool:
+    kc, lab = st.kc, st.lab
+    c4, _ = lab.tailnet_ips("client")
+    marker = f"tailnet-ok-{lab.prefix}"
+    lab.start_http_server("client", c4, PORT, marker)
+    _say(f"HTTP server on the tailnet node client at {c4}:{PORT}")
+    kc.wait_dns()    # the client Pod finds the egress Service by name (the cluster's CoreDNS)
+    kubecontroller.install(kc, lab, st.proxy_tar, st.ctl_tar, firewall=st.firewall, method="kubectl")
+    _say("controller installed from deploy/")
+    t0 = time.monotonic()
+    kc.apply({"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyGroup", "metadata": {"name": PG},
+              "spec": {"type": "egress", "replicas": 2}})
+    kc.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "demo"}},
+              {"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": "tailnet", "namespace": "demo", "annotations": {
+                   "tailscale.com/proxy-group": PG, "tailscale.com/tailnet-ip": c4}},
+               "spec": {"type": "ExternalName", "externalName": "placeholder",
+                        "ports": [{"name": "http", "port": PORT, "protocol": "TCP"}]}}])
+    _say(f"ProxyGroup {PG} (egress, 2 replicas) and Service demo/tailnet (-> {c4}:{PORT}) applied")
+
+    def served():
+        s = kc.get("service", "tailnet", "demo") or {}
+        target = (s.get("spec") or {}).get("externalName", "").split(".")[0]
+        eps = kc.get("endpointslice", f"{target}-ipv4", kubecontroller.NS) or {}
+        return eps if len(eps.get("endpoints") or []) == 2 else None
+    wait_until(served, timeout, 1, "both replicas serving the egress Service")
+    _say(f"both replicas serve it {time.monotonic() - t0:.1f}s after it was applied:")
+    _say(json.dumps(((kc.get("proxygroup", PG) or {}).get("status") or {}).get("devices"), indent=1))
+    kc.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "client", "namespace": "demo"},
+              "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                       "containers": [{"name": "c", "image": kubecontroller.PROXY_IMAGE,
+                                       "imagePullPolicy": "Never", "command": [
+                                           "python3", "-c", CLIENT.format(seconds=60, port=PORT)]}]}})
+
+    def log() -> list[tuple[float, bool, str]]:
+        return parse_client_log(kc.kubectl("-n", "demo", "logs", "client", check=False).stdout)
+    first = wait_until(lambda: next((r for r in log() if r[1]), None), 90, 0.5, "a first answer")
+    _say(f"curl from the client Pod before: OK: {first[2]}")
+    victim = f"{PG}-0"
+    t_del = time.time()
+    kc.kubectl("-n", kubecontroller.NS, "delete", "pod", victim, "--wait=false")
+    _say(f"replica Pod {victim} deleted")
+    after = wait_until(lambda: next((r for r in log() if r[1] and r[0] > t_del + 1), None), 60, 0.5,
+                       "an answer after the deletion")
+    _say(f"curl from the client Pod after: OK: {after[2]}")
+    time.sleep(10)
+    results = [r for r in log() if r[0] >= first[0]]
+    fails = sum(1 for r in results if not r[1])
+    _say(f"{len(results)} new connections, {fails} failed; longest gap between successful ones: "
+         f"{longest_gap(results):.2f}s")
+    return True

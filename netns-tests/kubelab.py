@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from labtools import lab as labmod
-from labtools.lab import AgentProcess, Lab, LabError, wait_until
+from labtools.lab import AgentProcess, Lab, LabError, stop_process, wait_until
 from tests.support.kubeapi import pod_mount_namespace_argv
 
 API_HOST = labmod.HS_V4
@@ -156,14 +155,7 @@ class KubeAPI:
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM the server (it dumps objects and the request log to <dir>/state.json) and wait."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
 
 def pod_argv(argv: Sequence[str], sa_dir: str, keep: Sequence[str]) -> list[str]:
@@ -222,3 +214,37 @@ def start_pod_agent(lab: Lab, api: KubeAPI, env: Mapping[str, str], agent_cmd: S
 
 def hs_nodes_named(lab: Lab, hostname: str) -> list[dict]:
     return [n for n in lab.hs_nodes() if n.get("name") == hostname or n.get("given_name") == hostname]
+
+
+class PodAgents:
+    """The test API servers and Pod agents one test starts (a context manager): before it, headscale has no
+    node `proxy` left from an earlier test; after it, the agents are stopped, the proxy namespace is emptied
+    and the API servers are stopped, whatever the test did. `tag` prefixes the API servers' names."""
+
+    def __init__(self, lab: Lab, tag: str = "") -> None:
+        self.lab, self.tag = lab, tag
+        self.apis: list[KubeAPI] = []
+        self.agents: list[AgentProcess] = []
+
+    def __enter__(self) -> "PodAgents":
+        if hs_nodes_named(self.lab, "proxy"):
+            self.lab.delete_node("proxy")
+        return self
+
+    def api(self, name: str, **kw: Any) -> KubeAPI:
+        a = KubeAPI.start(self.lab, f"{self.tag}-{name}" if self.tag else name, **kw)
+        self.apis.append(a)
+        return a
+
+    def agent(self, api: KubeAPI, env: Mapping[str, str], agent_cmd: Sequence[str] | None = None,
+              **kw: Any) -> AgentProcess:
+        a = start_pod_agent(self.lab, api, env, agent_cmd, **kw)
+        self.agents.append(a)
+        return a
+
+    def __exit__(self, *exc: object) -> None:
+        problems = self.lab.reset_proxy(self.agents, ["proxy"])
+        for a in self.apis:
+            a.stop()
+        if problems:
+            print(f"{self.tag or 'PodAgents'} teardown:", "; ".join(problems))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from labtools import lab as labmod
-from labtools.lab import Lab, LabError, NsInfo, wait_until
+from labtools.lab import Lab, LabError, NsInfo, stop_process, wait_until
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -224,13 +224,7 @@ class Dnsmasq:
             return ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
 
 
 def _python() -> str:

@@ -40,28 +40,8 @@ def _crash_points(path) -> list[str]:
 
 @pytest.fixture
 def kube(lab):
-    apis: list[kubelab.KubeAPI] = []
-    agents = []
-    if kubelab.hs_nodes_named(lab, "proxy"):
-        lab.delete_node("proxy")
-
-    class K:
-        def api(self, name: str, **kw) -> kubelab.KubeAPI:
-            a = kubelab.KubeAPI.start(lab, name, **kw)
-            apis.append(a)
-            return a
-
-        def agent(self, api, env, **kw):
-            a = kubelab.start_pod_agent(lab, api, env, **kw)
-            agents.append(a)
-            return a
-
-    yield K()
-    problems = lab.reset_proxy(agents, ["proxy"])
-    for a in apis:
-        a.stop()
-    if problems:
-        print("test_agent_crash teardown:", "; ".join(problems))
+    with kubelab.PodAgents(lab) as k:
+        yield k
 
 
 @pytest.mark.parametrize("mode", ["nftables", "iptables"])

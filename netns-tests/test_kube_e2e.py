@@ -43,30 +43,9 @@ AGENT_KEYS = ("device_id", "device_fqdn", "device_ips", "tailscale_capver", "pod
 
 @pytest.fixture
 def kube(lab, request):
-    """Yields a factory for the API server (one per test); cleans up agents, the proxy ns and the node."""
-    apis: list[kubelab.KubeAPI] = []
-    agents = []
-    if kubelab.hs_nodes_named(lab, "proxy"):     # a clean headscale for this test
-        lab.delete_node("proxy")
-
-    class K:
-        def api(self, name: str, **kw) -> kubelab.KubeAPI:
-            tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-")
-            a = kubelab.KubeAPI.start(lab, f"{tag}-{name}", **kw)
-            apis.append(a)
-            return a
-
-        def agent(self, api, env, agent_cmd=None, **kw):
-            a = kubelab.start_pod_agent(lab, api, env, agent_cmd, **kw)
-            agents.append(a)
-            return a
-
-    yield K()
-    problems = lab.reset_proxy(agents, ["proxy"])
-    for a in apis:
-        a.stop()
-    if problems:
-        print("test_kube_e2e teardown:", "; ".join(problems))
+    """The test's API servers (named after the test) and Pod agents, all stopped at its end."""
+    with kubelab.PodAgents(lab, re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name).strip("-")) as k:
+        yield k
 
 
 @pytest.fixture(params=["ours", "upstream"])
@@ -256,8 +235,7 @@ def test_ipv6_api_server_address(lab, lab_backend, kube, agent_cmd, request):
     Upstream containerboot and tailscaled's kube store both build ``https://%s:%s`` with a bare IPv6 host, so
     upstream fails in its own client and exits 1. Ours brackets the host for its own client and in the
     environment it gives tailscaled, whose kube store then works too."""
-    if not lab.ipv6:
-        pytest.skip("the lab has no IPv6 underlay")
+    assert lab.ipv6, "the lab has no IPv6 underlay (Lab.create builds one unless told not to)"
     ours = request.node.callspec.params["agent_cmd"] == "ours"
     secret = "ts-v6api"
     api = kube.api("v6api", host=kubelab.labmod.HS_V6, secrets=[secret])

@@ -8,18 +8,16 @@
 # CoreDNS's plugin order: the cloud provider plugins of the full build would add minutes of downloads and
 # compilation for nothing.
 set -euo pipefail
+. "$(dirname "$0")/gobuild.sh" coredns
 COREDNS_VER=${COREDNS_VER:-v1.12.1}
-CACHE=${CB_CACHE:-$HOME/.cache/containerboot-py}
 OUT="$CACHE/bin/coredns-$COREDNS_VER/coredns"
-if [ "${1:-}" = "--print-path" ]; then echo "$OUT"; exit 0; fi
-log() { echo "[install-coredns] $*" >&2; }
-if [ -x "$OUT" ]; then echo "$OUT"; exit 0; fi
+print_only --print-path "$OUT" "$@"
+cached "$OUT"
 
-command -v go >/dev/null 2>&1 || { log "no Go toolchain: cannot build CoreDNS"; exit 1; }
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
+need_go CoreDNS
+export GOFLAGS=-mod=mod
 SRC="$CACHE/src/coredns-$COREDNS_VER"
 mkdir -p "$SRC" "$(dirname "$OUT")"
-start=$(date +%s)
 cat >"$SRC/main.go" <<'GO'
 // Command coredns is CoreDNS with the plugins a Kubernetes cluster's DNS uses (kubeadm's Corefile) plus hosts.
 package main
@@ -53,7 +51,8 @@ GO
 if [ ! -f "$SRC/go.mod" ]; then
   (cd "$SRC" && go mod init labcoredns && go get "github.com/coredns/coredns@$COREDNS_VER") >&2
 fi
-(cd "$SRC" && go mod tidy && go build -trimpath -ldflags="-s -w" -o "$OUT" .) >&2
+log "building CoreDNS $COREDNS_VER (cold: about 5 minutes on 2 cores)"
+(cd "$SRC" && go mod tidy && exec go build -trimpath -ldflags="-s -w" -o "$OUT" .) >&2 &
+watch_build $! "CoreDNS $COREDNS_VER"
 "$OUT" -version >&2
-log "CoreDNS $COREDNS_VER built in $(( $(date +%s) - start ))s into $OUT"
-echo "$OUT"
+built "CoreDNS $COREDNS_VER" "$OUT"

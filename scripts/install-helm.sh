@@ -8,17 +8,13 @@
 # ldflags set the variables helm's own release build sets, so `helm version` says v3.19.0 (not "v3.19") and
 # `helm lint` checks API deprecations against the Kubernetes minor helm was built with (from its go.mod).
 set -euo pipefail
+. "$(dirname "$0")/gobuild.sh" helm
 HELM_VER=${HELM_VER:-v3.19.0}
-CACHE=${CB_CACHE:-$HOME/.cache/containerboot-py}
 BIN="$CACHE/bin/helm-$HELM_VER"
-if [ "${1:-}" = "--print-dir" ]; then echo "$BIN"; exit 0; fi
-log() { echo "[install-helm] $*" >&2; }
-. "$(dirname "$0")/progress.sh"
-if [ -x "$BIN/helm" ]; then echo "$BIN"; exit 0; fi
+print_only --print-dir "$BIN" "$@"
+cached "$BIN/helm" "$BIN"
 
-command -v go >/dev/null 2>&1 || { log "no Go toolchain: cannot build helm"; exit 1; }
-export GOTOOLCHAIN=local CGO_ENABLED=0
-start=$(date +%s)
+need_go helm
 json=$(go mod download -json "helm.sh/helm/v3@$HELM_VER")
 dir=$(sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p' <<<"$json")
 [ -n "$dir" ] && [ -d "$dir" ] || { log "could not download helm.sh/helm/v3 $HELM_VER from the module proxy"; exit 1; }
@@ -35,5 +31,4 @@ mkdir -p "$BIN"
 watch_build $! "helm $HELM_VER"
 mv "$BIN/helm.new.$$" "$BIN/helm"   # a concurrent build of the same pin just replaces it
 [ "$("$BIN/helm" version --short)" = "$HELM_VER" ] || { log "built helm reports $("$BIN/helm" version --short), not $HELM_VER"; exit 1; }
-log "helm $HELM_VER built in $(( $(date +%s) - start ))s into $BIN"
-echo "$BIN"
+built "helm $HELM_VER" "$BIN"

@@ -10,24 +10,21 @@
 # k8s.io/kubernetes and replaces each of those staging modules with its published v0.X.Y builds the same code.
 # The replace list is read from k8s.io/kubernetes's own go.mod, so a version bump needs no edit here.
 set -euo pipefail
+. "$(dirname "$0")/gobuild.sh" kubernetes
 K8S_VER=${K8S_VER:-v1.34.4}
 ETCD_VER=${ETCD_VER:-v3.6.4}
-CACHE=${CB_CACHE:-$HOME/.cache/containerboot-py}
 BIN="$CACHE/bin/k8s-$K8S_VER-etcd-$ETCD_VER"
-if [ "${1:-}" = "--print-dir" ]; then echo "$BIN"; exit 0; fi
-log() { echo "[install-kubernetes] $*" >&2; }
-. "$(dirname "$0")/progress.sh"
+print_only --print-dir "$BIN" "$@"
 
 cmds=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl)
 missing=()
 for c in "${cmds[@]}" etcd pause lab-echo; do [ -x "$BIN/$c" ] || missing+=("$c"); done
 if [ ${#missing[@]} -eq 0 ]; then echo "$BIN"; exit 0; fi
 
-command -v go >/dev/null 2>&1 || { log "no Go toolchain: cannot build Kubernetes"; exit 1; }
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod
+need_go Kubernetes
+export GOFLAGS=-mod=mod
 SRC="$CACHE/src/k8s-$K8S_VER-etcd-$ETCD_VER"
 mkdir -p "$SRC" "$BIN"
-start=$(date +%s)
 
 # 1. The module: go/godebug lines and the staging replaces copied from k8s.io/kubernetes's go.mod.
 if [ ! -f "$SRC/go.sum" ]; then
@@ -157,5 +154,4 @@ GO
   (cd "$SRC" && go build -trimpath -ldflags="-s -w" -o "$BIN/lab-echo" ./labecho) >&2
 fi
 for c in "${cmds[@]}" etcd pause lab-echo; do [ -x "$BIN/$c" ] || { log "$c was not built"; exit 1; }; done
-log "Kubernetes $K8S_VER and etcd $ETCD_VER built in $(( $(date +%s) - start ))s into $BIN"
-echo "$BIN"
+built "Kubernetes $K8S_VER and etcd $ETCD_VER" "$BIN"

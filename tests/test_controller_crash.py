@@ -25,7 +25,7 @@ from controller.kubeapi import SECRETS, SERVICES, STATEFULSETS
 from controller.model import Parent
 from controller.reconcile import Reconciler
 from controller.render import base_name
-from tests.support.fakekube import FakeKube, FakeProvider
+from tests.support.fakekube import FakeKube, FakeProvider, agent_writes, secret_data
 
 CFG = ControllerConfig(namespace="tailscale", proxy_image="registry.local/proxy:1",
                        login_server="http://hs.test:8080")
@@ -63,23 +63,6 @@ class Injector:
         return write
 
 
-def _data(kube: FakeKube, name: str) -> dict[str, bytes]:
-    s = kube.obj(SECRETS, name, "tailscale") or {}
-    return {k: base64.b64decode(v) for k, v in (s.get("data") or {}).items()}
-
-
-def _agent_writes(kube: FakeKube, name: str, patch: dict[str, bytes | None]) -> None:
-    s = kube.obj(SECRETS, name, "tailscale")
-    assert s is not None
-    data = dict(s.get("data") or {})
-    for k, v in patch.items():
-        if v is None:
-            data.pop(k, None)
-        else:
-            data[k] = base64.b64encode(v).decode()
-    s["data"] = data
-
-
 async def _life(crash_at: int | None) -> tuple[FakeKube, FakeProvider, Injector, dict[str, Any]]:
     kube, prov = FakeKube(), FakeProvider()
     inj = Injector(kube, prov, crash_at)
@@ -108,11 +91,11 @@ async def _life(crash_at: int | None) -> tuple[FakeKube, FakeProvider, Injector,
 
     def register(device: str) -> None:
         """The proxy logs in with the key in its config and writes its identity."""
-        conf = _data(kube, name)["cap-107.hujson"].decode()
+        conf = secret_data(kube, name)["cap-107.hujson"].decode()
         key = next(k for k, _ in prov.keys if k in conf)
         seen["registered"].append((device, key))
         prov.tags[device] = ("tag:k8s",)
-        _agent_writes(kube, name, {"device_id": device.encode(), "device_fqdn": b"web.tail.test.",
+        agent_writes(kube, name, {"device_id": device.encode(), "device_fqdn": b"web.tail.test.",
                                    "device_ips": b'["100.64.0.9"]', "tailscale_capver": b"107", "pod_uid": b"u"})
 
     await converge()
@@ -122,12 +105,12 @@ async def _life(crash_at: int | None) -> tuple[FakeKube, FakeProvider, Injector,
         "readyReplicas": 1}
     await converge()
     # The key is rejected: the proxy asks for a new one.
-    conf = _data(kube, name)["cap-107.hujson"].decode()
+    conf = secret_data(kube, name)["cap-107.hujson"].decode()
     old = next(k for k, _ in prov.keys if k in conf) if any(k in conf for k, _ in prov.keys) else ""
-    _agent_writes(kube, name, {"reissue_authkey": old.encode()})
+    agent_writes(kube, name, {"reissue_authkey": old.encode()})
     await converge()
     prov.tags.pop("n1", None)       # deleted at the control plane (asserted below)
-    _agent_writes(kube, name, {"reissue_authkey": None, "device_id": None})
+    agent_writes(kube, name, {"reissue_authkey": None, "device_id": None})
     register("n2")
     await converge()
     # The Service goes.

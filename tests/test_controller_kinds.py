@@ -7,7 +7,7 @@ import pytest
 
 from controller import config as cconfig
 from controller.config import ControllerConfig
-from controller.kinds import connector, ingress, service
+from controller.kinds import connector, egress, ingress, service
 from controller.model import Invalid, Pending
 
 CFG = ControllerConfig()
@@ -106,6 +106,26 @@ def test_invalid_service_annotations(ann, extra, needle):
     with pytest.raises(Invalid) as e:
         service.decide(svc(ann, **extra), CFG)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("ann", [
+    {"tailscale.com/tailnet-ip": "100.64.0.999", "tailscale.com/tailnet-fqdn": "db.example.com"},
+    {"tailscale.com/tailnet-ip": "100.64.0.999"},
+    {"tailscale.com/tailnet-fqdn": "db.example.com"},
+])
+def test_a_bad_tailnet_target_is_refused_alike_with_and_without_a_proxygroup(ann):
+    """The same annotations get the same refusal, every problem named, whichever proxy would serve them."""
+    with pytest.raises(Invalid) as alone:
+        service.decide(svc(ann), CFG)
+    grouped_svc = svc({**ann, "tailscale.com/proxy-group": "pg"}, type="ExternalName", externalName="x",
+                      ports=[{"port": 5432}])
+    with pytest.raises(Invalid) as grouped:
+        egress.decide(grouped_svc, CFG, {"spec": {"type": "egress"}})
+    assert str(alone.value) == str(grouped.value)
+    for key, value in ann.items():
+        assert f"annotation {key}: {value!r}" in str(alone.value)
+    both = "both tailscale.com/tailnet-ip and tailscale.com/tailnet-fqdn are set"
+    assert (both in str(alone.value)) == (len(ann) > 1)
 
 
 # ---- Ingress

@@ -4,7 +4,6 @@ What a user sees: the objects that appear, the parent's status and events, what 
 what the proxy's requests (reissue) get, and the order of cleanup."""
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import pathlib
@@ -22,7 +21,7 @@ from controller.providers import ProviderError
 from controller.reconcile import PENDING_RECHECK, READY_RECHECK, Reconciler
 from controller.render import base_name
 from controller.model import Parent
-from tests.support.fakekube import FakeKube, FakeProvider
+from tests.support.fakekube import FakeKube, FakeProvider, agent_writes, secret_data
 
 CFG = ControllerConfig(namespace="tailscale", proxy_image="registry.local/proxy:1",
                        login_server="http://hs.test:8080")
@@ -54,22 +53,6 @@ def expose_svc(kube, name="web", ann=None, **spec):
             },
         },
     )
-
-
-def secret_data(kube, name) -> dict[str, bytes]:
-    return {k: base64.b64decode(v) for k, v in (kube.obj(SECRETS, name, "tailscale").get("data") or {}).items()}
-
-
-def agent_writes(kube, name, patch: dict[str, bytes | None]) -> None:
-    """What the proxy's agent does to its state Secret (outside the controller)."""
-    s = kube.obj(SECRETS, name, "tailscale")
-    data = dict(s.get("data") or {})
-    for k, v in patch.items():
-        if v is None:
-            data.pop(k, None)
-        else:
-            data[k] = base64.b64encode(v).decode()
-    s["data"] = data
 
 
 def sts_ready(kube, name, n=1):

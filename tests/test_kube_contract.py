@@ -9,21 +9,13 @@ from containerboot.kube.client import KubeClient
 from controller.kubeapi import Kube
 from tests.support.fakekube import FakeKube
 from tests.support.kube_contract import AGENT_CHECKS, KUBE_CHECKS
-from tests.support.kubeapi import KubeAPIServer
+from tests.support.kubeapi import running
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """One test API server for the module (every check names its own objects), allow-all RBAC."""
-    tmp = tmp_path_factory.mktemp("kube-contract")
-    api = KubeAPIServer(namespace="contract", workdir=str(tmp / "kubeapi"))
-    api.start()
-    try:
-        api.root = str(tmp / "root")
-        api.write_sa_root(api.root)
-        yield api
-    finally:
-        api.stop()
+    yield from running("contract", str(tmp_path_factory.mktemp("kube-contract")))
 
 
 @pytest.mark.parametrize("check", sorted(KUBE_CHECKS))

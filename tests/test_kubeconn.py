@@ -1,10 +1,19 @@
-"""tscommon.kubeconn: the in-cluster connection the agent's and the controller's clients share."""
+"""tscommon.kubeconn and tscommon.kubehttp: the in-cluster connection and the HTTP exchange the agent's and the
+controller's Kubernetes clients share."""
 from __future__ import annotations
 
+import asyncio
+import email.utils
+import json
 import os
 
-from controller.kubeapi import Kube
+import httpx
+import pytest
+
+from containerboot.kube.client import KubeClient, KubeError as AgentKubeError
+from controller.kubeapi import SECRETS, Kube, KubeError
 from tscommon.kubeconn import TokenFile, https_url, service_host_port
+from tscommon.kubehttp import retry_after_seconds
 from tscommon.redact import redact
 
 
@@ -30,3 +39,52 @@ def test_a_rotated_token_is_read_again_and_never_shown(tmp_path):
     assert redact("Bearer second-token-value-longer") == "Bearer [REDACTED]"
     kube = Kube("https://127.0.0.1:1", token_file=str(p))
     assert kube.token() == "second-token-value-longer"
+
+
+@pytest.mark.parametrize("body, reason, shown", [
+    (json.dumps({"kind": "Status", "reason": "Invalid", "message": "data[x]: not base64"}), "Invalid",
+     "data[x]: not base64"),
+    ("<html><body>bad gateway page</body></html>", "", "<html><body>bad gateway page"),
+])
+def test_both_clients_read_a_failed_answer_alike(tmp_path, body, reason, shown):
+    """A refused call shows the API server's reason and message, or the start of a page that is no Status
+    object; both clients send the token and a JSON body the same way."""
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(422, content=body.encode())
+
+    token = tmp_path / "token"
+    token.write_text("shared-wire-token-value\n")
+    agent = KubeClient(url="https://api", namespace="ns", token_path=str(token), ca_path="",
+                       transport=httpx.MockTransport(answer))
+    ctl = Kube("https://api", token_file=str(token), transport=httpx.MockTransport(answer))
+
+    async def both() -> tuple[AgentKubeError, KubeError]:
+        with pytest.raises(AgentKubeError) as a:
+            await agent.patch_secret("s", {"k": b"v"})
+        with pytest.raises(KubeError) as c:
+            await ctl.patch(SECRETS, "s", {"data": {"k": "dg=="}}, namespace="ns")
+        await agent.aclose()
+        await ctl.aclose()
+        return a.value, c.value
+
+    a, c = asyncio.run(both())
+    assert (a.status, a.reason, c.status, c.reason) == (422, reason, 422, reason)
+    assert shown in str(a) and shown in str(c)
+    for req in seen:
+        assert req.headers["Authorization"] == "Bearer shared-wire-token-value"
+        assert req.headers["Accept"] == "application/json"
+        assert json.loads(req.content)["data"]
+    assert [r.headers["Content-Type"] for r in seen] == ["application/strategic-merge-patch+json",
+                                                         "application/merge-patch+json"]
+
+
+def test_retry_after_in_seconds_or_as_a_date():
+    assert retry_after_seconds("7") == 7.0
+    assert retry_after_seconds("-3") == 0.0
+    assert retry_after_seconds(None) is None and retry_after_seconds("soon") is None
+    when = email.utils.formatdate(1_000_030, usegmt=True)
+    assert retry_after_seconds(when, now=lambda: 1_000_000.0) == 30.0
+    assert retry_after_seconds(when, now=lambda: 1_000_100.0) == 0.0

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import email.utils
-import json
 import logging
 import os
 import random
@@ -35,6 +33,7 @@ import httpx
 from tscommon import crashpoint
 from tscommon.jsontext import response_json
 from tscommon.kubeconn import SA_DIR, TokenFile, https_url, service_host_port, tls_context
+from tscommon.kubehttp import api_status, retry_after_seconds, send
 from tscommon.redact import redact, register
 
 log = logging.getLogger("containerboot")
@@ -231,7 +230,6 @@ class KubeClient:
         is transient and is retried like a 5xx."""
         if deadline is None:
             deadline = time.monotonic() + self.retry_budget
-        content = None if json_body is None else json.dumps(json_body, separators=(",", ":")).encode()
         if method in ("POST", "PATCH", "PUT", "DELETE") and resource == "secrets":
             crashpoint.hit(crashpoint.SECRET_WRITE)
         what = f'{resource} "{name}"' if name else resource
@@ -244,13 +242,11 @@ class KubeClient:
             if remaining <= 0:
                 raise KubeError(f"{verb} {what}: deadline exceeded before the request could be sent "
                                 f"to {self.url}", reason="Timeout", verb=verb, resource=resource, name=name)
-            headers = {"Authorization": "Bearer " + self._token.get()}
-            if content is not None:
-                headers["Content-Type"] = content_type
             retry_after: float | None = None
             try:
-                resp = await self._http.request(method, url, params=params, content=content, headers=headers,
-                                                timeout=httpx.Timeout(min(self.timeout, remaining)))
+                resp = await send(self._http, method, url, token=self._token.get(), body=json_body,
+                                  content_type=content_type, params=params,
+                                  timeout=httpx.Timeout(min(self.timeout, remaining)))
             except httpx.TransportError as e:
                 problem = f"cannot reach the Kubernetes API server at {self.url}: {type(e).__name__}: {e}"
                 status = 0
@@ -263,9 +259,9 @@ class KubeClient:
                         raise KubeError(f"{verb} {what}: the API server sent a body that is not JSON",
                                         status=status, reason="InvalidResponse", verb=verb, resource=resource,
                                         name=name) from None
-                st = _status(resp)
-                reason = st.get("reason") or ""
-                message = st.get("message") or resp.reason_phrase
+                st = api_status(resp)
+                reason = st.reason
+                message = st.message or resp.reason_phrase
                 if status == 401 and not reauthed:
                     # The projected token may have been rotated under us: re-read it and retry once.
                     reauthed = True
@@ -288,7 +284,7 @@ class KubeClient:
                     raise KubeError(f"{verb} {what}: {status} {reason or resp.reason_phrase}: {message}",
                                     status=status, reason=reason, verb=verb, resource=resource, name=name)
                 problem = f"the API server answered {status} {reason or resp.reason_phrase}: {message}"
-                retry_after = _retry_after(resp.headers.get("Retry-After"))
+                retry_after = retry_after_seconds(resp.headers.get("Retry-After"))
             delay = min(0.2 * 2 ** (attempt - 1), 5.0) * random.uniform(0.5, 1.5)
             remaining = deadline - time.monotonic()
             if retry_after is not None:
@@ -303,28 +299,6 @@ class KubeClient:
                                 verb=verb, resource=resource, name=name)
             log.info("%s", redact(f"kube: {verb} {what}: {problem}; retrying in {delay:.1f}s"))
             await asyncio.sleep(delay)
-
-
-def _status(resp: httpx.Response) -> dict:
-    try:
-        st = response_json(resp)
-        return st if isinstance(st, dict) else {}
-    except ValueError:
-        return {"message": resp.text[:200]}
-
-
-def _retry_after(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-        return max(0.0, when.timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
 
 
 def _secret_from_json(name: str, obj: Any) -> Secret:

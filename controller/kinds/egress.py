@@ -25,11 +25,9 @@ from typing import Any
 from tscommon import jsontext
 
 from ..config import ControllerConfig
-from ..model import (ANN_PROXY_GROUP, ANN_TAILNET_FQDN, ANN_TAILNET_IP, ANN_TAILNET_IP_OLD, LABEL_MANAGED,
-                     LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, LABEL_PROXY_GROUP, LABEL_SVC_TYPE, SVC,
-                     Invalid, Parent)
-from ..validation import ip_problem, magicdns_problem
-from . import meta
+from ..model import (ANN_PROXY_GROUP, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE,
+                     LABEL_PROXY_GROUP, LABEL_SVC_TYPE, SVC, Invalid, Parent)
+from . import annotations_of, meta, tailnet
 from .proxygroup import TYPE_EGRESS
 
 PORT_MIN, PORT_MAX = 3000, 13000          # matchPorts: [PORT_MIN, PORT_MAX)
@@ -42,22 +40,13 @@ MANAGED_BY = "tailscale.com"
 FAMILIES = {"IPv4": 4, "IPv6": 6}
 
 
-def annotations_of(obj: Mapping[str, Any]) -> Mapping[str, str]:
-    return meta(obj).get("annotations") or {}
-
-
-def _tailnet_ip(ann: Mapping[str, str]) -> str:
-    return (ann.get(ANN_TAILNET_IP) or ann.get(ANN_TAILNET_IP_OLD) or "").strip()
-
-
 def group_of(svc: Mapping[str, Any]) -> str:
     return annotations_of(svc).get(ANN_PROXY_GROUP, "").strip()
 
 
 def handled(svc: Mapping[str, Any]) -> bool:
     """An egress Service for a ProxyGroup (upstream's test: the group and one of the two targets)."""
-    ann = annotations_of(svc)
-    return bool(group_of(svc)) and bool(_tailnet_ip(ann) or ann.get(ANN_TAILNET_FQDN, "").strip())
+    return bool(group_of(svc)) and tailnet.is_egress(annotations_of(svc))
 
 
 @dataclass(frozen=True)
@@ -100,15 +89,8 @@ def decide(svc: Mapping[str, Any], cfg: ControllerConfig, pg: Mapping[str, Any] 
     """The Service's target and ports, or Invalid naming every problem; `pg`: the ProxyGroup it names."""
     m, ann, spec = meta(svc), annotations_of(svc), svc.get("spec") or {}
     group = group_of(svc)
-    tip, tfqdn = _tailnet_ip(ann), ann.get(ANN_TAILNET_FQDN, "").strip()
-    problems: list[str] = []
-    if tip and tfqdn:
-        problems.append(f"both {ANN_TAILNET_IP} and {ANN_TAILNET_FQDN} are set; a Service egresses to one "
-                        "tailnet target, keep one of the two annotations")
-    elif tip and (p := ip_problem(tip)):
-        problems.append(f"annotation {ANN_TAILNET_IP}: {p}")
-    elif tfqdn and (p := magicdns_problem(tfqdn, cfg.magicdns_suffix)):
-        problems.append(f"annotation {ANN_TAILNET_FQDN}: {p}")
+    tip, tfqdn = tailnet.target_of(ann)
+    problems = tailnet.target_problems(tip, tfqdn, cfg.magicdns_suffix)
     raw_ports = spec.get("ports") or []
     if not raw_ports:
         problems.append("spec.ports is empty; an egress Service for a ProxyGroup needs at least one port (the "

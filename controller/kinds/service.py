@@ -11,22 +11,17 @@ from typing import Any
 
 from ..config import ControllerConfig
 from ..model import (ANN_EXPOSE, ANN_HOSTNAME, ANN_LAST_CLUSTER_IP, ANN_LAST_DNS_NAME, ANN_LAST_TAILNET_FQDN,
-                     ANN_LAST_TAILNET_IP, ANN_PROXY_GROUP, ANN_TAGS, ANN_TAILNET_FQDN, ANN_TAILNET_IP,
-                     ANN_TAILNET_IP_OLD, SVC, Decision, Invalid, Parent, Pending, ProxySpec)
-from ..validation import hostname_problem, ip_problem, magicdns_problem, parse_tags, tag_problems
-from . import annotations_of, meta
+                     ANN_LAST_TAILNET_IP, ANN_PROXY_GROUP, ANN_TAGS, SVC, Decision, Invalid, Parent, Pending,
+                     ProxySpec)
+from ..validation import hostname_problem, parse_tags, tag_problems
+from . import annotations_of, meta, tailnet
 
 APP_INGRESS = "k8s-operator-ingress-proxy"
 APP_EGRESS = "k8s-operator-egress-proxy"
 
 
-def _tailnet_ip(ann: Mapping[str, str]) -> str:
-    return (ann.get(ANN_TAILNET_IP) or ann.get(ANN_TAILNET_IP_OLD) or "").strip()
-
-
 def is_egress(svc: Mapping[str, Any]) -> bool:
-    ann = annotations_of(svc)
-    return bool(_tailnet_ip(ann) or ann.get(ANN_TAILNET_FQDN, "").strip())
+    return tailnet.is_egress(annotations_of(svc))
 
 
 def handled(svc: Mapping[str, Any], cfg: ControllerConfig) -> bool:
@@ -52,15 +47,8 @@ def decide(svc: Mapping[str, Any], cfg: ControllerConfig) -> Decision:
     m, ann, spec = meta(svc), annotations_of(svc), svc.get("spec") or {}
     ns, name = m.get("namespace", ""), m.get("name", "")
     parent = Parent(SVC, name, ns, m.get("uid", ""))
-    tip, tfqdn = _tailnet_ip(ann), ann.get(ANN_TAILNET_FQDN, "").strip()
-    problems: list[str] = []
-    if tip and tfqdn:
-        problems.append(f"both {ANN_TAILNET_IP} and {ANN_TAILNET_FQDN} are set; a Service egresses to one "
-                        "tailnet target, keep one of the two annotations")
-    if tip and (p := ip_problem(tip)):
-        problems.append(f"annotation {ANN_TAILNET_IP}: {p}")
-    if tfqdn and (p := magicdns_problem(tfqdn, cfg.magicdns_suffix)):
-        problems.append(f"annotation {ANN_TAILNET_FQDN}: {p}")
+    tip, tfqdn = tailnet.target_of(ann)
+    problems = tailnet.target_problems(tip, tfqdn, cfg.magicdns_suffix)
     hostname = ann.get(ANN_HOSTNAME, "").strip()
     if hostname and (p := hostname_problem(hostname)):
         problems.append(f"annotation {ANN_HOSTNAME}: {p}")

@@ -8,6 +8,7 @@ from the proxy's wanted tags (`GET /api/v2/device/{id}`, `POST /api/v2/device/{i
 """
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -54,7 +55,7 @@ class TailscaleProvider:
     async def create_auth_key(self, tags: tuple[str, ...], *, description: str = "") -> str:
         body = {"capabilities": {"devices": {"create": {"reusable": False, "ephemeral": False,
                                                         "preauthorized": True, "tags": list(tags)}}},
-                "expirySeconds": KEY_EXPIRY_S, "description": description[:50]}
+                "expirySeconds": KEY_EXPIRY_S, "description": key_description(description)}
         return await mint_key("tailscale: creating an auth key",
                               self._client.post(f"/api/v2/tailnet/{self.tailnet}/keys", json=body,
                                                 headers=await self._bearer()),
@@ -102,6 +103,12 @@ class TailscaleProvider:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def key_description(text: str) -> str:
+    """A key's description as the API takes it: at most 50 letters, digits, hyphens and spaces. The reconcilers
+    name the parent ("Service apps/web", "ProxyGroup egress.a"): its '/' and '.' become '-'."""
+    return re.sub(r"[^A-Za-z0-9 -]", "-", text)[:50]
 
 
 def _is_device_id(device_id: str) -> bool:

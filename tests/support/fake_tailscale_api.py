@@ -4,8 +4,10 @@ It follows the public documentation, not our client: OAuth client credentials (`
 form-encoded `client_id`/`client_secret`, answer `access_token`/`token_type`/`expires_in`), auth keys
 (`POST /api/v2/tailnet/{tailnet}/keys` with `capabilities.devices.create` {reusable, ephemeral,
 preauthorized, tags}; keys made with an OAuth token must carry tags; answer `id`, `key`, `created`,
-`expires`, `capabilities`), devices (`DELETE /api/v2/device/{deviceId}`, 404 when unknown). Errors are JSON
-`{"message": ...}` with 400/401/403/404. Every request is recorded for assertions.
+`expires`, `capabilities`, `description`), devices (`GET`/`DELETE /api/v2/device/{deviceId}`, 404 when
+unknown; `POST /api/v2/device/{deviceId}/tags`). Errors are JSON `{"message": ...}` with 400/401/403/404.
+Every request is recorded for assertions. tests/test_tailscale_api_contract.py holds its answers (and the
+provider's requests) to the published contract (tests/support/tailscale_api_contract.py).
 """
 from __future__ import annotations
 
@@ -105,7 +107,7 @@ class FakeTailscaleAPI:
             key = {"id": kid, "key": f"tskey-auth-{kid}-{secrets.token_hex(12)}",
                    "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                    "expires": "2099-01-01T00:00:00Z", "capabilities": req["capabilities"],
-                   "expirySeconds": req.get("expirySeconds"), "description": req.get("description", "")}
+                   "description": req.get("description", "")}
             self.keys.append(key)
             return 200, key
         if method == "DELETE" and len(parts) == 4 and parts[:3] == ["api", "v2", "device"]:

@@ -4,12 +4,13 @@ deletion, foreground deletion that completes only when the test says so, resourc
 generateName, and a log of every call so tests can count writes and check their order."""
 from __future__ import annotations
 
+import base64
 import copy
 import itertools
 import uuid
 from typing import Any, Mapping
 
-from controller.kubeapi import KubeError, Resource
+from controller.kubeapi import SECRETS, KubeError, Resource
 from tests.support.kubeapi import merge_patch
 
 WRITES = ("POST", "PATCH", "DELETE")
@@ -176,3 +177,22 @@ class FakeProvider:
 
     async def aclose(self) -> None:
         return None
+
+
+def secret_data(kube: FakeKube, name: str, namespace: str = "tailscale") -> dict[str, bytes]:
+    """A Secret's data, decoded ({} when it has none)."""
+    s = kube.obj(SECRETS, name, namespace) or {}
+    return {k: base64.b64decode(v) for k, v in (s.get("data") or {}).items()}
+
+
+def agent_writes(kube: FakeKube, name: str, patch: Mapping[str, bytes | None], namespace: str = "tailscale") -> None:
+    """What a proxy's agent does to its state Secret (outside the controller): set keys, None removes one."""
+    s = kube.obj(SECRETS, name, namespace)
+    assert s is not None, f"no Secret {namespace}/{name}"
+    data = dict(s.get("data") or {})
+    for k, v in patch.items():
+        if v is None:
+            data.pop(k, None)
+        else:
+            data[k] = base64.b64encode(v).decode()
+    s["data"] = data

@@ -52,7 +52,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 from urllib.parse import parse_qs, unquote, urlsplit
 
 FIDELITY = """\
@@ -1120,6 +1120,20 @@ def pod_mount_namespace_argv(argv: Sequence[str], sa_dir: str) -> list[str]:
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
 
 
+def running(namespace: str, tmp: str) -> Iterator[KubeAPIServer]:
+    """A started server (allow-all until set_rules) with its ServiceAccount files written under
+    ``<tmp>/root`` (``server.root``), the layout ``KubeClient.from_environment`` and ``TS_TEST_ONLY_ROOT``
+    expect; stopped after. A generator, for a fixture to yield from."""
+    api = KubeAPIServer(namespace=namespace, workdir=os.path.join(tmp, "kubeapi"))
+    api.start()
+    try:
+        api.root = os.path.join(tmp, "root")
+        api.write_sa_root(api.root)
+        yield api
+    finally:
+        api.stop()
+
+
 # --------------------------------------------------------------------------------------------------------
 # pytest fixture: `from tests.support.kubeapi import kube_api` in a test module registers it.
 
@@ -1134,14 +1148,7 @@ if _pytest is not None:
         """A started server (namespace "tailscale", allow-all until set_rules) with its ServiceAccount files
         written under ``kube_api.root`` (``<tmp>/root``), the layout ``KubeClient.from_environment`` and
         ``TS_TEST_ONLY_ROOT`` expect."""
-        api = KubeAPIServer(namespace="tailscale", workdir=str(tmp_path / "kubeapi"))
-        api.start()
-        try:
-            api.root = str(tmp_path / "root")
-            api.write_sa_root(api.root)
-            yield api
-        finally:
-            api.stop()
+        yield from running("tailscale", str(tmp_path))
 
 
 # --------------------------------------------------------------------------------------------------------
