@@ -8,14 +8,16 @@ by the headscale provider over headscale's REST API. The proxy logging in is a r
 in memory) using the key from the Secret's config; what the agent would then write (`device_id` and the rest,
 `reissue_authkey`) is patched into the Secret as the agent patches it. The life: a Service asks for a proxy; the
 proxy logs in (node n1) and is ready; its key is rejected and it asks for another (the controller deletes n1 and
-mints a key); it logs in again (n2); the Service is deleted and the controller removes everything.
+mints a key); it logs in again (n2); the Service's `tailscale.com/tags` change (the controller re-tags n2); the
+Service is deleted and the controller removes everything.
 
 A clean life with CB_TEST_CRASH_LOG lists every crash point of every pass (tscommon/crashpoint.py: `kube-write`,
-`key-mint`, `device-delete`; the controller never approves routes and, with the tags unchanged, sets none).
+`key-mint`, `device-delete`, `device-tags`; the controller never approves routes).
 Then a life per point: the pass is killed there, the next pass is a new process, the life goes on. Asserted
 from headscale itself, whatever the point:
 * no device left behind: n1 is gone once the reissue pass converged, nothing is left at the end;
 * no duplicate device: one node of the proxy's name after each login;
+* the re-tag lands: n2 carries the new tags at headscale once the pass converged;
 * no second key for the same proxy: exactly one minted key per login, used by it, plus one unused key only
   when the process died between minting a key and storing it in the Secret (documented: single-use, never
   given to a proxy, it expires within the hour);
@@ -39,7 +41,7 @@ import uuid
 import pytest
 
 import kubelab
-from controller.model import Parent
+from controller.model import ANN_TAGS, Parent
 from controller.render import base_name
 from labtools.lab import wait_until
 
@@ -49,6 +51,10 @@ REPO = str(pathlib.Path(__file__).resolve().parents[1])
 HERE = str(pathlib.Path(__file__).resolve().parent)
 HOST = "apps-web"            # the proxy's hostname, <namespace>-<name> of the Service
 CRASH_ALL = os.environ.get("CB_CRASH_ALL", "") not in ("", "0")
+RETAGGED = ("tag:k8s", "tag:web")
+#: headscale refuses tags through its API unless its policy's tagOwners define them (test_controller_headscale)
+POLICY = {"tagOwners": {"tag:k8s": ["e2e@"], "tag:web": ["tag:k8s"]},
+          "acls": [{"action": "accept", "src": ["*"], "dst": ["*:*"]}]}
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +230,15 @@ class Life:
         n2 = self.login()
         assert [str(n["id"]) for n in self.nodes()] == [n2], self.nodes()
         self.converge()
+        # The Service's tags change: the controller re-tags the device (headscale takes tags its policy's
+        # tagOwners define).
+        with self.lab.hs_policy(POLICY):
+            objs = self.objects()
+            objs[("services", "apps", "web")]["metadata"]["annotations"][ANN_TAGS] = ",".join(RETAGGED)
+            self.write(objs)
+            self.converge()
+            (node,) = self.nodes()
+            assert str(node["id"]) == n2 and sorted(node.get("tags") or []) == list(RETAGGED), node
         # The Service goes.
         objs = self.objects()
         objs[("services", "apps", "web")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
@@ -268,7 +283,7 @@ def test_controller_killed_at_each_write_converges_at_headscale(lab, api_key) ->
         finally:
             clean.close()
         names = {p.split(":")[0] for pts in clean.points for p in pts}
-        assert {"kube-write", "key-mint", "device-delete"} <= names, clean.points
+        assert {"kube-write", "key-mint", "device-delete", "device-tags"} <= names, clean.points
         assert SAMPLE[1] in clean.points[SAMPLE[0]], clean.points
         cases = [(i, p) for i, pts in enumerate(clean.points) for p in pts]
         timings["clean"] = round(time.monotonic() - t0, 1)
