@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin image images images-archives chart demo test test-unit test-netns bench clean-lab readme manifests check fuzz outages hostile
+.PHONY: setup setup-bin image images images-archives chart demo test test-unit test-netns bench clean-lab readme manifests check fuzz outages hostile crash
 
 setup:
 	@bash scripts/setup.sh
@@ -90,6 +90,13 @@ fuzz: setup
 ## the figures (data path gap, recovery) go to outages.jsonl (root).
 outages: setup-bin
 	OUTAGE_SECONDS=300 CB_OUTAGE_REPORT=outages.jsonl $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_outages.py
+
+## crash: every crash point of the agent after boot (both firewall backends) and of the controller against a
+## real headscale (netns-tests/test_agent_crash_steady.py, test_controller_crash_headscale.py); `make test` tries
+## a fixed sample of them. The boot's points (test_agent_crash.py) are all in `make test` (root).
+crash: setup-bin
+	CB_CRASH_ALL=1 $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_agent_crash_steady.py \
+		netns-tests/test_controller_crash_headscale.py
 
 ## hostile: the controller under a hostile API server (tests/test_controller_hostile_api.py) with 500 Services
 ## instead of the suite's 60; prints convergence time and requests per Service.

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 
 import httpx
 
+from tscommon import crashpoint
 from tscommon.kubeconn import TokenFile, https_url, sa_path, service_host_port, tls_context
 from tscommon.jsontext import response_json
 from tscommon.kubehttp import api_status, retry_after_seconds, send
@@ -145,15 +146,18 @@ class Kube:
         return items
 
     async def create(self, res: Resource, obj: Mapping[str, Any], namespace: str = "") -> dict:
+        crashpoint.hit(crashpoint.KUBE_WRITE)
         return await self._call("POST", path(res, namespace), body=obj)
 
     async def patch(self, res: Resource, name: str, patch: Mapping[str, Any], namespace: str = "",
                     subresource: str = "") -> dict:
+        crashpoint.hit(crashpoint.KUBE_WRITE)
         return await self._call("PATCH", path(res, namespace, name, subresource), body=patch,
                                 ctype="application/merge-patch+json")
 
     async def delete(self, res: Resource, name: str, namespace: str = "", *, propagation: str = "") -> bool:
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation} if propagation else None
+        crashpoint.hit(crashpoint.KUBE_WRITE)
         out = await self._call("DELETE", path(res, namespace, name), body=body, ok404=True)
         return out is not None
 

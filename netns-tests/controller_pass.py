@@ -1,12 +1,15 @@
 """One controller pass, run inside a lab namespace (where headscale and the test API server are reachable).
 
-The parents (Services), StatefulSets and Events live in an in-memory API persisted to a JSON file between
-passes (tests/support/fakekube.py); the proxies' Secrets live in the real test API server (HTTPS, the same one
+The parents (Services), StatefulSets and Events live in an in-memory API persisted to a JSON file after each
+of its writes, as a real API server keeps what it was told even when the writer dies next
+(tests/support/fakekube.py); the proxies' Secrets live in the real test API server (HTTPS, the same one
 the agent's Pod uses), and auth keys and device deletion go to the real headscale. Usage:
 
     python controller_pass.py <state.json> <kind> <namespace> <name>      (env: see main())
 
-prints one JSON line: {"requeue": <seconds or null>, "error": "..."}.
+prints one JSON line: {"requeue": <seconds or null>, "error": "..."}. Under CB_TEST_CRASH_AT the in-memory
+API's writes are crash points too (`kube-write`, as controller.kubeapi.Kube names its own): the pass can be
+killed before any write, to the in-memory API, the test API server or headscale.
 """
 from __future__ import annotations
 
@@ -21,13 +24,21 @@ from controller.kubeapi import Kube
 from controller.providers.headscale import HeadscaleProvider
 from controller.reconcile import Reconciler
 from tests.support.fakekube import FakeKube
+from tscommon import crashpoint
 
 
 class Split:
-    """Secrets over HTTP to the real test API server, everything else in memory."""
+    """Secrets over HTTP to the real test API server, everything else in memory (saved after each write)."""
 
-    def __init__(self, http: Kube, fake: FakeKube) -> None:
-        self.http, self.fake = http, fake
+    def __init__(self, http: Kube, fake: FakeKube, state: str) -> None:
+        self.http, self.fake, self.state = http, fake, state
+
+    async def _fake_write(self, method: str, res, *a, **k):
+        crashpoint.hit(crashpoint.KUBE_WRITE)
+        try:
+            return await getattr(self.fake, method)(res, *a, **k)
+        finally:
+            save(self.state, self.fake)
 
     def _c(self, res):
         return self.http if res.plural == "secrets" else self.fake
@@ -39,13 +50,19 @@ class Split:
         return await self._c(res).list(res, *a, **k)
 
     async def create(self, res, *a, **k):
-        return await self._c(res).create(res, *a, **k)
+        if res.plural == "secrets":
+            return await self.http.create(res, *a, **k)
+        return await self._fake_write("create", res, *a, **k)
 
     async def patch(self, res, *a, **k):
-        return await self._c(res).patch(res, *a, **k)
+        if res.plural == "secrets":
+            return await self.http.patch(res, *a, **k)
+        return await self._fake_write("patch", res, *a, **k)
 
     async def delete(self, res, *a, **k):
-        return await self._c(res).delete(res, *a, **k)
+        if res.plural == "secrets":
+            return await self.http.delete(res, *a, **k)
+        return await self._fake_write("delete", res, *a, **k)
 
 
 def load(path: str) -> FakeKube:
@@ -57,7 +74,9 @@ def load(path: str) -> FakeKube:
 
 
 def save(path: str, fk: FakeKube) -> None:
-    json.dump([[list(k), v] for k, v in fk.objects.items()], open(path, "w"))
+    with open(path + ".tmp", "w") as f:
+        json.dump([[list(k), v] for k, v in fk.objects.items()], f)
+    os.replace(path + ".tmp", path)        # whole or not at all
 
 
 async def main() -> dict:
@@ -71,7 +90,7 @@ async def main() -> dict:
     prov = HeadscaleProvider(os.environ["HS_URL"], api_key=os.environ["HS_API_KEY"])
     out: dict = {"requeue": None}
     try:
-        out["requeue"] = await Reconciler(Split(http, fk), prov, cfg).reconcile(kind, ns, name)
+        out["requeue"] = await Reconciler(Split(http, fk, state), prov, cfg).reconcile(kind, ns, name)
     except Exception as e:  # reported to the test, which decides
         out["error"] = f"{type(e).__name__}: {e}"
     finally:

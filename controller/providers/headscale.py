@@ -14,6 +14,8 @@ import time
 
 import httpx
 
+from tscommon import crashpoint
+
 from . import ProviderError, http_error, mint_key, not_an_id, read_secret_file
 
 KEY_TTL = 3600.0
@@ -41,6 +43,7 @@ class HeadscaleProvider:
                       "expiration": exp.strftime("%Y-%m-%dT%H:%M:%SZ")}
         if self.user:
             body["user"] = self.user
+        crashpoint.hit(crashpoint.KEY_MINT)
         return await mint_key("headscale: creating a pre-auth key",
                               self._client.post("/api/v1/preauthkey", json=body, headers=self._headers()),
                               lambda doc: (doc.get("preAuthKey") or {}).get("key"),
@@ -51,6 +54,7 @@ class HeadscaleProvider:
             return not_an_id("headscale", device_id)
         node = device_id
         try:
+            crashpoint.hit(crashpoint.DEVICE_DELETE)
             r = await self._client.delete(f"/api/v1/node/{node}", headers=self._headers())
             if r.status_code == 404:
                 return False
@@ -79,6 +83,7 @@ class HeadscaleProvider:
     async def set_device_tags(self, device_id: str, tags: tuple[str, ...]) -> None:
         node = self._node_id(device_id)
         try:
+            crashpoint.hit(crashpoint.DEVICE_TAGS)
             r = await self._client.post(f"/api/v1/node/{node}/tags", json={"tags": sorted(set(tags))},
                                         headers=self._headers())
             r.raise_for_status()

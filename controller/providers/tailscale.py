@@ -13,6 +13,8 @@ import time
 
 import httpx
 
+from tscommon import crashpoint
+
 from . import ProviderError, http_error, mint_key, not_an_id, read_secret_file
 
 KEY_EXPIRY_S = 3600
@@ -56,6 +58,7 @@ class TailscaleProvider:
         body = {"capabilities": {"devices": {"create": {"reusable": False, "ephemeral": False,
                                                         "preauthorized": True, "tags": list(tags)}}},
                 "expirySeconds": KEY_EXPIRY_S, "description": key_description(description)}
+        crashpoint.hit(crashpoint.KEY_MINT)
         return await mint_key("tailscale: creating an auth key",
                               self._client.post(f"/api/v2/tailnet/{self.tailnet}/keys", json=body,
                                                 headers=await self._bearer()),
@@ -70,6 +73,7 @@ class TailscaleProvider:
         if not _is_device_id(device_id):
             return not_an_id("tailscale", device_id)
         try:
+            crashpoint.hit(crashpoint.DEVICE_DELETE)
             r = await self._client.delete(f"/api/v2/device/{device_id}", headers=await self._bearer())
             if r.status_code == 404:
                 return False
@@ -95,6 +99,7 @@ class TailscaleProvider:
         if not _is_device_id(device_id):
             raise ProviderError(f"tailscale: device_id {device_id!r} is not a device ID", transient=False)
         try:
+            crashpoint.hit(crashpoint.DEVICE_TAGS)
             r = await self._client.post(f"/api/v2/device/{device_id}/tags", json={"tags": sorted(set(tags))},
                                         headers=await self._bearer())
             r.raise_for_status()
