@@ -65,6 +65,9 @@ SEL = "tailscale.com/parent-resource-type=svc"
 #: ServiceAccount, Role, RoleBinding, StatefulSet, status; docs/benchmarks.md) and 2 once its agent has
 #: registered (the Secret without the used key, the status with the addresses).
 CLEAN_WRITES = 10
+#: read by every pass that mints a key, on behalf of its own parent (the static provider's key): a 429 there
+#: holds back that parent, not the others reading the same Secret meanwhile
+SHARED = ("/api/v1/namespaces/tailscale/secrets/tailscale-auth",)
 
 
 @dataclass
@@ -343,7 +346,7 @@ def figures(run: Run) -> dict[str, Any]:
         "watch_requests": len(watches), "watches_cut": sum(1 for r in watches if r.fault == "watch-cut"),
         "writes_per_service_max": max(w), "writes_per_service_mean": round(sum(w) / N, 1),
         "reads_per_service_max": max(rd), "reads_per_service_mean": round(sum(rd) / N, 1),
-        "requests_of_no_service": other, "early_after_429": len(early_after_429(run.records)),
+        "requests_of_no_service": other, "early_after_429": len(early_after_429(run.records, SHARED)),
         "quiet_window_s": QUIET, "quiet_writes": len(run.quiet),
         "warning_lines": warning_lines_by_kind(run.log),
     }
@@ -403,7 +406,7 @@ def test_writes_per_service_bounded_and_none_when_quiet(run: Run) -> None:
 
 
 def test_no_request_before_a_429s_retry_after(run: Run) -> None:
-    early = early_after_429(run.records)
+    early = early_after_429(run.records, SHARED)
     assert early == [], [(r.method, r.path, r.user_agent, round(s, 2)) for r, s in early[:10]]
 
 

@@ -157,6 +157,12 @@ def test_early_after_429_is_per_object_and_counts_the_status_subresource() -> No
                _rec(10.2, "/api/v1/services")]
     early = early_after_429(records)
     assert [(r.t, round(s, 2)) for r, s in early] == [(3.5, 0.5)]
+    assert early_after_429(records, exempt=[svc]) == []
+    # a list by label selector is about its selection
+    coll = "/api/v1/namespaces/t/secrets"
+    lists = [_rec(0.0, coll, "429", 2, query="labelSelector=p%3Da"), _rec(0.5, coll, query="labelSelector=p%3Db"),
+             _rec(1.0, coll, query="labelSelector=p%3Da")]
+    assert [r.t for r, _ in early_after_429(lists)] == [1.0]
     assert object_path(svc + "/status") == svc
     sts = "/apis/apps/v1/namespaces/t/statefulsets/x"
     assert object_path(sts + "/status") == sts
