@@ -90,7 +90,7 @@ fuzz: setup
 outages: setup-bin
 	OUTAGE_SECONDS=300 CB_OUTAGE_REPORT=outages.jsonl $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_outages.py
 
-## hostile: the controller under a hostile API server with 500 Services instead of the suite's 60 and 40: the
+## hostile: the controller under a hostile API server with 500 Services instead of the suite's 60 and 30: the
 ## in-memory one (tests/test_controller_hostile_api.py), then the real kube-apiserver behind labtools.faultproxy
 ## with the conflict webhook (netns-tests/test_controller_hostile_apiserver.py, root, a 30 s quiet window); prints
 ## convergence time, requests per Service, faults and warning lines.

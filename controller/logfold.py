@@ -1,10 +1,12 @@
-"""kopf's warning and error lines, folded: one line per kind per window, the next one says how many were held.
+"""kopf's warning and error lines (and the leader election's), folded: one line per kind per window, the next
+one says how many were held.
 
 kopf logs every failed API request it retries ("Request attempt #1/9 failed; will retry: GET ... ->
 APIServerError(...)"), one line each: against an API server that answers 500s and 429s, or drops watch streams,
 that is a line for every watch restart of every watched kind, many a minute, all alike. The reconciler's own
-failures are folded the same way by `controller.queue.FaultLog`; this does it for the lines of kopf's loggers,
-as a filter on the handler, so nothing in kopf changes.
+failures are folded the same way by `controller.queue.FaultLog`; this does it for the lines of kopf's loggers
+and of the leader election's failed renewals (each is retried 2 s later), as a filter on the handler, so
+nothing in kopf changes. A lost leadership is its own kind and always said.
 
 A kind is the logger and the exception named in the line (its class, e.g. ``APIServerError``), else the line
 with its numbers taken out. Lines below WARNING pass untouched.
@@ -18,31 +20,38 @@ from collections.abc import Callable
 
 from .queue import FAULT_LOG_WINDOW
 
+#: kopf's loggers, and the leader election's (a failed renewal is retried every 2 s: a line each, else)
+FOLDED = ("kopf", "controller.leader")
+
 _EXC = re.compile(r"-> ([A-Za-z_][A-Za-z0-9_]*)\(")
+_STATUS = re.compile(r": ([1-5]\d\d) ")
 _NUMBERS = re.compile(r"\d+")
 
 
 def line_kind(record: logging.LogRecord) -> str:
+    """The logger and what failed: the exception's class in kopf's lines, the HTTP status in the controller's
+    (``GET /api/...: 500 etcdserver: ...``), else the line's first part without its numbers."""
     msg = record.getMessage()
     m = _EXC.search(msg)
-    what = m.group(1) if m else _NUMBERS.sub("#", msg.split(":", 1)[0])[:80]
+    s = _STATUS.search(msg)
+    what = m.group(1) if m else f"HTTP {s.group(1)}" if s else _NUMBERS.sub("#", msg.split(":", 1)[0])[:80]
     return f"{record.name} {what}"
 
 
 class FoldRepeats(logging.Filter):
     """Passes the first WARNING-or-worse line of each kind, holds the others for `window` seconds, and adds the
-    count held to the next line of that kind. Only for loggers under `prefix`."""
+    count held to the next line of that kind. Only for the loggers named in `prefixes` and their children."""
 
-    def __init__(self, prefix: str = "kopf", window: float = FAULT_LOG_WINDOW,
+    def __init__(self, prefixes: tuple[str, ...] = FOLDED, window: float = FAULT_LOG_WINDOW,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
-        self.prefix, self.window, self.clock = prefix, window, clock
+        self.prefixes, self.window, self.clock = prefixes, window, clock
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING or not (record.name == self.prefix or
-                                                    record.name.startswith(self.prefix + ".")):
+        if record.levelno < logging.WARNING or not any(
+                record.name == p or record.name.startswith(p + ".") for p in self.prefixes):
             return True
         kind = line_kind(record)
         now = self.clock()

@@ -50,9 +50,9 @@ _HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"transfer-
 class Faults:
     """How hostile: per request, the chance of each fault; a watch's cut window."""
     seed: int = 1
-    error_rate: float = 0.04          # 500 before forwarding
-    lost_answer_rate: float = 0.02    # writes: forwarded, then a 500 instead of the answer
-    throttle_rate: float = 0.04       # 429 + Retry-After
+    error_rate: float = 0.01          # 500 before forwarding
+    lost_answer_rate: float = 0.01    # writes: forwarded, then a 500 instead of the answer
+    throttle_rate: float = 0.01       # 429 + Retry-After
     retry_after: tuple[int, ...] = (1, 2)
     slow_rate: float = 0.05
     slow_seconds: tuple[float, float] = (0.3, 1.5)
@@ -131,8 +131,11 @@ def object_path(path: str) -> str:
 
 
 def request_key(r: Record) -> str:
-    """What a 429 is about: the object (its subresources included); for a collection, the selection (a list by
-    label selector is about that selection, not every object of the kind); a watch apart from a read."""
+    """What a 429 is about: the object (its subresources included; a create's is named in its body); for a
+    collection, the selection (a list by label selector is about that selection, not every object of the kind);
+    a watch apart from a read."""
+    if r.method == "POST" and r.body_name:
+        return f"{r.object_path}/{r.body_name}"
     q = urllib.parse.parse_qs(r.query)
     sel = "&".join(f"{k}={q[k][0]}" for k in ("labelSelector", "fieldSelector") if k in q)
     return f"{r.object_path}?{sel}{'&watch' if r.watch else ''}"

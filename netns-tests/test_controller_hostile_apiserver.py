@@ -20,14 +20,16 @@ Asserted, from the proxy's record of every request and the controller's log:
 * no request for an object came before a 429's Retry-After for that object had passed;
 * each kind of fault was met, and the log folds them: at most two warning lines per kind per minute.
 
-HOSTILE_SERVICES (default 40) sets N; `make hostile` runs 500 (HOSTILE_QUIET: the quiet window, seconds). The
+HOSTILE_SERVICES (default 30) sets N; `make hostile` runs 500 (HOSTILE_QUIET: the quiet window, seconds). The
 figures are printed as one JSON line ("hostile-apiserver: {...}").
 """
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
+import logging
 import os
 import pathlib
 import re
@@ -46,15 +48,16 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from containerboot.kube import secretstate as agent_ss
+from controller import logfold
 from labtools import conflictwebhook as cw
 from labtools.faultproxy import FaultProxy, Faults, Record, early_after_429, faults_by_kind
 from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir
 from needs import unavailable
 
-N = int(os.environ.get("HOSTILE_SERVICES", "40"))
+N = int(os.environ.get("HOSTILE_SERVICES", "30"))
 QUIET = float(os.environ.get("HOSTILE_QUIET", "10"))
 SEED = int(os.environ.get("HOSTILE_SEED", "7"))
-CONFLICT_RATE = 0.05
+CONFLICT_RATE = 0.02
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300 + 3 * N)]
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NS = "hostile"
@@ -65,9 +68,9 @@ SEL = "tailscale.com/parent-resource-type=svc"
 #: ServiceAccount, Role, RoleBinding, StatefulSet, status; docs/benchmarks.md) and 2 once its agent has
 #: registered (the Secret without the used key, the status with the addresses).
 CLEAN_WRITES = 10
-#: read by every pass that mints a key, on behalf of its own parent (the static provider's key): a 429 there
-#: holds back that parent, not the others reading the same Secret meanwhile
-SHARED = ("/api/v1/namespaces/tailscale/secrets/tailscale-auth",)
+#: read by every pass on behalf of its own parent (the proxies' namespace, for its Pod Security level; the static
+#: provider's key): a 429 there holds back that parent, not the others reading the same object meanwhile
+SHARED = ("/api/v1/namespaces/tailscale", "/api/v1/namespaces/tailscale/secrets/tailscale-auth")
 
 
 @dataclass
@@ -156,16 +159,17 @@ async def _services(kc: KubeCluster) -> dict[str, dict]:
     return {s["metadata"]["name"]: s for s in items}
 
 
-def _wait(pred: Any, timeout: float, what: str, alive: subprocess.Popen) -> Any:
+def _wait(pred: Any, timeout: float, what: str, alive: subprocess.Popen, log: pathlib.Path) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         v = pred()
         if v:
             return v
-        if alive.poll() is not None:
-            raise AssertionError(f"the controller exited ({alive.returncode}) while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        why = (f"the controller exited ({alive.returncode})" if alive.poll() is not None else
+               f"timed out after {timeout:.0f}s" if time.monotonic() > deadline else "")
+        if why:
+            tail = [ln for ln in log.read_text().splitlines() if " INFO " not in ln][-30:]
+            raise AssertionError(f"{why} waiting for {what}; the controller's last warnings:\n" + "\n".join(tail))
         time.sleep(1.0)
 
 
@@ -285,7 +289,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
             ctl = subprocess.Popen([sys.executable, "-m", "controller"], env=env, cwd=str(REPO),
                                    stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
             p = ctl
-            _wait(lambda: " leads (Lease" in log_path.read_text(), 60, "the controller to lead", p)
+            _wait(lambda: " leads (Lease" in log_path.read_text(), 60, "the controller to lead", p, log_path)
 
             t0 = time.monotonic()
             asyncio.run(_create_services(kc))
@@ -293,14 +297,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
             def all_children() -> Any:
                 sts, sec = asyncio.run(_children(kc))
                 return (sts, sec) if len(sts) == N and len(sec) == N else None
-            sts, sec = _wait(all_children, 120 + N, f"every one of {N} Services' proxy", p)
+            sts, sec = _wait(all_children, 120 + N, f"every one of {N} Services' proxy", p, log_path)
             children_s = time.monotonic() - t0
             asyncio.run(_play_agents(kc, sec, sts))
 
             def all_ready() -> bool:
                 svcs = asyncio.run(_services(kc))
                 return len(svcs) == N and all(_ready(s) for s in svcs.values())
-            _wait(all_ready, 120 + N, f"every one of {N} Services' Ready status", p)
+            _wait(all_ready, 120 + N, f"every one of {N} Services' Ready status", p, log_path)
             converged = time.monotonic() - t0
 
             # the quiet window: everything in place, watches still being dropped; nothing may be written
@@ -308,6 +312,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
             time.sleep(QUIET)
             quiet = [r for r in proxy.records() if r.t >= t_quiet and r.write and "/leases/" not in r.path]
             assert ctl.poll() is None, "the controller exited"
+            # the record, for a look afterwards: one JSON object per request
+            with open(d / "records.jsonl", "w") as out:
+                for r in proxy.records():
+                    out.write(json.dumps(dataclasses.asdict(r)) + "\n")
+            print(f"hostile-apiserver: the proxy's record in {d / 'records.jsonl'}, the controller's log in {log_path}")
             yield Run(records=proxy.records(), log=log_path.read_text(), parents=_parents(kc),
                       converged_s=converged, children_s=children_s, quiet=quiet,
                       reviews=[json.loads(ln) for ln in reviews.read_text().splitlines()])
@@ -335,7 +344,8 @@ def figures(run: Run) -> dict[str, Any]:
     if run.figures:
         return run.figures
     reads, writes, other = per_service(run.records, run.parents)
-    denied = [r for r in run.reviews if not r["allowed"] and r["denied"] == "at random"]
+    # the controller's writes the webhook refused (the readiness probe's are the test's own)
+    denied = [r for r in run.reviews if not r["allowed"] and r["name"] != "lab-probe"]
     w = [writes[n] for n in _names()]
     rd = [reads[n] for n in _names()]
     watches = [r for r in run.records if r.watch]
@@ -359,16 +369,11 @@ _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ (\S+) (WARNING|ERROR|
 
 
 def line_kind(logger: str, msg: str) -> str:
-    """The kind of fault a warning line is about, for counting per kind: the HTTP status (and reason) or the
-    exception's type, with the component that logged it."""
-    m = re.search(r"HTTP (\d{3})(?: ([A-Za-z]+))?", msg) or re.search(r"\b(\d{3}) ([A-Z][A-Za-z]+)\b", msg)
-    if m:
-        what = f"HTTP {m.group(1)}"
-    else:
-        m2 = re.search(r"\b([A-Z][A-Za-z]*(?:Error|Exception|Timeout))\b", msg)
-        what = m2.group(1) if m2 else re.sub(r"[0-9a-f-]{8,}|\d+", "#", msg)[:60]
-    topic = "lease" if "leader election" in msg else ("reconcile" if msg.startswith("reconcile ") else "")
-    return f"{logger}:{topic}:{what}"
+    """The kind of fault a warning line is about, for counting per kind: the logger, the HTTP status or the
+    exception's class (as controller.logfold sees it), and what failed (a pass, an Event, ...)."""
+    kind = logfold.line_kind(logging.LogRecord(logger, logging.WARNING, "", 0, msg, None, None))
+    topic = next((t for t in ("reconcile ", "could not record an event") if msg.startswith(t)), "")
+    return f"{kind} {topic}".strip()
 
 
 def warning_lines_by_kind(log: str) -> dict[str, int]:
@@ -394,8 +399,9 @@ def test_converges_every_service_has_its_proxy_and_ready_status(run: Run) -> Non
     # each kind of fault was met on the way (else the run would prove nothing)
     assert {"500", "500-after-write", "429", "slow", "watch-cut"} <= set(f["faults"]), f["faults"]
     assert f["webhook_409"] > 0
+    # each of the webhook's conflicts reached the controller as a 409 (unless the proxy lost that answer)
     got_409 = [r for r in run.records if r.status == 409 and r.write]
-    assert len(got_409) >= f["webhook_409"], "each of the webhook's conflicts reached the controller as a 409"
+    assert len(got_409) + f["faults"]["500-after-write"] >= f["webhook_409"], (len(got_409), f)
 
 
 def test_writes_per_service_bounded_and_none_when_quiet(run: Run) -> None:

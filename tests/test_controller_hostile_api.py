@@ -207,8 +207,8 @@ def test_kopf_request_failures_fold_into_the_next_line() -> None:
     try:
         for i in range(30):
             now[0] = i
-            kopf_log.error(f"Request attempt #1/9 failed; will retry: GET https://api/api/v1/services?watch=true "
-                           f"-> APIServerError('etcdserver: request timed out', {{'code': 500}})")
+            kopf_log.error("Request attempt #1/9 failed; will retry: GET https://api/api/v1/services?watch=true "
+                           "-> APIServerError('etcdserver: request timed out', {'code': 500})")
             kopf_log.error("Request attempt #1/9 failed; will retry: GET https://api/apis/apps/v1/statefulsets "
                            "-> APITooManyRequestsError('too many requests', {'code': 429})")
         kopf_log.info("not folded: below WARNING")

@@ -131,7 +131,7 @@ async def test_a_watch_stream_is_cut_mid_stream() -> None:
 
 
 def test_decisions_follow_the_seed_and_the_rates() -> None:
-    f = Faults(seed=1)
+    f = Faults(seed=1, error_rate=0.04, throttle_rate=0.04, lost_answer_rate=0.02)
     a = [f.decide(random.Random(5), "PATCH", False) for _ in range(1)]
     rng1, rng2 = random.Random(5), random.Random(5)
     seq1 = [f.decide(rng1, m, w) for m, w in [("GET", False), ("PATCH", False), ("GET", True)] * 300]
