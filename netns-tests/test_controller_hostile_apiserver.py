@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -338,6 +339,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
             except subprocess.TimeoutExpired:
                 hook.kill()
                 hook.wait()
+            # The run's event loops leave cyclic garbage with finalizers; collected later, in the middle of an
+            # ast.parse (pytest's assertion rewriting of a plugin imported at the end of the session),
+            # CPython 3.11.7 fails that parse with "SystemError: AST constructor recursion depth mismatch".
+            gc.collect()
 
 
 def figures(run: Run) -> dict[str, Any]:
