@@ -8,8 +8,8 @@ respects Retry-After (no request for a parent before the time a 429 named), and 
 without flooding (one line per kind per window, with a count of those folded in).
 
 HOSTILE_SERVICES (default 60) sets the number of Services; `make hostile` runs 500. The figures are printed.
-Not covered here: dropped watch streams (kopf's watcher re-lists and resumes; the real-API-server tests in
-netns-tests/test_controller_apiserver.py run kopf).
+Dropped watch streams, kopf, and 409s from a real admission webhook are in the same story against the real API
+server: netns-tests/test_controller_hostile_apiserver.py.
 """
 from __future__ import annotations
 
