@@ -51,7 +51,7 @@ class Faults:
     """How hostile: per request, the chance of each fault; a watch's cut window."""
     seed: int = 1
     error_rate: float = 0.01          # 500 before forwarding
-    lost_answer_rate: float = 0.01    # writes: forwarded, then a 500 instead of the answer
+    lost_answer_rate: float = 0.02    # writes: forwarded, then a 500 instead of the answer
     throttle_rate: float = 0.01       # 429 + Retry-After
     retry_after: tuple[int, ...] = (1, 2)
     slow_rate: float = 0.05

@@ -14,7 +14,8 @@ Secret, among others); the test then plays each proxy's agent (device keys in th
 StatefulSet ready), and the controller writes each Service's status (the tailnet addresses, Ready True).
 Asserted, from the proxy's record of every request and the controller's log:
 
-* it converges (every Service has its proxy's children, its loadBalancer addresses and Ready True);
+* it converges (every Service has its proxy's children, its loadBalancer addresses and Ready True, and the used
+  auth key is out of every proxy's config);
 * writes per Service stay bounded (no write loop), and a quiet window after convergence has no write at all
   while watches keep being dropped;
 * no request for an object came before a 429's Retry-After for that object had passed;
@@ -152,6 +153,14 @@ def _ready(svc: dict) -> bool:
     st = svc.get("status") or {}
     return bool((st.get("loadBalancer") or {}).get("ingress")) and any(
         c.get("type") == "TailscaleProxyReady" and c.get("status") == "True" for c in st.get("conditions") or [])
+
+
+def _has_authkey(secret: dict) -> bool:
+    """Whether a proxy's config in its state Secret still holds the auth key (removed once it registered)."""
+    for k, v in (secret.get("data") or {}).items():
+        if k.startswith("cap-") and "AuthKey" in json.loads(base64.b64decode(v)):
+            return True
+    return False
 
 
 async def _services(kc: KubeCluster) -> dict[str, dict]:
@@ -304,7 +313,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
             def all_ready() -> bool:
                 svcs = asyncio.run(_services(kc))
-                return len(svcs) == N and all(_ready(s) for s in svcs.values())
+                if len(svcs) != N or not all(_ready(s) for s in svcs.values()):
+                    return False
+                # and the used key out of every proxy's config (the last write of a registered proxy)
+                _, sec = asyncio.run(_children(kc))
+                return len(sec) == N and not any(_has_authkey(s) for s in sec.values())
             _wait(all_ready, 120 + N, f"every one of {N} Services' Ready status", p, log_path)
             converged = time.monotonic() - t0
 
