@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     # kopf logs every handler call at INFO; the reconciler logs what users need.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # kopf logs each failed API request it retries (every watch restart against a flaky API server): folded
+    from .logfold import install
+    install()
     try:
         resolv = open("/etc/resolv.conf", encoding="utf-8").read()
     except OSError:

@@ -27,7 +27,7 @@ from tscommon.redact import redact
 
 from .kubeapi import Kube, KubeError, Resource
 
-log = logging.getLogger("controller")
+log = logging.getLogger("controller.leader")
 
 LEASES = Resource("/apis/coordination.k8s.io/v1", "leases")
 LEASE_NAME = "tailscale-controller"

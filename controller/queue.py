@@ -3,8 +3,9 @@
 Any number of events for one parent while a pass runs become one more pass; at most one pass per parent runs
 at a time, and `concurrency` passes overall. A pass that fails is retried after 1 s, 2 s, 4 s ... up to 5 min
 (kopf does not retry event handlers, and its own retrying handlers would write their progress into every
-parent), and never sooner than the API server asked (a 429's or 503's Retry-After); a pass that returns a
-delay is run again after it unless an event comes first.
+parent), and never sooner than the API server asked (a 429's or 503's Retry-After, which an event for the
+parent waits for too, while it ends the queue's own backoff); a pass that returns a delay is run again after it
+unless an event comes first.
 
 Failures are logged without flooding: the first failure of each kind (an API status and reason, or an
 exception type) is logged at once; more of that kind within FAULT_LOG_WINDOW seconds are counted, and the
@@ -78,8 +79,10 @@ class WorkQueue:
 
     async def _worker(self, key: Hashable) -> None:
         ev = self._pokes[key]
+        loop = asyncio.get_running_loop()
         while True:
             ev.clear()
+            not_before = 0.0
             try:
                 async with self._sem:
                     after = await self._work(key)
@@ -90,7 +93,9 @@ class WorkQueue:
                 n = self.failures[key] = self.failures.get(key, 0) + 1
                 after = min(self._max, self._base * 2 ** (n - 1))
                 # The server said when to come back: never sooner (its own ceiling, not ours, applies).
-                after = max(after, getattr(e, "retry_after", None) or 0.0)
+                server = getattr(e, "retry_after", None) or 0.0
+                after = max(after, server)
+                not_before = loop.time() + server
                 self.fault_log.failed(key, n, after, e)
             if after is None:
                 if not ev.is_set():
@@ -99,6 +104,10 @@ class WorkQueue:
                     return
                 continue
             await wait_event(ev, after)
+            # An event ends our own backoff early (something changed: try now), but not the server's
+            # Retry-After: an event arriving meanwhile waits for it too.
+            if (rest := not_before - loop.time()) > 0:
+                await asyncio.sleep(rest)
 
 
     async def aclose(self) -> None:

@@ -13,6 +13,11 @@ far (``--deny KEY=N``): each new value of the key gets N conflicts, then passes.
 Which requests reach the webhook (namespace, user, Secret name) is the ``ValidatingWebhookConfiguration``'s
 business (``webhook_configuration``).
 
+At random instead (``--deny-rate R --seed S``): any write that reaches the webhook, of any resource, is denied
+with probability R, the generator seeded with S; this is the hostile API server's 409 for the controller
+(netns-tests/test_controller_hostile_apiserver.py), whose webhook configuration sends it the controller's
+writes of Services (and their status), Secrets and StatefulSets.
+
 Every review is recorded as one JSON line (``--record``): operation, user, namespace, name, the names of the
 changed keys, allowed or not, code. Never a value: values are compared through their hashes only.
 
@@ -29,6 +34,7 @@ import base64
 import hashlib
 import http.server
 import json
+import random
 import signal
 import socketserver
 import ssl
@@ -45,6 +51,8 @@ class Denier:
     """The webhook's state: how many conflicts each watched key gets per new value, and how many it got."""
     deny: Mapping[str, int]
     denied: dict[tuple[str, str], int] = field(default_factory=dict)   # (key, sha256 of value) -> conflicts given
+    rate: float = 0.0                    # and at random: the share of all writes denied
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def review(self, review: Mapping[str, Any]) -> tuple[dict, dict]:
         """An AdmissionReview request in, (the AdmissionReview response, the record line) out."""
@@ -64,41 +72,48 @@ class Denier:
                 self.denied[slot] = self.denied.get(slot, 0) + 1
                 hit = f"{key} ({self.denied[slot]}/{n})"
                 break
+        if not hit and self.rate > 0 and self.rng.random() < self.rate:
+            hit = "at random"
+        res = req.get("resource") or {}
+        resource = "/".join(x for x in (res.get("resource"), req.get("subResource")) if x)
         name = req.get("name") or (obj.get("metadata") or {}).get("name") or ""
         resp: dict[str, Any] = {"uid": req.get("uid", ""), "allowed": not hit}
         if hit:
             # The API server returns this status to the client as it is, prefixed with the webhook's name.
             resp["status"] = {"code": 409, "reason": "Conflict", "status": "Failure",
-                              "message": f'Operation cannot be fulfilled on secrets "{name}": the object has been '
+                              "message": f'Operation cannot be fulfilled on {res.get("resource") or "secrets"} '
+                                         f'"{name}": the object has been '
                                          f"modified; please apply your changes to the latest version and try again "
                                          f"(lab conflict injection: {hit})"}
         record = {"operation": req.get("operation", ""), "user": (req.get("userInfo") or {}).get("username", ""),
-                  "namespace": req.get("namespace", ""), "name": name, "changed": changed, "allowed": not hit,
+                  "namespace": req.get("namespace", ""), "name": name, "resource": resource or "secrets",
+                  "changed": changed, "allowed": not hit,
                   "code": 409 if hit else 200, "denied": hit}
         return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": resp}, record
 
 
-def webhook_configuration(name: str, url: str, ca_pem: bytes, *, namespace: str, username: str,
-                          secret: str, timeout_seconds: int = 5) -> dict:
+def webhook_configuration(name: str, url: str, ca_pem: bytes, *, namespace: str | None, username: str,
+                          secret: str | None, timeout_seconds: int = 5,
+                          rules: list[dict] | None = None) -> dict:
     """A ValidatingWebhookConfiguration sending CREATE and UPDATE (PATCH included) of one Secret, by one user,
     in one namespace, to url. failurePolicy Fail: a webhook that does not answer is a failed write, never a
-    silently skipped test; the scope keeps that away from everything else in the cluster."""
-    return {
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-        "metadata": {"name": name},
-        "webhooks": [{
-            "name": WEBHOOK_NAME, "admissionReviewVersions": ["v1"], "sideEffects": "None",
-            "failurePolicy": "Fail", "timeoutSeconds": timeout_seconds,
-            "clientConfig": {"url": url, "caBundle": base64.b64encode(ca_pem).decode()},
-            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                       "resources": ["secrets"], "scope": "Namespaced"}],
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
-            "matchConditions": [
-                {"name": "proxy-service-account", "expression": f"request.userInfo.username == {username!r}"},
-                {"name": "state-secret", "expression": f"request.name == {secret!r}"},
-            ],
-        }],
+    silently skipped test; the scope keeps that away from everything else in the cluster. ``secret=None``: any
+    name; ``namespace=None``: any namespace; ``rules``: other resources than Secrets (admission rules)."""
+    conditions = [{"name": "user", "expression": f"request.userInfo.username == {username!r}"}]
+    if secret is not None:
+        conditions.append({"name": "state-secret", "expression": f"request.name == {secret!r}"})
+    hook: dict[str, Any] = {
+        "name": WEBHOOK_NAME, "admissionReviewVersions": ["v1"], "sideEffects": "None",
+        "failurePolicy": "Fail", "timeoutSeconds": timeout_seconds,
+        "clientConfig": {"url": url, "caBundle": base64.b64encode(ca_pem).decode()},
+        "rules": rules or [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                            "resources": ["secrets"], "scope": "Namespaced"}],
+        "matchConditions": conditions,
     }
+    if namespace is not None:
+        hook["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": name}, "webhooks": [hook]}
 
 
 class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
@@ -144,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--key", required=True)
     p.add_argument("--deny", action="append", default=[], metavar="KEY=N",
                    help="deny the first N writes of each new value of data key KEY with 409 Conflict")
+    p.add_argument("--deny-rate", type=float, default=0.0, metavar="R",
+                   help="also deny each write that reaches the webhook with probability R (0..1)")
+    p.add_argument("--seed", type=int, default=0, help="the seed of --deny-rate's generator")
     p.add_argument("--record", required=True, help="JSON lines, one per review")
     a = p.parse_args(argv)
     deny = {}
@@ -153,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--deny {item!r}: expected KEY=N, e.g. device_fqdn=2")
         deny[k] = int(n)
     host, _, port = a.listen.rpartition(":")
-    srv = serve(host.strip("[]"), int(port), a.cert, a.key, Denier(deny), a.record)
+    if not 0.0 <= a.deny_rate <= 1.0:
+        p.error(f"--deny-rate {a.deny_rate}: expected a share between 0 and 1, e.g. 0.05")
+    srv = serve(host.strip("[]"), int(port), a.cert, a.key, Denier(deny, rate=a.deny_rate,
+                                                                    rng=random.Random(a.seed)), a.record)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=srv.shutdown).start())
     print(json.dumps({"port": srv.server_address[1]}), flush=True)
     srv.serve_forever()

@@ -34,7 +34,8 @@ def test_each_new_value_of_a_watched_key_gets_n_conflicts():
     assert resp["response"]["status"]["code"] == 409 and resp["response"]["status"]["reason"] == "Conflict"
     assert "device_fqdn (1/2)" in resp["response"]["status"]["message"]
     assert rec == {"operation": "UPDATE", "user": "system:serviceaccount:ns:px", "namespace": "ns", "name": "px-0",
-                   "changed": ["device_fqdn"], "allowed": False, "code": 409, "denied": "device_fqdn (1/2)"}
+                   "resource": "secrets", "changed": ["device_fqdn"], "allowed": False, "code": 409,
+                   "denied": "device_fqdn (1/2)"}
     # tailscaled's keys, and a write that leaves the watched key as it is, pass
     assert d.review(review({"device_fqdn": "a.ts.net."}, {"device_fqdn": "a.ts.net.", "_profiles": "p"}))[0][
         "response"]["allowed"]
@@ -47,6 +48,34 @@ def test_each_new_value_of_a_watched_key_gets_n_conflicts():
     # values never reach the record or the message
     for _, rec in [d.review(review({}, {"device_fqdn": "secret-value"}))]:
         assert "secret-value" not in json.dumps(rec)
+
+
+def test_at_random_any_write_is_denied_at_the_rate_given():
+    import random
+    d = Denier({}, rate=0.25, rng=random.Random(3))
+    req = review({}, {"x": "1"})
+    req["request"].update(resource={"group": "apps", "version": "v1", "resource": "statefulsets"}, name="ts-a")
+    answers = [d.review(req) for _ in range(400)]
+    denied = [(a, rec) for a, rec in answers if not a["response"]["allowed"]]
+    assert 60 <= len(denied) <= 140
+    a, rec = denied[0]
+    assert a["response"]["status"]["code"] == 409 and a["response"]["status"]["reason"] == "Conflict"
+    assert 'Operation cannot be fulfilled on statefulsets "ts-a"' in a["response"]["status"]["message"]
+    assert rec["resource"] == "statefulsets" and rec["denied"] == "at random"
+    # the same seed denies the same writes
+    again = Denier({}, rate=0.25, rng=random.Random(3))
+    assert [again.review(req)[0]["response"]["allowed"] for _ in range(400)] == [
+        a["response"]["allowed"] for a, _ in answers]
+
+
+def test_configuration_for_other_resources_any_name_any_namespace():
+    rules = [{"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+              "resources": ["statefulsets"], "scope": "Namespaced"}]
+    w = webhook_configuration("cfg", "https://127.0.0.1:1/validate", b"PEM", namespace=None,
+                              username="system:serviceaccount:tailscale:ctl", secret=None, rules=rules)["webhooks"][0]
+    assert w["rules"] == rules and "namespaceSelector" not in w
+    assert [m["expression"] for m in w["matchConditions"]] == [
+        "request.userInfo.username == 'system:serviceaccount:tailscale:ctl'"]
 
 
 def test_configuration_scopes_the_webhook():

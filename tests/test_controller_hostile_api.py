@@ -8,8 +8,8 @@ respects Retry-After (no request for a parent before the time a 429 named), and 
 without flooding (one line per kind per window, with a count of those folded in).
 
 HOSTILE_SERVICES (default 60) sets the number of Services; `make hostile` runs 500. The figures are printed.
-Not covered here: dropped watch streams (kopf's watcher re-lists and resumes; the real-API-server tests in
-netns-tests/test_controller_apiserver.py run kopf).
+Dropped watch streams, kopf, and 409s from a real admission webhook are in the same story against the real API
+server: netns-tests/test_controller_hostile_apiserver.py.
 """
 from __future__ import annotations
 
@@ -185,3 +185,42 @@ async def test_a_429s_retry_after_reaches_the_queue() -> None:
         await kube.get(SERVICES, "s", "apps")
     await kube.aclose()
     assert (e.value.status, e.value.reason, e.value.retry_after) == (429, "TooManyRequests", 7.0)
+
+
+def test_kopf_request_failures_fold_into_the_next_line() -> None:
+    """kopf logs each failed API request it retries; against a flaky API server with dropped watches that is many
+    alike lines a minute. The controller's handler folds them: one per kind per minute, then a count."""
+    from controller.logfold import FoldRepeats
+    now = [0.0]
+    out: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            out.append(record.getMessage())
+    h = Keep()
+    h.addFilter(FoldRepeats(window=60.0, clock=lambda: now[0]))
+    kopf_log = logging.getLogger("kopf._cogs.clients.api")
+    top = logging.getLogger("kopf")
+    top.addHandler(h)
+    top.propagate, level = False, top.level
+    top.setLevel(logging.INFO)
+    try:
+        for i in range(30):
+            now[0] = i
+            kopf_log.error("Request attempt #1/9 failed; will retry: GET https://api/api/v1/services?watch=true "
+                           "-> APIServerError('etcdserver: request timed out', {'code': 500})")
+            kopf_log.error("Request attempt #1/9 failed; will retry: GET https://api/apis/apps/v1/statefulsets "
+                           "-> APITooManyRequestsError('too many requests', {'code': 429})")
+        kopf_log.info("not folded: below WARNING")
+        kopf_log.info("not folded: below WARNING")
+        now[0] = 61
+        kopf_log.error("Request attempt #2/9 failed; will retry: GET https://api/api/v1/secrets "
+                       "-> APIServerError('etcdserver: request timed out', {'code': 500})")
+        logging.getLogger("kopf.objects").warning("another logger, another kind")
+    finally:
+        top.removeHandler(h)
+        top.propagate = True
+        top.setLevel(level)
+    assert len(out) == 2 + 2 + 1 + 1, out
+    assert "APIServerError" in out[0] and "APITooManyRequestsError" in out[1]
+    assert out[4].endswith("(29 more like this in the last 60s not logged)") and "APIServerError" in out[4]

@@ -50,6 +50,43 @@ async def test_failures_retry_with_growing_delay_then_recover():
     await q.aclose()
 
 
+async def test_an_event_does_not_cut_a_429s_retry_after_short():
+    """A watch event for a parent that is waiting out a 429's Retry-After waits for it too (the hostile API
+    server test against a real API server found passes retried at once when an event arrived), while an event
+    still ends the queue's own backoff early."""
+    from controller.kubeapi import KubeError
+    loop = asyncio.get_running_loop()
+    times: list[float] = []
+
+    async def work(key):
+        times.append(loop.time())
+        if len(times) == 1:
+            raise KubeError("429", status=429, reason="TooManyRequests", retry_after=0.6)
+        if len(times) == 3:
+            raise KubeError("500", status=500, reason="InternalError")
+        return None
+    q = WorkQueue(work, base_delay=5.0)
+    q.poke("a")
+    await asyncio.sleep(0.1)
+    q.poke("a")                   # an event during the Retry-After (the backoff alone would be 5 s)
+    await asyncio.sleep(0.05)
+    assert len(times) == 1
+    for _ in range(100):
+        await asyncio.sleep(0.02)
+        if len(times) == 2:
+            break
+    assert len(times) == 2 and times[1] - times[0] >= 0.6
+    q.poke("a")                   # fails with a 500: the queue's backoff (10 s) ...
+    await asyncio.sleep(0.05)
+    q.poke("a")                   # ... which an event ends at once
+    for _ in range(50):
+        await asyncio.sleep(0.02)
+        if len(times) == 4:
+            break
+    assert len(times) == 4 and times[3] - times[2] < 5.0
+    await q.aclose()
+
+
 async def test_a_returned_delay_schedules_a_recheck():
     runs = []
 
