@@ -219,6 +219,22 @@ class KubeClient:
                                   resource="selfsubjectaccessreviews", deadline=deadline, json_body=body)
         return bool(((obj or {}).get("status") or {}).get("allowed"))
 
+    async def readyz(self, timeout: float = 5.0) -> str:
+        """One `GET /readyz`, no retry and no log line (the reachability check): "" when the API server is
+        ready, else what went wrong."""
+        try:
+            resp = await self._http.get(self.url + "/readyz", timeout=timeout,
+                                        headers={"Authorization": "Bearer " + self._token.get()})
+        except httpx.TimeoutException:
+            return f"GET /readyz: no answer within {timeout:g}s"
+        except httpx.TransportError as e:
+            return redact(f"GET /readyz: cannot reach {self.url}: {type(e).__name__}: {e}")
+        except KubeError as e:   # the token file: a configuration problem, said as it is
+            return str(e)
+        if resp.status_code == 200:
+            return ""
+        return redact(f"GET /readyz: HTTP {resp.status_code}: {resp.text[:200].strip()}")
+
     # ---- transport
 
     async def _request(self, method: str, url: str, *, verb: str, name: str = "", resource: str = "secrets",

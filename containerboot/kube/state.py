@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from containerboot.settings import CAPABILITY_VERSION, Settings
@@ -40,6 +40,10 @@ def _upstream(condition: str, **values: str) -> str:
     return UPSTREAM_WORDS[condition].format(**values)
 
 
+#: Seconds a steady-state write may take while the API server is known to be unreachable.
+DOWN_BUDGET = 2.0
+
+
 class KubeSetupError(Exception):
     """Kubernetes set-up failed; the message says what is missing and how to fix it."""
 
@@ -59,6 +63,14 @@ class SecretState:
         self.name = name
         self.written: dict[str, bytes | None] = {}
         self.failed = ""
+        #: The keys of the last write that failed, until one succeeds (for /status).
+        self.pending: tuple[str, ...] = ()
+        #: Told the outcome of every steady-state write (None: it landed), for the API server's reachability.
+        self.on_result: Callable[[KubeError | None], None] | None = None
+        #: The reachability check last found the API server unreachable: a write then gets a short budget, so that
+        #: a pass waiting on it (the device ID goes in before the rules) is not held for the whole retry budget;
+        #: the write is tried again when the server answers again (the agent pokes the reconciler then).
+        self.api_down = False
 
     async def setup(self, s: Settings, deadline: float, *, config_authkey: str = "") -> KubeSetup:
         try:
@@ -111,6 +123,8 @@ class SecretState:
         patch = {k: v for k, v in want.items() if self.written.get(k, b"\0unset") != v}
         if not patch:
             return True
+        if self.api_down:
+            budget = min(budget, DOWN_BUDGET)
         try:
             await self.client.patch_secret(self.name, patch, deadline=time.monotonic() + budget)
         except KubeError as e:
@@ -121,9 +135,15 @@ class SecretState:
                 log.error("%s (will retry)",
                           redact(f"failed to update Secret {self.name!r} ({', '.join(sorted(patch))}): {e}"))
             self.failed = kind
+            self.pending = tuple(sorted(patch))
+            if self.on_result is not None:
+                self.on_result(e)
             return False
         self.failed = ""
+        self.pending = ()
         self.written.update(patch)
+        if self.on_result is not None:
+            self.on_result(None)
         return True
 
     def has_written(self, *keys: str) -> bool:
