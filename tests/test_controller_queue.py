@@ -144,3 +144,26 @@ def test_a_proxygroup_event_brings_a_pass_of_the_services_that_name_it():
     s.index_service(("svc", "apps", "a"), "other")     # moved to another group
     s.index_service(("svc", "apps", "b"), "")          # no longer names one (or deleted)
     assert s.group_services == {"other": {("svc", "apps", "a"), ("svc", "apps", "c")}}
+
+
+async def test_retry_now_runs_the_waiting_keys_at_once_and_starts_their_backoff_over():
+    runs: list[str] = []
+    down = True
+
+    async def work(key):
+        runs.append(key)
+        if key == "waits":
+            return 60.0 if down else None        # e.g. fenced: come back later
+        if down:
+            raise RuntimeError("api down")
+        return None
+    q = WorkQueue(work, base_delay=30.0)
+    q.poke("fails")
+    q.poke("waits")
+    await asyncio.sleep(0.05)
+    assert sorted(runs) == ["fails", "waits"] and q.failures == {"fails": 1}
+    down = False
+    q.retry_now()
+    await asyncio.sleep(0.05)
+    assert sorted(runs) == ["fails", "fails", "waits", "waits"] and q.failures == {}
+    await q.aclose()
