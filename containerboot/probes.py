@@ -134,13 +134,3 @@ def control_check(prefs: Callable[[], Awaitable[dict]], capver: int,
             return target, f"GET /key: HTTP {status}"
         return target, ""
     return check
-
-
-# -- the Kubernetes API server -----------------------------------------------------------------------------------
-
-def kube_check(readyz: Callable[[], Awaitable[str]], target: str
-               ) -> Callable[[], Awaitable["tuple[str, str] | None"]]:
-    """The API server's check: `readyz()` returns "" when the server is ready, else what went wrong."""
-    async def check() -> "tuple[str, str] | None":
-        return target, await readyz()
-    return check

@@ -59,7 +59,7 @@ class SteadyState:
         self.control_probe, self.kube_probe = self._make_probes()
 
     def _make_probes(self) -> "tuple[Probe, Probe | None]":
-        from .probes import Probe, control_check, kube_check
+        from .probes import Probe, control_check
         from .reachability import public_url
         from .settings import CAPABILITY_VERSION
 
@@ -68,15 +68,18 @@ class SteadyState:
         if secret is None:
             return control, None
         client = secret.client
+        target = public_url(client.url)
+
+        async def check() -> tuple[str, str]:
+            error, answered = await client.readyz()
+            secret.api_down = bool(error) and not answered
+            return target, error
 
         def on_change(r: "Reachability") -> None:
-            secret.api_down = not r.reachable
             if r.reachable and secret.pending:
                 self.reconciler.poke()     # the writes that waited for the API server, now
 
-        kube = Probe("Kubernetes API server", kube_check(lambda: client.readyz(), public_url(client.url)),
-                     on_change=on_change)
-        target = public_url(client.url)
+        kube = Probe("Kubernetes API server", check, on_change=on_change)
 
         def on_write(e: Any) -> None:
             # A write is a check too; a refusal (403, 422...) says the server answers, so it is only recorded.

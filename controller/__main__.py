@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     # kopf logs every handler call at INFO; the reconciler logs what users need.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    from . import logfold
+    logfold.install()      # kopf's line per failed attempt per watch: one a minute while the API server is gone
     try:
         resolv = open("/etc/resolv.conf", encoding="utf-8").read()
     except OSError:

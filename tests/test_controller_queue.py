@@ -167,3 +167,37 @@ async def test_retry_now_runs_the_waiting_keys_at_once_and_starts_their_backoff_
     await asyncio.sleep(0.05)
     assert sorted(runs) == ["fails", "fails", "waits", "waits"] and q.failures == {}
     await q.aclose()
+
+
+def test_kopf_retries_watches_for_ever_and_each_request_starts_over():
+    import itertools
+
+    from controller.handlers import RetryForever
+    b = settings(False).networking.error_backoffs
+    assert isinstance(b, RetryForever)
+    first = list(itertools.islice(iter(b), 12))
+    assert first == [1, 1, 2, 3, 5, 5, 5, 5, 5, 5, 5, 5]
+    assert list(itertools.islice(iter(b), 3)) == [1, 1, 2]        # a fresh sequence for every request
+
+
+def test_kopf_attempt_lines_fold_to_one_a_minute_and_say_how_many_were_held():
+    import logging
+
+    from controller.logfold import FoldRepeats
+    now = [0.0]
+    f = FoldRepeats(window=60.0, clock=lambda: now[0])
+
+    def rec(name: str, msg: str) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.ERROR, "", 0, msg, None, None)
+    passed = []
+    for i in range(30):                              # a dozen watches failing for a minute and a half
+        now[0] = i * 3.0
+        for w in ("services", "secrets"):
+            r = rec("kopf._cogs.clients.watching", f"Request attempt #{i} failed; will retry: GET /{w}")
+            if f.filter(r):
+                passed.append(r.getMessage())
+        other = rec("controller", "leader election: something")
+        assert f.filter(other)                       # other lines are never held back
+    assert len(passed) == 2
+    assert passed[0] == "Request attempt #0 failed; will retry: GET /services"
+    assert passed[1].startswith("Request attempt #20 failed; will retry: GET /services (39 more like it in the last")

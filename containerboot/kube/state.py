@@ -40,10 +40,6 @@ def _upstream(condition: str, **values: str) -> str:
     return UPSTREAM_WORDS[condition].format(**values)
 
 
-#: Seconds a steady-state write may take while the API server is known to be unreachable.
-DOWN_BUDGET = 2.0
-
-
 class KubeSetupError(Exception):
     """Kubernetes set-up failed; the message says what is missing and how to fix it."""
 
@@ -67,9 +63,11 @@ class SecretState:
         self.pending: tuple[str, ...] = ()
         #: Told the outcome of every steady-state write (None: it landed), for the API server's reachability.
         self.on_result: Callable[[KubeError | None], None] | None = None
-        #: The reachability check last found the API server unreachable: a write then gets a short budget, so that
-        #: a pass waiting on it (the device ID goes in before the rules) is not held for the whole retry budget;
-        #: the write is tried again when the server answers again (the agent pokes the reconciler then).
+        #: The API server did not answer at all (no connection, no answer in time) at the last check or write: a
+        #: write is then not attempted (it could only fail, and a pass waiting on it -- the device ID goes in before
+        #: the rules -- would be held for the whole retry budget, logging every retry); it stays pending until the
+        #: server answers again, when the agent pokes the reconciler. A server that answers with an error (a 500
+        #: from /readyz) does not set it: writes are still tried.
         self.api_down = False
 
     async def setup(self, s: Settings, deadline: float, *, config_authkey: str = "") -> KubeSetup:
@@ -124,7 +122,8 @@ class SecretState:
         if not patch:
             return True
         if self.api_down:
-            budget = min(budget, DOWN_BUDGET)
+            self.pending = tuple(sorted(set(self.pending) | set(patch)))
+            return False
         try:
             await self.client.patch_secret(self.name, patch, deadline=time.monotonic() + budget)
         except KubeError as e:
@@ -136,11 +135,13 @@ class SecretState:
                           redact(f"failed to update Secret {self.name!r} ({', '.join(sorted(patch))}): {e}"))
             self.failed = kind
             self.pending = tuple(sorted(patch))
+            self.api_down = e.status == 0 and e.reason in ("Unreachable", "Timeout")
             if self.on_result is not None:
                 self.on_result(e)
             return False
         self.failed = ""
         self.pending = ()
+        self.api_down = False
         self.written.update(patch)
         if self.on_result is not None:
             self.on_result(None)
