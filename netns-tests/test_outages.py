@@ -191,6 +191,8 @@ def test_headscale_down(lab, lab_backend, start_agent) -> None:
     assert all(r is True for r in ready_during), f"the proxy became unready: {ready_during}"
     assert control_down, "/status never said the control server was unreachable"
     assert control_down[-1]["target"].startswith("http") and "key" in control_down[-1]["last_error"]
+    said = [line for line in agent.log_text().splitlines() if "control server (" in line]
+    assert len(said) == 2 and "unreachable" in said[0] and "reachable again" in said[1], said
     # /status carries what tailscaled says. tailscaled raises its warning about the control plane only after a
     # while (none within the suite's 20 s; see docs/reliability.md for the five-minute run).
     if tailscaled_says:
