@@ -489,6 +489,7 @@ def lease(kube) -> dict:
 OUTAGE = float(os.environ.get("OUTAGE_SECONDS", "20"))
 
 
+@pytest.mark.timeout(OUTAGE + 240)
 def test_the_api_server_down_costs_no_restart_and_the_controller_catches_up(running):
     """kube-apiserver stops for OUTAGE seconds right after a Service's change. The controller does not exit (its
     Lease could not be renewed: it stays up, fenced, and leads again since the Lease still names it), logs the
