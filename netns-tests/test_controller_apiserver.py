@@ -556,3 +556,85 @@ def test_the_api_server_down_costs_no_restart_and_the_controller_catches_up(runn
     assert len(outage_log) <= 30 + 15 * (OUTAGE // 60), "\n".join(outage_log)
     for name in ("pre-outage", "post-outage"):     # their clean-up is test_exposed_service_lifecycle's subject
         assert c.delete(f"/api/v1/namespaces/default/services/{name}").status_code == 200
+
+
+def test_two_replicas_one_leads_the_other_takes_over_when_it_is_killed(running):
+    """Last in the module: it kills the module's first controller; the second one stays for any test after it."""
+    kube, api, _ = running
+    c = client(kube)
+    (first, first_health), = CONTROLLERS
+    wait(lambda: role(first_health) == "leader", 30, "the first controller to lead")
+    second, second_health = start_controller(SETTINGS["env"], SETTINGS["dir"] / "controller-2.log")
+    wait(lambda: role(second_health) == "standby", 30, "the second controller to stand by")
+    holder = lease(kube)["holderIdentity"]
+    transitions = lease(kube).get("leaseTransitions", 0)
+
+    def expose(name):
+        r = c.post("/api/v1/namespaces/default/services", json={
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "annotations": {"tailscale.com/expose": "true"}},
+            "spec": {"ports": [{"port": 80}], "selector": {"app": name}}})
+        assert r.status_code == 201, r.text
+
+    # Both replicas run: one proxy, one minted key (the standby neither watches nor writes)
+    keys = len(api.keys)
+    expose("ha-one")
+    wait(lambda: all(children(kube, "ha-one")), 30, "ha-one's proxy")
+    time.sleep(3)
+    assert len(api.keys) == keys + 1 and role(second_health) == "standby" and lease(kube)["holderIdentity"] == holder
+
+    # The leader dies without a word (SIGKILL: no release); a new annotated Service gets its proxy from the other
+    first.kill()
+    first.wait(10)
+    t0 = time.monotonic()
+    expose("ha-two")
+    wait(lambda: all(children(kube, "ha-two")), 45, "ha-two's proxy from the second controller")
+    took = time.monotonic() - t0
+    print(f"takeover: ha-two's proxy {took:.1f}s after the leader was killed (Lease 15 s)")
+    assert role(second_health) == "leader"
+    now = lease(kube)
+    assert now["holderIdentity"] != holder and now["leaseTransitions"] == transitions + 1
+    assert len(api.keys) == keys + 2
+    for name in ("ha-one", "ha-two"):
+        assert c.delete(f"/api/v1/namespaces/default/services/{name}").status_code == 200
+    for name in ("ha-one", "ha-two"):
+        wait(lambda: get(kube, f"/api/v1/namespaces/default/services/{name}") is None, 60, f"{name} to go")
+        assert children(kube, name) == ([], [])
+
+
+# ---- the Kubernetes contract: the same checks the in-memory fake and the test API server pass
+# (tests/support/kube_contract.py, tests/test_kube_contract.py), here on the real kube-apiserver of this module.
+
+from tests.support.kube_contract import AGENT_CHECKS, KUBE_CHECKS  # noqa: E402
+
+CONTRACT_NS = "contract"
+
+
+@pytest.fixture(scope="module")
+def contract_ns(kube) -> str:
+    code, body = kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                                             "metadata": {"name": CONTRACT_NS}})
+    assert code in (201, 409), body
+    return CONTRACT_NS
+
+
+@pytest.mark.parametrize("check", sorted(KUBE_CHECKS))
+async def test_the_real_api_server_keeps_the_kube_contract(kube, contract_ns, check):
+    from controller.kubeapi import Kube
+    client = Kube(kube.server, token=kube.token, ca_file=str(kube.ca_cert))
+    try:
+        await KUBE_CHECKS[check](client, contract_ns)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("check", sorted(AGENT_CHECKS))
+async def test_the_real_api_server_keeps_the_agent_clients_contract(kube, contract_ns, tmp_path, check):
+    from containerboot.kube.client import KubeClient
+    (tmp_path / "token").write_text(kube.token)
+    client = KubeClient(url=kube.server, namespace=contract_ns, token_path=str(tmp_path / "token"),
+                        ca_path=str(kube.ca_cert))
+    try:
+        await AGENT_CHECKS[check](client)
+    finally:
+        await client.aclose()
