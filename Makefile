@@ -86,10 +86,12 @@ fuzz: setup
 	CB_FUZZ_PROFILE=fuzz CB_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q \
 		--hypothesis-show-statistics tests/test_fuzz_agent.py tests/test_fuzz_controller.py
 
-## outages: the outage tests (netns-tests/test_outages.py) with five-minute outages instead of the suite's 20 s;
+## outages: the outage tests (netns-tests/test_outages.py, and the controller's API-server outage in
+## netns-tests/test_controller_apiserver.py) with five-minute outages instead of the suite's 20 s;
 ## the figures (data path gap, recovery) go to outages.jsonl (root).
 outages: setup-bin
-	OUTAGE_SECONDS=300 CB_OUTAGE_REPORT=outages.jsonl $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_outages.py
+	OUTAGE_SECONDS=300 CB_OUTAGE_REPORT=outages.jsonl $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_outages.py \
+		netns-tests/test_controller_apiserver.py -k "outage or down"
 
 ## crash: every crash point of the agent after boot (both firewall backends) and of the controller against a
 ## real headscale (netns-tests/test_agent_crash_steady.py, test_controller_crash_headscale.py); `make test` tries

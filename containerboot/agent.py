@@ -204,6 +204,8 @@ class Agent:
             serve = ServeStatus(applied=False, last_error="waiting for the first apply")
         done = rec.reconciled_node if rec is not None else None
         serve_counters = self.steady.serve_counters if self.steady is not None else {}
+        steady = self.steady
+        secret = self.publisher.secret
         return AgentStatus(
             backend_state=node.backend_state or self._boot_state,
             tailnet_ips=tuple(str(ip) for ip in node.tailnet_ips),
@@ -218,6 +220,9 @@ class Agent:
             stopping=self._stopping,
             reconciled_ips=tuple(str(ip) for ip in done.tailnet_ips) if done is not None else None,
             firewall=self.firewall.status(rec.applied.rules if rec is not None else None),
+            control_plane=steady.control_probe.state if steady is not None else None,
+            kubernetes_api=steady.kube_probe.state if steady is not None and steady.kube_probe else None,
+            secret_pending_writes=secret.pending if secret is not None else (),
         )
 
     # -- login -----------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ Three different questions, deliberately kept apart (upstream has only the first)
 * `ready(now)` -- traffic sent to this Pod will flow: tailscaled is Running, every configured target has its
   forwarding rules installed, the serve config is applied and its certificates exist. Control-plane freshness
   (netmap age) is exposed but never gates readiness: an outage of the coordination server does not stop
-  existing tunnels, and failing readiness fleet-wide then would only make things worse.
+  existing tunnels, and failing readiness fleet-wide then would only make things worse. The same holds for
+  the control server's and the Kubernetes API server's reachability (`containerboot.reachability`): reported
+  (`control_plane`, `kubernetes_api`), never gating.
 
 Counters: `AgentStatus.counters` maps Prometheus sample keys (`name` or `name{label="v",...}`, built with
 `sample_key`) to values; the metrics endpoint renders them.
@@ -25,6 +27,8 @@ from types import MappingProxyType
 from typing import Any
 
 from serveconfig.status import ServeStatus
+
+from .reachability import Reachability
 
 __all__ = ["TargetStatus", "ServeStatus", "AgentStatus", "sample_key", "escape_label_value"]
 
@@ -82,6 +86,9 @@ class AgentStatus:
     # applied, RuleSet.to_dict()). With TS_TEST_FAKE_NETFILTER this is the in-memory firewall's whole content.
     firewall: Mapping[str, Any] | None = None
     health_warnings: tuple[tuple[str, str], ...] = ()   # tailscaled's, (code, text): reported, not gating
+    control_plane: Reachability | None = None           # reported, not gating (see the module docstring)
+    kubernetes_api: Reachability | None = None          # with a state Secret; reported, not gating
+    secret_pending_writes: tuple[str, ...] = ()         # the state Secret's keys whose write has not landed yet
 
     def __post_init__(self) -> None:
         # Copy and freeze so that the agent mutating its own counters dict later cannot change a snapshot.
@@ -161,7 +168,17 @@ class AgentStatus:
             "counters": {k: _num(v) for k, v in sorted(self.counters.items())},
             "firewall": dict(self.firewall) if self.firewall is not None else None,
             "tailscaled_health": [{"code": c, "text": t} for c, t in self.health_warnings],
+            "control_plane": _reach(self.control_plane),
+            "kubernetes_api": ({**(_reach(self.kubernetes_api) or {}),
+                                "pending_writes": list(self.secret_pending_writes)}
+                               if self.kubernetes_api is not None else None),
         }
+
+
+def _reach(r: Reachability | None) -> dict[str, Any] | None:
+    if r is None:
+        return None
+    return {k: _num(v) if isinstance(v, float) else v for k, v in r.to_json().items()}
 
 
 def _num(v: float | None) -> float | None:

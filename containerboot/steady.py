@@ -1,7 +1,8 @@
 """The steady state's task set: everything that runs from the end of the login until shutdown.
 
 One task per input (the IPN bus, tailscaled's exit, the serve config, the tailscaled config file, the ProxyGroup
-services files, the DNS name) plus the reconcile loop. A task that ends with an error, and a condition that
+services files, the DNS name) plus the reconcile loop and the reachability checks of the control server and the
+state Secret's API server (`probes`). A task that ends with an error, and a condition that
 ends the agent (tailscaled left Running, tailscaled exited), resolve one "fatal" future with the reason; the
 agent races it against the shutdown signal.
 """
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from serveconfig.apply import ServeApplier, ServeLoop
 
     from . import tailscaled as ts
+    from .probes import Probe
+    from .reachability import Reachability
     from .status import ServeStatus
 
 log = logging.getLogger("containerboot")
@@ -53,6 +56,41 @@ class SteadyState:
         self.serve_applier: "ServeApplier | None" = None
         self.self_node_known = asyncio.Event()   # the bus has delivered the node's own identity
         self.tasks: list[asyncio.Task] = []
+        self.control_probe, self.kube_probe = self._make_probes()
+
+    def _make_probes(self) -> "tuple[Probe, Probe | None]":
+        from .probes import Probe, control_check
+        from .reachability import public_url
+        from .settings import CAPABILITY_VERSION
+
+        control = Probe("control server", control_check(lambda: self.api.prefs(), CAPABILITY_VERSION))
+        secret = self.publisher.secret
+        if secret is None:
+            return control, None
+        client = secret.client
+        target = public_url(client.url)
+
+        async def check() -> tuple[str, str]:
+            error, answered = await client.readyz()
+            secret.api_down = bool(error) and not answered
+            return target, error
+
+        def on_change(r: "Reachability") -> None:
+            if r.reachable and secret.pending:
+                self.reconciler.poke()     # the writes that waited for the API server, now
+
+        kube = Probe("Kubernetes API server", check, on_change=on_change)
+
+        def on_write(e: Any) -> None:
+            # A write is a check too; a refusal (403, 422...) says the server answers, so it is only recorded.
+            if e is None:
+                kube.record("", target)
+            elif e.status == 0 or e.status >= 500 or e.status == 429:
+                kube.record(str(e), target)
+            else:
+                kube.note_error(str(e))
+        secret.on_result = on_write
+        return control, kube
 
     def start(self) -> "asyncio.Future[str]":
         """Start every task this configuration needs; the future resolves with the reason the agent must end."""
@@ -67,6 +105,9 @@ class SteadyState:
         ]
         if self.tailscaled is not None:
             self.tasks.append(asyncio.create_task(self.watch_tailscaled(fatal), name="tailscaled-exit"))
+        self.tasks.append(asyncio.create_task(self.control_probe.run(), name="control-probe"))
+        if self.kube_probe is not None:
+            self.tasks.append(asyncio.create_task(self.kube_probe.run(), name="kube-probe"))
         if s.serve_config:
             self.tasks.append(asyncio.create_task(self.run_serve(), name="serve-config"))
         if s.one_step:

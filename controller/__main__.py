@@ -60,7 +60,7 @@ async def run(cfg: ControllerConfig) -> int:
 
     from .handlers import State, registries, settings
     from .kubeapi import Kube
-    from .leader import LeaderElector, LostLeadership
+    from .leader import LeaderElector, LeaseUnrenewed, LostLeadership
     from .queue import WorkQueue
     from .reconcile import Reconciler
 
@@ -78,8 +78,10 @@ async def run(cfg: ControllerConfig) -> int:
     dns = DNSReconciler(kube, cfg)
 
     async def work(key) -> float | None:
-        if not elector.is_leader():      # leadership is being lost: the process stops, the next leader re-runs it
-            return None
+        if not elector.is_leader():
+            # Fenced (the Lease could not be renewed): the key waits for the renewal (`retry_now` then), or for
+            # the stop if another replica took the Lease (the next leader re-runs it).
+            return 10.0
         if key == dnsconfig.QUEUE_KEY:
             return await dns.reconcile()
         return await rec.reconcile(*key)
@@ -121,7 +123,19 @@ async def run(cfg: ControllerConfig) -> int:
 
         async def keep_lease() -> None:
             try:
-                await elector.hold()
+                while True:
+                    try:
+                        await elector.hold()
+                    except LeaseUnrenewed as e:
+                        # The API server does not answer: nothing is written (fenced) until the Lease is renewed;
+                        # the watches and the queue stay, so nothing is lost or re-listed when it answers again.
+                        t0 = loop.time()
+                        log.error("leader election: %s; writes stop until it is renewed (the watches and the work "
+                                  "queue are kept)", e)
+                        await elector.regain()
+                        log.info("leader election: Lease renewed after %.0fs without; leading again, retrying the "
+                                 "waiting passes now", loop.time() - t0)
+                        state.queue.retry_now()
             except LostLeadership as e:
                 lost.append(str(e))
                 log.error("leader election: lost leadership (%s); stopping all work", e)
@@ -166,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     # kopf logs every handler call at INFO; the reconciler logs what users need.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    # kopf logs each failed API request it retries (every watch restart against a flaky API server): folded
+    # kopf logs each failed API request it retries (every watch restart against a flaky API server, a line per
+    # attempt per watch while the API server is gone): folded to one a minute per kind
     from .logfold import install
     install()
     try:

@@ -13,6 +13,7 @@ lines as Kubernetes events is off: the reconciler writes the events users should
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,8 +130,22 @@ def registries(state: State, login=None) -> tuple[kopf.OperatorRegistry, kopf.Op
     return parents, children
 
 
+class RetryForever:
+    """kopf's error backoffs: 1, 1, 2, 3 s, then every 5 s for as long as it takes. With kopf's default (eight
+    backoffs, 54 s in all) a watch gives up during a longer API-server outage and kopf stops; this controller keeps
+    its watches through one (`controller.leader`: fenced, not restarted), and they resume within 5 s of the
+    server's return (an attempt on a server that is down is a refused connection: cheap; the log lines are
+    folded, `controller.logfold`)."""
+
+    def __iter__(self) -> Iterator[float]:
+        yield from (1, 1, 2, 3)
+        while True:
+            yield 5
+
+
 def settings(child_watch: bool) -> kopf.OperatorSettings:
     s = kopf.OperatorSettings()
+    s.networking.error_backoffs = RetryForever()
     s.posting.enabled = False
     s.watching.server_timeout = 300
     s.watching.client_timeout = 330

@@ -8,8 +8,11 @@ Deployment have equal priorities, which kopf answers by pausing all of them (see
 Timing, as client-go's defaults: a candidate takes the Lease over when its record has not changed for
 `duration` (15 s) by the candidate's own clock (so clock skew between nodes does not matter); the leader renews
 every `retry` (2 s) and stops all work when no renewal succeeded for `renew_deadline` (10 s), which is
-before any candidate can take over. Writes use the Lease's resourceVersion as a precondition, so two
-candidates that race for an expired Lease cannot both win.
+before any candidate can take over. Unlike client-go's leader (which exits then), a leader that could not renew
+because the API server did not answer keeps its watches and work queue, fenced (no write), and leads again if
+the Lease still names it when the server answers (`regain`): an API-server outage then costs no restart and no
+re-list of everything; if another replica took the Lease meanwhile, it stops as before. Writes use the Lease's
+resourceVersion as a precondition, so two candidates that race for an expired Lease cannot both win.
 
 `decide` is the pure core; `LeaderElector` is the shell (reads and writes through `controller.kubeapi.Kube`).
 """
@@ -94,6 +97,11 @@ def lease_spec(lease: Mapping[str, Any] | None, me: str, action: str, now: str, 
 
 class LostLeadership(Exception):
     pass
+
+
+class LeaseUnrenewed(LostLeadership):
+    """No renewal succeeded for `renew_deadline`: the API server did not answer. The Lease may still name this
+    replica; `regain` finds out once the server answers again."""
 
 
 class LeaderElector:
@@ -182,8 +190,30 @@ class LeaderElector:
                                      f"{(self._seen.record[0] if self._seen else '') or 'another replica'}")
             if not self.is_leader():
                 self._renewed = None
-                raise LostLeadership(f"could not renew Lease {self.namespace}/{self.name} for "
+                raise LeaseUnrenewed(f"could not renew Lease {self.namespace}/{self.name} for "
                                      f"{self.t.renew_deadline:.0f}s")
+
+    async def regain(self) -> None:
+        """After `LeaseUnrenewed`: return once the Lease is renewed again, which `decide` allows only while it still
+        names this replica (nobody took it over meanwhile) or has expired untaken; raise LostLeadership when
+        another replica holds it. Fenced meanwhile: `is_leader` is False until the renewal, so nothing is
+        written. Failures are logged once per kind (status and reason), not at every attempt."""
+        said = ""
+        while True:
+            try:
+                async with asyncio.timeout(max(0.1, self.t.renew_deadline - self.t.retry)):
+                    ok = await self._try()
+                if ok:
+                    return
+                raise LostLeadership(f"Lease {self.namespace}/{self.name} is now held by "
+                                     f"{(self._seen.record[0] if self._seen else '') or 'another replica'}")
+            except (KubeError, TimeoutError) as e:
+                kind = f"{getattr(e, 'status', 0)} {getattr(e, 'reason', '') or type(e).__name__}"
+                if kind != said:
+                    log.warning("leader election: the Lease cannot be renewed yet (retrying every %gs, logged once "
+                                "per kind of failure): %s", self.t.retry, redact(str(e) or type(e).__name__))
+                    said = kind
+            await asyncio.sleep(self.t.retry)
 
     def fence(self) -> None:
         """Stop leading now: `is_leader` is False from here, so the fenced client refuses every write."""

@@ -110,6 +110,14 @@ class WorkQueue:
                 await asyncio.sleep(rest)
 
 
+    def retry_now(self) -> None:
+        """Run every waiting key now and start its backoff over (the API server answers again: the passes that
+        failed or waited while it was gone need not wait out a backoff of up to 5 minutes)."""
+        self.failures.clear()
+        for key, task in self._tasks.items():
+            if not task.done():
+                self._pokes[key].set()
+
     async def aclose(self) -> None:
         for t in self._tasks.values():
             t.cancel()

@@ -309,3 +309,111 @@ def own_rules(lab: Lab, mode: str, ns: str = "proxy") -> str:
     for tool in ("iptables-save", "ip6tables-save"):
         dump += lab.exec(ns, [tool], check=True).stdout
     return "\n".join(line for line in dump.splitlines() if "CB-" in line)
+
+
+# --------------------------------------------------------------------------------------------------------
+# a TCP connection held open across an outage
+# --------------------------------------------------------------------------------------------------------
+
+_ECHO_SERVER = """
+import socketserver, sys
+class H(socketserver.StreamRequestHandler):
+    def handle(self):
+        for line in self.rfile:
+            self.wfile.write(line)
+            self.wfile.flush()
+class S(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+S((sys.argv[1], int(sys.argv[2])), H).serve_forever()
+"""
+
+_CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()"
+
+# One connection, never replaced: a line every 0.25 s, each echo awaited (5 s at most). Each outcome is a line
+# "<CLOCK_MONOTONIC> ok|fail <why>"; the first failure ends the program.
+_ECHO_CLIENT = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+print("connected", s.getsockname()[1], flush=True)
+s.settimeout(5)
+f = s.makefile("rb")
+n = 0
+while True:
+    n += 1
+    t = time.monotonic()
+    try:
+        s.sendall(b"%d\\n" % n)
+        line = f.readline()
+    except OSError as e:
+        print("%.3f fail %s" % (t, type(e).__name__), flush=True)
+        break
+    if line.strip() != str(n).encode():
+        print("%.3f fail %s" % (t, "closed" if not line else "wrong echo"), flush=True)
+        break
+    print("%.3f ok" % t, flush=True)
+    time.sleep(max(0.0, 0.25 - (time.monotonic() - t)))
+"""
+
+
+@dataclass
+class HeldConnection:
+    """One TCP connection from ``client_ns`` to ``addr:port`` (through the proxy), echoed by a server in
+    ``server_ns``, used every 0.25 s and never replaced. Start before the outage, ``stop()`` after."""
+    lab: Lab
+    server: subprocess.Popen = field(repr=False)
+    client: subprocess.Popen = field(repr=False)
+    log: Path
+
+    @classmethod
+    def start(cls, lab: Lab, server_ns: str, client_ns: str, addr: str, port: int, *,
+              tag: str = "held") -> "HeldConnection":
+        d = lab.run_dir / tag
+        env = lab._base_env(d)
+        srv = lab._popen("http", f"{tag}-server", server_ns, [_python(), "-c", _ECHO_SERVER, "0.0.0.0", str(port)],
+                         env, d / "server.log")
+        log = d / "client.log"
+        log.unlink(missing_ok=True)
+
+        def connected() -> bool:
+            if srv.poll() is not None:
+                raise LabError(f"echo server exited: {(d / 'server.log').read_text()[-500:]}")
+            return lab.exec(client_ns, [_python(), "-c", _CONNECT, addr, str(port)], timeout=8).returncode == 0
+        wait_until(connected, 30, 0.5, f"the echo server at {addr}:{port} reachable from {client_ns}")
+        cli = lab._popen("http", f"{tag}-client", client_ns, [_python(), "-u", "-c", _ECHO_CLIENT, addr, str(port)],
+                         env, log)
+        held = cls(lab, srv, cli, log)
+        wait_until(lambda: held.results() or cli.poll() is not None, 30, 0.2, "the held connection's first echo")
+        return held
+
+    def results(self) -> list[tuple[float, bool]]:
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[1] in ("ok", "fail"):
+                out.append((float(parts[0]), parts[1] == "ok"))
+        return out
+
+    def broken(self) -> str:
+        """"" while the connection works; else what broke it."""
+        for line in self.log.read_text(errors="replace").splitlines():
+            if " fail " in f" {line} ":
+                return line
+        if self.client.poll() is not None:
+            return f"the client exited ({self.client.returncode}): {self.log.read_text()[-300:]}"
+        return ""
+
+    def longest_gap(self, start: float, end: float) -> float:
+        """Longest time between two echoes within [start, end] (0.25 s when every echo came in time)."""
+        oks = [t for t, ok in self.results() if ok and start - 1 <= t <= end + 1]
+        return max((b - a for a, b in zip(oks, oks[1:])), default=end - start)
+
+    def stop(self) -> None:
+        for p in (self.client, self.server):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)

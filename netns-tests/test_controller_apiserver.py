@@ -10,7 +10,9 @@ deploy/); foreground deletion of the StatefulSet, then device deletion through t
 two controller processes (two replicas): one leads by the Lease, the other stands by, and takes over when
 the leader is killed; ProxyClasses as upstream's documentation writes them apply, a Service waits for its
 class and then gets all of it, a class the controller refuses changes no proxy, the class written as an
-annotation is reported. A kubelet and real proxies are the real-cluster issue's part.
+annotation is reported; the API server killed for OUTAGE_SECONDS (20 s; five minutes under `make outages`):
+the controller stays up, then catches up without a restart (last in the module). A kubelet and real proxies
+are the real-cluster issue's part.
 """
 from __future__ import annotations
 
@@ -565,3 +567,79 @@ async def test_the_real_api_server_keeps_the_agent_clients_contract(kube, contra
         await AGENT_CHECKS[check](client)
     finally:
         await client.aclose()
+
+
+#: The API server's outage (test_the_api_server_down_...): 20 s in the suite, five minutes under `make outages`.
+OUTAGE = float(os.environ.get("OUTAGE_SECONDS", "20"))
+
+
+@pytest.mark.timeout(OUTAGE + 240)
+def test_the_api_server_down_costs_no_restart_and_the_controller_catches_up(running):
+    """kube-apiserver stops for OUTAGE seconds right after a Service's change. The controller does not exit (its
+    Lease could not be renewed: it stays up, fenced, and leads again since the Lease still names it), logs the
+    outage in a bounded number of lines, and after the return the changed Service converges and a Service
+    created after the return gets its proxy, without a restart. Figures printed (pytest -s) and appended to
+    $CB_OUTAGE_REPORT when set."""
+    kube, api, _ = running
+    c = client(kube)
+    # Last in the module (the API server's restart slows the garbage collector's deletions for a while): after
+    # test_two_replicas_... the second controller is the one alive.
+    ctl, health = next((p, h) for p, h in CONTROLLERS if p.poll() is None)
+    log_path = SETTINGS["dir"] / ("controller.log" if ctl is CONTROLLERS[0][0] else "controller-2.log")
+    wait(lambda: role(health) == "leader", 60, "the controller to lead")
+
+    def expose(name: str, hostname: str) -> None:
+        r = c.post("/api/v1/namespaces/default/services", json={
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "annotations": {"tailscale.com/expose": "true",
+                                                       "tailscale.com/hostname": hostname}},
+            "spec": {"ports": [{"port": 80}], "selector": {"app": name}}})
+        assert r.status_code == 201, r.text
+
+    def config_hostname(name: str) -> str:
+        _, secrets = children(kube, name)
+        confs = [json.loads(v) for sec in secrets for k, v in secret_data(sec).items() if k.endswith(".hujson")]
+        return confs[0].get("Hostname", "") if confs else ""
+
+    expose("pre-outage", "pre-a")
+    wait(lambda: config_hostname("pre-outage") == "pre-a", 30, "pre-outage's proxy")
+    lines_before = len(log_path.read_text().splitlines())
+    r = c.patch("/api/v1/namespaces/default/services/pre-outage",
+                headers={"Content-Type": "application/merge-patch+json"},
+                content=json.dumps({"metadata": {"annotations": {"tailscale.com/hostname": "pre-b"}}}))
+    assert r.status_code == 200, r.text
+    t_down = time.monotonic()
+    # gone at once (SIGKILL): on SIGTERM kube-apiserver drains its watches for about 20 s, still answering
+    kube.procs["kube-apiserver"].proc.kill()
+    kube.stop_component("kube-apiserver")
+    alive: list[bool] = []
+    try:
+        while time.monotonic() < t_down + OUTAGE:
+            alive.append(ctl.poll() is None)
+            time.sleep(1)
+        outage_log = log_path.read_text().splitlines()[lines_before:]
+    finally:
+        apiserver_start = kube.restart_apiserver(0)    # whatever happened: the module's next tests need it
+    t_back = time.monotonic()
+    expose("post-outage", "post-a")
+    wait(lambda: config_hostname("post-outage") == "post-a", 120, "the proxy of a Service created after the return")
+    created = time.monotonic() - t_back
+    wait(lambda: config_hostname("pre-outage") == "pre-b", 120, "the change made before the outage")
+    changed = time.monotonic() - t_back
+    wait(lambda: role(health) == "leader", 30, "the controller to lead again")
+    line = json.dumps({"outage": "apiserver-controller", "seconds": OUTAGE,
+                       "apiserver_start_s": round(apiserver_start, 2),
+                       "created_after_return_reconciled_s": round(created, 2),
+                       "changed_before_outage_converged_s": round(changed, 2),
+                       "log_lines_during_outage": len(outage_log)})
+    print(line)
+    if report := os.environ.get("CB_OUTAGE_REPORT"):
+        with open(report, "a") as f:
+            f.write(line + "\n")
+    print("\n".join(outage_log))
+    assert all(alive) and ctl.poll() is None, "the controller exited during the outage"
+    assert any("writes stop until it is renewed" in x for x in outage_log), "the outage was not logged"
+    # Bounded whatever the outage's length: one line per kind of failure per minute, not one per attempt.
+    assert len(outage_log) <= 30 + 15 * (OUTAGE // 60), "\n".join(outage_log)
+    for name in ("pre-outage", "post-outage"):     # their clean-up is test_exposed_service_lifecycle's subject
+        assert c.delete(f"/api/v1/namespaces/default/services/{name}").status_code == 200

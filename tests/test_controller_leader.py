@@ -177,3 +177,40 @@ async def test_a_release_never_frees_a_lease_someone_else_took(api):
     assert held_by(api) == "b" and not a.is_leader() and b.is_leader()
     for e in (a, b):
         await e.kube.aclose()
+
+
+async def test_a_leader_cut_off_from_the_api_server_leads_again_when_it_answers(api, caplog):
+    from controller.leader import LeaseUnrenewed
+    a = LeaderElector(client(api), NS, "a", timing=T)
+    await a.acquire()
+    outage = api.fail(503, count=100000, path="/leases/")
+    with pytest.raises(LeaseUnrenewed):
+        await asyncio.wait_for(a.hold(), 60)
+    assert not a.is_leader()
+    caplog.clear()
+    regain = asyncio.ensure_future(a.regain())
+    await asyncio.sleep(10 * T.retry)
+    assert not regain.done() and not a.is_leader()                  # fenced while the server does not answer
+    said = [r.getMessage() for r in caplog.records if "cannot be renewed yet" in r.getMessage()]
+    assert len(said) == 1, said                                     # once, not at every attempt
+    outage.count = 0
+    await asyncio.wait_for(regain, 30)
+    assert a.is_leader() and held_by(api) == "a"
+    await a.kube.aclose()
+
+
+async def test_a_leader_whose_lease_was_taken_meanwhile_does_not_lead_again(api):
+    from controller.leader import LeaseUnrenewed
+    a = LeaderElector(client(api), NS, "a", timing=T)
+    await a.acquire()
+    outage = api.fail(503, count=100000, path="/leases/", method="PATCH")
+    with pytest.raises(LeaseUnrenewed):
+        await asyncio.wait_for(a.hold(), 60)
+    outage.count = 0
+    b = LeaderElector(client(api), NS, "b", timing=T)
+    await asyncio.wait_for(b.acquire(), 30)                         # b waits out the duration, then takes it
+    with pytest.raises(LostLeadership, match="held by b"):
+        await asyncio.wait_for(a.regain(), 30)
+    assert not a.is_leader() and b.is_leader()
+    for e in (a, b):
+        await e.kube.aclose()

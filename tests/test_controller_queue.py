@@ -181,3 +181,60 @@ def test_a_proxygroup_event_brings_a_pass_of_the_services_that_name_it():
     s.index_service(("svc", "apps", "a"), "other")     # moved to another group
     s.index_service(("svc", "apps", "b"), "")          # no longer names one (or deleted)
     assert s.group_services == {"other": {("svc", "apps", "a"), ("svc", "apps", "c")}}
+
+
+async def test_retry_now_runs_the_waiting_keys_at_once_and_starts_their_backoff_over():
+    runs: list[str] = []
+    down = True
+
+    async def work(key):
+        runs.append(key)
+        if key == "waits":
+            return 60.0 if down else None        # e.g. fenced: come back later
+        if down:
+            raise RuntimeError("api down")
+        return None
+    q = WorkQueue(work, base_delay=30.0)
+    q.poke("fails")
+    q.poke("waits")
+    await asyncio.sleep(0.05)
+    assert sorted(runs) == ["fails", "waits"] and q.failures == {"fails": 1}
+    down = False
+    q.retry_now()
+    await asyncio.sleep(0.05)
+    assert sorted(runs) == ["fails", "fails", "waits", "waits"] and q.failures == {}
+    await q.aclose()
+
+
+def test_kopf_retries_watches_for_ever_and_each_request_starts_over():
+    import itertools
+
+    from controller.handlers import RetryForever
+    b = settings(False).networking.error_backoffs
+    assert isinstance(b, RetryForever)
+    first = list(itertools.islice(iter(b), 12))
+    assert first == [1, 1, 2, 3, 5, 5, 5, 5, 5, 5, 5, 5]
+    assert list(itertools.islice(iter(b), 3)) == [1, 1, 2]        # a fresh sequence for every request
+
+
+def test_kopf_attempt_lines_fold_to_one_a_minute_and_say_how_many_were_held():
+    import logging
+
+    from controller.logfold import FoldRepeats
+    now = [0.0]
+    f = FoldRepeats(window=60.0, clock=lambda: now[0])
+
+    def rec(name: str, msg: str) -> logging.LogRecord:
+        return logging.LogRecord(name, logging.ERROR, "", 0, msg, None, None)
+    passed = []
+    for i in range(30):                              # a dozen watches failing for a minute and a half
+        now[0] = i * 3.0
+        for w in ("services", "secrets"):
+            r = rec("kopf._cogs.clients.watching", f"Request attempt #{i} failed; will retry: GET /{w}")
+            if f.filter(r):
+                passed.append(r.getMessage())
+        other = rec("controller", "leader election: something")
+        assert f.filter(other)                       # other lines are never held back
+    assert len(passed) == 2
+    assert passed[0] == "Request attempt #0 failed; will retry: GET /services"
+    assert passed[1].startswith("Request attempt #20 failed; will retry: GET /services (39 more like this in the last")

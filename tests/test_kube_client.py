@@ -365,3 +365,17 @@ async def test_credentials_read_from_secret_are_registered_for_redaction(kube_ap
     async with client(kube_api) as kc:
         await kc.get_secret(SECRET)
     assert redact(f"tailscale up --login-server=x {hexkey}") == "tailscale up --login-server=x [REDACTED]"
+
+
+async def test_readyz_says_whether_the_server_answered(kube_api, caplog):
+    caplog.set_level(logging.DEBUG, logger="containerboot")
+    async with client(kube_api) as kc:
+        assert await kc.readyz() == ("", True)
+        kube_api.fail(500, count=1, path="/readyz", message="[-]etcd failed")
+        err, answered = await kc.readyz()
+        assert answered and err.startswith("GET /readyz: HTTP 500") and "etcd failed" in err
+    env = {**kube_api.env(), "KUBERNETES_SERVICE_PORT_HTTPS": str(_closed_port())}
+    async with KubeClient.from_environment(env, root=kube_api.root) as kc:
+        err, answered = await kc.readyz()
+    assert not answered and err.startswith("GET /readyz: cannot reach https://127.0.0.1:")
+    assert "retrying" not in caplog.text          # one request, no retry, no log line

@@ -218,6 +218,22 @@ class KubeClient:
                                   resource="selfsubjectaccessreviews", deadline=deadline, json_body=body)
         return bool(((obj or {}).get("status") or {}).get("allowed"))
 
+    async def readyz(self, timeout: float = 5.0) -> tuple[str, bool]:
+        """One `GET /readyz`, no retry and no log line (the reachability check): ("", True) when the API server is
+        ready, else (what went wrong, whether the server answered at all)."""
+        try:
+            resp = await self._http.get(self.url + "/readyz", timeout=timeout,
+                                        headers={"Authorization": "Bearer " + self._token.get()})
+        except httpx.TimeoutException:
+            return f"GET /readyz: no answer within {timeout:g}s", False
+        except httpx.TransportError as e:
+            return redact(f"GET /readyz: cannot reach {self.url}: {type(e).__name__}: {e}"), False
+        except KubeError as e:   # the token file: a configuration problem, said as it is
+            return str(e), True
+        if resp.status_code == 200:
+            return "", True
+        return redact(f"GET /readyz: HTTP {resp.status_code}: {resp.text[:200].strip()}"), True
+
     # ---- transport
 
     async def _request(self, method: str, url: str, *, verb: str, name: str = "", resource: str = "secrets",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from containerboot.settings import CAPABILITY_VERSION, Settings
@@ -59,6 +59,16 @@ class SecretState:
         self.name = name
         self.written: dict[str, bytes | None] = {}
         self.failed = ""
+        #: The keys of the last write that failed, until one succeeds (for /status).
+        self.pending: tuple[str, ...] = ()
+        #: Told the outcome of every steady-state write (None: it landed), for the API server's reachability.
+        self.on_result: Callable[[KubeError | None], None] | None = None
+        #: The API server did not answer at all (no connection, no answer in time) at the last check or write: a
+        #: write is then not attempted (it could only fail, and a pass waiting on it -- the device ID goes in before
+        #: the rules -- would be held for the whole retry budget, logging every retry); it stays pending until the
+        #: server answers again, when the agent pokes the reconciler. A server that answers with an error (a 500
+        #: from /readyz) does not set it: writes are still tried.
+        self.api_down = False
 
     async def setup(self, s: Settings, deadline: float, *, config_authkey: str = "") -> KubeSetup:
         try:
@@ -111,6 +121,9 @@ class SecretState:
         patch = {k: v for k, v in want.items() if self.written.get(k, b"\0unset") != v}
         if not patch:
             return True
+        if self.api_down:
+            self.pending = tuple(sorted(set(self.pending) | set(patch)))
+            return False
         try:
             await self.client.patch_secret(self.name, patch, deadline=time.monotonic() + budget)
         except KubeError as e:
@@ -121,9 +134,17 @@ class SecretState:
                 log.error("%s (will retry)",
                           redact(f"failed to update Secret {self.name!r} ({', '.join(sorted(patch))}): {e}"))
             self.failed = kind
+            self.pending = tuple(sorted(patch))
+            self.api_down = e.status == 0 and e.reason in ("Unreachable", "Timeout")
+            if self.on_result is not None:
+                self.on_result(e)
             return False
         self.failed = ""
+        self.pending = ()
+        self.api_down = False
         self.written.update(patch)
+        if self.on_result is not None:
+            self.on_result(None)
         return True
 
     def has_written(self, *keys: str) -> bool:

@@ -659,6 +659,8 @@ class KubeAPIServer:
             return self._ssar(body)
         if path in ("/version", "/version/"):
             return 200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0-kubeapi-test"}, {}
+        if path in ("/readyz", "/livez"):
+            return 200, "ok", {}
         m = re.fullmatch(r"/(?:api/v1|apis/([^/]+/[^/]+))/namespaces/([^/]+)/([^/]+)(?:/([^/]+))?/?", path)
         if not m or m.group(3) not in KINDS or GROUPS.get(m.group(3)) != m.group(1):
             raise ApiError(404, "NotFound", "the server could not find the requested resource", {})
