@@ -21,18 +21,21 @@ from needs import unavailable
 # `make test` runs this directory on two pytest-xdist workers with `--dist loadfile --no-loadscope-reorder`:
 # each module runs whole on one worker (its module-scoped lab or cluster is made once), and a free worker takes
 # the next module in collection order. The longest modules go first, so that the other worker works through
-# the many short ones meanwhile instead of starting a 6-minute module near the end. Measured durations, longest
-# first (docs/lab-and-tests.md); modules not named keep their order after these.
+# the many short ones meanwhile instead of starting a 6-minute module near the end. Longest first by measured
+# wall time (docs/lab-and-tests.md); modules not named keep their order after these.
 _LONGEST_FIRST = (
     "test_controller_realkube_e2e.py",
-    "test_pg_failover_twonode.py",
     "test_realkube_agent_e2e.py",
-    "test_proxygroup_e2e.py",
-    "test_controller_apiserver.py",
-    "test_image_e2e.py",
-    "test_realkube_e2e.py",
-    "test_outages.py",
+    "test_pg_failover_twonode.py",
     "test_kube_e2e.py",
+    "test_netfilter_packets.py",
+    "test_outages.py",
+    "test_egress_e2e.py",
+    "test_image_e2e.py",
+    "test_agent_crash.py",
+    "test_dns_ingress_e2e.py",
+    "test_proxygroup_e2e.py",
+    "test_realkube_e2e.py",
 )
 
 
