@@ -66,18 +66,26 @@ demo: setup
 	$(if $(findstring --image,$(DEMO_ARGS)),bash scripts/setup.sh --image && bash images/build.sh --name $(LAB_PROXY_IMAGE))
 	$(PY) -m labtools.demo $(DEMO_ARGS)
 
+# Both suites run on PYTEST_WORKERS pytest-xdist workers (0: in one process, as plain pytest does). The unit
+# tests are handed out test by test; the netns tests module by module (--dist loadfile: a module's lab or cluster
+# is made once, on one worker), longest modules first (the order in netns-tests/conftest.py, kept by
+# --no-loadscope-reorder). docs/lab-and-tests.md has the figures.
+PYTEST_WORKERS ?= 2
+UNIT_ARGS = -n $(PYTEST_WORKERS)
+NETNS_ARGS = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 ## test: unit tests (no root, no network), then the namespace and end-to-end tests (root).
 test: setup-bin
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(UNIT_ARGS) tests
 	@$(MAKE_IMAGE)
-	$(PY) -m pytest -q -p no:cacheprovider netns-tests
+	$(PY) -m pytest -q -p no:cacheprovider $(NETNS_ARGS) netns-tests
 
 test-unit: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(UNIT_ARGS) tests
 
 test-netns: setup-bin
 	@$(MAKE_IMAGE)
-	$(PY) -m pytest -q netns-tests
+	$(PY) -m pytest -q $(NETNS_ARGS) netns-tests
 
 ## fuzz: the long run of the generated-input tests (tests/test_fuzz_*.py): random seeds, FUZZ_EXAMPLES examples
 ## a target (default 20000; `make test` runs 100 with a fixed seed). A failure prints the input that shows it.
