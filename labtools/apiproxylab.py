@@ -228,10 +228,5 @@ class LocalProxy:
 
     def stop(self) -> None:
         for p in (self.proc, self.api, self.forward):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
+            if p is not None:
+                stop_process(p)

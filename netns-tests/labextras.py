@@ -410,10 +410,4 @@ class HeldConnection:
 
     def stop(self) -> None:
         for p in (self.client, self.server):
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
+            stop_process(p, timeout=5)

@@ -43,7 +43,7 @@ import pytest
 import kubelab
 from controller.model import ANN_TAGS, Parent
 from controller.render import base_name
-from labtools.lab import wait_until
+from labtools.lab import stop_process, wait_until
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(3600)]
 
@@ -197,13 +197,7 @@ class Life:
 
     @staticmethod
     def stop_proc(p: subprocess.Popen) -> None:
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        stop_process(p, timeout=15)
 
     # ---- the whole life
     def run(self) -> None:
