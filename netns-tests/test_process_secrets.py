@@ -72,8 +72,11 @@ def test_no_key_in_environ_or_cmdline_of_any_child(lab, start_agent) -> None:
     try:
         agent.wait_running(60)
         agent.wait_for_log("Startup complete", 60)
+        with open(f"/proc/{agent.proc.pid}/environ", "rb") as f:
+            own = f.read()
     finally:
         seen = watch.stop()
+    assert key.encode() not in own and b"TS_AUTHKEY=\0" in own, "the agent's own environment keeps the key"
     names = {os.path.basename(cmd.split(b"\0", 1)[0]).decode() for cmd, _ in seen.values()}
     assert {"tailscaled", "tailscale"} <= names, f"the watch missed a process: {sorted(names)}"
     for pid, (cmdline, environ) in seen.items():
