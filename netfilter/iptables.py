@@ -198,8 +198,11 @@ class IptablesBackend:
 
     def _converged(self, rules: RuleSet, fam: int, save: str) -> bool:
         """Kernel already matches: same rules, and every needed jump is the single first rule of its chain."""
+        installed = self._installed_family(fam, save)
+        if not installed and not rules.family(fam).empty:
+            return False    # none of our chains, rules wanted: no need to render them to know
         desired = render_iptables(rules, fam)
-        if self._installed_family(fam, save) != desired:
+        if installed != desired:
             return False
         state = IptState.parse(save)
         return all(state.jumps.get(chain, ()) == (0,) for _, chain, _ in IPT_CHAINS if f":{chain} " in desired)

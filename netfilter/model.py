@@ -277,14 +277,20 @@ class RuleSet:
         """The part of the rule set for IPv4 (4) or IPv6 (6)."""
         if version not in (4, 6):
             raise ValueError(f"family must be 4 or 6, not {version!r}")
-        return RuleSet(
-            dnats=tuple(d for d in self.dnats if d.version == version),
-            egress=tuple(e for e in self.egress if e.version == version),
-            port_maps=tuple(p for p in self.port_maps if p.version == version),
-            clamp_mss=self.clamp_mss,
-            tun=self.tun,
-            service_dnats=tuple(s for s in self.service_dnats if s.version == version),
-        )
+        # Kept on the (immutable) instance: one apply asks for each family several times, and building one
+        # re-validates every entry (~25 ms at 10,000 maps). Not a field: equality and hashing ignore it.
+        cache: dict[int, RuleSet] = self.__dict__.setdefault("_by_family", {})
+        part = cache.get(version)
+        if part is None:
+            part = cache[version] = RuleSet(
+                dnats=tuple(d for d in self.dnats if d.version == version),
+                egress=tuple(e for e in self.egress if e.version == version),
+                port_maps=tuple(p for p in self.port_maps if p.version == version),
+                clamp_mss=self.clamp_mss,
+                tun=self.tun,
+                service_dnats=tuple(s for s in self.service_dnats if s.version == version),
+            )
+        return part
 
     @property
     def empty(self) -> bool:

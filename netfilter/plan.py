@@ -91,16 +91,37 @@ class _Plan:
         return bool(self.lb_dnats or self.addr_dnats or self.port_maps or self.egress_targets)
 
 
+_DIGIT_RUNS = re.compile(r"(\d+)").split
+
+
 def _natural_key(text: str) -> tuple:
-    """Sort key that orders embedded numbers numerically ("10.0.0.9" < "10.0.0.10")."""
-    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text))
+    """Sort key that orders embedded numbers numerically ("10.0.0.9" < "10.0.0.10"). Splitting on one capturing
+    group puts the digit runs at the odd places; sorting a 10,000-element map calls this for every element."""
+    return tuple((0, int(t), "") if i & 1 else (1, 0, t) for i, t in enumerate(_DIGIT_RUNS(text)))
 
 
 def _ip_key(ip: IP) -> tuple[int, int]:
     return (ip.version, int(ip))
 
 
+# The last few plans, by rule set identity (RuleSet is immutable; the entry keeps it alive, so an id is never
+# reused while it is here): one apply renders, plans and records the same rule set several times.
+_PLANS: dict[tuple[int, int], tuple[RuleSet, "_Plan"]] = {}
+
+
 def _family_plan(rules: RuleSet, version: int) -> _Plan:
+    key = (id(rules), version)
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0] is rules:
+        return hit[1]
+    plan = _build_family_plan(rules, version)
+    _PLANS[key] = (rules, plan)
+    for old in list(_PLANS)[:-4]:
+        _PLANS.pop(old, None)
+    return plan
+
+
+def _build_family_plan(rules: RuleSet, version: int) -> _Plan:
     r = rules.family(version)
     lb = tuple(sorted((d for d in r.dnats if len(d.targets) > 1), key=lambda d: _ip_key(d.original_dst)))
     single = [(d.original_dst, d.targets[0], "") for d in r.dnats if len(d.targets) == 1]
