@@ -23,7 +23,8 @@ def test_schedule_ttl_bounds_and_backoff():
     assert next_delay(ok=True, ttl=42) == 42
     assert next_delay(ok=True, ttl=86400) == 600
     assert [next_delay(ok=False, failures=n) for n in range(12)] == [
-        1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600, 600]
+        1, 2, 4, 8, 16, 32, 60, 60, 60, 60, 60, 60]
+    assert next_delay(ok=False, failures=10**6) == 60
 
 
 class FakeResolver:
