@@ -3,11 +3,12 @@
 Upstream re-resolves every 10 minutes whatever the records say; here the next lookup happens when the
 answer's TTL runs out (bounded to [5 s, 10 min]), and after a failure with a backoff of 1 s, 2 s, 4 s, ... up
 to 1 min (upstream's goes on to 10 min: after a long DNS outage the name's backends would stay stale, and
-`/status` keep the error, for up to 10 minutes; one lookup a minute costs nothing). The standard library's resolver hides TTLs, so lookups go through dnspython's
-`dns.asyncresolver`, which reads /etc/resolv.conf (nameservers, `search`, `ndots`, `timeout`, `rotate`,
-`edns0`), follows CNAME chains, retries over TCP when an answer is truncated, and reports the smallest TTL of
-the chain. dnspython is imported only when a lookup is made, so configurations without a DNS target never
-load it.
+`/status` keep the error, for up to 10 minutes; one lookup a minute costs nothing).
+
+The standard library's resolver hides TTLs, so lookups go through dnspython's `dns.asyncresolver`, which reads
+/etc/resolv.conf (nameservers, `search`, `ndots`, `timeout`, `rotate`, `edns0`), follows CNAME chains, retries
+over TCP when an answer is truncated, and reports the smallest TTL of the chain. dnspython is imported only when
+a lookup is made, so configurations without a DNS target never load it.
 """
 from __future__ import annotations
 

@@ -78,7 +78,8 @@ _TLS: ssl.SSLContext | None = None
 def _tls() -> ssl.SSLContext:
     global _TLS
     if _TLS is None:
-        _TLS = ssl.create_default_context()
+        from .catrust import client_context
+        _TLS = client_context()     # the CAs tailscaled trusts: a private CA in SSL_CERT_DIR included
     return _TLS
 
 

@@ -65,6 +65,9 @@ class ControllerConfig:
     proxy_tolerations: list = field(default_factory=list, hash=False)
     proxy_affinity: dict = field(default_factory=dict, hash=False)
     default_proxy_class: str = ""                  # PROXY_DEFAULT_CLASS: the ProxyClass of parents naming none
+    # PROXY_CA_CONFIGMAP: a ConfigMap in `namespace` of PEM CA certificates every proxy trusts besides the public
+    # ones (a control server with a certificate from a private CA); "" = none
+    proxy_ca_configmap: str = ""
 
     @property
     def server_url(self) -> str:
@@ -239,4 +242,9 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
         raise ConfigError(f"PROXY_DEFAULT_CLASS={default_class!r} is not a ProxyClass name; use a lower-case DNS "
                           "name such as 'prod' (kubectl get proxyclasses)")
     kw["default_proxy_class"] = default_class
+    ca = get("PROXY_CA_CONFIGMAP")
+    if ca and not (_DNS_SUBDOMAIN.match(ca) and len(ca) <= 253):
+        raise ConfigError(f"PROXY_CA_CONFIGMAP={ca!r} is not a ConfigMap name; use the lower-case name of a ConfigMap "
+                          f"in {kw['namespace']!r} holding the CA's PEM (e.g. headscale-ca), or leave it empty")
+    kw["proxy_ca_configmap"] = ca
     return ControllerConfig(**kw)

@@ -24,7 +24,7 @@ from tscommon.secretcontract import CONFIG_CAPVERS, config_key
 from . import proxyclass as pcl, proxyrbac
 from .config import ControllerConfig
 from .kinds.proxygroup import GroupSpec
-from .render import SYSCTL_SCRIPT, _hashed, child_labels, dumps, rehash, tailscaled_config
+from .render import SYSCTL_SCRIPT, _hashed, ca_trust, child_labels, dumps, rehash, tailscaled_config
 
 EGRESS_CONFIG_DIR = "/etc/proxies"
 EGRESS_SERVICES_KEY = "egress-services"
@@ -116,6 +116,9 @@ def _env(g: GroupSpec, cfg: ControllerConfig) -> list[dict]:
     if cfg.firewall_mode:
         env.append({"name": "TS_DEBUG_FIREWALL_MODE", "value": cfg.firewall_mode})
     env.append({"name": "TS_INTERNAL_APP", "value": g.proxy_spec().app})
+    trust = ca_trust(cfg)
+    if trust:
+        env.append(trust[2])
     # The default class's extra env last: as in upstream, the user's value wins over a rendered one.
     env += [{"name": k, "value": v} for k, v in cfg.proxy_env]
     return env
@@ -132,6 +135,10 @@ def statefulset(g: GroupSpec, cfg: ControllerConfig, pc: pcl.ProxyClass | None =
                        "readOnly": True})
     volumes.append({"name": "egress-config", "configMap": {"name": configmap_name(g.name)}})
     mounts.append({"name": "egress-config", "mountPath": EGRESS_CONFIG_DIR, "readOnly": True})
+    trust = ca_trust(cfg)
+    if trust:
+        volumes.append(trust[0])
+        mounts.append(trust[1])
     container: dict[str, Any] = {
         "name": "tailscale", "image": cfg.proxy_image, "imagePullPolicy": cfg.image_pull_policy,
         "env": _env(g, cfg), "resources": cfg.proxy_resources, "volumeMounts": mounts,

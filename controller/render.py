@@ -30,7 +30,7 @@ SPEC_HASH = "tailscale.com/controller-spec-hash"
 SYSCTL_SCRIPT = ("echo 1 > /proc/sys/net/ipv4/ip_forward && if [ -e /proc/sys/net/ipv6/conf/all/forwarding ]; "
                  "then echo 1 > /proc/sys/net/ipv6/conf/all/forwarding; fi")
 #: Env read by tailscaled itself (envknobs), not by the agent's settings table.
-TAILSCALED_ENV = ("TS_INTERNAL_APP", "TS_DEBUG_ACME_FORCE_RENEWAL", "TS_DEBUG_ACME_DIRECTORY_URL")
+TAILSCALED_ENV = ("TS_INTERNAL_APP", "TS_DEBUG_ACME_FORCE_RENEWAL", "TS_DEBUG_ACME_DIRECTORY_URL", "SSL_CERT_DIR")
 _NAME_MAX = 52   # a StatefulSet's Pods get a controller-revision-hash label of name + 11 chars, max 63
 #: The API server proxy's container talks to tailscaled over this socket, on a volume both containers mount.
 APISERVER_SOCKET_DIR = "/var/run/tailscale"
@@ -113,6 +113,21 @@ def secret(spec: ProxySpec, cfg: ControllerConfig, i: int, authkey: str) -> dict
             "stringData": secret_string_data(spec, cfg, i, authkey)}
 
 
+#: Where a proxy container finds PROXY_CA_CONFIGMAP's certificates.
+CA_DIR = "/etc/containerboot/ca"
+
+
+def ca_trust(cfg: ControllerConfig) -> tuple[dict, dict, dict] | None:
+    """(volume, mount, env entry) that make a proxy container trust PROXY_CA_CONFIGMAP's CAs besides the system's:
+    tailscaled (Go) reads every file of each directory in SSL_CERT_DIR, and the agent's own check of the control
+    server does the same (containerboot/catrust.py). None without the setting."""
+    if not cfg.proxy_ca_configmap:
+        return None
+    return ({"name": "control-plane-ca", "configMap": {"name": cfg.proxy_ca_configmap}},
+            {"name": "control-plane-ca", "mountPath": CA_DIR, "readOnly": True},
+            {"name": "SSL_CERT_DIR", "value": f"/etc/ssl/certs:{CA_DIR}"})
+
+
 def _env(spec: ProxySpec, cfg: ControllerConfig) -> list[dict]:
     def field(path: str) -> dict:
         return {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
@@ -134,6 +149,9 @@ def _env(spec: ProxySpec, cfg: ControllerConfig) -> list[dict]:
         env.append({"name": "TS_SOCKET", "value": APISERVER_SOCKET})
     env += [{"name": k, "value": v} for k, v in spec.target_env]
     env.append({"name": "TS_INTERNAL_APP", "value": spec.app})
+    trust = ca_trust(cfg)
+    if trust:
+        env.append(trust[2])
     # The default ProxyClass's extra env last: as in upstream, the user's value wins over a rendered one.
     env += [{"name": k, "value": v} for k, v in cfg.proxy_env]
     return env
@@ -152,6 +170,10 @@ def statefulset(spec: ProxySpec, cfg: ControllerConfig) -> dict:
             volumes.append({"name": f"serve-config-{i}", "secret": {
                 "secretName": sname, "items": [{"key": KEY_SERVE_CONFIG, "path": KEY_SERVE_CONFIG}]}})
             mounts.append({"name": f"serve-config-{i}", "mountPath": f"/etc/tailscaled/{sname}", "readOnly": True})
+    trust = ca_trust(cfg)
+    if trust:
+        volumes.append(trust[0])
+        mounts.append(trust[1])
     container: dict[str, Any] = {"name": "tailscale", "image": cfg.proxy_image,
                                  "imagePullPolicy": cfg.image_pull_policy, "env": _env(spec, cfg),
                                  "resources": cfg.proxy_resources, "volumeMounts": mounts}

@@ -352,6 +352,9 @@ def test_config_defaults_and_headscale():
     ({"PROXY_TOLERATIONS": "{}"}, "PROXY_TOLERATIONS must be a JSON array"),
     ({"PROXY_AFFINITY": "[]"}, "PROXY_AFFINITY must be a JSON object"),
     ({"PROXY_IMAGE_PULL_SECRETS": "regcred,Bad_Name"}, "'Bad_Name' is not a Secret name"),
+    ({"PROXY_CA_CONFIGMAP": "tailscale/headscale-ca"}, "PROXY_CA_CONFIGMAP='tailscale/headscale-ca' is not a "
+                                                       "ConfigMap name; use the lower-case name of a ConfigMap in "
+                                                       "'tailscale'"),
 ])
 def test_config_errors_name_the_variable(env, needle):
     with pytest.raises(cconfig.ConfigError) as e:

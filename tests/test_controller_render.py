@@ -7,7 +7,7 @@ from dataclasses import replace
 from containerboot.settings import SETTINGS
 from controller.config import ControllerConfig
 from controller.kinds import connector, ingress, service
-from controller.render import SPEC_HASH, TAILSCALED_ENV, base_name, render
+from controller.render import CA_DIR, SPEC_HASH, TAILSCALED_ENV, base_name, render
 
 CFG = ControllerConfig(namespace="tailscale", proxy_image="registry.local/proxy:1",
                        login_server="https://hs.example.com", firewall_mode="nftables")
@@ -220,3 +220,31 @@ def test_every_rendered_env_name_is_known_to_the_agent_or_tailscaled():
     assert seen <= known, seen - known
     assert {"TS_DEST_IP", "TS_EXPERIMENTAL_DEST_DNS_NAME", "TS_TAILNET_TARGET_IP", "TS_SERVE_CONFIG",
             "EXPERIMENTAL_ALLOW_PROXYING_CLUSTER_TRAFFIC_VIA_INGRESS"} <= seen
+
+
+def test_proxy_ca_configmap_is_mounted_and_trusted_by_every_proxy():
+    """PROXY_CA_CONFIGMAP: the ConfigMap as a volume, mounted read-only in the tailscale container, its directory
+    added to the system's in SSL_CERT_DIR (tailscaled's and the agent's check read it); nothing without it."""
+    from controller import pgrender
+    from controller.kinds import proxygroup
+    cfg = replace(CFG, proxy_ca_configmap="headscale-ca")
+    pg = {"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyGroup",
+          "metadata": {"name": "eg", "uid": "u-pg"}, "spec": {"type": "egress", "replicas": 2}}
+    pods = [render(service.decide(_svc(clusterIP="10.96.0.10"), cfg).spec, cfg, ("k",)).statefulset,
+            render(connector.decide({"metadata": {"name": "c", "uid": "u"}, "spec": {"exitNode": True}}, cfg).spec,
+                   cfg, ("k",)).statefulset,
+            pgrender.statefulset(proxygroup.decide(pg, cfg), cfg)]
+    for sts in pods:
+        pod = sts["spec"]["template"]["spec"]
+        assert {"name": "control-plane-ca", "configMap": {"name": "headscale-ca"}} in pod["volumes"]
+        (c,) = [c for c in pod["containers"] if c["name"] == "tailscale"]
+        assert {"name": "control-plane-ca", "mountPath": CA_DIR, "readOnly": True} in c["volumeMounts"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["SSL_CERT_DIR"] == f"/etc/ssl/certs:{CA_DIR}"
+    plain = render(service.decide(_svc(clusterIP="10.96.0.10"), CFG).spec, CFG, ("k",)).statefulset
+    assert "control-plane-ca" not in json.dumps(plain) and "SSL_CERT_DIR" not in json.dumps(plain)
+    # A user's PROXY_ENV still has the last word.
+    over = replace(cfg, proxy_env=(("SSL_CERT_DIR", "/mine"),))
+    env = render(service.decide(_svc(clusterIP="10.96.0.10"), over).spec, over, ("k",)).statefulset[
+        "spec"]["template"]["spec"]["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == "SSL_CERT_DIR"][-1] == "/mine"

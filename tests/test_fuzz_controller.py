@@ -223,7 +223,7 @@ def test_ingress_decide_accepts_or_names_the_field(case: tuple[dict[str, Any], d
 _CONTROLLER_VARS = ("OPERATOR_NAMESPACE", "PROXY_IMAGE", "PROXY_TAGS", "PROXY_FIREWALL_MODE", "PROXY_RESOURCES",
                     "PROXY_ENV", "PROXY_IMAGE_PULL_POLICY", "OPERATOR_LOGIN_SERVER", "OPERATOR_DEFAULT_LOAD_BALANCER",
                     "CLUSTER_DOMAIN", "TS_MAGICDNS_SUFFIX", "CONTROL_PLANE", "HEADSCALE_URL", "HEADSCALE_USER",
-                    "INGRESS_SCHEME")
+                    "INGRESS_SCHEME", "PROXY_CA_CONFIGMAP")
 
 
 @example(env={"HEADSCALE_USER": "²"})

@@ -307,3 +307,10 @@ def test_default_proxy_class_value_sets_the_controllers_default():
     (crd,) = [o for o in objs if o["kind"] == "CustomResourceDefinition" and
               o["metadata"]["name"] == "proxyclasses.tailscale.com"]
     assert crd["spec"]["scope"] == "Cluster"
+
+
+def test_proxy_ca_configmap_value_reaches_the_controller():
+    objs = render({"provider": "tailscale", "proxy": {"caConfigMap": "headscale-ca"}})
+    assert env_of(objs)["PROXY_CA_CONFIGMAP"] == "headscale-ca"
+    assert cconfig.load(env_of(objs)).proxy_ca_configmap == "headscale-ca"
+    assert "PROXY_CA_CONFIGMAP" not in env_of(render({"provider": "tailscale"}))
