@@ -15,23 +15,13 @@ import pytest
 
 from labtools.lab import HS_PORT, HS_V4, wait_until
 from tests.support.kubeapi import make_certs
+from tests.support.kubelet import Kubelet
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[1]
 TLS_PORT = 8443
 STATUS_PORT = 9097
-
-
-def _configmap_dir(root: Path, ca_pem: bytes) -> Path:
-    """The CA as the kubelet writes a ConfigMap volume: the key a link into a `..<time>` directory."""
-    d = root / "control-plane-ca"
-    version = d / "..2026_11_26_00_00_00.000000001"
-    version.mkdir(parents=True)
-    (version / "ca.crt").write_bytes(ca_pem)
-    os.symlink(version.name, d / "..data")
-    os.symlink("..data/ca.crt", d / "ca.crt")
-    return d
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +40,9 @@ def tls_front(lab):
             raise AssertionError(f"tlsfront exited: {log.read_text()[-2000:]}")
         return "serving TLS" in log.read_text()
     wait_until(ready, 30, 0.1, "the TLS front of headscale")
-    yield certs, _configmap_dir(d, certs.ca_pem)
+    ca_dir = d / "control-plane-ca"        # as the kubelet mounts a ConfigMap: the key a link into `..data`
+    Kubelet(ca_dir, key="ca.crt").publish(certs.ca_pem.decode())
+    yield certs, ca_dir
     p.terminate()
 
 

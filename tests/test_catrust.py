@@ -5,7 +5,6 @@ verified with it."""
 from __future__ import annotations
 
 import asyncio
-import os
 import ssl
 from pathlib import Path
 
@@ -13,23 +12,19 @@ import pytest
 
 from containerboot import catrust, probes
 from tests.support.kubeapi import make_certs
+from tests.support.kubelet import Kubelet
 
 
-def _configmap_dir(root: Path, files: dict[str, bytes]) -> Path:
-    """A directory as the kubelet writes a ConfigMap volume."""
+def _configmap_dir(root: Path, pem: str) -> Path:
+    """The CA as the kubelet writes a ConfigMap volume (tests/support/kubelet.py)."""
     d = root / "ca"
-    version = d / "..2026_11_26_12_00_00.000000001"
-    version.mkdir(parents=True)
-    for name, data in files.items():
-        (version / name).write_bytes(data)
-    os.symlink(version.name, d / "..data")
-    for name in files:
-        os.symlink(f"..data/{name}", d / name)
+    Kubelet(d, key="ca.crt").publish(pem)
     return d
 
 
 def test_extra_ca_files_reads_a_configmap_volume_and_skips_the_system_store(tmp_path: Path) -> None:
-    d = _configmap_dir(tmp_path, {"ca.crt": b"x", "other.pem": b"y"})
+    d = _configmap_dir(tmp_path, "x")
+    (d / "other.pem").write_text("y")       # a plain file is read as well
     env = {"SSL_CERT_DIR": f"/etc/ssl/certs:{d}:{tmp_path / 'missing'}:"}
     assert catrust.extra_ca_files(env) == [str(d / "ca.crt"), str(d / "other.pem")]
     assert catrust.extra_ca_files({}) == [] and catrust.extra_ca_files({"SSL_CERT_DIR": "/etc/ssl/certs/"}) == []
@@ -51,7 +46,8 @@ async def _serve_tls(certfile: str, keyfile: str) -> tuple[asyncio.AbstractServe
 
 def test_the_control_check_verifies_a_private_ca_from_ssl_cert_dir(tmp_path: Path, monkeypatch) -> None:
     certs = make_certs(str(tmp_path / "pki"), ["127.0.0.1"])
-    d = _configmap_dir(tmp_path, {"ca.crt": Path(certs.ca_path).read_bytes(), "notes.txt": b"not a certificate"})
+    d = _configmap_dir(tmp_path, Path(certs.ca_path).read_text())
+    (d / "notes.txt").write_text("not a certificate")     # skipped, as tailscaled skips it
 
     async def status() -> int:
         server, port = await _serve_tls(certs.cert_path, certs.key_path)
