@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import ssl
+import subprocess
+import sys
+from pathlib import Path
 
 
 def _split(hostport: str) -> tuple[str, int]:
@@ -33,6 +37,7 @@ async def serve(listen: str, to: str, cert: str, key: str) -> None:
     to_host, to_port = _split(to)
 
     async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        print(f"tlsfront: connection from {writer.get_extra_info('peername')[0]}", flush=True)
         try:
             up_reader, up_writer = await asyncio.open_connection(to_host, to_port)
         except OSError:
@@ -45,6 +50,22 @@ async def serve(listen: str, to: str, cert: str, key: str) -> None:
     print(f"tlsfront: serving TLS on {listen}, to {to}", flush=True)
     async with server:
         await server.serve_forever()
+
+
+def start(lab, ns: str, listen: str, to: str, cert: str, key: str, log: Path) -> subprocess.Popen:
+    """Run the front in the lab's namespace `ns` (stopped with the lab) and wait until it serves."""
+    repo = Path(__file__).resolve().parents[1]
+    p = lab._popen("http", "tlsfront", ns, [sys.executable, "-m", "labtools.tlsfront", "--listen", listen,
+                                            "--to", to, "--cert", cert, "--key", key],
+                   {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(repo)}, log)
+
+    def ready() -> bool:
+        if p.poll() is not None:
+            raise RuntimeError(f"tlsfront exited: {log.read_text()[-2000:]}")
+        return log.exists() and "serving TLS" in log.read_text()
+    from labtools.lab import wait_until
+    wait_until(ready, 30, 0.1, f"the TLS front on {listen}")
+    return p
 
 
 def main() -> None:

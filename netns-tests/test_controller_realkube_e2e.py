@@ -45,6 +45,8 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
    annotated Service its proxy (a tailnet IP in its status); deleting it leaves nothing.
 7. The API server proxy (``helm upgrade --set apiServerProxy.mode=auth``, then ``noauth``, then ``off``):
    kubectl from the lab's tailnet client through it, with the tailnet identity impersonated.
+9. A control server behind a private CA (``proxy.caConfigMap``, ``loginServer`` on HTTPS): a proxy logs in
+   through a TLS front of headscale and carries traffic.
 """
 from __future__ import annotations
 
@@ -1065,6 +1067,60 @@ def test_proxygroup_egress_services_scale_and_cleanup(lab, kube):
         kc.kubectl("delete", "proxyclass", "pgclass", "--ignore-not-found", check=False)
         lx.stop_node(lab, "pg-target")
         lab.delete_node("pg-target")
+
+
+def test_proxies_log_in_to_a_control_server_behind_a_private_ca(lab, kube):
+    """``proxy.caConfigMap`` with ``loginServer`` on HTTPS: headscale behind a TLS front whose certificate comes
+    from a CA made here (labtools/tlsfront.py), the CA in a ConfigMap. A new Service's proxy mounts it (the
+    kubelet's ConfigMap volume), logs in through the front and carries a curl from the tailnet client; the
+    values are reset afterwards."""
+    from labtools import tlsfront
+    from tests.support.kubeapi import make_certs
+    kc = kube
+    d = lab.run_dir / "realkube-ca"
+    d.mkdir(parents=True, exist_ok=True)
+    certs = make_certs(str(d / "pki"), [labmod.HS_V4])
+    port = 8444
+    front = tlsfront.start(lab, "hs", f"{labmod.HS_V4}:{port}", f"{labmod.HS_V4}:{labmod.HS_PORT}",
+                           certs.cert_path, certs.key_path, d / "tlsfront.log")
+    lab.delete_node("apps-ca-web")
+
+    def set_values(ca: str, login: str) -> None:
+        kubecontroller.helm(kc, "upgrade", helmchart.RELEASE, str(helmchart.CHART), "--namespace", kubecontroller.NS,
+                            "--reuse-values", "--set", f"proxy.caConfigMap={ca}", "--set", f"loginServer={login}")
+        kc.kubectl("-n", kubecontroller.NS, "rollout", "status", "deployment/tailscale-controller",
+                   "--timeout=120s", timeout=130)
+    try:
+        kc.apply({"apiVersion": "v1", "kind": "ConfigMap",
+                  "metadata": {"name": "control-plane-ca", "namespace": kubecontroller.NS},
+                  "data": {"ca.crt": certs.ca_pem.decode()}})
+        set_values("control-plane-ca", f"https://{labmod.HS_V4}:{port}")
+        kc.apply(_service("ca-web", {"tailscale.com/expose": "true"}, type="LoadBalancer"))
+        try:
+            svc = kubecontroller.wait_service_ip(kc, "apps", "ca-web", 180)
+        except TimeoutError:
+            raise AssertionError(_fail_report(kc, name="ca-web")) from None
+        ip = kubecontroller.lb_ips(svc)[0]
+        assert kc.marker in lab.wait_curl("client", f"http://{ip}:8080/", kc.marker, 60)
+        (pod_name,) = kubecontroller.children(kc, "apps", "ca-web")["pods"]
+        pod = kc.get("pod", pod_name, kubecontroller.NS)
+        (c,) = [c for c in pod["spec"]["containers"] if c["name"] == "tailscale"]
+        assert {"name": "SSL_CERT_DIR", "value": "/etc/ssl/certs:/etc/containerboot/ca"} in c["env"]
+        seen = kc.kubectl("-n", kubecontroller.NS, "exec", pod_name, "-c", "tailscale", "--",
+                          "cat", "/etc/containerboot/ca/ca.crt").stdout
+        assert seen == certs.ca_pem.decode()
+        # Nothing else was sent to the front (the controller reaches headscale's API on its plain URL): the
+        # connections it took (from the node's address, which masquerades the Pod's) are the proxy's login.
+        front_log = (d / "tlsfront.log").read_text()
+        assert "tlsfront: connection from" in front_log, front_log[-2000:]
+    finally:
+        kc.kubectl("-n", "apps", "delete", "service", "ca-web", "--ignore-not-found", "--wait=true",
+                   "--timeout=120s", check=False, timeout=130)
+        set_values("", "")
+        kc.kubectl("-n", kubecontroller.NS, "delete", "configmap", "control-plane-ca", "--ignore-not-found",
+                   check=False)
+        front.terminate()
+        front.wait(10)
 
 
 def test_helm_uninstall_leaves_nothing_of_the_release(kube):

@@ -7,19 +7,16 @@ check of the control server says it answers; without it, tailscaled refuses the 
 from __future__ import annotations
 
 import json
-import os
-import sys
-from pathlib import Path
 
 import pytest
 
+from labtools import tlsfront
 from labtools.lab import HS_PORT, HS_V4, wait_until
 from tests.support.kubeapi import make_certs
 from tests.support.kubelet import Kubelet
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e]
 
-REPO = Path(__file__).resolve().parents[1]
 TLS_PORT = 8443
 STATUS_PORT = 9097
 
@@ -29,21 +26,13 @@ def tls_front(lab):
     d = lab.run_dir / "private-ca"
     d.mkdir(parents=True, exist_ok=True)
     certs = make_certs(str(d / "pki"), [HS_V4])
-    log = d / "tlsfront.log"
-    p = lab._popen("http", "tlsfront", "hs", [sys.executable, "-m", "labtools.tlsfront",
-                                              "--listen", f"{HS_V4}:{TLS_PORT}", "--to", f"{HS_V4}:{HS_PORT}",
-                                              "--cert", certs.cert_path, "--key", certs.key_path],
-                   {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO)}, log)
-
-    def ready() -> bool:
-        if p.poll() is not None:
-            raise AssertionError(f"tlsfront exited: {log.read_text()[-2000:]}")
-        return "serving TLS" in log.read_text()
-    wait_until(ready, 30, 0.1, "the TLS front of headscale")
+    p = tlsfront.start(lab, "hs", f"{HS_V4}:{TLS_PORT}", f"{HS_V4}:{HS_PORT}", certs.cert_path, certs.key_path,
+                       d / "tlsfront.log")
     ca_dir = d / "control-plane-ca"        # as the kubelet mounts a ConfigMap: the key a link into `..data`
     Kubelet(ca_dir, key="ca.crt").publish(certs.ca_pem.decode())
     yield certs, ca_dir
     p.terminate()
+    p.wait(10)
 
 
 def _status(lab) -> dict:
