@@ -35,11 +35,13 @@ def _children_of(pid: int) -> list[int]:
 
 
 class ProcessWatch:
-    """Reads environ and cmdline of each descendant of `pid` every few milliseconds until stopped."""
+    """Reads cmdline, then environ, of each descendant of `pid` every few milliseconds until stopped; keeps every
+    distinct (cmdline, environ) pair seen. A child read between its fork and its exec shows the parent's command
+    line and environment block; once its command line is its own, so is its environment (exec is one-way)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.seen: dict[int, tuple[bytes, bytes]] = {}
+        self.seen: dict[int, set[tuple[bytes, bytes]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -54,12 +56,10 @@ class ProcessWatch:
                         environ = f.read()
                 except OSError:
                     continue
-                old = self.seen.get(child, (b"", b""))
-                # A process that execs (a shell wrapper) shows a new command line: keep the longest of each.
-                self.seen[child] = (max(old[0], cmdline, key=len), max(old[1], environ, key=len))
+                self.seen.setdefault(child, set()).add((cmdline, environ))
             time.sleep(0.005)
 
-    def stop(self) -> dict[int, tuple[bytes, bytes]]:
+    def stop(self) -> dict[int, set[tuple[bytes, bytes]]]:
         self._stop.set()
         self._thread.join(5)
         return self.seen
@@ -77,14 +77,18 @@ def test_no_key_in_environ_or_cmdline_of_any_child(lab, start_agent) -> None:
     finally:
         seen = watch.stop()
     assert key.encode() not in own and b"TS_AUTHKEY=\0" in own, "the agent's own environment keeps the key"
-    names = {os.path.basename(cmd.split(b"\0", 1)[0]).decode() for cmd, _ in seen.values()}
+    with open(f"/proc/{agent.proc.pid}/cmdline", "rb") as f:
+        agent_cmdline = f.read()
+    samples = [(pid, cmd, env) for pid, pairs in seen.items() for cmd, env in pairs]
+    names = {os.path.basename(cmd.split(b"\0", 1)[0]).decode() for _, cmd, _ in samples}
     assert {"tailscaled", "tailscale"} <= names, f"the watch missed a process: {sorted(names)}"
-    for pid, (cmdline, environ) in seen.items():
+    for pid, cmdline, environ in samples:
         shown = cmdline.replace(b"\0", b" ").decode(errors="replace")
         assert key.encode() not in cmdline, f"auth key on the command line of {pid}: {shown}"
         assert key.encode() not in environ, f"auth key in the environment of {pid}: {shown}"
-        assert b"TS_AUTHKEY=" not in environ, f"TS_AUTHKEY in the environment of {pid}: {shown}"
-    up = [cmd for cmd, _ in seen.values() if b"\0up\0" in cmd]
+        if cmdline != agent_cmdline:   # after its exec: not even the name (before it, the agent's blanked block)
+            assert b"TS_AUTHKEY=" not in environ, f"TS_AUTHKEY in the environment of {pid}: {shown}"
+    up = [cmd for _, cmd, _ in samples if b"\0up\0" in cmd]
     assert up and all(b"--authkey=file:" in cmd for cmd in up), up
     # The key file is gone once `tailscale up` has exited.
     path = up[0].split(b"--authkey=file:", 1)[1].split(b"\0", 1)[0].decode()
