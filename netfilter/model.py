@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import ipaddress
 import json
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, TypeVar, Union
+
+_T = TypeVar("_T")
 
 IP = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
 
@@ -277,20 +280,24 @@ class RuleSet:
         """The part of the rule set for IPv4 (4) or IPv6 (6)."""
         if version not in (4, 6):
             raise ValueError(f"family must be 4 or 6, not {version!r}")
-        # Kept on the (immutable) instance: one apply asks for each family several times, and building one
-        # re-validates every entry (~25 ms at 10,000 maps). Not a field: equality and hashing ignore it.
-        cache: dict[int, RuleSet] = self.__dict__.setdefault("_by_family", {})
-        part = cache.get(version)
-        if part is None:
-            part = cache[version] = RuleSet(
-                dnats=tuple(d for d in self.dnats if d.version == version),
-                egress=tuple(e for e in self.egress if e.version == version),
-                port_maps=tuple(p for p in self.port_maps if p.version == version),
-                clamp_mss=self.clamp_mss,
-                tun=self.tun,
-                service_dnats=tuple(s for s in self.service_dnats if s.version == version),
-            )
-        return part
+        # Building one re-validates every entry (~25 ms at 10,000 maps), and one apply asks several times.
+        return self.memo(("family", version), lambda: RuleSet(
+            dnats=tuple(d for d in self.dnats if d.version == version),
+            egress=tuple(e for e in self.egress if e.version == version),
+            port_maps=tuple(p for p in self.port_maps if p.version == version),
+            clamp_mss=self.clamp_mss,
+            tun=self.tun,
+            service_dnats=tuple(s for s in self.service_dnats if s.version == version),
+        ))
+
+    def memo(self, key: Hashable, make: Callable[[], _T]) -> _T:
+        """What `make` derives from this set, computed once per instance (the set is immutable): one apply
+        renders, plans and records the same set several times. Kept beside the fields, not among them:
+        equality, hashing and the JSON form ignore it."""
+        cache: dict[Hashable, Any] = self.__dict__.setdefault("_memo", {})
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
 
     @property
     def empty(self) -> bool:

@@ -104,21 +104,8 @@ def _ip_key(ip: IP) -> tuple[int, int]:
     return (ip.version, int(ip))
 
 
-# The last few plans, by rule set identity (RuleSet is immutable; the entry keeps it alive, so an id is never
-# reused while it is here): one apply renders, plans and records the same rule set several times.
-_PLANS: dict[tuple[int, int], tuple[RuleSet, "_Plan"]] = {}
-
-
 def _family_plan(rules: RuleSet, version: int) -> _Plan:
-    key = (id(rules), version)
-    hit = _PLANS.get(key)
-    if hit is not None and hit[0] is rules:
-        return hit[1]
-    plan = _build_family_plan(rules, version)
-    _PLANS[key] = (rules, plan)
-    for old in list(_PLANS)[:-4]:
-        _PLANS.pop(old, None)
-    return plan
+    return rules.memo(("plan", version), lambda: _build_family_plan(rules, version))
 
 
 def _build_family_plan(rules: RuleSet, version: int) -> _Plan:
