@@ -3,6 +3,7 @@ Lease (`controller.leader`), then run kopf and the work queue until stopped or t
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -58,7 +59,7 @@ async def serve_health(addr: str, role: Callable[[], str]) -> asyncio.AbstractSe
 async def run(cfg: ControllerConfig) -> int:
     import kopf
 
-    from .handlers import State, registries, settings
+    from .handlers import State, kopf_login, registries, settings
     from .kubeapi import Kube
     from .leader import LeaderElector, LeaseUnrenewed, LostLeadership
     from .queue import WorkQueue
@@ -108,10 +109,8 @@ async def run(cfg: ControllerConfig) -> int:
             return 0
         stopping.cancel()
 
-        def login() -> kopf.ConnectionInfo:
-            return kopf.ConnectionInfo(server=kube.url, token=kube.token(), ca_path=kube.ca_file or None,
-                                       default_namespace=cfg.namespace)
-        parents, children = registries(state, login)
+        parents, children = registries(state, functools.partial(kopf_login, kube.url, kube.token, kube.ca_file,
+                                                                cfg.namespace))
         # One stop flag for both operators: each kopf operator installs its own SIGTERM handler, and the
         # second would replace the first's (that operator then never stops). Ours is installed again once
         # both are up. kopf's peering is off (standalone): the Lease decides who runs (docs/controller.md).

@@ -12,16 +12,21 @@ lines as Kubernetes events is off: the reconciler writes the events users should
 """
 from __future__ import annotations
 
+import importlib.metadata
 import logging
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import kopf
+
+from tscommon.kubeconn import tls_context
 
 from . import dnsconfig, proxyclass
 from .config import ControllerConfig
 from .kinds import apiserverproxy, connector, egress, proxygroup
+from .kubeapi import USER_AGENT
 from .model import (APISERVER, CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS,
                     LABEL_PARENT_TYPE, PROXYCLASS, PROXYGROUP, SVC)
 from .queue import WorkQueue
@@ -66,13 +71,33 @@ def child_key(body: Any) -> tuple[str, str, str] | None:
     return (kind, labels.get(LABEL_PARENT_NS, ""), labels.get(LABEL_PARENT_NAME, ""))
 
 
-def registries(state: State, login=None) -> tuple[kopf.OperatorRegistry, kopf.OperatorRegistry]:
-    """The two operators' handlers. `login` (kopf's ConnectionInfo factory) makes kopf use the controller's own
-    credentials instead of guessing them."""
+def kopf_login(url: str, token: Callable[[], str], ca_file: str, namespace: str,
+               operator: str) -> Callable[..., Awaitable[kopf.AiohttpSession]]:
+    """A kopf login handler with the controller's own credentials (the token re-read at each login: kopf logs in
+    again after a 401) and a User-Agent naming the operator, so that the API server's audit log, and a proxy
+    counting requests, can tell the two operators' watches from each other and from the reconciler's client.
+    kopf names itself only as `kopf/VERSION` and its ConnectionInfo has no header of its own; a session made
+    here is kopf's documented way to bring one (kopf closes it when it logs in again or stops)."""
+    agent = f"{USER_AGENT} ({operator}) kopf/{importlib.metadata.version('kopf')}"
+
+    async def login(**_: Any) -> kopf.AiohttpSession:
+        headers = {"User-Agent": agent}
+        if bearer := token():
+            headers["Authorization"] = f"Bearer {bearer}"
+        connector = aiohttp.TCPConnector(limit=0, ssl=tls_context(ca_file) if ca_file else True)
+        return kopf.AiohttpSession(server=url, default_namespace=namespace,
+                                   aiohttp_session=aiohttp.ClientSession(connector=connector, headers=headers))
+    return login
+
+
+def registries(state: State, login: Callable[[str], Callable[..., Any]] | None = None,
+               ) -> tuple[kopf.OperatorRegistry, kopf.OperatorRegistry]:
+    """The two operators' handlers. `login(operator)` (a kopf login handler for that operator, `kopf_login`)
+    makes kopf use the controller's own credentials instead of guessing them."""
     parents, children = kopf.OperatorRegistry(), kopf.OperatorRegistry()
     if login is not None:
-        for r in (parents, children):
-            kopf.on.login(registry=r)(lambda **_: login())
+        kopf.on.login(registry=parents)(login("cluster-wide watches"))
+        kopf.on.login(registry=children)(login("namespace watches"))
 
     def on_parent(kind: str):
         async def handler(body: Any, type: str | None = None, **_: Any) -> None:   # async: no threads
@@ -150,6 +175,10 @@ def settings(child_watch: bool) -> kopf.OperatorSettings:
     s.watching.server_timeout = 300
     s.watching.client_timeout = 330
     if child_watch:
+        # The children are built-in kinds in one named namespace: nothing to discover while running. Without
+        # this, each operator would watch the CRDs (two watches of one collection, which a 429 for one of them
+        # could not hold back) and this one would also list and watch every namespace.
+        s.scanning.disabled = True
         for plural in ("secrets", "statefulsets"):
             s.watching.label_selectors[plural] = f"{LABEL_MANAGED}=true"
         s.watching.label_selectors["pods"] = f"{LABEL_MANAGED}=true,{LABEL_PARENT_TYPE}={PROXYGROUP}"

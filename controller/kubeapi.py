@@ -70,6 +70,11 @@ def path(res: Resource, namespace: str = "", name: str = "", subresource: str = 
     return p
 
 
+#: How the controller's own requests name their client (the API server's audit log, a proxy's record); kopf's two
+#: operators add which one they are (`controller.handlers.kopf_login`).
+USER_AGENT = "tailscale-controller-py"
+
+
 class Kube:
     """The controller's API client. `transport` and explicit credentials are for tests."""
 
@@ -82,7 +87,7 @@ class Kube:
         if verify is None:
             verify = tls_context(ca_file) if ca_file else True
         self._client = httpx.AsyncClient(base_url=url.rstrip("/"), verify=verify, timeout=timeout,
-                                         transport=transport)
+                                         transport=transport, headers={"User-Agent": USER_AGENT})
         self.requests: list[tuple[str, str]] = []    # (method, path): for the request-count figures
         #: the leader election's fence: when set and False, every write is refused before it is sent, so a
         #: replica that lost the Lease cannot write even from a pass that was already running

@@ -17,7 +17,7 @@ conflict carries the API server's own wording and the write is really refused.
 
 Every request is recorded (``Record``: method, path, query, the proxy's monotonic clock when it arrived, the
 status the client got, the fault): ``early_after_429`` finds any request for an object sooner than a 429 for it
-allowed, ``faults_by_kind`` counts what was injected. The decision (``Faults.decide``) is pure given the
+allowed (per client), ``faults_by_kind`` counts what was injected. The decision (``Faults.decide``) is pure given the
 random generator; the shell is asyncio with h11 on the client side and httpx to the API server.
 
     proxy = FaultProxy(upstream="https://127.0.0.1:6443", upstream_ca="ca.crt", faults=Faults(seed=7),
@@ -143,15 +143,17 @@ def request_key(r: Record) -> str:
 
 def early_after_429(records: Iterable[Record], exempt: Iterable[str] = ()) -> list[tuple[Record, float]]:
     """Each request for an object that came sooner than a 429 for that object allowed, and how much sooner.
-    ``exempt``: object paths read on behalf of many parents at once (a shared Secret), where a 429 holds back
-    the parent whose request it answered, not the others."""
+    A 429 holds back the client it answered: clients are told apart by their User-Agent (one process may run
+    several, each with its own connections and retries). ``exempt``: object paths read on behalf of many
+    parents at once (a shared Secret), where a 429 holds back the parent whose request it answered, not the
+    others."""
     skip = set(exempt)
     not_before: dict[str, float] = {}
     early = []
     for r in sorted(records, key=lambda r: r.t):
         if r.object_path in skip:
             continue
-        key = request_key(r)
+        key = f"{r.user_agent} {request_key(r)}"
         if r.t < not_before.get(key, 0.0):
             early.append((r, not_before[key] - r.t))
         if r.fault == "429":

@@ -30,6 +30,7 @@ import asyncio
 import base64
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from containerboot.kube import secretstate as agent_ss
 from controller import logfold
+from controller.kubeapi import USER_AGENT
 from labtools import conflictwebhook as cw
 from labtools.faultproxy import FaultProxy, Faults, Record, early_after_429, faults_by_kind
 from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir
@@ -432,6 +434,26 @@ def test_writes_per_service_bounded_and_none_when_quiet(run: Run) -> None:
 def test_no_request_before_a_429s_retry_after(run: Run) -> None:
     early = early_after_429(run.records, SHARED)
     assert early == [], [(r.method, r.path, r.user_agent, round(s, 2)) for r, s in early[:10]]
+
+
+def test_rbac_suffices_and_only_the_cluster_wide_operator_observes(run: Run) -> None:
+    """deploy/'s RBAC is all the controller uses (no 403), and the namespaced operator observes nothing: it
+    neither lists nor watches namespaces (deploy/ grants only get) and leaves the CRD watch to the cluster-wide
+    one, so a 429 for that watch holds back every later request for it."""
+    forbidden = [(r.method, r.path) for r in run.records if r.status == 403]
+    assert forbidden == [], forbidden[:10]
+    namespaces = [(r.method, r.query) for r in run.records if r.path == "/api/v1/namespaces"]
+    assert namespaces == [], namespaces[:10]
+
+
+def test_each_client_of_the_controller_names_itself(run: Run) -> None:
+    """The reconciler's client and kopf's two operators each send their own User-Agent (what the API server's
+    audit log shows, and what lets a 429 be told apart per client above)."""
+    agents = Counter(r.user_agent for r in run.records)
+    kopf_version = importlib.metadata.version("kopf")
+    expected = {USER_AGENT, f"{USER_AGENT} (cluster-wide watches) kopf/{kopf_version}",
+                f"{USER_AGENT} (namespace watches) kopf/{kopf_version}"}
+    assert set(agents) == expected, agents
 
 
 def test_each_kind_of_fault_is_logged_without_flooding(run: Run) -> None:

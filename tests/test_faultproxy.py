@@ -145,8 +145,8 @@ def test_decisions_follow_the_seed_and_the_rates() -> None:
     assert Decision("").fault == ""
 
 
-def _rec(t: float, path: str, fault: str = "", retry_after: int = 0, query: str = "") -> Record:
-    return Record(t=t, method="GET", path=path, query=query, user_agent="x", status=429 if fault else 200,
+def _rec(t: float, path: str, fault: str = "", retry_after: int = 0, query: str = "", agent: str = "x") -> Record:
+    return Record(t=t, method="GET", path=path, query=query, user_agent=agent, status=429 if fault else 200,
                   fault=fault, retry_after=retry_after)
 
 
@@ -163,6 +163,11 @@ def test_early_after_429_is_per_object_and_counts_the_status_subresource() -> No
     lists = [_rec(0.0, coll, "429", 2, query="labelSelector=p%3Da"), _rec(0.5, coll, query="labelSelector=p%3Db"),
              _rec(1.0, coll, query="labelSelector=p%3Da")]
     assert [r.t for r, _ in early_after_429(lists)] == [1.0]
+    # a 429 holds back the client it answered, not another client (User-Agent) asking for the same thing
+    crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+    two = [_rec(0.0, crds, "429", 2, query="watch=true", agent="a"), _rec(1.0, crds, query="watch=true", agent="b"),
+           _rec(1.5, crds, query="watch=true", agent="a")]
+    assert [(r.t, r.user_agent) for r, _ in early_after_429(two)] == [(1.5, "a")]
     assert object_path(svc + "/status") == svc
     sts = "/apis/apps/v1/namespaces/t/statefulsets/x"
     assert object_path(sts + "/status") == sts
