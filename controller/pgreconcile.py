@@ -41,6 +41,8 @@ log = logging.getLogger("controller")
 
 RBAC_RESOURCES = (SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
 PENDING_RECHECK = 60.0
+#: a group waiting for PROXY_CA_CONFIGMAP's ConfigMap (not watched: one GET)
+CA_RECHECK = 10.0
 READY_RECHECK = 600.0
 RETIRING_RECHECK = 2.0
 
@@ -112,11 +114,17 @@ class GroupReconciler:
                 g = dataclasses.replace(g, tags=pc.tags)
         notices = {f"{pcl.REASON_LOCAL_ADDR_PORT}:{pcl.local_addr_port_message(class_name)}"} \
             if pcl.sets_local_addr_port(pc) else set()
+        ca_problem = await rec.ca_trust_problem()
+        notices |= {f"{render.REASON_CA_TRUST}:{ca_problem}"} if ca_problem else set()
         self._forget_warnings(obj, notices)
         for n in sorted(notices):
             reason, _, message = n.partition(":")
             await rec._warn(obj, PROXYGROUP, reason, message)
         secrets = {s["metadata"]["name"]: s for s in await kube.list(SECRETS, ns, pgrender.selector(g))}
+        if ca_problem and not secrets:
+            # a group its replicas' CA could not be given: nothing minted or created until the ConfigMap is right
+            await self._group_status(obj, [], (False, "ProxyGroupCreationFailed", ca_problem))
+            return CA_RECHECK
         states = [_decode(secrets.get(pgrender.state_secret_name(g.name, i))) for i in range(g.replicas)]
         keys: list[str] = []
         try:
@@ -166,9 +174,11 @@ class GroupReconciler:
         tags_error = await rec._sync_tags(PROXYGROUP, g.parent, g.tags, states)
         devices = [st.device_info(pgrender.state_secret_name(g.name, i), states[i]) for i in range(g.replicas)]
         ready_replicas = int(((sts or {}).get("status") or {}).get("readyReplicas") or 0)
+        blocked = ca_problem if ready_replicas < g.replicas else ""
         r = st.readiness(PROXYGROUP, devices, replicas=g.replicas, ready_replicas=ready_replicas,
-                         failure=str(tags_error or ""))
-        reason = "ProxyGroupReady" if r.ok else ("ProxyGroupCreationFailed" if tags_error else "ProxyGroupCreating")
+                         failure=str(tags_error or "") or blocked)
+        reason = "ProxyGroupReady" if r.ok else \
+            ("ProxyGroupCreationFailed" if tags_error or blocked else "ProxyGroupCreating")
         await self._group_status(obj, devices, (r.ok, reason, r.message))
         await self.sync_slices(g.name, pods=list(pods.values()), secrets=secrets)
         if tags_error is not None:

@@ -46,7 +46,8 @@ READY_RECHECK = 600.0
 TAGS_RECHECK = 3600.0
 #: The Warning event's reason when the proxies' namespace refuses the proxy's Pod (controller/podsecurity.py).
 REASON_POD_SECURITY = "PodSecurityRefused"
-#: A parent waiting for the namespace's label is re-checked this often (namespaces are not watched; one GET).
+#: A parent waiting for the namespace's label (or the CA's ConfigMap) is re-checked this often (neither is
+#: watched; one GET).
 POD_SECURITY_RECHECK = 10.0
 
 
@@ -137,9 +138,11 @@ class Reconciler:
                     # the class's TS_EXTRA_ARGS --advertise-tags: under the parent's own tags, over PROXY_TAGS
                     spec = dataclasses.replace(spec, tags=pc.tags)
         refused = "" if waiting else await self._pod_security(kind, spec, pc)
+        ca_problem = "" if waiting else await self.ca_trust_problem()
         # Only what this pass still reports stays remembered: a problem that goes and comes back is sent again.
         current = {f"InvalidBackend:{w}" for w in decision.warnings} | {f"{r}:{t}" for _, r, t in decision.notices}
         current |= {f"{REASON_POD_SECURITY}:{refused}"} if refused else set()
+        current |= {f"{render.REASON_CA_TRUST}:{ca_problem}"} if ca_problem else set()
         if (seen := self._warned.get(m.get("uid", ""))) is not None:
             seen &= current
         for w in decision.warnings:
@@ -153,7 +156,7 @@ class Reconciler:
                                      condition_only=True)
             return PENDING_RECHECK if crd_missing else None
         await self._ensure_finalizer(kind, obj)
-        return await self._provision(kind, obj, spec, pc, sel.misplaced, refused)
+        return await self._provision(kind, obj, spec, pc, sel.misplaced, refused, ca_problem)
 
     async def _class_state(self, name: str) -> tuple[dict | None, pcl.Validation]:
         """A class and its validation; a class asking for a ServiceMonitor is valid only where the
@@ -235,8 +238,9 @@ class Reconciler:
     # ---- provisioning
 
     async def _provision(self, kind: str, obj: Mapping[str, Any], spec: ProxySpec, pc: pcl.ProxyClass | None = None,
-                         misplaced: str = "", refused: str = "") -> float | None:
-        """Mint, render, apply, report. `refused`: why the proxies' namespace would refuse the proxy's Pod."""
+                         misplaced: str = "", refused: str = "", ca_problem: str = "") -> float | None:
+        """Mint, render, apply, report. `refused`: why the proxies' namespace would refuse the proxy's Pod;
+        `ca_problem`: why PROXY_CA_CONFIGMAP cannot give it the control server's CA."""
         cfg, p = self.cfg, spec.parent
         existing = {s["metadata"]["name"]: s for s in
                     await self.kube.list(SECRETS, cfg.namespace, render.child_selector(p))}
@@ -254,6 +258,11 @@ class Reconciler:
             await self._warn(obj, kind, REASON_POD_SECURITY, refused)
             await self._write_status(kind, obj, spec, [], st.Readiness(False, _failed(kind), refused))
             return POD_SECURITY_RECHECK
+        if ca_problem:
+            await self._warn(obj, kind, render.REASON_CA_TRUST, ca_problem)
+            if not existing:        # the same for a CA the proxy could not be given: nothing minted or created
+                await self._write_status(kind, obj, spec, [], st.Readiness(False, _failed(kind), ca_problem))
+                return POD_SECURITY_RECHECK
         keys: list[str] = []
         try:
             for i, data in enumerate(datas):
@@ -305,14 +314,30 @@ class Reconciler:
         ready_replicas = int(((sts or {}).get("status") or {}).get("readyReplicas") or 0)
         if refused and ready_replicas < spec.replicas:
             await self._warn(obj, kind, REASON_POD_SECURITY, refused)
+        blocked = refused or ca_problem
         r = st.readiness(kind, devices, replicas=spec.replicas, ready_replicas=ready_replicas,
-                         failure=str(tags_error or "") or (refused if ready_replicas < spec.replicas else ""))
+                         failure=str(tags_error or "") or (blocked if ready_replicas < spec.replicas else ""))
         if misplaced:
             r = st.Readiness(r.ok, r.reason, f"{r.message}; {pcl.annotation_message(_k8s_kind(kind), misplaced)}")
         await self._write_status(kind, obj, spec, devices, r)
         if tags_error is not None:
             raise tags_error                # retried with backoff; the condition says what failed
         return READY_RECHECK if r.ok else PENDING_RECHECK
+
+    async def ca_trust_problem(self) -> str:
+        """Why PROXY_CA_CONFIGMAP's ConfigMap cannot give the proxies the control server's CA ("" when it can, when
+        the setting is unset, and when the ConfigMap cannot be read: a controller without `get` on ConfigMaps goes
+        on, and the kubelet's event names a missing one)."""
+        if not self.cfg.proxy_ca_configmap:
+            return ""
+        try:
+            cm = await self.kube.get(CONFIGMAPS, self.cfg.proxy_ca_configmap, self.cfg.namespace)
+        except KubeError as e:
+            if e.status not in (401, 403):
+                raise
+            log.debug("ConfigMap %s not readable (%s): not checked", self.cfg.proxy_ca_configmap, e)
+            return ""
+        return render.ca_trust_problem(self.cfg, cm)
 
     async def _pod_security(self, kind: str, spec: ProxySpec, pc: pcl.ProxyClass | None) -> str:
         """Why the proxies' namespace would refuse this proxy's Pod, as rendered with its ProxyClass ("" when it

@@ -18,6 +18,7 @@ import base64
 import hashlib
 import json
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from tscommon.secretcontract import CONFIG_CAPVERS, KEY_SERVE_CONFIG, config_key
@@ -115,6 +116,38 @@ def secret(spec: ProxySpec, cfg: ControllerConfig, i: int, authkey: str) -> dict
 
 #: Where a proxy container finds PROXY_CA_CONFIGMAP's certificates.
 CA_DIR = "/etc/containerboot/ca"
+
+
+#: The Warning event's reason when PROXY_CA_CONFIGMAP's ConfigMap is missing or holds no certificate.
+REASON_CA_TRUST = "ControlPlaneCAMissing"
+
+
+def ca_trust_problem(cfg: ControllerConfig, configmap: Mapping[str, Any] | None) -> str:
+    """Why PROXY_CA_CONFIGMAP's ConfigMap (read from the proxies' namespace: `configmap`, None when it does not
+    exist) cannot give the proxies their control server's CA, or "" when it can (or the setting is unset).
+    Without the ConfigMap the kubelet cannot mount the volume and every proxy Pod waits in ContainerCreating;
+    without a certificate in it tailscaled trusts no more than the public CAs and cannot log in."""
+    name, ns = cfg.proxy_ca_configmap, cfg.namespace
+    if not name:
+        return ""
+    where = f"ConfigMap {ns}/{name} (PROXY_CA_CONFIGMAP, the chart's proxy.caConfigMap)"
+    if configmap is None:
+        return (f"{where} does not exist, so the proxies' Pods cannot start: create it with the control server's "
+                f"CA certificate (kubectl -n {ns} create configmap {name} --from-file=ca.crt=CA_FILE) or unset "
+                "the setting")
+    data = {k: v for k, v in (configmap.get("data") or {}).items() if isinstance(v, str)}
+    for k, v in (configmap.get("binaryData") or {}).items():
+        try:
+            data[k] = base64.b64decode(v).decode("ascii", errors="replace") if isinstance(v, str) else ""
+        except ValueError:
+            data[k] = ""
+    # tailscaled (Go's x509) and the agent read PEM files only
+    if not any("-----BEGIN CERTIFICATE-----" in v for v in data.values()):
+        keys = ", ".join(sorted(data)) or "none"
+        return (f"{where} holds no PEM certificate (keys: {keys}): put the control server's CA certificate in "
+                f"it (kubectl -n {ns} create configmap {name} --from-file=ca.crt=CA_FILE --dry-run=client -o yaml "
+                "| kubectl apply -f -)")
+    return ""
 
 
 def ca_trust(cfg: ControllerConfig) -> tuple[dict, dict, dict] | None:

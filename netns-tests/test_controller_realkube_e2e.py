@@ -1071,9 +1071,10 @@ def test_proxygroup_egress_services_scale_and_cleanup(lab, kube):
 
 def test_proxies_log_in_to_a_control_server_behind_a_private_ca(lab, kube):
     """``proxy.caConfigMap`` with ``loginServer`` on HTTPS: headscale behind a TLS front whose certificate comes
-    from a CA made here (labtools/tlsfront.py), the CA in a ConfigMap. A new Service's proxy mounts it (the
-    kubelet's ConfigMap volume), logs in through the front and carries a curl from the tailnet client; the
-    values are reset afterwards."""
+    from a CA made here (labtools/tlsfront.py), the CA in a ConfigMap. Set before the ConfigMap exists, a new
+    Service gets a False condition and a Warning event saying how to make it, and no proxy; once it exists, the
+    proxy mounts it (the kubelet's ConfigMap volume), logs in through the front and carries a curl from the
+    tailnet client; the values are reset afterwards."""
     from labtools import tlsfront
     from tests.support.kubeapi import make_certs
     kc = kube
@@ -1091,11 +1092,22 @@ def test_proxies_log_in_to_a_control_server_behind_a_private_ca(lab, kube):
         kc.kubectl("-n", kubecontroller.NS, "rollout", "status", "deployment/tailscale-controller",
                    "--timeout=120s", timeout=130)
     try:
+        # the value set before its ConfigMap exists: the Service is told which ConfigMap to make and how, and
+        # nothing is created for it until it is there (the controller re-checks within 10 s)
+        set_values("control-plane-ca", f"https://{labmod.HS_V4}:{port}")
+        kc.apply(_service("ca-web", {"tailscale.com/expose": "true"}, type="LoadBalancer"))
+        msg = wait_until(lambda: (lambda m: m if "control-plane-ca" in m else None)(
+            _guide_condition(kc, "apps", "ca-web")), 60, 0.5, "the missing CA's condition")
+        assert f"ConfigMap {kubecontroller.NS}/control-plane-ca (PROXY_CA_CONFIGMAP" in msg, msg
+        assert f"kubectl -n {kubecontroller.NS} create configmap control-plane-ca" in msg, msg
+        events = kc.kubectl("-n", "apps", "get", "events", "--field-selector", "involvedObject.name=ca-web",
+                            "-o", "json").stdout
+        assert any(e["reason"] == "ControlPlaneCAMissing" and e["type"] == "Warning"
+                   for e in json.loads(events)["items"]), events
+        assert kubecontroller.children(kc, "apps", "ca-web")["statefulsets"] == []
         kc.apply({"apiVersion": "v1", "kind": "ConfigMap",
                   "metadata": {"name": "control-plane-ca", "namespace": kubecontroller.NS},
                   "data": {"ca.crt": certs.ca_pem.decode()}})
-        set_values("control-plane-ca", f"https://{labmod.HS_V4}:{port}")
-        kc.apply(_service("ca-web", {"tailscale.com/expose": "true"}, type="LoadBalancer"))
         try:
             svc = kubecontroller.wait_service_ip(kc, "apps", "ca-web", 180)
         except TimeoutError:
