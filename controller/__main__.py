@@ -56,6 +56,10 @@ async def serve_health(addr: str, role: Callable[[], str]) -> asyncio.AbstractSe
     return await asyncio.start_server(handle, host.strip("[]") or None, int(port))
 
 
+#: How often the fault counts held by the log folding are checked for a window that has passed (seconds).
+FLUSH_EVERY = 5.0
+
+
 async def run(cfg: ControllerConfig) -> int:
     import kopf
 
@@ -97,6 +101,15 @@ async def run(cfg: ControllerConfig) -> int:
     on_signals()
     health = await serve_health(os.environ.get("CONTROLLER_HEALTH_ADDR", "0.0.0.0:8080"),
                                 lambda: "leader" if elector.is_leader() else "standby")
+
+    async def flush_fault_counts() -> None:
+        """The failures counted but not logged, said once their window has passed with no line to carry them."""
+        from .logfold import flush_all
+        while True:
+            await asyncio.sleep(FLUSH_EVERY)
+            flush_all()
+            state.queue.fault_log.flush()
+    flusher = asyncio.ensure_future(flush_fault_counts())
     log = logging.getLogger("controller")
     lost: list[str] = []
     try:
@@ -163,6 +176,7 @@ async def run(cfg: ControllerConfig) -> int:
         finally:
             holder.cancel()
     finally:
+        flusher.cancel()
         await state.queue.aclose()
         if not lost:
             await elector.release()

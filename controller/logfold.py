@@ -9,7 +9,8 @@ and of the leader election's failed renewals (each is retried 2 s later), as a f
 nothing in kopf changes. A lost leadership is its own kind and always said.
 
 A kind is the logger and the exception named in the line (its class, e.g. ``APIServerError``), else the line
-with its numbers taken out. Lines below WARNING pass untouched.
+with its numbers taken out. Lines below WARNING pass untouched. A count held when the failures stop is said by
+`flush_all`, which the controller calls every few seconds.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import time
 from collections.abc import Callable
 
 from .queue import FAULT_LOG_WINDOW
+
+log = logging.getLogger("controller.logfold")
 
 #: kopf's loggers, and the leader election's (a failed renewal is retried every 2 s: a line each, else)
 FOLDED = ("kopf", "controller.leader")
@@ -40,7 +43,8 @@ def line_kind(record: logging.LogRecord) -> str:
 
 class FoldRepeats(logging.Filter):
     """Passes the first WARNING-or-worse line of each kind, holds the others for `window` seconds, and adds the
-    count held to the next line of that kind. Only for the loggers named in `prefixes` and their children."""
+    count held to the next line of that kind (or, when none comes, `flush` says it once the window has passed).
+    Only for the loggers named in `prefixes` and their children."""
 
     def __init__(self, prefixes: tuple[str, ...] = FOLDED, window: float = FAULT_LOG_WINDOW,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -48,6 +52,7 @@ class FoldRepeats(logging.Filter):
         self.prefixes, self.window, self.clock = prefixes, window, clock
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
+        self._latest: dict[str, float] = {}         # kind -> when the last one held came
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING or not any(
@@ -58,6 +63,7 @@ class FoldRepeats(logging.Filter):
         last = self._last.get(kind)
         if last is not None and now - last < self.window:
             self._held[kind] = self._held.get(kind, 0) + 1
+            self._latest[kind] = now
             return False
         self._last[kind] = now
         n = self._held.pop(kind, 0)
@@ -65,6 +71,27 @@ class FoldRepeats(logging.Filter):
             record.msg = (f"{record.getMessage()} ({n} more like this in the last {self.window:.0f}s not logged)")
             record.args = ()
         return True
+
+
+    def flush(self) -> None:
+        """Say the counts held for a window that has passed with no line of their kind to carry them (the
+        failures stopped), as a line of this module's logger (not folded itself). Only a kind quiet for a
+        quarter of the window: while it keeps failing, its next line carries the count."""
+        now = self.clock()
+        for kind in [k for k in self._held if now - self._last.get(k, now) >= self.window
+                     and now - self._latest.get(k, now) >= self.window / 4]:
+            n = self._held.pop(kind)
+            log.warning("%s: not logged in the last %.0fs, %d more like this", kind, self.window, n)
+
+
+def flush_all(handlers: list[logging.Handler] | None = None) -> None:
+    """`FoldRepeats.flush` of every filter `install` put on the root logger's handlers (each filter once)."""
+    seen: set[int] = set()
+    for h in handlers if handlers is not None else logging.getLogger().handlers:
+        for f in h.filters:
+            if isinstance(f, FoldRepeats) and id(f) not in seen:
+                seen.add(id(f))
+                f.flush()
 
 
 def install(handlers: list[logging.Handler] | None = None) -> FoldRepeats:

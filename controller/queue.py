@@ -9,7 +9,8 @@ unless an event comes first.
 
 Failures are logged without flooding: the first failure of each kind (an API status and reason, or an
 exception type) is logged at once; more of that kind within FAULT_LOG_WINDOW seconds are counted, and the
-next line of that kind after the window says how many there were and for how many parents.
+next line of that kind after the window says how many there were and for how many parents (or, when none comes,
+a line of its own once the window has passed: `FaultLog.flush`).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class FaultLog:
         self._clock = clock
         self._last: dict[str, float] = {}
         self._held: dict[str, tuple[int, set[Hashable]]] = {}
+        self._latest: dict[str, float] = {}         # kind -> when the last one held came
 
     def failed(self, key: Hashable, attempt: int, after: float, e: BaseException) -> None:
         now = self._clock() if self._clock is not None else asyncio.get_running_loop().time()
@@ -50,6 +52,7 @@ class FaultLog:
             n, keys = self._held.get(kind, (0, set()))
             keys.add(key)
             self._held[kind] = (n + 1, keys)
+            self._latest[kind] = now
             return
         self._last[kind] = now
         n, keys = self._held.pop(kind, (0, set()))
@@ -57,6 +60,19 @@ class FaultLog:
                 "logged)") if n else ""
         log.warning("reconcile %s failed (attempt %d, retry in %.0fs): %s%s", key, attempt, after,
                     redact(str(e) or type(e).__name__), more)
+
+    def flush(self) -> None:
+        """Say the counts held for a window that has passed with no line of their kind to carry them (the
+        failures stopped): without this the last minute of an outage would never be counted in the log. Only a
+        kind quiet for a quarter of the window: while it keeps failing, its next line carries the count."""
+        now = self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+        for kind in [k for k in self._held if now - self._last.get(k, now) >= self.window
+                     and now - self._latest.get(k, now) >= self.window / 4]:
+            n, keys = self._held.pop(kind)
+            # the kind first and no ": <number> " after it: a reader (and logfold.line_kind, which would take
+            # such a number for an HTTP status) tells one kind's count from another's
+            log.warning("%s: not logged in the last %.0fs, %d more reconcile failure(s) of %d parent(s)", kind,
+                        self.window, n, len(keys))
 
 
 class WorkQueue:

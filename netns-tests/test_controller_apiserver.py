@@ -33,6 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir
 from containerboot.kube import secretstate as agent_ss
+from controller import proxyclass
 from tests.support.fake_tailscale_api import FakeTailscaleAPI
 from needs import unavailable
 
@@ -473,6 +474,63 @@ def test_the_class_as_an_annotation_is_reported(running):
     assert ev["type"] == "Warning" and "use a label" in ev["message"]
     sts, _ = wait(lambda: (lambda s: s if s[0] else None)(children(kube, "guide")), 30, "the default proxy")
     assert "team" not in sts[0]["spec"]["template"]["metadata"]["labels"]
+
+
+def servicemonitor_crd() -> pathlib.Path:
+    """The Prometheus Operator's own ServiceMonitor CRD (scripts/install-crds.sh: pinned, cached)."""
+    cp = subprocess.run(["bash", os.path.join(REPO, "scripts", "install-crds.sh"), "--print-dir"],
+                        capture_output=True, text=True, check=True)
+    return pathlib.Path(cp.stdout.strip().splitlines()[-1]) / "monitoring.coreos.com_servicemonitors.yaml"
+
+
+def test_a_classs_servicemonitor_is_what_the_prometheus_operators_crd_accepts(running):
+    """With the Prometheus Operator's real ServiceMonitor CRD (its structural schema prunes what it does not
+    know): a class asking for one is valid, a Service of that class gets its metrics Service and a ServiceMonitor
+    stored exactly as rendered (nothing pruned) that selects it, with the class's labels; the class no longer
+    asking for one, it is deleted and the metrics Service stays."""
+    crd = servicemonitor_crd()
+    if not crd.is_file():
+        unavailable(f"{crd} is not there (scripts/install-crds.sh)")
+    kube, _, _ = running
+    c = client(kube)
+    sm_path = "/apis/monitoring.coreos.com/v1/namespaces/tailscale/servicemonitors"
+    kube.kubectl("apply", "--server-side", "-f", str(crd))
+    kube.kubectl("wait", "--for=condition=Established", "crd/servicemonitors.monitoring.coreos.com", "--timeout=30s")
+    try:
+        kube.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass", "metadata": {"name": "monitored"},
+            "spec": {"metrics": {"enable": True, "serviceMonitor": {"enable": True,
+                                                                   "labels": {"release": "kube-prometheus"}}}}}))
+        cond = wait(lambda: pc_condition(kube, "monitored"), 30, "monitored's condition")
+        assert (cond["status"], cond["reason"]) == ("True", "ProxyClassValid"), cond
+        r = c.post("/api/v1/namespaces/default/services", json={
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "watched", "labels": {"tailscale.com/proxy-class": "monitored"}},
+            "spec": {"type": "LoadBalancer", "loadBalancerClass": "tailscale", "ports": [{"port": 80}],
+                     "selector": {"app": "watched"}}})
+        assert r.status_code == 201, r.text
+        sts, _ = wait(lambda: (lambda s: s if s[0] else None)(children(kube, "watched")), 30, "the proxy")
+        name = f"{sts[0]['metadata']['name']}-metrics"
+        sm = wait(lambda: get(kube, f"{sm_path}/{name}"), 30, "the ServiceMonitor")
+        metrics = get(kube, f"/api/v1/namespaces/tailscale/services/{name}")
+        pc = proxyclass.ProxyClass.from_object(get(kube, "/apis/tailscale.com/v1alpha1/proxyclasses/monitored"))
+        want = proxyclass.service_monitor(metrics, pc)
+        assert sm["spec"] == want["spec"], (sm["spec"], want["spec"])           # stored as rendered: nothing pruned
+        assert sm["metadata"]["labels"]["release"] == "kube-prometheus"
+        selected = sm["spec"]["selector"]["matchLabels"]
+        assert selected.items() <= metrics["metadata"]["labels"].items()
+        assert sm["spec"]["endpoints"][0]["port"] == metrics["spec"]["ports"][0]["name"] == "metrics"
+        # the class stops asking for one: it goes, the metrics Service stays
+        r = c.patch("/apis/tailscale.com/v1alpha1/proxyclasses/monitored",
+                    headers={"Content-Type": "application/merge-patch+json"},
+                    content=json.dumps({"spec": {"metrics": {"serviceMonitor": {"enable": False}}}}))
+        assert r.status_code == 200, r.text
+        wait(lambda: get(kube, f"{sm_path}/{name}") is None, 30, "the ServiceMonitor deleted")
+        assert get(kube, f"/api/v1/namespaces/tailscale/services/{name}") is not None
+    finally:
+        c.delete("/api/v1/namespaces/default/services/watched")
+        c.delete("/apis/tailscale.com/v1alpha1/proxyclasses/monitored")
+        kube.kubectl("delete", "-f", str(crd), "--ignore-not-found", "--wait=false")
 
 
 def role(health: str) -> str:

@@ -1,6 +1,7 @@
 # Sourced by the install scripts that build a pinned Go program into the version-keyed cache outside the
-# repository (install-kubernetes.sh, install-helm.sh, install-coredns.sh): what they do the same way. Sourced
-# as `. scripts/gobuild.sh NAME`: log() lines say "[install-NAME]"; CACHE is the cache (CB_CACHE moves it).
+# repository (install-kubernetes.sh, install-helm.sh, install-coredns.sh; install-crds.sh fetches files): what
+# they do the same way. Sourced as `. scripts/gobuild.sh NAME`: log() lines say "[install-NAME]"; CACHE is the
+# cache (CB_CACHE moves it).
 # Then:
 #   print_only FLAG PATH "$@"  with FLAG (--print-dir, --print-path) as the script's first argument, print PATH
 #                       and exit without building

@@ -70,9 +70,11 @@ if [ -n "$parts" ]; then
     if want helm; then
       bash scripts/install-helm.sh >/dev/null || log "building helm failed; the chart tests will be skipped"
     fi
-    # CoreDNS v1.12.1, the lab cluster's DNS (labtools/coredns.py; about 5 min cold)
+    # CoreDNS v1.12.1, the lab cluster's DNS (labtools/coredns.py; about 5 min cold); the Prometheus Operator's
+    # ServiceMonitor CRD for the controller's test against a real API server (seconds)
     if want kubernetes; then
       bash scripts/install-coredns.sh >/dev/null || log "building CoreDNS failed; the lab cluster will have no DNS"
+      bash scripts/install-crds.sh >/dev/null || log "fetching the ServiceMonitor CRD failed; its test will be skipped"
     fi
   else
     log "no Go toolchain: the end-to-end tests will be skipped"

@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import pytest
 
+from controller import logfold
 from controller.config import ControllerConfig
 from controller.kubeapi import SERVICES, STATEFULSETS, KubeError
 from controller.queue import FaultLog, WorkQueue
@@ -174,6 +175,37 @@ def test_fault_log_folds_repeats_into_the_next_line(caplog: pytest.LogCaptureFix
     assert "49 more HTTP 500 InternalError failure(s) of 7 parent(s)" in lines[2]
 
 
+def test_fault_log_says_a_held_count_when_the_failures_stop(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    fl = FaultLog(window=60.0, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="controller")
+    e = KubeError("500 boom", status=500, reason="InternalError")
+    for i in range(10):
+        now[0] = i
+        fl.failed(("svc", "apps", f"s{i % 3}"), 1, 1.0, e)
+    now[0] = 59.0
+    fl.flush()                                   # the window is not over: a line of this kind may still come
+    assert len(caplog.records) == 1
+    now[0] = 60.5
+    fl.flush()
+    fl.flush()                                   # said once
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[1:] == ["HTTP 500 InternalError: not logged in the last 60s, 9 more reconcile failure(s) of 3 "
+                         "parent(s)"], lines
+    # its kind, as the folding and the hostile test's count see it, is the failure's, not a number of the count
+    assert logfold.line_kind(caplog.records[1]) == "controller HTTP # InternalError"
+    now[0] = 70.0
+    fl.failed(("svc", "apps", "s0"), 2, 2.0, e)  # the next failure is logged as a first one, with no count
+    assert "not logged" not in caplog.records[-1].getMessage() and len(caplog.records) == 3
+    # a kind still failing is not flushed (its next line carries the count): one line a window, not two
+    for t in range(71, 136, 5):
+        now[0] = t
+        fl.failed(("svc", "apps", "s1"), 3, 4.0, e)
+        now[0] = t + 4.5                         # the controller's flush, between two failures (at 130.5 too)
+        fl.flush()
+    assert len(caplog.records) == 4 and "(12 more HTTP 500 InternalError failure(s)" in caplog.records[-1].getMessage()
+
+
 async def test_a_429s_retry_after_reaches_the_queue() -> None:
     import httpx
 
@@ -224,3 +256,41 @@ def test_kopf_request_failures_fold_into_the_next_line() -> None:
     assert len(out) == 2 + 2 + 1 + 1, out
     assert "APIServerError" in out[0] and "APITooManyRequestsError" in out[1]
     assert out[4].endswith("(29 more like this in the last 60s not logged)") and "APIServerError" in out[4]
+
+
+def test_kopf_failures_held_when_they_stop_are_counted_by_a_flush() -> None:
+    """The count held for a kind whose failures stopped is said once its window has passed (flush_all, which
+    the controller calls every few seconds), not left for a line that may never come."""
+    from controller.logfold import FoldRepeats, flush_all
+    now = [0.0]
+    out: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            out.append((record.name, record.getMessage()))
+    h = Keep()
+    h.addFilter(FoldRepeats(window=60.0, clock=lambda: now[0]))
+    top, ours = logging.getLogger("kopf"), logging.getLogger("controller.logfold")
+    for lg in (top, ours):
+        lg.addHandler(h)
+    levels = top.level, ours.level
+    top.propagate = ours.propagate = False
+    try:
+        for i in range(12):
+            now[0] = i * 2.0
+            logging.getLogger("kopf._cogs.clients.watching").error(
+                "Request attempt #1/9 failed; will retry: GET https://api/api/v1/services?watch=true "
+                "-> APIServerError('etcdserver: request timed out', {'code': 500})")
+        flush_all([h])
+        assert len(out) == 1                     # the window is not over
+        now[0] = 61.0
+        flush_all([h])
+        flush_all([h])
+    finally:
+        for lg in (top, ours):
+            lg.removeHandler(h)
+        top.propagate = ours.propagate = True
+        top.setLevel(levels[0])
+        ours.setLevel(levels[1])
+    assert out[1:] == [("controller.logfold", "kopf._cogs.clients.watching APIServerError: not logged in the last "
+                                              "60s, 11 more like this")], out
