@@ -72,7 +72,6 @@ class FoldRepeats(logging.Filter):
             record.args = ()
         return True
 
-
     def flush(self) -> None:
         """Say the counts held for a window that has passed with no line of their kind to carry them (the
         failures stopped), as a line of this module's logger (not folded itself). Only a kind quiet for a
