@@ -393,6 +393,16 @@ def events_of(kube, ns, name, reason):
             if e["involvedObject"]["name"] == name and e["reason"] == reason]
 
 
+def classed_service(c: httpx.Client, name: str, proxy_class: str) -> None:
+    """A LoadBalancer Service of class tailscale in `default`, labelled with a ProxyClass."""
+    r = c.post("/api/v1/namespaces/default/services", json={
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "labels": {"tailscale.com/proxy-class": proxy_class}},
+        "spec": {"type": "LoadBalancer", "loadBalancerClass": "tailscale", "ports": [{"port": 80}],
+                 "selector": {"app": name}}})
+    assert r.status_code == 201, r.text
+
+
 def test_upstream_documentation_proxyclasses_apply_unchanged_and_get_their_condition(running):
     kube, _, _ = running
     cp = kube.kubectl("apply", "-f", "-", input=UPSTREAM_DOC_CLASSES)
@@ -413,12 +423,7 @@ def test_upstream_documentation_proxyclasses_apply_unchanged_and_get_their_condi
 def test_a_service_waits_for_its_class_then_gets_it_all_and_a_bad_class_changes_nothing(running):
     kube, api, _ = running
     c = client(kube)
-    r = c.post("/api/v1/namespaces/default/services", json={
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": "classy", "labels": {"tailscale.com/proxy-class": "edge"}},
-        "spec": {"type": "LoadBalancer", "loadBalancerClass": "tailscale", "ports": [{"port": 80}],
-                 "selector": {"app": "classy"}}})
-    assert r.status_code == 201, r.text
+    classed_service(c, "classy", "edge")
     cond = wait(lambda: svc_condition(kube, "classy"), 30, "the waiting condition")
     assert (cond["status"], cond["reason"]) == ("False", "ProxyClassNotReady") and "'edge'" in cond["message"]
     assert children(kube, "classy") == ([], [])
@@ -503,12 +508,7 @@ def test_a_classs_servicemonitor_is_what_the_prometheus_operators_crd_accepts(ru
                                                                    "labels": {"release": "kube-prometheus"}}}}}))
         cond = wait(lambda: pc_condition(kube, "monitored"), 30, "monitored's condition")
         assert (cond["status"], cond["reason"]) == ("True", "ProxyClassValid"), cond
-        r = c.post("/api/v1/namespaces/default/services", json={
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": "watched", "labels": {"tailscale.com/proxy-class": "monitored"}},
-            "spec": {"type": "LoadBalancer", "loadBalancerClass": "tailscale", "ports": [{"port": 80}],
-                     "selector": {"app": "watched"}}})
-        assert r.status_code == 201, r.text
+        classed_service(c, "watched", "monitored")
         sts, _ = wait(lambda: (lambda s: s if s[0] else None)(children(kube, "watched")), 30, "the proxy")
         name = f"{sts[0]['metadata']['name']}-metrics"
         sm = wait(lambda: get(kube, f"{sm_path}/{name}"), 30, "the ServiceMonitor")

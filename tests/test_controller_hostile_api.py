@@ -159,11 +159,16 @@ async def test_converges_with_bounded_writes_respecting_retry_after(caplog: pyte
     assert len(lines) <= 3 * windows, lines
 
 
-def test_fault_log_folds_repeats_into_the_next_line(caplog: pytest.LogCaptureFixture) -> None:
+def fault_log(caplog: pytest.LogCaptureFixture) -> tuple[FaultLog, list[float], KubeError]:
+    """A FaultLog on a clock the test sets (`now[0]`), its lines captured, and a 500 to feed it."""
     now = [0.0]
-    fl = FaultLog(window=60.0, clock=lambda: now[0])
     caplog.set_level(logging.WARNING, logger="controller")
-    e = KubeError("500 boom", status=500, reason="InternalError")
+    return (FaultLog(window=60.0, clock=lambda: now[0]), now,
+            KubeError("500 boom", status=500, reason="InternalError"))
+
+
+def test_fault_log_folds_repeats_into_the_next_line(caplog: pytest.LogCaptureFixture) -> None:
+    fl, now, e = fault_log(caplog)
     for i in range(50):
         now[0] = i
         fl.failed(("svc", "apps", f"s{i % 7}"), 1, 1.0, e)
@@ -176,10 +181,7 @@ def test_fault_log_folds_repeats_into_the_next_line(caplog: pytest.LogCaptureFix
 
 
 def test_fault_log_says_a_held_count_when_the_failures_stop(caplog: pytest.LogCaptureFixture) -> None:
-    now = [0.0]
-    fl = FaultLog(window=60.0, clock=lambda: now[0])
-    caplog.set_level(logging.WARNING, logger="controller")
-    e = KubeError("500 boom", status=500, reason="InternalError")
+    fl, now, e = fault_log(caplog)
     for i in range(10):
         now[0] = i
         fl.failed(("svc", "apps", f"s{i % 3}"), 1, 1.0, e)
