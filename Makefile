@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin image images images-archives chart demo test test-unit test-netns bench clean-lab readme manifests check fuzz outages hostile crash
+.PHONY: setup setup-bin image images images-archives chart demo test test-unit test-netns bench clean-lab readme modulemap figures manifests check fuzz outages hostile crash
 
 setup:
 	@bash scripts/setup.sh
@@ -133,6 +133,14 @@ clean-lab:
 ## readme: regenerate the variable reference in docs/agent.md from the settings table.
 readme: setup
 	$(PY) scripts/update_readme.py
+
+## modulemap: regenerate the module map in docs/modules.md from the modules' docstrings (scripts/modulemap.py).
+modulemap: setup
+	$(PY) scripts/modulemap.py --write
+
+## figures: render the benchmarks' recorded figures (bench/results/*.json) into docs/ (scripts/render_figures.py).
+figures: setup
+	$(PY) scripts/render_figures.py --write
 
 ## manifests: render deploy/ (kubectl apply -R -f deploy/) from the chart charts/tailscale-controller with helm.
 manifests: setup-bin
