@@ -1,0 +1,113 @@
+"""The benchmarks' recorded figures: one JSON file per benchmark in bench/results/, rendered into the docs.
+
+A benchmark ends by calling `record()` with its tables (figures formatted as the docs show them) and a line
+saying which run they come from; `scripts/render_figures.py` (`make figures`) writes each table into the
+blocks of docs/ that name it (`<!-- BEGIN FIGURES <bench>/<table> -->` ... `<!-- END FIGURES -->`), and
+tests/test_figures.py fails when a block differs from its JSON. So a figure is typed once, by the run.
+
+`record()` writes bench/results/<bench>.json only when asked (`--record`, or the environment variable
+`BENCH_RECORD=1`), so a trial run on a busy machine does not replace the committed figures by accident.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+class ResultsError(ValueError):
+    """A results file or table that cannot be rendered, naming the file and the field."""
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table of figures: a header row and rows of the same width, every cell text."""
+
+    columns: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+    @staticmethod
+    def of(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> Table:
+        return Table(tuple(str(c) for c in columns), tuple(tuple(str(v) for v in r) for r in rows))
+
+    def markdown(self) -> str:
+        def line(cells: Sequence[str]) -> str:
+            return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+        return "\n".join([line(self.columns), "|" + "---|" * len(self.columns), *(line(r) for r in self.rows)])
+
+
+@dataclass(frozen=True)
+class Results:
+    """A benchmark's recorded figures: what ran (`command`), which run and machine (`recorded`), its tables."""
+
+    bench: str
+    command: str
+    recorded: str
+    tables: Mapping[str, Table]
+
+    def to_json(self) -> str:
+        doc = {"bench": self.bench, "command": self.command, "recorded": self.recorded,
+               "tables": {k: {"columns": list(t.columns), "rows": [list(r) for r in t.rows]}
+                          for k, t in self.tables.items()}}
+        return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+
+
+def parse(text: str, source: str) -> Results:
+    """A results file's text -> Results; every mistake names `source` and the field."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ResultsError(f"{source}: not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ResultsError(f"{source}: the document must be an object")
+    for key in ("bench", "command", "recorded"):
+        if not isinstance(doc.get(key), str) or not doc[key].strip():
+            raise ResultsError(f"{source}: {key!r} must be a non-empty string")
+    raw = doc.get("tables")
+    if not isinstance(raw, dict) or not raw:
+        raise ResultsError(f"{source}: 'tables' must be an object of at least one table")
+    tables = {}
+    for name, t in raw.items():
+        where = f"{source}: tables.{name}"
+        if not isinstance(t, dict) or not isinstance(t.get("columns"), list) or not isinstance(t.get("rows"), list):
+            raise ResultsError(f"{where}: needs 'columns' (a list) and 'rows' (a list of lists)")
+        cols = t["columns"]
+        for i, row in enumerate(t["rows"]):
+            if not isinstance(row, list) or len(row) != len(cols):
+                raise ResultsError(f"{where}.rows[{i}]: needs {len(cols)} cells, one per column")
+        if not all(isinstance(c, str) for r in [cols, *t["rows"]] for c in r):
+            raise ResultsError(f"{where}: every cell must be text (format the figure as the docs show it)")
+        tables[name] = Table.of(cols, t["rows"])
+    return Results(doc["bench"], doc["command"], doc["recorded"], tables)
+
+
+def load(bench: str, root: pathlib.Path = RESULTS) -> Results:
+    path = root / f"{bench}.json"
+    if not path.exists():
+        raise ResultsError(f"{path.name}: no such results file in {root}")
+    res = parse(path.read_text(), path.name)
+    if res.bench != bench:
+        raise ResultsError(f"{path.name}: 'bench' says {res.bench!r}, the file name {bench!r}")
+    return res
+
+
+def wanted(flag: bool) -> bool:
+    """Whether this run's figures replace the committed ones: `--record` or BENCH_RECORD=1."""
+    return flag or os.environ.get("BENCH_RECORD", "") == "1"
+
+
+def record(res: Results, flag: bool = False, root: pathlib.Path = RESULTS) -> pathlib.Path | None:
+    """Write the run's figures to bench/results/<bench>.json when asked (see `wanted`); the path, or None."""
+    if not wanted(flag):
+        print(f"figures not recorded (--record or BENCH_RECORD=1 writes bench/results/{res.bench}.json)")
+        return None
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{res.bench}.json"
+    path.write_text(res.to_json())
+    print(f"figures recorded in {path}; `make figures` renders them into docs/")
+    return path
