@@ -30,6 +30,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import results  # noqa: E402
 from labtools import apiproxylab as ap  # noqa: E402
 from labtools.lab import Lab, ensure_binaries, wait_until  # noqa: E402
 
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--lists", type=int, default=6, help="lists per path")
     a.add_argument("--objects", type=int, default=5000)
     a.add_argument("--json", help="write the figures here too")
+    a.add_argument("--record", action="store_true", help="write bench/results/apiproxy.json (docs/apiserver-proxy.md)")
+    a.add_argument("--recorded", default="", help="which run and machine, for the results file")
     args = a.parse_args(argv)
     from tests.support.kubeapi import make_certs
     with Lab.create(bin_dir=ensure_binaries()) as lab:
@@ -116,6 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"proxy process: RSS {rss.get('VmRSS', 0) / 1024:.1f} MiB, peak {rss.get('VmHWM', 0) / 1024:.1f} MiB")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(figures, indent=1))
+    table = results.Table.of(["figure", "measured", "goal"], [
+        ["small GET, median: proxy / forward", f"{med['proxy']:.2f} / {med['forward']:.2f} ms", ""],
+        ["added latency", f"{added:.2f} ms", "<= 2 ms"],
+        [f"list of {args.objects:,} Pods ({mb:.1f} MB), median: proxy / forward",
+         f"{lst['proxy']:.3f} / {lst['forward']:.3f} s", ""],
+        ["throughput, forward time / proxy time", f"{ratio:.2f}x", ">= 0.8x"],
+        ["proxy process RSS (peak)", f"{rss.get('VmRSS', 0) / 1024:.1f} ({rss.get('VmHWM', 0) / 1024:.1f}) MiB", ""]])
+    recorded = args.recorded or f"{results.machine()}; the lab's tailnet, a stand-in API server over HTTPS"
+    results.record(results.Results("apiproxy", "python -m bench.apiproxy", recorded, {"main": table}), args.record)
     return 0
 
 

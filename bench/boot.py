@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--firewall", default="nftables", choices=("nftables", "iptables"))
+    p.add_argument("--record", action="store_true", help="write bench/results/boot.json (docs/benchmarks.md)")
+    p.add_argument("--recorded", default="", help="which run and machine, for the results file")
     args = p.parse_args(argv)
     bin_dir = ensure_binaries()
     agents = {"python": None, "upstream": [str(bin_dir / "containerboot")]}
@@ -63,6 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, label in (("python", "python agent "), ("upstream", "upstream (Go)")):
         print(f"  {label}     {med[name]:7.3f} s  (min {min(samples[name]):.3f}, max {max(samples[name]):.3f})")
     print(f"  ratio python/upstream = {med['python'] / med['upstream']:.3f}")
+    from bench.results import Results, Table, machine, record
+
+    def cell(name: str) -> str:
+        return f"{med[name]:.3f} s ({min(samples[name]):.3f}-{max(samples[name]):.3f})"
+
+    table = Table.of(["figure", "this agent", "upstream containerboot", "ratio"], [
+        [f'boot to "Startup complete" (median of {args.runs}; min-max)', cell("python"), cell("upstream"),
+         f"{med['python'] / med['upstream']:.3f}"]])
+    command = f"python -m bench.boot --runs {args.runs}" + (
+        f" --firewall {args.firewall}" if args.firewall != "nftables" else "")
+    record(Results("boot", command, args.recorded or f"{machine()}; L3 ingress, {args.firewall}",
+                   {"main": table}), args.record)
     return 0
 
 

@@ -44,6 +44,7 @@ import httpx
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import results  # noqa: E402
 from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir  # noqa: E402
 
 # no node, no Pods: the garbage collector for foreground deletion (and the default ServiceAccount's)
@@ -127,7 +128,7 @@ def by_verb(events: list[dict]) -> dict[str, int]:
     return out
 
 
-def e2e(n: int) -> int:
+def e2e(n: int, record: bool = False, recorded: str = "") -> int:
     """N Services end to end with real proxies, headscale and the tailnet client (see the docstring)."""
     from labtools import kubecluster, kubecontroller, kubemanifests
     from labtools.lab import Lab, ensure_binaries, wait_until
@@ -172,6 +173,7 @@ def e2e(n: int) -> int:
                    "every proxy node gone from headscale")
         t_delete = time.monotonic() - t1
         times = sorted(t for t, _ in got.values())
+        recorded = recorded or f"{results.machine()}; real proxies in the lab's cluster, headscale"
         fig = {"services": n, "apply_s": round(t_applied, 2), "every_status_has_tailnet_ip_s": round(t_all, 2),
                "first_s": round(times[0], 2), "median_s": round(times[len(times) // 2], 2),
                "curl_every_ip_s": round(t_curl, 2), "delete_all_and_headscale_clean_s": round(t_delete, 2)}
@@ -181,6 +183,12 @@ def e2e(n: int) -> int:
               f"median {fig['median_s']:.1f} s) |")
         print(f"| a curl from the tailnet client to each IP | all OK, {t_curl:.1f} s for the {n} |")
         print(f"| all deleted: Services gone, nodes gone from headscale | {t_delete:.1f} s |")
+        results.record(results.Results("controller_e2e", f"python -m bench.controller --e2e {n}", recorded, {
+            "main": results.Table.of([f"{n} Services end to end", "value"], [
+                ["every status has a tailnet IP", f"{t_all:.1f} s after the apply (first {times[0]:.1f} s, "
+                                                  f"median {fig['median_s']:.1f} s)"],
+                ["a curl from the tailnet client to each IP", f"all {n} OK"],
+                ["all deleted: Services gone, nodes gone from headscale", f"{t_delete:.1f} s"]])}), record)
     return 0
 
 
@@ -191,9 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=50)
     ap.add_argument("--e2e", type=int, default=0, metavar="N",
                     help="instead: N Services end to end with real proxies in a real cluster (root)")
+    ap.add_argument("--record", action="store_true", help="write bench/results/controller[_e2e].json")
+    ap.add_argument("--recorded", default="", help="which run and machine, for the results file")
     a = ap.parse_args(argv)
     if a.e2e:
-        return e2e(a.e2e)
+        return e2e(a.e2e, a.record, a.recorded)
     if os.geteuid() != 0:
         print("bench.controller: the control plane (labtools.kubecluster) runs as root", file=sys.stderr)
         return 2
@@ -266,6 +276,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{fig['writes_per_service']} writes) |")
         print(f"| idle CPU / RSS with {a.services} parents | {idle_cpu:.2f} % of one core / {rss:.0f} MiB |")
         print(f"| restart: passes over all parents / writes sent | {t_repass:.1f} s / {len(re_writes)} |")
+        n = a.services
+        table = results.Table.of([f"{n} Services", "value"], [
+            ["every proxy's StatefulSet and Secret exists",
+             f"{t_objects:.1f} s after the first create ({t_created:.1f} s to create the {n} Services)"],
+            ["every status written, the controller's requests stop", f"{t_settled:.1f} s"],
+            ["API requests per Service (from the API server's audit log)",
+             f"{fig['requests_per_service']}: {fig['reads_per_service']} reads, {fig['writes_per_service']} writes"],
+            [f"idle, {n} parents: CPU / RSS / API requests in {a.idle:g} s",
+             f"{idle_cpu:.2f} % of one core / {rss:.0f} MiB / {idle_events}"],
+            ["a restarted controller re-runs every pass: time / writes sent", f"{t_repass:.1f} s / {len(re_writes)}"],
+        ])
+        recorded = a.recorded or f"{results.machine()}; a real kube-apiserver and etcd, static key provider"
+        results.record(results.Results("controller", "python -m bench.controller" + (
+            f" --services {n}" if n != 500 else ""), recorded, {"main": table}), a.record)
         return 0
     finally:
         for p in procs:

@@ -44,6 +44,7 @@ import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
+from bench.results import Results, Table, machine, record
 from labtools import coredns
 from nameserver.records import render_records
 
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--changes", type=int, default=20)
     ap.add_argument("--json", default="")
+    ap.add_argument("--record", action="store_true", help="write bench/results/dns.json (docs/dns.md)")
+    ap.add_argument("--recorded", default="", help="which run and machine, for the results file")
     a = ap.parse_args(argv)
     binary = coredns.binary_path()
     if not os.access(binary, os.X_OK):
@@ -213,6 +216,16 @@ def main(argv: list[str] | None = None) -> int:
               f"({len(changes)} changes)")
         if a.json:
             Path(a.json).write_text(json.dumps(out, indent=1))
+        ns, cd = summary["nameserver"], summary["coredns"]
+        table = Table.of(["figure", "nameserver", "CoreDNS", "ratio"], [
+            [f"queries per second ({a.names} names, {a.procs} processes × {a.concurrency} in flight)",
+             f"{ns['qps']:,.0f}", f"{cd['qps']:,.0f}", f"{ratio['qps']:.2f}"],
+            ["p50 latency", f"{ns['p50_ms']:.2f} ms", f"{cd['p50_ms']:.2f} ms", f"{ratio['p50_ms']:.2f}"],
+            ["p99 latency", f"{ns['p99_ms']:.2f} ms", f"{cd['p99_ms']:.2f} ms", f"{ratio['p99_ms']:.2f}"],
+            [f"a records file swap to the new answer (median of {len(changes)})",
+             f"{out['change_to_answer_ms']['median']:.0f} ms", "", ""]])
+        record(Results("dns", "python -m bench.dns", a.recorded or f"{machine()}; loopback, ABBA order",
+                       {"main": table}), a.record)
         return 0
     finally:
         for p in procs:

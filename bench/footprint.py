@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 
+from bench import results
 from bench.logwatch import LogWatch
 from labtools.lab import AgentProcess, Lab, ensure_binaries
 
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5, help="boots per agent (median reported)")
     p.add_argument("--idle-minutes", type=float, default=5.0, help="idle window per agent")
     p.add_argument("--firewall", default="nftables", choices=("nftables", "iptables"))
+    p.add_argument("--record", action="store_true", help="write bench/results/footprint.json (docs/benchmarks.md)")
+    p.add_argument("--recorded", default="", help="which run and machine, for the results file")
     args = p.parse_args(argv)
     bin_dir = ensure_binaries()
     agents = {"python": None, "upstream": [str(bin_dir / "containerboot")]}
@@ -148,6 +151,44 @@ def main(argv: list[str] | None = None) -> int:
           f"{'MET' if idle_extra_per_hour <= 1 else 'NOT MET'}")
     print(f"  boot ratio <= 1.00:                   {boot_ratio:6.4f}      {'MET' if boot_ratio <= 1 else 'NOT MET'}"
           " (boot times read as the line is written)")
+
+    def pair(name: str, key: str, fmt: str, unit: str) -> str:
+        vals = [s[key] for s in boots[name] if key in s]
+        if not vals:
+            return "-"
+        return f"{statistics.median(vals):{fmt}} {unit} ({min(vals):{fmt}}-{max(vals):{fmt}})"
+
+    def quot(py: float, up: float, fmt: str) -> str:
+        return f"{py / up:{fmt}}" if up > 0 else "-"
+
+    n, mins = args.runs, f"{args.idle_minutes:g}"
+    main_table = results.Table.of(["figure", "this agent", "upstream containerboot", "ratio"], [
+        [f'resident memory (VmRSS) at "Startup complete" (median of {n})', f"{med('python', 'rss_mb'):.1f} MB",
+         f"{med('upstream', 'rss_mb'):.1f} MB", quot(med("python", "rss_mb"), med("upstream", "rss_mb"), ".2f")],
+        [f"resident memory after {mins} minutes idle", f"{idle['python']['rss_mb']:.1f} MB",
+         f"{idle['upstream']['rss_mb']:.1f} MB", quot(idle["python"]["rss_mb"], idle["upstream"]["rss_mb"], ".2f")],
+        [f'CPU seconds from process start to "Startup complete" (median of {n})', f"{med('python', 'cpu_s'):.2f} s",
+         f"{med('upstream', 'cpu_s'):.2f} s", quot(med("python", "cpu_s"), med("upstream", "cpu_s"), ".0f")],
+        [f"CPU seconds per idle minute (over the {mins} minutes)", f"{idle['python']['cpu_per_min']:.3f} s",
+         f"{idle['upstream']['cpu_per_min']:.3f} s", "-"],
+        [f'boot to "Startup complete" (median of {n}; min-max)', pair("python", "boot_s", ".3f", "s"),
+         pair("upstream", "boot_s", ".3f", "s"), f"{boot_ratio:.3f}"],
+        [f"of which after tailscaled's Running (median of {n}; min-max)",
+         pair("python", "after_running_ms", ".1f", "ms"), pair("upstream", "after_running_ms", ".1f", "ms"),
+         quot(after_running("python"), after_running("upstream"), ".2f")],
+    ])
+    goals = results.Table.of(["goal", "measured", "verdict"], [
+        ["resident memory at most 35 MB", f"{rss:.1f} MB", "MET" if rss <= 35 else "NOT MET"],
+        ["idle CPU at most upstream's plus 1 s per hour", f"{idle_extra_per_hour:+.2f} s/h",
+         "MET" if idle_extra_per_hour <= 1 else "NOT MET"],
+        ["boot no slower than upstream (ratio of medians <= 1.00)", f"{boot_ratio:.3f}",
+         "MET" if boot_ratio <= 1 else "NOT MET"],
+    ])
+    command = f"python -m bench.footprint --runs {n} --idle-minutes {mins}" + (
+        f" --firewall {args.firewall}" if args.firewall != "nftables" else "")
+    recorded = args.recorded or f"{results.machine()}; L3 ingress, {args.firewall}"
+    results.record(results.Results("footprint", command, recorded, {"main": main_table, "goals": goals}),
+                   args.record)
     return 0
 
 

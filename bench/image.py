@@ -66,17 +66,20 @@ def cold_build() -> tuple[float, str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def sizes(image: str) -> None:
+def sizes(image: str) -> list[list[str]]:
     info = json.loads(_run(["podman", "image", "inspect", image]).stdout)[0]
     archive = Path(_run(["bash", "images/build.sh", "--print-archive"]).stdout.strip())
     print(f"image {image}: {info['Size'] / 1e6:.1f} MB uncompressed ({info['Size'] / 2**20:.1f} MiB); "
           f"OCI archive {archive.stat().st_size / 2**20:.1f} MiB")
     hist = json.loads(_run(["podman", "history", "--format", "json", image]).stdout)
     print("layers (bytes added, newest first):")
+    layers = []
     for h in hist:
         if h.get("size", 0) > 0:
             what = (h.get("CreatedBy") or h.get("createdBy") or "").replace("/bin/sh -c ", "")[:90]
             print(f"  {h['size'] / 1e6:7.1f} MB  {what}")
+            if h["size"] >= 1e6:
+                layers.append(f"{h['size'] / 1e6:.1f} MB `{what[:60]}`")
     rt, ul = img.host_args()
     du = _run(["podman", *rt, "run", "--rm", "--network", "none", *ul, "--entrypoint", "/bin/sh", image, "-c",
                f"du -sk {' '.join(TOP_DIRS)}; du -sk /usr/local/bin/* /opt/venv/lib/python3.11/site-packages/* "
@@ -85,13 +88,17 @@ def sizes(image: str) -> None:
     for line in du.splitlines():
         kb, path = line.split(maxsplit=1)
         print(f"  {int(kb) / 1024:7.1f} MiB  {path}")
+    return [["image size, uncompressed (podman)", f"{info['Size'] / 1e6:.0f} MB ({info['Size'] / 2**20:.1f} MiB); "
+             f"OCI archive {archive.stat().st_size / 2**20:.1f} MiB",
+             "under 150 MB: " + ("met" if info["Size"] < 150e6 else "not met")],
+            ["where the bytes go (layers of 1 MB or more, newest first)", "; ".join(layers), ""]]
 
 
 def boot_once(lab: Lab, env: dict, marker: str, image: str | None) -> float:
     return _boot.boot_once(lab, None, env, marker, image=image)
 
 
-def boot(image: str, runs: int, firewall: str) -> None:
+def boot(image: str, runs: int, firewall: str) -> list[str]:
     bin_dir = ensure_binaries()
     kinds = {"outside": None, "inside": image}
     samples: dict[str, list[float]] = {k: [] for k in kinds}
@@ -108,6 +115,10 @@ def boot(image: str, runs: int, firewall: str) -> None:
     med = {k: statistics.median(v) for k, v in samples.items()}
     print(f"boot to 'Startup complete' ({firewall}, median of {runs}): outside {med['outside']:.2f} s, "
           f"inside the container {med['inside']:.2f} s, ratio inside/outside {med['inside'] / med['outside']:.3f}")
+    ratio = med["inside"] / med["outside"]
+    return [f'boot to "Startup complete", outside vs inside the container (same lab, {firewall}, median of {runs}, '
+            "interleaved)", f"{med['outside']:.2f} s vs {med['inside']:.2f} s: ratio {ratio:.3f}",
+            "≤ 1.05: " + ("met" if ratio <= 1.05 else "not met")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--firewall", default="nftables", choices=("nftables", "iptables"))
     p.add_argument("--cold", action="store_true", help="also time a build from an empty storage (minutes)")
     p.add_argument("--no-boot", action="store_true")
+    p.add_argument("--record", action="store_true", help="write bench/results/image.json (docs/benchmarks.md)")
+    p.add_argument("--recorded", default="", help="which run and machine, for the results file")
     a = p.parse_args(argv)
     iid = Path(tempfile.mkstemp(prefix="cbpy-iid-")[1])
     try:
@@ -126,12 +139,26 @@ def main(argv: list[str] | None = None) -> int:
         image = iid.read_text().strip()
     finally:
         iid.unlink(missing_ok=True)
+    warm = took
+    cold = None
     if a.cold:
-        took, line = cold_build()
-        print(f"cold make image (empty storage and image cache): {took:.1f} s  [{line}]")
-    sizes(image)
+        cold, line = cold_build()
+        print(f"cold make image (empty storage and image cache): {cold:.1f} s  [{line}]")
+    rows = sizes(image)
     if not a.no_boot:
-        boot(image, a.runs, a.firewall)
+        rows.append(boot(image, a.runs, a.firewall))
+    rows.append(["warm `make image` (nothing changed)", f"{warm:.1f} s", "under 10 s: " + ("met" if warm < 10 else
+                                                                                          "not met")])
+    if cold is not None:
+        rows.append(["cold `make image` (empty podman storage and image cache; mmdebstrap base, PyPI downloads, the "
+                     "image's tailscaled compiled with a warm Go build cache as after `make setup-bin`)",
+                     f"{cold:.0f} s", ""])
+    from bench.results import Results, Table, machine, record
+    if a.no_boot or not a.cold:
+        print("figures not recorded: the results file holds every row (run without --no-boot and with --cold)")
+    else:
+        record(Results("image", "python -m bench.image --cold", a.recorded or f"{machine()}; the offline build",
+                       {"main": Table.of(["figure", "measured", "goal"], rows)}), a.record)
     return 0
 
 

@@ -28,6 +28,27 @@ from dataclasses import asdict
 
 GOAL_S = 5.0
 
+#: the docs' words for each case (docs/proxygroup.md, "Failover on two nodes")
+CASES = {
+    "delete_pod": ("(a) Pod deleted", "`kubectl delete pod` of one replica", "its new Pod serves again"),
+    "kill_tailscaled": ("(b) tailscaled killed", "SIGKILL to one replica's tailscaled (its container restarts)",
+                        "it serves again"),
+    "lose_node": ("(c) node lost", "the second node's link to the network down and its kubelet stopped: its replica "
+                  "runs on, unreachable", "10 successes in a row after the replica left the EndpointSlice"),
+}
+EVENTS = {
+    ("delete_pod", "left_slice"): "(a) the deleted replica out of the EndpointSlices (its pre-stop hook holds it "
+                                  "until then)",
+    ("delete_pod", "new_pod_in_slice"): "(a) its new Pod in the EndpointSlices",
+    ("delete_pod", "back"): "(a) its new Pod serves",
+    ("kill_tailscaled", "killed"): "(b) tailscaled killed",
+    ("kill_tailscaled", "back"): "(b) the killed replica serves again",
+    ("lose_node", "node_not_ready"): "(c) node marked not Ready",
+    ("lose_node", "pod_evicted"): "(c) the lost replica evicted",
+    ("lose_node", "left_slice"): "(c) the lost replica out of the EndpointSlice",
+    ("lose_node", "ten_ok_after_slice"): "(c) 10 successes in a row after that",
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     from labtools import kubecluster, kubecontroller, pgfailover
@@ -35,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.pgfailover", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--firewall", default="iptables", choices=("iptables", "nftables"))
+    ap.add_argument("--record", action="store_true", help="write bench/results/pgfailover.json (docs/proxygroup.md)")
+    ap.add_argument("--recorded", default="", help="which run and machine, for the results file")
     a = ap.parse_args(argv)
     t_all = time.monotonic()
     images = kubecontroller.build_images()
@@ -55,6 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cluster_start_s": start_s, **figures, "cases": [asdict(r) for r in results]}, f, indent=1)
+    from bench.results import Results, Table, machine, record
+    cases = Table.of(["case", "what is done", "ends when", "longest gap between successful new connections",
+                      "new connections failed", "connection held through the other replica"],
+                     [[*CASES.get(r.case, (r.case, "", "")), f"{r.gap_s:.2f} s",
+                       f"{r.new_fail} of {r.new_ok + r.new_fail}", "reset" if r.held_failed else "kept"]
+                      for r in results])
+    events = Table.of(["event", "after"], [
+        ["the egress Service created (group Ready) → first successful connection",
+         f"{figures['service_to_first_success_s']:.1f} s"],
+        *([EVENTS.get((r.case, k), f"{r.case}: {k}"), f"{v:.1f} s"] for r in results for k, v in r.events.items())])
+    recorded = a.recorded or f"{machine()}; {a.firewall}; the 0.2 s between attempts bounds the resolution"
+    record(Results("pgfailover", "python -m bench.pgfailover", recorded, {"cases": cases, "events": events}),
+           a.record)
     return 0
 
 

@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.pgrequests", description=__doc__.split("\n\n")[0])
     ap.add_argument("--services", type=int, default=1000)
     ap.add_argument("--anchor", type=int, default=10)
+    ap.add_argument("--record", action="store_true", help="write bench/results/pgrequests.json (bench/README.md)")
     a = ap.parse_args(argv)
     anchor = asyncio.run(measure(a.anchor))
     big = asyncio.run(measure(a.services))
@@ -141,6 +142,21 @@ def main(argv: list[str] | None = None) -> int:
     size = big["_size"]["bytes"]
     print(f"egress-services with {a.services + 0} Services: {size} bytes ({size / a.services:.0f} per Service; a "
           f"ConfigMap holds about {int(1024 * 1024 / (size / a.services))})")
+    from bench.results import Results, Table, record
+
+    def rw(c: Counter) -> tuple[int, int]:
+        return c["GET"] + c["LIST"], c["POST"] + c["PATCH"] + c["DELETE"]
+
+    rows = []
+    for step in (k for k in big if not k.startswith("_")):
+        na, nb = sum(anchor[step].values()), sum(big[step].values())
+        rows.append([step, *rw(big[step]), f"{nb / na:.2f}" if na else "-"])
+    rows.append(["the `egress-services` document, per Service", f"{size / a.services:.0f} bytes", "", ""])
+    table = Table.of([f"with {a.services:,} egress Services on one ProxyGroup", "reads", "writes",
+                      f"ratio to {a.anchor} present"], rows)
+    command = "python -m bench.pgrequests" + (f" --services {a.services}" if a.services != 1000 else "")
+    record(Results("pgrequests", command, "the reconciler's passes against the unit tests' in-memory API server "
+                   "(request counts do not depend on the machine)", {"main": table}), a.record)
     return 0
 
 

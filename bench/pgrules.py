@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--services", type=int, default=1000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--inner", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--record", action="store_true", help="write bench/results/pgrules.json (bench/README.md)")
+    ap.add_argument("--recorded", default="", help="which run and machine, for the results file")
     a = ap.parse_args(argv)
     if a.inner:
         print(json.dumps(inner(a.inner, a.services, a.runs)))
@@ -67,15 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("bench.pgrules needs root (it creates a network namespace)", file=sys.stderr)
         return 2
+    rows = []
     for backend in ("nftables", "iptables"):
         anchor = _in_netns(backend, 1, a.runs)
         big = _in_netns(backend, a.services, a.runs)
+        rows.append([backend if backend == "nftables" else "iptables-nft",
+                     *(f"{big[k]:.1f} ms" for k in ("add", "remove", "noop"))])
         print(f"{backend}: one egress Service added / removed / nothing changed, median of {a.runs}")
         for key in ("add", "remove", "noop"):
             met = "MET" if big[key] < GOAL_MS else "NOT MET"
             verdict = "" if key == "noop" else f"  goal < {GOAL_MS:.0f} ms: {met}"
             print(f"  {key:6s} with {a.services}: {big[key]:7.1f} ms; with 1: {anchor[key]:6.1f} ms; "
                   f"ratio {big[key] / anchor[key]:5.1f}{verdict}")
+    from bench.results import Results, Table, machine, record
+    table = Table.of([f"with {a.services:,} Services", "add one", "remove one", "nothing changed"], rows)
+    record(Results("pgrules", f"python -m bench.pgrules --runs {a.runs}", a.recorded or
+                   f"{machine()}; medians of {a.runs}", {"main": table}), a.record)
     return 0
 
 

@@ -96,6 +96,12 @@ def load(bench: str, root: pathlib.Path = RESULTS) -> Results:
     return res
 
 
+def machine() -> str:
+    """The run's machine in the words the docs use: cores and the load beside the benchmark."""
+    load = os.getloadavg()[0]
+    return f"one run, {os.cpu_count()} cores, 1-minute load average {load:.1f} at its end"
+
+
 def wanted(flag: bool) -> bool:
     """Whether this run's figures replace the committed ones: `--record` or BENCH_RECORD=1."""
     return flag or os.environ.get("BENCH_RECORD", "") == "1"

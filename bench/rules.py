@@ -556,7 +556,44 @@ def run(a: argparse.Namespace) -> int:
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=2)
+    if a.null_check:
+        print("   an A/A run checks the method: its figures are not recorded")
+    else:
+        _record(a, results, ref_bin, ref, time.monotonic() - started)
     return 0
+
+
+def _record(a: argparse.Namespace, results: dict, ref_bin: str | None, ref: float | None, wall: float) -> None:
+    """bench/results/rules.json (docs/benchmarks.md): one column per backend, the docs' rows."""
+    from bench.results import Results, Table, machine, record
+    names = {"nftables": "nftables", "iptables": "iptables (nft flavour)", "iptables-legacy": "iptables-legacy"}
+    rs = results["backends"]
+
+    def cell(b: str, fn) -> str:
+        r = rs.get(b) or {}
+        try:
+            return fn(r)
+        except (KeyError, TypeError, ZeroDivisionError):
+            return "-"
+
+    def ci(r: dict, key: str) -> str:
+        lo, hi = r[f"{key}_ratio_ci95"]
+        return f"{r[f'{key}_ratio']:.3f} ({lo:.3f}–{hi:.3f})"
+
+    rows = [[f"`apply()` of all {a.maps:,} from empty", *(cell(b, lambda r: f"{r['apply_s']:.2f} s") for b in rs)]]
+    if ref is not None:
+        measured = results["baseline"][ref_bin]["services"]
+        rows.append([f"vs. one `{ref_bin} -t nat -A` process per rule (upstream's way; {measured} measured, "
+                     f"{ref:.1f} s extrapolated)",
+                     *(cell(b, lambda r: f"{ref / r['apply_s']:.0f}× faster") for b in rs)])
+    rows.append([f"bulk throughput, {a.maps:,} services / 1 service (ratio of medians of {a.runs} ABBA runs, "
+                 "95% CI)",
+                 *(cell(b, lambda r: ci(r, "tput")) for b in rs)])
+    rows.append([f"new connections per second, {a.maps:,} services / 1 service (95% CI)",
+                 *(cell(b, lambda r: ci(r, "conn")) for b in rs)])
+    table = Table.of(["figure", *(names.get(b, b) for b in rs)], rows)
+    record(Results("rules", "python -m bench.rules" + (f" --maps {a.maps}" if a.maps != 10000 else ""),
+                   a.recorded or f"{machine()}; {wall:.0f} s", {"main": table}), a.record)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -595,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--apply-timeout", type=float, default=150.0)
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--record", action="store_true", help="write bench/results/rules.json (docs/benchmarks.md)")
+    ap.add_argument("--recorded", default="", help="which run and machine, for the results file")
     a = ap.parse_args(argv)
     if a.cmd == "inner-apply":
         print(json.dumps(inner_apply(a.backend, a.file, a.cleanup_first)))
