@@ -1162,7 +1162,8 @@ def test_helm_uninstall_leaves_nothing_of_the_release(kube):
 GUIDE_NS = "ts-guide"
 GUIDE_REGISTRY = "registry.example.com/tailscale"
 #: the chart's CRDs, deleted by hand at the end of the guide's uninstall (helm keeps them)
-GUIDE_CRDS = ("connectors.tailscale.com", "proxyclasses.tailscale.com", "proxygroups.tailscale.com")
+GUIDE_CRDS = ("connectors.tailscale.com", "dnsconfigs.tailscale.com", "proxyclasses.tailscale.com",
+              "proxygroups.tailscale.com")
 
 
 def _guide_images(tag: str, out) -> None:
@@ -1350,6 +1351,8 @@ def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, ku
                             "tailscale.com/parent-resource").stdout
         assert "svc" in listed and "apps" in listed and "guide" in listed, listed
         kc.kubectl("-n", "apps", "annotate", "service", "guide", "tailscale.com/expose-")
+        kc.kubectl("delete", "connectors,proxygroups,dnsconfigs", "--all", timeout=60)
+        kc.kubectl("delete", "proxyclasses", "--all", timeout=60)
         kc.kubectl("-n", GUIDE_NS, "wait", "--for=delete", "statefulset", "-l", "tailscale.com/managed=true",
                    "--timeout=120s", timeout=130, check=False)
         wait_until(lambda: not kc.kubectl("-n", GUIDE_NS, "get", "statefulsets,secrets,services,pods", "-l",
