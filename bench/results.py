@@ -51,10 +51,16 @@ class Results:
     tables: Mapping[str, Table]
 
     def to_json(self) -> str:
-        doc = {"bench": self.bench, "command": self.command, "recorded": self.recorded,
-               "tables": {k: {"columns": list(t.columns), "rows": [list(r) for r in t.rows]}
-                          for k, t in self.tables.items()}}
-        return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+        """The file's text: one line per row, so a new run's diff shows the figures that changed."""
+        def one(v: object) -> str:
+            return json.dumps(v, ensure_ascii=False)
+
+        tables = ",\n".join(
+            f'  {one(k)}: {{\n   "columns": {one(list(t.columns))},\n   "rows": [\n'
+            + ",\n".join(f"    {one(list(r))}" for r in t.rows) + "\n   ]\n  }"
+            for k, t in self.tables.items())
+        return (f'{{\n "bench": {one(self.bench)},\n "command": {one(self.command)},\n'
+                f' "recorded": {one(self.recorded)},\n "tables": {{\n{tables}\n }}\n}}\n')
 
 
 def parse(text: str, source: str) -> Results:
