@@ -70,9 +70,10 @@ demo: setup
 # tests are handed out test by test; the netns tests module by module (--dist loadfile: a module's lab or cluster
 # is made once, on one worker), longest modules first (the order in netns-tests/conftest.py, kept by
 # --no-loadscope-reorder). docs/lab-and-tests.md has the figures.
+# -rs lists every skip with its reason; under CI a skip not in tests/expected-skips.txt fails the run.
 PYTEST_WORKERS ?= 2
-UNIT_ARGS = -n $(PYTEST_WORKERS)
-NETNS_ARGS = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+UNIT_ARGS = -rs -n $(PYTEST_WORKERS)
+NETNS_ARGS = -rs -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 ## test: unit tests (no root, no network), then the namespace and end-to-end tests (root).
 test: setup-bin
