@@ -139,8 +139,10 @@ readme: setup
 manifests: setup-bin
 	$(PY) -m labtools.helmchart write
 
-## check: the static gate: ruff (lint, the whole tree) and mypy (types, the product's packages), as configured in
-## pyproject.toml. CI runs it before the tests.
+## check: the static gate: ruff (lint, the whole tree), mypy (types, the product's packages), as configured in
+## pyproject.toml, and the import structure's rules (tests/test_layers.py: layers, pure modules, no circle).
+## CI runs it before the tests.
 check: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
