@@ -89,11 +89,12 @@ test-netns: setup-bin
 	$(PY) -m pytest -q $(NETNS_ARGS) netns-tests
 
 ## fuzz: the long run of the generated-input tests (tests/test_fuzz_*.py): random seeds, FUZZ_EXAMPLES examples
-## a target (default 20000; `make test` runs 100 with a fixed seed). A failure prints the input that shows it.
+## a target (default 20000; `make test` runs 100 drawn from the run's printed seed, CB_SEED). A failure prints the input that shows it.
 FUZZ_EXAMPLES ?= 20000
 fuzz: setup
 	CB_FUZZ_PROFILE=fuzz CB_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q \
-		--hypothesis-show-statistics tests/test_fuzz_agent.py tests/test_fuzz_controller.py
+		--hypothesis-show-statistics tests/test_fuzz_agent.py tests/test_fuzz_controller.py \
+		tests/test_fuzz_dns_and_grants.py
 
 ## outages: the outage tests (netns-tests/test_outages.py, and the controller's API-server outage in
 ## netns-tests/test_controller_apiserver.py) with five-minute outages instead of the suite's 20 s;
