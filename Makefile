@@ -105,7 +105,7 @@ outages: setup-bin
 
 ## crash: every crash point of the agent after boot (both firewall backends) and of the controller against a
 ## real headscale (netns-tests/test_agent_crash_steady.py, test_controller_crash_headscale.py); `make test` tries
-## a fixed sample of them. The boot's points (test_agent_crash.py) are all in `make test` (root).
+## a sample of them (the agent's drawn from the run's seed, CB_SEED). The boot's points (test_agent_crash.py) are all in `make test` (root).
 crash: setup-bin
 	CB_CRASH_ALL=1 $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_agent_crash_steady.py \
 		netns-tests/test_controller_crash_headscale.py
