@@ -152,7 +152,8 @@ def contract_crd() -> dict[str, Any]:
 
 
 async def install_contract_crd(kube: Any) -> None:
-    """The CRD created (once) and served: the real server answers 404 for its resource until it is established."""
+    """The CRD created (once) and served: the real server answers 404 for its resource until it is established,
+    then 429 while the resource's storage starts."""
     import asyncio
     try:
         await kube.create(CRDS, contract_crd())
@@ -164,7 +165,7 @@ async def install_contract_crd(kube: Any) -> None:
             await kube.list(PG)
             return
         except KubeError as e:
-            if e.status != 404:
+            if e.status not in (404, 429):
                 raise
         await asyncio.sleep(0.2)
     raise AssertionError(f"the CRD proxygroups.{CONTRACT_GROUP} is not served after 30 s")
