@@ -143,14 +143,15 @@ async def test_converges_with_bounded_writes_respecting_retry_after(caplog: pyte
     assert hostile.early == [], hostile.early[:5]
     # A full re-run after convergence writes nothing.
     before = sum(writes)
-    for i in range(N):
-        q.poke(("svc", "apps", f"s{i}"))
-    await asyncio.sleep(0.5)
     hostile.rate = 0.0
-    for _ in range(300):
-        await asyncio.sleep(0.01)
-        if not q._tasks:
-            break
+    keys = [("svc", "apps", f"s{i}") for i in range(N)]
+    reads = {k: hostile.calls[(k, "read")] for k in keys}
+    for k in keys:
+        q.poke(k)
+    # every Service's pass ran again (it read its objects) and the queue is idle: it had its chance to write
+    async with asyncio.timeout(60):
+        while q._tasks or any(hostile.calls[(k, "read")] == reads[k] for k in keys):
+            await asyncio.sleep(0.01)
     assert sum(_writes_per_service(hostile)) == before
     await q.aclose()
     # Logs: every kind of fault said, but one line per kind per window (here the whole run is one window).
