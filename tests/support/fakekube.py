@@ -191,12 +191,17 @@ class FakeProvider:
         return key
 
     async def delete_device(self, device_id: str) -> bool:
+        """Whether there was a device to delete (a registered one), as the real providers answer
+        (tests/support/provider_contract.py); every deletion of an ID is recorded in `deleted`, registered or
+        not (the controller does not act on the answer)."""
         from controller.providers import ProviderError
         if self.down:
             raise ProviderError("fake: deleting a device: control plane unreachable")
+        if not (device_id.isascii() and device_id.isalnum()):
+            return False        # not an ID (a damaged state Secret): names no device
         self.deleted.append(device_id)
         self.log.append(("delete-device", device_id))
-        return True
+        return self.tags.pop(device_id, None) is not None
 
     async def device_tags(self, device_id: str) -> tuple[str, ...] | None:
         from controller.providers import ProviderError
