@@ -144,6 +144,9 @@ class FakeKube:
                 {k: v for k, v in cur.items() if k not in ("metadata", "status")}:
             new["metadata"]["generation"] = cur["metadata"].get("generation", 1) + 1
         self.objects[key] = new
+        if res == CRDS:
+            crd = Crd.from_document(new)
+            self.crds[(crd.prefix, crd.plural)] = crd
         if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
             del self.objects[key]
         return copy.deepcopy(new)

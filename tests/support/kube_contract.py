@@ -276,6 +276,62 @@ async def crd_the_schema_refuses_with_422_naming_the_field(kube: Any) -> None:
     await kube.delete(PG, name)
 
 
+RATCHET_GROUP = "ratchet.tailscale.test"
+RATCHET_PG = Resource(f"/apis/{RATCHET_GROUP}/v1alpha1", "proxygroups", namespaced=False)
+
+
+async def crd_a_field_written_under_an_older_schema_does_not_block_other_writes(kube: Any) -> None:
+    """Validation ratchets: an object stored while the schema allowed a value keeps it through writes that leave
+    it as it is (spec and status), while a write that changes it to another invalid value is refused."""
+    import asyncio
+    import copy
+    doc = contract_crd()
+    doc["metadata"] = {"name": f"proxygroups.{RATCHET_GROUP}"}
+    doc["spec"]["group"] = RATCHET_GROUP
+    strict = copy.deepcopy(doc["spec"]["versions"])
+    del doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "hostnamePrefix"]["pattern"]
+    try:
+        await kube.create(CRDS, doc)
+    except KubeError as e:
+        if e.status != 409:
+            raise
+        await kube.patch(CRDS, doc["metadata"]["name"], {"spec": {"versions": doc["spec"]["versions"]}})
+    name = _name("ratchet")
+    old = {"apiVersion": f"{RATCHET_GROUP}/v1alpha1", "kind": "ProxyGroup", "metadata": {"name": name},
+           "spec": {"type": "egress", "replicas": 1, "hostnamePrefix": "Old_Prefix"}}
+    for _ in range(150):
+        try:
+            await kube.create(RATCHET_PG, old)
+            break
+        except KubeError as e:
+            if e.status not in (404, 429):
+                raise
+        await asyncio.sleep(0.2)
+    else:
+        raise AssertionError(f"the CRD proxygroups.{RATCHET_GROUP} is not served after 30 s")
+    await kube.patch(CRDS, doc["metadata"]["name"], {"spec": {"versions": strict}})
+    probe = _name("probe")
+    for _ in range(150):      # the stricter schema in force: a new object with the old value is refused
+        try:
+            await kube.create(RATCHET_PG, {**old, "metadata": {"name": probe}})
+            await kube.delete(RATCHET_PG, probe)
+        except KubeError as e:
+            if e.status != 422:
+                raise
+            break
+        await asyncio.sleep(0.2)
+    else:
+        raise AssertionError("the stricter schema is not in force after 30 s")
+    out = await kube.patch(RATCHET_PG, name, {"spec": {"replicas": 2}})
+    assert out["spec"] == {"type": "egress", "replicas": 2, "hostnamePrefix": "Old_Prefix"}
+    out = await kube.patch(RATCHET_PG, name, {"status": {"conditions": [_condition("Ratchet")]}}, subresource="status")
+    assert out["status"]["conditions"][0]["reason"] == "Ratchet"
+    e = await _raises(kube.patch(RATCHET_PG, name, {"spec": {"hostnamePrefix": "Other_Prefix"}}), 422, "Invalid")
+    assert "spec.hostnamePrefix" in str(e), str(e)
+    await kube.delete(RATCHET_PG, name)
+
+
 CrdCheck = Callable[[Any], Awaitable[None]]
 CRD_CHECKS: dict[str, CrdCheck] = {
     n.removeprefix("crd_"): f for n, f in sorted(globals().items()) if n.startswith("crd_")}
