@@ -70,9 +70,10 @@ demo: setup
 # tests are handed out test by test; the netns tests module by module (--dist loadfile: a module's lab or cluster
 # is made once, on one worker), longest modules first (the order in netns-tests/conftest.py, kept by
 # --no-loadscope-reorder). docs/lab-and-tests.md has the figures.
+# -rs lists every skip with its reason; under CI a skip not in tests/expected-skips.txt fails the run.
 PYTEST_WORKERS ?= 2
-UNIT_ARGS = -n $(PYTEST_WORKERS)
-NETNS_ARGS = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+UNIT_ARGS = -rs -n $(PYTEST_WORKERS)
+NETNS_ARGS = -rs -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 ## test: unit tests (no root, no network), then the namespace and end-to-end tests (root).
 test: setup-bin
@@ -88,11 +89,12 @@ test-netns: setup-bin
 	$(PY) -m pytest -q $(NETNS_ARGS) netns-tests
 
 ## fuzz: the long run of the generated-input tests (tests/test_fuzz_*.py): random seeds, FUZZ_EXAMPLES examples
-## a target (default 20000; `make test` runs 100 with a fixed seed). A failure prints the input that shows it.
+## a target (default 20000; `make test` runs 100 drawn from the run's printed seed, CB_SEED). A failure prints the input that shows it.
 FUZZ_EXAMPLES ?= 20000
 fuzz: setup
 	CB_FUZZ_PROFILE=fuzz CB_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q \
-		--hypothesis-show-statistics tests/test_fuzz_agent.py tests/test_fuzz_controller.py
+		--hypothesis-show-statistics tests/test_fuzz_agent.py tests/test_fuzz_controller.py \
+		tests/test_fuzz_dns_and_grants.py
 
 ## outages: the outage tests (netns-tests/test_outages.py, and the controller's API-server outage in
 ## netns-tests/test_controller_apiserver.py) with five-minute outages instead of the suite's 20 s;
@@ -103,7 +105,7 @@ outages: setup-bin
 
 ## crash: every crash point of the agent after boot (both firewall backends) and of the controller against a
 ## real headscale (netns-tests/test_agent_crash_steady.py, test_controller_crash_headscale.py); `make test` tries
-## a fixed sample of them. The boot's points (test_agent_crash.py) are all in `make test` (root).
+## a sample of them (the agent's drawn from the run's seed, CB_SEED). The boot's points (test_agent_crash.py) are all in `make test` (root).
 crash: setup-bin
 	CB_CRASH_ALL=1 $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_agent_crash_steady.py \
 		netns-tests/test_controller_crash_headscale.py
@@ -146,8 +148,10 @@ figures: setup
 manifests: setup-bin
 	$(PY) -m labtools.helmchart write
 
-## check: the static gate: ruff (lint, the whole tree) and mypy (types, the product's packages), as configured in
-## pyproject.toml. CI runs it before the tests.
+## check: the static gate: ruff (lint, the whole tree), mypy (types, the product's packages), as configured in
+## pyproject.toml, and the import structure's rules (tests/test_layers.py: layers, pure modules, no circle).
+## CI runs it before the tests.
 check: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py

@@ -19,8 +19,9 @@ namespace, as a container dies), and it is started again on the files as they st
   workload, through the ingress VIP from the tailnet client.
 
 Both firewall backends: with iptables only the rule applies are tried (the Secret writes and serve applies do
-not depend on the backend). `make test` tries one point with nftables, the egress edit's rule apply (the clean
-run's checks cover the rest once); `make crash` (CB_CRASH_ALL=1) every point in both backends.
+not depend on the backend). `make test` tries one point with nftables, drawn from the run's seed (`CB_SEED`,
+printed at the start; setting it repeats the choice), so that successive runs cover the points over time (the
+clean run's checks cover the rest once); `make crash` (CB_CRASH_ALL=1) every point in both backends.
 
 The reissue: the agent in one-step mode (the operator's config file with a single-use key); its node is then
 expired at headscale, so tailscaled needs a new login and the used key is refused: the agent asks for a new
@@ -43,6 +44,7 @@ import pytest
 import kubelab
 import labextras as lx
 from containerboot.kube import secretstate
+from tests.support import seed
 from labtools.lab import BACKEND_V4, BACKEND_V6, Lab, wait_until
 from test_proxygroup_e2e import (EGRESS_KEY, INGRESS_KEY, INGRESS_SVC, POD_V4, POD_V6, VIP4, VIP6, ConfigMapDir,
                                  normalized, proxy_peer_routes)
@@ -259,9 +261,10 @@ class Scenario:
             pts = step.points
             if self.mode == "iptables":
                 pts = [p for p in pts if p.startswith("rules-apply:")]
-            if not CRASH_ALL:
-                pts = pts[:1] if step.name == "egress edit" else []
             out += [(i, p) for p in pts]
+        if not CRASH_ALL and out:
+            # one point, drawn from the run's seed (CB_SEED, printed at the start): each run tries another
+            out = [seed.rng(f"agent-crash-steady-{self.mode}").choice(out)]
         return out
 
     def crash_at(self, i: int, point: str) -> float:

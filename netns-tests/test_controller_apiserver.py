@@ -592,7 +592,7 @@ def test_two_replicas_one_leads_the_other_takes_over_when_it_is_killed(running):
 # ---- the Kubernetes contract: the same checks the in-memory fake and the test API server pass
 # (tests/support/kube_contract.py, tests/test_kube_contract.py), here on the real kube-apiserver of this module.
 
-from tests.support.kube_contract import AGENT_CHECKS, KUBE_CHECKS  # noqa: E402
+from tests.support.kube_contract import AGENT_CHECKS, CRD_CHECKS, KUBE_CHECKS, install_contract_crd  # noqa: E402
 
 CONTRACT_NS = "contract"
 
@@ -611,6 +611,19 @@ async def test_the_real_api_server_keeps_the_kube_contract(kube, contract_ns, ch
     client = Kube(kube.server, token=kube.token, ca_file=str(kube.ca_cert))
     try:
         await KUBE_CHECKS[check](client, contract_ns)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("check", sorted(CRD_CHECKS))
+async def test_the_real_api_server_keeps_the_custom_resource_contract(kube, check):
+    """The same checks as the in-memory fake's (tests/test_kube_contract.py): status subresource, finalizers,
+    conflicts and the schema's 422s, on the project's ProxyGroup CRD under a group no controller watches."""
+    from controller.kubeapi import Kube
+    client = Kube(kube.server, token=kube.token, ca_file=str(kube.ca_cert))
+    try:
+        await install_contract_crd(client)
+        await CRD_CHECKS[check](client)
     finally:
         await client.aclose()
 

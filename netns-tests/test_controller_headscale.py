@@ -46,6 +46,9 @@ async def main():
             err = await rec._sync_tags("svc", Parent("svc", "web", "apps", "u1"), tuple(req["tags"]),
                                        [{"device_id": req["id"].encode()}])
             return {"error": None if err is None else str(err), "sent": sent}
+        if req["op"] == "contract":
+            from tests.support import provider_contract as pc
+            return {"contract": await pc.run(p, pc.Case(**req["case"]))}
         if req["op"] == "create":
             return {"key": await p.create_auth_key(tuple(req["tags"]))}
         if req["op"] == "tags":
@@ -106,6 +109,21 @@ def test_tagged_single_use_key_login_and_device_deletion(lab, start_agent, api_k
     assert lab.hs_node("ctl-proxy") is None
     assert provider(lab, api_key, op="delete", id=stable_id) == {"deleted": False}   # already gone: fine
     assert provider(lab, api_key, op="tags", id=stable_id) == {"tags": None}          # gone: nothing to re-tag
+
+
+def test_the_headscale_provider_keeps_the_provider_contract(lab, start_agent, api_key):
+    """The checks the unit tests' fake provider passes (tests/support/provider_contract.py), on the real
+    provider and headscale, with a real node logged in with a key the provider minted."""
+    from tests.support.provider_contract import CHECKS
+    tags = ["tag:ctl", "tag:k8s"]
+    got = provider(lab, api_key, op="create", tags=tags)
+    assert "key" in got, got
+    agent = start_agent({"TS_AUTHKEY": got["key"], "TS_HOSTNAME": "contract-proxy"})
+    device = agent.wait_running(90)["Self"]["ID"]
+    wait_until(lambda: lab.hs_node("contract-proxy"), 30, 0.5, "node in headscale")
+    case = {"device": device, "tags": tags, "unknown": "999999", "not_an_id": "abc", "refused_tag": "tag:nobody"}
+    assert provider(lab, api_key, op="contract", case=case) == {"contract": {name: "" for name in CHECKS}}
+    assert lab.hs_node("contract-proxy") is None
 
 
 def test_bad_api_key_is_an_error_without_the_key(lab):

@@ -1175,14 +1175,25 @@ def _guide_images(tag: str, out) -> None:
     assert cp.returncode == 0, cp.stderr[-3000:]
 
 
-def _upstream_manifests():
+@pytest.fixture(scope="session")
+def upstream_manifests():
     """Upstream's operator manifests (cmd/k8s-operator/deploy/manifests/operator.yaml) of the pinned Tailscale
-    version, from the Go module cache the lab's tailscaled was built from."""
+    version; first of the test's fixtures, so that a missing download fails before a cluster is built. They
+    come from the module itself, downloaded (or found in the Go module cache) by `go mod download`:
+    the cache the lab's binaries were once built from may be gone while the binaries are still cached."""
+    import tempfile
     from pathlib import Path
-    gomodcache = subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True).stdout.strip()
-    p = Path(gomodcache) / "tailscale.com@v1.102.3" / "cmd" / "k8s-operator" / "deploy" / "manifests" / "operator.yaml"
+    with tempfile.TemporaryDirectory() as d:     # outside any module, so no go.mod is read or changed
+        cp = subprocess.run(["go", "mod", "download", "-json", f"tailscale.com@{labmod.TS_VER}"], cwd=d,
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "GOFLAGS": "-mod=mod"})
+    try:
+        root = Path(json.loads(cp.stdout)["Dir"])
+    except (ValueError, KeyError):
+        unavailable(f"upstream's operator manifests cannot be downloaded (go mod download tailscale.com@"
+                    f"{labmod.TS_VER}): {(cp.stderr or cp.stdout).strip()[-500:]}")
+    p = root / "cmd" / "k8s-operator" / "deploy" / "manifests" / "operator.yaml"
     if not p.is_file():
-        pytest.skip(f"upstream's operator manifests are not in the Go module cache ({p})")
+        unavailable(f"tailscale.com@{labmod.TS_VER} has no operator manifests at {p}")
     return p
 
 
@@ -1215,7 +1226,7 @@ def _guide_device_ips(kc, ns: str, name: str) -> list[str]:
     return json.loads(base64.b64decode(cp.stdout))
 
 
-def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, kube, tmp_path):
+def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(upstream_manifests, lab, kube, tmp_path):
     """After the module's own release is gone: docs/install-headscale.md followed command by command, coming
     from the upstream operator (its manifests applied, a Service it exposed, then its section's steps: stopped,
     its proxies deleted, its IngressClass, which makes helm refuse the install, deleted), in namespace
@@ -1246,7 +1257,7 @@ def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(lab, ku
     tgz2 = _chart_version(tmp_path, "0.1.1")
     # Coming from the upstream operator: its own manifests applied (CRDs, RBAC, its Deployment, IngressClass),
     # a Service it had exposed (its finalizer on it) and a proxy Secret it had left, then the guide's way over
-    upstream = _upstream_manifests()
+    upstream = upstream_manifests
     kc.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(upstream), timeout=120)
     up_svc = _service("guide", {"tailscale.com/expose": "true"})
     up_svc["metadata"]["finalizers"] = ["tailscale.com/finalizer"]

@@ -620,7 +620,7 @@ def test_delta_leaves_the_same_ruleset_as_a_full_apply(ns, backend):
     what a full apply of the same rules leaves; a foreign change to our rules is repaired by the next apply."""
     import json
     if backend == "iptables-nft" and shutil.which("iptables-nft-restore") is None:
-        pytest.skip("iptables-nft is not installed")
+        unavailable("iptables-nft-restore is not installed (Debian's iptables package; scripts/setup.sh installs it)")
     res = json.loads(ns.run(PY, "-c", _DELTA_SCRIPT, backend).stdout.strip().splitlines()[-1])
     for name in ("add", "remove", "move", "port"):
         r = res[name]

@@ -92,7 +92,9 @@ async def test_the_serve_loop_starts_with_the_cert_domain_of_the_self_node(tmp_p
         assert started == [], "the serve loop started before the self node was known"
         a.reconciler.set_node(running_node("100.64.0.5"))
         steady.self_node_known.set()     # what watch_bus does once a notification carries the self node
-        await asyncio.sleep(0.05)
+        async with asyncio.timeout(10):
+            while not started:
+                await asyncio.sleep(0.005)
         assert started == ["p.tailnet.test"]
     finally:
         task.cancel()

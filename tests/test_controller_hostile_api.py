@@ -1,6 +1,7 @@
 """The controller under a hostile API server: many Services, and at random a 500, a 429 with Retry-After, a 409
 Conflict on a write, or a slow answer (the in-memory API server of tests/support/fakekube.py behind a fault
-injector, the work queue and the reconciler as the controller runs them; a fixed seed).
+injector, the work queue and the reconciler as the controller runs them; the faults drawn from the run's seed,
+CB_SEED, tests/support/seed.py).
 
 It converges (every Service gets its proxy and a Ready condition), it never writes in a loop (writes per Service
 stay within a small multiple of a fault-free run's, and a full re-run after convergence writes nothing), it
@@ -29,6 +30,7 @@ from controller.config import ControllerConfig
 from controller.kubeapi import SERVICES, STATEFULSETS, KubeError
 from controller.queue import FaultLog, WorkQueue
 from controller.reconcile import Reconciler
+from tests.support import seed
 from tests.support.fakekube import FakeKube, FakeProvider
 
 N = int(os.environ.get("HOSTILE_SERVICES", "60"))
@@ -93,11 +95,11 @@ def _converged(kube: FakeKube) -> bool:
     return all(((kube.obj(SERVICES, f"s{i}", "apps") or {}).get("status") or {}).get("conditions") for i in range(N))
 
 
-async def _run(fault_rate: float, seed: int = 7) -> tuple[HostileKube, WorkQueue, float]:
+async def _run(fault_rate: float) -> tuple[HostileKube, WorkQueue, float]:
     inner, prov = FakeKube(), FakeProvider()
     for i in range(N):
         _service(inner, i)
-    hostile = HostileKube(inner, random.Random(seed), fault_rate)
+    hostile = HostileKube(inner, seed.rng("hostile-api"), fault_rate)
     rec = Reconciler(cast(Any, hostile), prov, CFG)
 
     async def work(key: tuple) -> float | None:
@@ -141,14 +143,15 @@ async def test_converges_with_bounded_writes_respecting_retry_after(caplog: pyte
     assert hostile.early == [], hostile.early[:5]
     # A full re-run after convergence writes nothing.
     before = sum(writes)
-    for i in range(N):
-        q.poke(("svc", "apps", f"s{i}"))
-    await asyncio.sleep(0.5)
     hostile.rate = 0.0
-    for _ in range(300):
-        await asyncio.sleep(0.01)
-        if not q._tasks:
-            break
+    keys = [("svc", "apps", f"s{i}") for i in range(N)]
+    reads = {k: hostile.calls[(k, "read")] for k in keys}
+    for k in keys:
+        q.poke(k)
+    # every Service's pass ran again (it read its objects) and the queue is idle: it had its chance to write
+    async with asyncio.timeout(60):
+        while q._tasks or any(hostile.calls[(k, "read")] == reads[k] for k in keys):
+            await asyncio.sleep(0.01)
     assert sum(_writes_per_service(hostile)) == before
     await q.aclose()
     # Logs: every kind of fault said, but one line per kind per window (here the whole run is one window).

@@ -188,8 +188,11 @@ async def test_a_leader_cut_off_from_the_api_server_leads_again_when_it_answers(
         await asyncio.wait_for(a.hold(), 60)
     assert not a.is_leader()
     caplog.clear()
+    refused = outage.count
     regain = asyncio.ensure_future(a.regain())
-    await asyncio.sleep(10 * T.retry)
+    async with asyncio.timeout(30):         # three more attempts refused: it has tried, and is still fenced
+        while refused - outage.count < 3:
+            await asyncio.sleep(T.retry / 2)
     assert not regain.done() and not a.is_leader()                  # fenced while the server does not answer
     said = [r.getMessage() for r in caplog.records if "cannot be renewed yet" in r.getMessage()]
     assert len(said) == 1, said                                     # once, not at every attempt

@@ -9,6 +9,12 @@ from controller.handlers import State, child_key, parent_key, registries, settin
 from controller.queue import WorkQueue
 
 
+async def _until(pred, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not pred():
+            await asyncio.sleep(0.005)
+
+
 async def test_events_during_a_pass_coalesce_into_one_more_pass():
     runs, gate = [], asyncio.Event()
 
@@ -19,11 +25,11 @@ async def test_events_during_a_pass_coalesce_into_one_more_pass():
         return None
     q = WorkQueue(work)
     q.poke("a")
-    await asyncio.sleep(0.01)
+    await _until(lambda: runs == ["a"])
     for _ in range(5):
         q.poke("a")
     gate.set()
-    await asyncio.sleep(0.05)
+    await _until(lambda: not q._tasks)       # the key's worker finished: every poke was handled
     assert runs == ["a", "a"]
     await q.aclose()
 
@@ -45,7 +51,7 @@ async def test_failures_retry_with_growing_delay_then_recover():
             break
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert len(times) == 4 and gaps[0] >= 0.02 and gaps[1] >= 0.04 and gaps[2] >= 0.08
-    await asyncio.sleep(0.01)
+    await _until(lambda: not q._tasks)
     assert q.failures == {}
     await q.aclose()
 
@@ -95,7 +101,7 @@ async def test_a_returned_delay_schedules_a_recheck():
         return 0.03 if len(runs) < 3 else None
     q = WorkQueue(work)
     q.poke("k")
-    await asyncio.sleep(0.2)
+    await _until(lambda: not q._tasks)       # the third pass asked for no recheck: the worker is done
     assert runs == ["k", "k", "k"]
     await q.aclose()
 

@@ -23,7 +23,7 @@ from containerboot.kube import secretstate
 from containerboot.kube.client import KubeClient, KubeError
 from containerboot.settings import SETTINGS, Kind, Settings, SettingsError, load
 from serveconfig import model as serve
-from tests.support.fuzz import TOKENS, deep_nesting, env_text, hostile_text, json_text, shaped
+from tests.support.fuzz import TOKENS, branch, deep_nesting, env_text, hostile_text, json_text, reaches, shaped
 from tscommon import secretcontract as sc
 
 # The strategies are built from nested one_of()s; their repr is large, and hypothesis warns about it.
@@ -65,20 +65,21 @@ def _secret_values(env: dict[str, str]) -> list[str]:
     return [v for v in out if v]
 
 
+@reaches("accepted", "refused")
 @given(env=environments())
 def test_settings_accept_or_name_the_variable(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> None:
     root = str(tmp_path_factory.getbasetemp())
     try:
         s = load(env, root=root)
     except SettingsError as e:
-        event("refused")
+        branch("refused")
         message = str(e)
         assert e.variables, f"no variable named for {message!r}"
         assert any(v in message for v in e.variables), message
         for secret in _secret_values(env):
             assert secret not in message
         return
-    event("accepted")
+    branch("accepted")
     assert isinstance(s, Settings)
     # Accepted: loading the same environment again gives the same settings (no hidden state, no I/O surprises).
     assert load(env, root=root) == s
@@ -95,6 +96,7 @@ def _hujson(text: str) -> st.SearchStrategy[str]:
     return st.sampled_from([text, "// c\n" + text, text.replace(",", ",\n/* c */"), text.replace("}", ",}", 1)])
 
 
+@reaches("accepted", "refused")
 @given(text=st.one_of(json_text(shaped(_CONF)).flatmap(_hujson), hostile_text(max_size=80)))
 @example(text="[" * 5000)
 @example(text='{"version":"alpha0","authKey":"' + "\\" * 3)
@@ -102,11 +104,11 @@ def test_conffile_accept_or_refuse(text: str) -> None:
     try:
         cf = conffile.parse(text, "/etc/ts/cap-107.hujson")
     except conffile.ConfigFileError as e:
-        event("refused")
+        branch("refused")
         assert "/etc/ts/cap-107.hujson" in str(e)
         assert "tskey-auth-QXZ" not in str(e)
         return
-    event("accepted")
+    branch("accepted")
     assert cf.version == "alpha0"
     # Accepted: its fields written as plain JSON parse back to the same fields.
     again = conffile.parse(json.dumps(dict(cf.fields)), "again")
@@ -133,20 +135,21 @@ _SERVE = {
 }
 
 
+@reaches("accepted", "refused")
 @given(text=json_text(shaped(_SERVE)), domain=st.sampled_from(["", "node.example.ts.net", "a"]))
 @example(text="[" * 5000, domain="")
 def test_serve_config_accept_or_refuse(text: str, domain: str) -> None:
     try:
         cfg = serve.parse(text, domain)
     except serve.ServeConfigError as e:
-        event("refused")
+        branch("refused")
         message = str(e)
         assert message.strip()
         assert ":pw@" not in message, "the proxy target's password is shown"
         return
     if cfg is None:
         return
-    event("accepted")
+    branch("accepted")
     # Accepted: the JSON tailscaled gets parses back to the same config.
     assert serve.parse(json.dumps(cfg.to_json()), domain) == cfg
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import event, example, given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from containerboot import conffile
@@ -33,7 +33,7 @@ from controller.providers import ProviderError
 from controller.providers.headscale import HeadscaleProvider
 from controller.providers.tailscale import TailscaleProvider
 from serveconfig import model as serve
-from tests.support.fuzz import env_text, hostile_text, json_text, shaped
+from tests.support.fuzz import branch, env_text, hostile_text, json_text, reaches, shaped
 from tscommon import secretcontract as sc
 
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
@@ -141,7 +141,7 @@ def ingresses(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, dict[str, Any]
 
 
 def _refused(e: Invalid | Pending, *fields: str) -> None:
-    event("refused")
+    branch("refused")
     message = str(e)
     assert message.strip()
     assert any(f in message for f in fields), message
@@ -149,7 +149,7 @@ def _refused(e: Invalid | Pending, *fields: str) -> None:
 
 def _proxy_starts(spec: ProxySpec, cfg: ControllerConfig, base: Path) -> None:
     """The rendered proxy, as its agent would read it: env, the Secret's config files, the serve config."""
-    event("accepted")
+    branch("accepted")
     rendered = render.render(spec, cfg, ("tskey-auth-QXZ",) * spec.replicas)
     json.dumps(rendered.statefulset)  # the manifests are JSON
     for i, secret in enumerate(rendered.secrets):
@@ -177,6 +177,7 @@ def _proxy_starts(spec: ProxySpec, cfg: ControllerConfig, base: Path) -> None:
             serve.parse(data[sc.KEY_SERVE_CONFIG], "")
 
 
+@reaches("accepted", "refused")
 @given(svc=services(), cfg=st.sampled_from(_CFGS))
 def test_service_decide_accepts_or_names_the_annotation(svc: dict[str, Any], cfg: ControllerConfig,
                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -191,6 +192,7 @@ def test_service_decide_accepts_or_names_the_annotation(svc: dict[str, Any], cfg
     _proxy_starts(decision.spec, cfg, tmp_path_factory.getbasetemp())
 
 
+@reaches("accepted", "refused")
 @given(conn=connectors(), cfg=st.sampled_from(_CFGS))
 @example(conn={"metadata": {"name": "c"}, "spec": {"subnetRouter": {"advertiseRoutes": ["fe80::/64%eth0"]}}},
          cfg=_CFGS[0])
@@ -204,6 +206,7 @@ def test_connector_decide_accepts_or_names_the_field(conn: dict[str, Any], cfg: 
     _proxy_starts(decision.spec, cfg, tmp_path_factory.getbasetemp())
 
 
+@reaches("accepted", "refused")
 @given(case=ingresses(), cfg=st.sampled_from(_CFGS), fqdn=st.sampled_from(["", "web.tail.example.com."]))
 def test_ingress_decide_accepts_or_names_the_field(case: tuple[dict[str, Any], dict[str, Any]],
                                                    cfg: ControllerConfig, fqdn: str,
@@ -323,6 +326,7 @@ def proxygroups(draw: st.DrawFn) -> dict[str, Any]:
     return {"metadata": {"name": draw(_DNS_LABEL), "uid": "u4"}, "spec": spec}
 
 
+@reaches("accepted", "refused")
 @given(pg=proxygroups(), cfg=st.sampled_from(_CFGS))
 def test_proxygroup_decide_accepts_or_names_the_field(pg: dict[str, Any], cfg: ControllerConfig) -> None:
     from controller.kinds import proxygroup
@@ -331,7 +335,7 @@ def test_proxygroup_decide_accepts_or_names_the_field(pg: dict[str, Any], cfg: C
     except Invalid as e:
         _refused(e, "spec.", "metadata.name", "ProxyGroup")
         return
-    event("accepted")
+    branch("accepted")
     assert g.replicas >= 0
 
 
@@ -363,6 +367,7 @@ _PC_SPEC = {"statefulSet": {"labels": {"team": "net"}, "annotations": {"a": "b"}
             "tailscale": {"acceptRoutes": True}, "useLetsEncryptStagingEnvironment": False}
 
 
+@reaches("accepted", "refused")
 @given(spec=shaped(_PC_SPEC), svc=services())
 def test_proxyclass_validates_then_applies_without_failing(spec: Any, svc: dict[str, Any]) -> None:
     from controller import proxyclass as pcl
@@ -371,9 +376,9 @@ def test_proxyclass_validates_then_applies_without_failing(spec: Any, svc: dict[
     for problem in v.problems:
         assert problem.startswith("spec"), problem
     if not v.ok:
-        event("refused")
+        branch("refused")
         return
-    event("accepted")
+    branch("accepted")
     try:
         decision = service.decide(svc, _CFGS[0])
     except (Invalid, Pending):

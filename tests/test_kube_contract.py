@@ -8,7 +8,7 @@ import pytest
 from containerboot.kube.client import KubeClient
 from controller.kubeapi import Kube
 from tests.support.fakekube import FakeKube
-from tests.support.kube_contract import AGENT_CHECKS, KUBE_CHECKS
+from tests.support.kube_contract import AGENT_CHECKS, CRD_CHECKS, KUBE_CHECKS, install_contract_crd
 from tests.support.kubeapi import running
 
 
@@ -36,3 +36,10 @@ async def test_the_test_api_server_keeps_the_contract(server, check):
 async def test_the_test_api_server_keeps_the_agent_clients_contract(server, check):
     async with KubeClient.from_environment(server.env(), root=server.root, url=server.url) as client:
         await AGENT_CHECKS[check](client)
+
+
+@pytest.mark.parametrize("check", sorted(CRD_CHECKS))
+async def test_the_in_memory_fake_keeps_the_custom_resource_contract(check):
+    kube = FakeKube()
+    await install_contract_crd(kube)
+    await CRD_CHECKS[check](kube)

@@ -19,5 +19,9 @@ def render(ip4: Mapping[str, list[str]], ip6: Mapping[str, list[str]]) -> str:
     keys and addresses, so the same records always give the same text (a pass that changes nothing writes
     nothing)."""
     def norm(m: Mapping[str, list[str]]) -> dict[str, list[str]]:
-        return {k.rstrip(".").lower(): sorted(set(v)) for k, v in sorted(m.items()) if v}
+        # Names that differ only in case or a trailing dot are one name: their addresses are merged, not lost.
+        out: dict[str, set[str]] = {}
+        for k, v in m.items():
+            out.setdefault(k.rstrip(".").lower(), set()).update(v)
+        return {k: sorted(v) for k, v in sorted(out.items()) if v}
     return json.dumps({"version": VERSION, "ip4": norm(ip4), "ip6": norm(ip6)}, sort_keys=True, indent=2) + "\n"

@@ -1,7 +1,9 @@
 """An in-memory Kubernetes API with the controller client's interface (`controller.kubeapi.Kube`), for the
 reconciler's tests: merge patches (RFC 7386, lists replaced), the status subresource, finalizers that hold a
 deletion, foreground deletion that completes only when the test says so, resourceVersion preconditions,
-generateName, and a log of every call so tests can count writes and check their order."""
+generateName, the project's CRDs' schemas (pruning and 422s, tests/support/crdschema.py; a CRD created through
+the fake is learnt too), and a log of every call so tests can count writes and check their order. What it
+promises is checked against the real kube-apiserver (tests/support/kube_contract.py)."""
 from __future__ import annotations
 
 import base64
@@ -10,7 +12,8 @@ import itertools
 import uuid
 from typing import Any, Mapping
 
-from controller.kubeapi import SECRETS, KubeError, Resource
+from controller.kubeapi import CRDS, SECRETS, KubeError, Resource
+from tests.support.crdschema import Crd, problems, project_crds, prune
 from tests.support.kubeapi import merge_patch
 
 WRITES = ("POST", "PATCH", "DELETE")
@@ -23,6 +26,7 @@ class FakeKube:
         self.log = log if log is not None else []             # shared with a fake provider: order of effects
         self._rv = itertools.count(1)
         self.fail_next: list[KubeError] = []
+        self.crds: dict[tuple[str, str], Crd] = {(c.prefix, c.plural): c for c in _PROJECT_CRDS}
 
     # ---- helpers for tests
 
@@ -51,6 +55,26 @@ class FakeKube:
                 del self.objects[k]
 
     # ---- the client interface
+
+    def _admit(self, res: Resource, obj: dict, old: dict | None = None) -> dict:
+        """A custom resource as its CRD's schema leaves it: pruned, or refused with 422 naming the fields. As the
+        API server ratchets, a problem the stored object already had (written under an older schema, or put
+        there by a test) does not refuse a write that leaves it as it was."""
+        crd = self.crds.get((res.prefix, res.plural))
+        if crd is None:
+            return obj
+        obj = prune(obj, crd.schema)
+        had = set(problems({k: v for k, v in old.items() if k != "metadata"}, crd.schema)) if old else set()
+        if bad := [b for b in problems({k: v for k, v in obj.items() if k != "metadata"}, crd.schema)
+                   if b not in had]:
+            name = obj["metadata"].get("name", "")
+            raise KubeError(f'{crd.kind}.{crd.group} "{name}" is invalid: ' + ", ".join(bad), status=422,
+                            reason="Invalid")
+        return obj
+
+    def _has_status(self, res: Resource) -> bool:
+        crd = self.crds.get((res.prefix, res.plural))
+        return crd.status_subresource if crd else True
 
     def _key(self, res: Resource, name: str, namespace: str) -> tuple[str, str, str]:
         return (res.plural, namespace if res.namespaced else "", name)
@@ -89,6 +113,12 @@ class FakeKube:
         m["namespace"] = namespace
         if res.plural == "secrets" and "stringData" in obj:
             raise AssertionError("the controller writes data, not stringData")
+        if self._has_status(res):
+            obj.pop("status", None)         # a create, like a spec write, never sets the status subresource
+        obj = self._admit(res, obj)
+        if res == CRDS:
+            crd = Crd.from_document(obj)
+            self.crds[(crd.prefix, crd.plural)] = crd
         return copy.deepcopy(self.put(res, obj))
 
     async def patch(self, res: Resource, name: str, patch: Mapping[str, Any], namespace: str = "",
@@ -104,13 +134,19 @@ class FakeKube:
             raise KubeError("the object has been modified", status=409, reason="Conflict")
         if subresource == "status":
             patch = {"status": patch.get("status")}
-        else:
+        elif self._has_status(res):
             patch.pop("status", None)
-        new = merge_patch(cur, patch)
+        new = self._admit(res, merge_patch(cur, patch), cur)
+        if new == cur:
+            return copy.deepcopy(cur)       # nothing changed: no new resourceVersion, as the API server does
         new["metadata"]["resourceVersion"] = str(next(self._rv))
-        if new.get("spec") != cur.get("spec"):
+        if {k: v for k, v in new.items() if k not in ("metadata", "status")} != \
+                {k: v for k, v in cur.items() if k not in ("metadata", "status")}:
             new["metadata"]["generation"] = cur["metadata"].get("generation", 1) + 1
         self.objects[key] = new
+        if res == CRDS:
+            crd = Crd.from_document(new)
+            self.crds[(crd.prefix, crd.plural)] = crd
         if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
             del self.objects[key]
         return copy.deepcopy(new)
@@ -122,10 +158,17 @@ class FakeKube:
         if cur is None:
             return False
         if cur["metadata"].get("finalizers") or propagation == "Foreground":
-            cur["metadata"].setdefault("deletionTimestamp", "2026-01-01T00:00:00Z")
+            if not cur["metadata"].get("deletionTimestamp"):
+                # marked for deletion: a new resourceVersion and generation, as the API server gives
+                cur["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+                cur["metadata"]["resourceVersion"] = str(next(self._rv))
+                cur["metadata"]["generation"] = cur["metadata"].get("generation", 1) + 1
         else:
             del self.objects[key]
         return True
+
+
+_PROJECT_CRDS = project_crds()
 
 
 class FakeProvider:
@@ -151,12 +194,17 @@ class FakeProvider:
         return key
 
     async def delete_device(self, device_id: str) -> bool:
+        """Whether there was a device to delete (a registered one), as the real providers answer
+        (tests/support/provider_contract.py); every deletion of an ID is recorded in `deleted`, registered or
+        not (the controller does not act on the answer)."""
         from controller.providers import ProviderError
         if self.down:
             raise ProviderError("fake: deleting a device: control plane unreachable")
+        if not (device_id.isascii() and device_id.isalnum()):
+            return False        # not an ID (a damaged state Secret): names no device
         self.deleted.append(device_id)
         self.log.append(("delete-device", device_id))
-        return True
+        return self.tags.pop(device_id, None) is not None
 
     async def device_tags(self, device_id: str) -> tuple[str, ...] | None:
         from controller.providers import ProviderError

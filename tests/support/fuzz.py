@@ -1,21 +1,26 @@
 """Shared pieces of the property-based tests of the parsers: hypothesis profiles and hostile-input strategies.
 
-Two profiles. `ci` (the default) is what `make test` runs: derandomized (the same examples on every run, so a
-failure is reproducible from the test name alone) and 100 examples a target. `fuzz` is the long run
-(`make fuzz`): random seeds and many more examples; hypothesis prints the seed and the shrunk input of any
-failure, and its example database replays it on the next run. Select with CB_FUZZ_PROFILE.
+Two profiles. `ci` (the default) is what `make test` runs: 100 examples a target, drawn from the run's seed
+(`CB_SEED`, printed at the start of the run, tests/support/seed.py), so each run tries other examples and
+`CB_SEED=<n>` repeats a run's exactly. `fuzz` is the long run (`make fuzz`): many more examples; hypothesis
+prints the shrunk input of any failure, and its example database replays it on the next run. Select with
+CB_FUZZ_PROFILE.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 
 settings.register_profile(
-    "ci", derandomize=True, max_examples=int(os.environ.get("CB_FUZZ_EXAMPLES", "100")), deadline=None,
+    "ci", derandomize=False, max_examples=int(os.environ.get("CB_FUZZ_EXAMPLES", "100")), deadline=None,
     database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile(
     "fuzz", max_examples=int(os.environ.get("CB_FUZZ_EXAMPLES", "20000")), deadline=None,
@@ -92,3 +97,40 @@ def json_text(values: st.SearchStrategy[Any]) -> st.SearchStrategy[str]:
 def deep_nesting(depth: int = 5000) -> list[str]:
     """Documents nested deeper than Python's recursion limit (a JSON bomb of a few hundred kilobytes)."""
     return ["[" * depth + "]" * depth, '{"a":' * depth + "1" + "}" * depth, "[" * depth]
+
+
+# ---- the branches a property test must reach
+# A parser test that only says "no crash" passes just as well when every example is refused at the first check.
+# `branch(name)` records which outcome an example reached (and shows it in --hypothesis-show-statistics);
+# `@reaches(...)`, outside `@given`, fails the test when a run of all its examples never reached one of them.
+
+_REACHED: Counter[str] = Counter()
+
+
+def branch(name: str) -> None:
+    _REACHED[name] += 1
+    event(name)
+
+
+def reaches(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def check(test: str) -> None:
+        missed = [n for n in names if not _REACHED[n]]
+        assert not missed, (f"{test}: no example reached {missed} (reached: {dict(_REACHED)}); the strategy no "
+                            f"longer produces what this branch needs")
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def run_async(*args: Any, **kwargs: Any) -> None:
+                _REACHED.clear()
+                await fn(*args, **kwargs)
+                check(fn.__name__)
+            return run_async
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> None:
+            _REACHED.clear()
+            fn(*args, **kwargs)
+            check(fn.__name__)
+        return run
+    return wrap
