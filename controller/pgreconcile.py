@@ -23,7 +23,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from tscommon import secretcontract as sc
+from tscommon import pgcontract as pgc, secretcontract as sc
 
 from . import pgrender, proxyclass as pcl, render, status as st
 from .kinds import egress, meta, proxygroup
@@ -145,9 +145,9 @@ class GroupReconciler:
         cm = await kube.get(CONFIGMAPS, pgrender.configmap_name(g.name), ns)
         if cm is None:
             await kube.create(CONFIGMAPS, pgrender.configmap(g, cfg), ns)
-        elif (cm.get("data") or {}).get(pgrender.HEP_PINGS_KEY) != pgrender.hep_pings(g):
+        elif (cm.get("data") or {}).get(pgc.KEY_HEP_PINGS) != pgrender.hep_pings(g):
             await kube.patch(CONFIGMAPS, pgrender.configmap_name(g.name),
-                             {"data": {pgrender.HEP_PINGS_KEY: pgrender.hep_pings(g)}}, ns)
+                             {"data": {pgc.KEY_HEP_PINGS: pgrender.hep_pings(g)}}, ns)
         for i in range(g.replicas):
             for desired in (pgrender.config_secret(g, cfg, i, keys[i], pc), pgrender.state_secret(g, cfg, i)):
                 await rec._apply_secret(desired, secrets.get(desired["metadata"]["name"]))
@@ -281,7 +281,7 @@ class GroupReconciler:
         if not svcs:
             return
         cm = await kube.get(CONFIGMAPS, pgrender.configmap_name(group), ns)
-        entries = egress.parse_entries((cm or {}).get("data", {}).get(pgrender.EGRESS_SERVICES_KEY))
+        entries = egress.parse_entries((cm or {}).get("data", {}).get(pgc.KEY_EGRESS_SERVICES))
         replicas = await self._replicas(group, pods, secrets)
         slices = {s["metadata"]["name"]: s for s in await kube.list(ENDPOINTSLICES, ns, egress.group_selector(group))}
         for svc in svcs:
@@ -327,7 +327,7 @@ class GroupReconciler:
                                        (False, "ProxyGroupNotReady",
                                         f"waiting for ProxyGroup {t.group}'s ConfigMap {ns_ctl}/{cm_name}"))
                 return PENDING_RECHECK
-            entries = egress.parse_entries((cm.get("data") or {}).get(pgrender.EGRESS_SERVICES_KEY))
+            entries = egress.parse_entries((cm.get("data") or {}).get(pgc.KEY_EGRESS_SERVICES))
             cur_svc = await kube.get(SERVICES, svc_name, ns_ctl)
             current = egress.entry_ports(entries.get(t.entry)) or _service_ports(cur_svc)
             try:
@@ -341,7 +341,7 @@ class GroupReconciler:
                 entries[t.entry] = want
                 await kube.patch(CONFIGMAPS, cm_name, {
                     "metadata": {"resourceVersion": cm["metadata"].get("resourceVersion")},
-                    "data": {pgrender.EGRESS_SERVICES_KEY: egress.dump_entries(entries)}}, ns_ctl)
+                    "data": {pgc.KEY_EGRESS_SERVICES: egress.dump_entries(entries)}}, ns_ctl)
         replicas = await self._replicas(t.group)
         for fam in egress.families(cip):
             desired = egress.endpoint_slice(cip, fam, egress.addresses(replicas, t.entry, want, fam))
@@ -414,12 +414,12 @@ class GroupReconciler:
             cm_name = pgrender.configmap_name(group)
             async with self._lock(group):
                 cm = await kube.get(CONFIGMAPS, cm_name, ns_ctl)
-                entries = egress.parse_entries((cm or {}).get("data", {}).get(pgrender.EGRESS_SERVICES_KEY))
+                entries = egress.parse_entries((cm or {}).get("data", {}).get(pgc.KEY_EGRESS_SERVICES))
                 if cm is not None and entry in entries:
                     del entries[entry]
                     await kube.patch(CONFIGMAPS, cm_name, {
                         "metadata": {"resourceVersion": cm["metadata"].get("resourceVersion")},
-                        "data": {pgrender.EGRESS_SERVICES_KEY: egress.dump_entries(entries)}}, ns_ctl)
+                        "data": {pgc.KEY_EGRESS_SERVICES: egress.dump_entries(entries)}}, ns_ctl)
             for s in await kube.list(ENDPOINTSLICES, ns_ctl, f"{sel},{LABEL_PROXY_GROUP}={group}"):
                 await kube.delete(ENDPOINTSLICES, s["metadata"]["name"], ns_ctl)
             await kube.delete(SERVICES, o["metadata"]["name"], ns_ctl)
