@@ -26,7 +26,7 @@ from tscommon.secretcontract import CONFIG_CAPVERS, config_key
 from . import proxyclass as pcl, proxyrbac
 from .config import ControllerConfig
 from .kinds.proxygroup import GroupSpec
-from .render import SYSCTL_SCRIPT, _hashed, ca_trust, child_labels, dumps, rehash, tailscaled_config
+from .render import SYSCTL_SCRIPT, hashed, ca_trust, child_labels, dumps, rehash, tailscaled_config
 
 #: the hook waits up to 300 s for the Pod to leave every EndpointSlice, then 10 s for connections in flight
 GRACE_SECONDS = 360
@@ -156,7 +156,7 @@ def statefulset(g: GroupSpec, cfg: ControllerConfig, pc: pcl.ProxyClass | None =
         # EndpointSlices (they list Ready replicas only) instead of taking every other new connection nowhere.
         container["readinessProbe"] = {"httpGet": {"path": pgc.HEALTHZ_PATH, "port": pgc.LOCAL_PORT},
                                        "periodSeconds": 1, "failureThreshold": 1, "timeoutSeconds": 1}
-    sts = _hashed({
+    sts = hashed({
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": {"name": g.name, "namespace": cfg.namespace, "labels": labels(g)},
         "spec": {"replicas": g.replicas, "selector": {"matchLabels": labels(g)},

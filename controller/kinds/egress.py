@@ -205,11 +205,11 @@ def _port_name(p: Port) -> str:
 
 def clusterip_service(t: EgressTarget, mapping: Mapping[tuple[str, int], int], name: str,
                       cfg: ControllerConfig) -> dict:
-    from ..render import _hashed
+    from ..render import hashed
     ports = [{"name": _port_name(p), "protocol": p.protocol, "port": p.port, "targetPort": mapping[p.key]}
              for p in t.ports]
     ports.append({"name": HEALTH_PORT_NAME, "protocol": "TCP", "port": HEALTH_PORT, "targetPort": HEALTH_PORT})
-    return _hashed({
+    return hashed({
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": name, "namespace": cfg.namespace, "labels": child_labels(t)},
         # No selector: its EndpointSlices are ours, listing only replicas that forward this Service.
@@ -223,12 +223,12 @@ def slice_name(svc_name: str, family: str) -> str:
 
 def endpoint_slice(svc: Mapping[str, Any], family: str, addresses: Iterable[str]) -> dict:
     """The EndpointSlice of one family of the ClusterIP Service `svc` (as the API server returned it)."""
-    from ..render import _hashed
+    from ..render import hashed
     m = svc["metadata"]
     labels = {**m["labels"], LABEL_SERVICE_NAME: m["name"], LABEL_MANAGED_BY: MANAGED_BY}
     ports = [{"name": p.get("name", ""), "protocol": p.get("protocol", "TCP"), "port": p["targetPort"]}
              for p in (svc.get("spec") or {}).get("ports") or []]
-    return _hashed({
+    return hashed({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": slice_name(m["name"], family), "namespace": m["namespace"], "labels": labels},
         "addressType": family, "ports": ports,
