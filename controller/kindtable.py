@@ -69,6 +69,8 @@ class KindInfo:
     queued_by_class: bool = True
     #: an object of this kind that a ProxyGroup serves instead of a proxy of its own (egress Services)
     on_group: Callable[[Mapping[str, Any]], bool] | None = None
+    #: its objects' names can change the DNSConfig's records (an egress name, an Ingress's MagicDNS name)
+    dns_records: bool = False
     #: status fields cleared, with its condition, from an object that stays but is no longer ours
     released_status: Mapping[str, Any] | None = None
 
@@ -108,10 +110,10 @@ def _service_handled(obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
 KINDS: dict[str, KindInfo] = {k.key: k for k in (
     KindInfo(SVC, SERVICES, "v1", "Service", PARENT, COND_PROXY_READY, "ingress_service",
              handled=_service_handled, decide=lambda o, c, _: service.decide(o, c), status_fields=_service_status,
-             on_group=egress.handled, released_status={"loadBalancer": {"ingress": None}}),
+             on_group=egress.handled, dns_records=True, released_status={"loadBalancer": {"ingress": None}}),
     KindInfo(INGRESS, INGRESSES, "networking.k8s.io/v1", "Ingress", PARENT, None, "ingress_resource",
              handled=ingress.handled, decide=lambda o, c, i: ingress.decide(o, c, i.services, i.fqdn),
-             backends=ingress.backend_services, status_fields=_ingress_status, uses_certs=True),
+             backends=ingress.backend_services, status_fields=_ingress_status, uses_certs=True, dns_records=True),
     KindInfo(CONNECTOR, CONNECTORS, f"{connector.GROUP}/{connector.VERSION}", "Connector", PARENT,
              COND_CONNECTOR_READY, "connector", namespaced=False, handled=connector.handled,
              decide=lambda o, c, _: connector.decide(o, c), status_fields=_connector_status,
