@@ -149,7 +149,7 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
     async def on_group_pod(body: Any, **_: Any) -> None:
         """A ProxyGroup replica's Pod started, got its IPs or began terminating: its EndpointSlice membership."""
         key = child_key(body)
-        if key is not None and key[0] == PROXYGROUP:
+        if key is not None and KINDS[key[0]].runs == GROUP:
             state.queue.poke(key)
     kopf.on.event("v1", "pods", labels={LABEL_MANAGED: "true", LABEL_PARENT_TYPE: PROXYGROUP},
                   registry=children)(on_group_pod)

@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import dnsconfig as dc
-from ..kindtable import DNSCONFIG
+from ..kindtable import DNSCONFIG, KINDS
 from ..kinds import meta
-from ..kubeapi import (CONFIGMAPS, DEPLOYMENTS, DNSCONFIGS, ENDPOINTSLICES, INGRESSES, SERVICEACCOUNTS, SERVICES,
-                       KubeError, Resource)
-from ..model import LABEL_MANAGED, SVC
+from ..kubeapi import (CONFIGMAPS, DEPLOYMENTS, DNSCONFIGS, ENDPOINTSLICES, SERVICEACCOUNTS, SERVICES, KubeError,
+                       Resource)
+from ..model import LABEL_MANAGED
 from ..writer import Writer
 
 log = logging.getLogger("controller")
@@ -55,8 +55,7 @@ class DNSConfigPass:
         headless = await kube.list(SERVICES, ns, f"{LABEL_MANAGED}=true")
         parents: dict[tuple[str, str, str], Mapping[str, Any]] = {}
         for key in dc.parent_keys(headless):
-            res = SERVICES if key[0] == SVC else INGRESSES
-            if (p := await kube.get(res, key[2], key[1])) is not None:
+            if (p := await kube.get(KINDS[key[0]].resource, key[2], key[1])) is not None:
                 parents[key] = p
         slices = await kube.list(ENDPOINTSLICES, ns)
         ip4, ip6 = dc.records(headless, parents, slices)
