@@ -31,7 +31,7 @@ from typing import Any, cast
 
 from controller.config import ControllerConfig
 from controller.kubeapi import CONFIGMAPS, PODS, PROXYGROUPS, SECRETS, SERVICES, STATEFULSETS
-from controller.pgreconcile import group_labels
+from controller.passes.proxygroup import group_labels
 from controller.reconcile import Reconciler
 from tests.support.fakekube import FakeKube, FakeProvider
 

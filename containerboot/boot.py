@@ -59,7 +59,7 @@ async def start_endpoints(s: Settings, status: Callable[[], "AgentStatus"],
     if s.egress_proxies_config_path:
         from .egressdrain import PreShutdown
         from .endpoints import Response
-        from .proxyservices import PRESHUTDOWN_PATH
+        from tscommon.pgcontract import PRESHUTDOWN_PATH
 
         hook = PreShutdown(s.egress_proxies_config_path, str(s.pod_ipv4 or ""), str(s.pod_ipv6 or ""))
 
@@ -74,7 +74,7 @@ async def start_endpoints(s: Settings, status: Callable[[], "AgentStatus"],
         if s.local_server_enabled:
             await server.start(s.local_addr_port)
             if s.egress_proxies_config_path:
-                from .proxyservices import PRESHUTDOWN_PATH
+                from tscommon.pgcontract import PRESHUTDOWN_PATH
                 log.info("Running egress preshutdown hook at %s%s", s.local_addr_port, PRESHUTDOWN_PATH)
         if s.healthcheck_addr_port:
             await server.start(s.healthcheck_addr_port, healthz_only=True)

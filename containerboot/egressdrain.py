@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from .proxyservices import EGRESS_FILE, HEP_PINGS_FILE, ConfigError, parse_egress_services, parse_hep_pings
+from tscommon.pgcontract import KEY_EGRESS_SERVICES, KEY_HEP_PINGS, ConfigError, parse_egress_services, parse_hep_pings
 
 log = logging.getLogger("containerboot")
 
@@ -52,8 +52,8 @@ class PreShutdown:
     async def run(self) -> tuple[int, str]:
         """(HTTP status, body) for one hook call."""
         try:
-            cfg = parse_egress_services(await asyncio.to_thread(self._read, EGRESS_FILE))
-            pings = parse_hep_pings(await asyncio.to_thread(self._read, HEP_PINGS_FILE))
+            cfg = parse_egress_services(await asyncio.to_thread(self._read, KEY_EGRESS_SERVICES))
+            pings = parse_hep_pings(await asyncio.to_thread(self._read, KEY_HEP_PINGS))
         except (OSError, ConfigError) as e:
             log.error("egress pre-shutdown: cannot read the egress services config: %s", e)
             return 500, f"error reading egress services config: {e}\n"

@@ -27,168 +27,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from netfilter.model import ServiceDnat, ServicePortMap
-from tscommon import jsontext
+
+# The egress-services document is the ProxyGroup contract's (tscommon.pgcontract); its types are used here.
+from tscommon.pgcontract import ConfigError as ConfigError
+from tscommon.pgcontract import EgressConfig as EgressConfig
+from tscommon.pgcontract import EgressService as EgressService
+from tscommon.pgcontract import PortMap as PortMap
+from tscommon.pgcontract import load_object
+from tscommon.pgcontract import parse_egress_services as parse_egress_services
+from tscommon.pgcontract import parse_hep_pings as parse_hep_pings
 
 from .state import IP, NodeState, ResolveError, resolve_tailnet_fqdn
-
-EGRESS_FILE = "egress-services"
-HEP_PINGS_FILE = "hep-pings"
-PRESHUTDOWN_PATH = "/internal-egress-services-preshutdown"
-
-
-class ConfigError(ValueError):
-    """A whole config file is unusable (the last good one stays in force)."""
-
-
-# ----------------------------------------------------------------------------------------------- egress config
-
-@dataclass(frozen=True)
-class PortMap:
-    protocol: str        # as configured ("TCP" as Kubernetes spells it, or "tcp"): the status echoes it exactly
-    match_port: int      # the Pod port the operator's ClusterIP Service targets
-    target_port: int     # the port on the tailnet target
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """What the rule matches on: the protocol in any spelling, and the Pod port."""
-        return self.protocol.upper(), self.match_port
-
-    def to_json(self) -> dict[str, Any]:
-        return {"protocol": self.protocol, "matchPort": self.match_port, "targetPort": self.target_port}
-
-
-@dataclass(frozen=True)
-class EgressService:
-    name: str
-    target_ip: str = ""
-    target_fqdn: str = ""
-    ports: tuple[PortMap, ...] = ()
-    health_check_endpoint: str = ""
-
-    def target_json(self) -> dict[str, str]:
-        return {"ip": self.target_ip, "fqdn": self.target_fqdn}
-
-    @property
-    def target(self) -> str:
-        return self.target_ip or self.target_fqdn
-
-
-@dataclass(frozen=True)
-class EgressConfig:
-    """The parsed egress-services file. `problems` are per-service errors: those services are skipped."""
-
-    services: tuple[EgressService, ...] = ()
-    problems: tuple[tuple[str, str], ...] = ()   # (service name, what is wrong)
-
-
-def _where(name: str) -> str:
-    return f"egress-services: service {name!r}"
-
-
-def _parse_port(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
-        raise ConfigError(f"{what} must be a port number 1-65535, not {json.dumps(value)}")
-    return value
-
-
-def _parse_egress_service(name: str, raw: Any) -> EgressService:
-    where = _where(name)
-    if not name.strip() or any(c in name for c in "\"\n\r\t\\"):
-        raise ConfigError(f"{where}: the name must be non-empty, without quotes, backslashes or control characters")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected an object, got {json.dumps(raw)[:60]}")
-    tt = raw.get("tailnetTarget") or {}
-    if not isinstance(tt, dict):
-        raise ConfigError(f"{where}: tailnetTarget must be an object with \"ip\" or \"fqdn\"")
-    ip, fqdn = tt.get("ip") or "", tt.get("fqdn") or ""
-    if not isinstance(ip, str) or not isinstance(fqdn, str):
-        raise ConfigError(f"{where}: tailnetTarget.ip and tailnetTarget.fqdn must be strings")
-    if bool(ip) == bool(fqdn):
-        raise ConfigError(f"{where}: set exactly one of tailnetTarget.ip and tailnetTarget.fqdn "
-                          f"(got ip={ip!r}, fqdn={fqdn!r})")
-    if ip:
-        try:
-            addr = ipaddress.ip_address(ip)
-        except ValueError:
-            raise ConfigError(f"{where}: tailnetTarget.ip {ip!r} is not an IP address") from None
-        if addr.is_unspecified:
-            raise ConfigError(f"{where}: tailnetTarget.ip {ip!r} is the unspecified address")
-    ports_raw = raw.get("ports") or []
-    if not isinstance(ports_raw, list):
-        raise ConfigError(f"{where}: ports must be a list of {{protocol, matchPort, targetPort}}")
-    ports: dict[PortMap, None] = {}
-    for i, p in enumerate(ports_raw):
-        if not isinstance(p, dict):
-            raise ConfigError(f"{where}: ports[{i}] must be an object")
-        proto = p.get("protocol")
-        if not isinstance(proto, str) or proto.upper() not in ("TCP", "UDP"):
-            raise ConfigError(f"{where}: ports[{i}].protocol must be TCP or UDP, not {json.dumps(proto)}")
-        # The protocol is kept as written: the operator compares the status with what it wrote, byte for byte.
-        pm = PortMap(proto, _parse_port(p.get("matchPort"), f"{where}: ports[{i}].matchPort"),
-                     _parse_port(p.get("targetPort"), f"{where}: ports[{i}].targetPort"))
-        other = next((q for q in ports if q.key == pm.key), None)
-        if other is not None and other.target_port != pm.target_port:
-            raise ConfigError(f"{where}: {pm.key[0]} port {pm.match_port} is mapped twice (to target ports "
-                              f"{other.target_port} and {pm.target_port}); map each matchPort once")
-        ports.setdefault(pm)
-    hep = raw.get("healthCheckEndpoint") or ""
-    if not isinstance(hep, str):
-        raise ConfigError(f"{where}: healthCheckEndpoint must be a string URL")
-    return EgressService(name, ip, fqdn, tuple(ports), hep)
-
-
-def _load_object(text: str | None, what: str, shape: str) -> dict | None:
-    """The file's JSON object; None for a missing, empty or null file (no services)."""
-    if text is None or not text.strip():
-        return None
-    try:
-        doc = jsontext.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{what} is not valid JSON: {e}") from None
-    if doc is not None and not isinstance(doc, dict):
-        raise ConfigError(f"{what} must be a JSON object of {shape}")
-    return doc
-
-
-def parse_egress_services(text: str | None) -> EgressConfig:
-    """Parse the egress-services file. A missing or empty file means no services.
-
-    Raises ConfigError when the file as a whole is unusable; a bad service is only listed in `problems`.
-    Services come out sorted by name, so that which of two conflicting services wins does not depend on
-    the order of keys in the file."""
-    doc = _load_object(text, "egress-services", "service name -> config")
-    if doc is None:
-        return EgressConfig()
-    services: list[EgressService] = []
-    problems: list[tuple[str, str]] = []
-    taken: dict[tuple[str, int], str] = {}
-    for name in sorted(doc):
-        try:
-            svc = _parse_egress_service(name, doc[name])
-        except ConfigError as e:
-            problems.append((name, str(e)))
-            continue
-        clash = next(((pm, taken[pm.key]) for pm in svc.ports if pm.key in taken), None)
-        if clash is not None:
-            pm, other = clash
-            problems.append((name, f"{_where(name)}: {pm.key[0]} port {pm.match_port} is already mapped by "
-                                   f"service {other!r}; each matchPort can serve one service"))
-            continue
-        for pm in svc.ports:
-            taken[pm.key] = name
-        services.append(svc)
-    return EgressConfig(tuple(services), tuple(problems))
-
-
-def parse_hep_pings(text: str | None) -> int:
-    """Health-check pings per drain round: missing or empty is 0, negative is 0 (as upstream)."""
-    if text is None or not text.strip():
-        return 0
-    try:
-        return max(0, int(text.strip(), 10))
-    except ValueError:
-        raise ConfigError(f"hep-pings must be an integer, not {text.strip()[:40]!r}") from None
-
 
 # ----------------------------------------------------------------------------------------------- ingress config
 
@@ -252,7 +101,7 @@ def _parse_mapping(name: str, key: str, raw: Any, version: int) -> IngressMappin
 
 def parse_ingress_config(text: str | None) -> IngressConfig:
     """Parse the ingress services file ({name: {IPv4Mapping, IPv6Mapping}}); missing or empty means none."""
-    doc = _load_object(text, "ingress config", "Tailscale Service name -> mappings")
+    doc = load_object(text, "ingress config", "Tailscale Service name -> mappings")
     if doc is None:
         return IngressConfig()
     services: list[IngressService] = []

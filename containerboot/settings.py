@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from containerboot import conffile
+from tscommon.pgcontract import LOCAL_PORT
 from tscommon.redact import redact
 
 __all__ = [
@@ -375,7 +376,7 @@ SETTINGS: tuple[Setting, ...] = (
             "healthcheck_addr_port", deprecated=True),
     Setting("TS_LOCAL_ADDR_PORT", Kind.ADDRPORT,
             "Listener for /metrics, /healthz and the egress pre-shutdown hook. An IPv6 POD_IPS address in it is "
-            "bracketed for you.", "local_addr_port", default="[::]:9002"),
+            "bracketed for you.", "local_addr_port", default=f"[::]:{LOCAL_PORT}"),
     Setting("TS_ENABLE_METRICS", Kind.BOOL, "Serve `/metrics` on TS_LOCAL_ADDR_PORT.", "enable_metrics",
             default="false", differs=_STRICT_BOOL),
     Setting("TS_ENABLE_HEALTH_CHECK", Kind.BOOL, "Serve `/healthz` on TS_LOCAL_ADDR_PORT.", "enable_health_check",
@@ -542,7 +543,7 @@ class Settings:
     versioned_config_dir: str = ""
     tailscaled_config_path: str = ""
     healthcheck_addr_port: str = ""
-    local_addr_port: str = "[::]:9002"
+    local_addr_port: str = f"[::]:{LOCAL_PORT}"
     enable_metrics: bool = False
     enable_health_check: bool = False
     debug_addr_port: str = ""

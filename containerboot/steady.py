@@ -246,13 +246,15 @@ class SteadyState:
         """Follow one ProxyGroup services file; a broken file is reported and the last good config stays.
 
         `first_read` is set once the file's first content (or its absence) has been handed to the reconciler."""
+        from tscommon import pgcontract as pgc
         from tscommon.watch import watch_file
 
         from . import proxyservices as ps
 
         parse: Any
         if which == "egress":
-            path, parse = os.path.join(self.s.egress_proxies_config_path, ps.EGRESS_FILE), ps.parse_egress_services
+            path = os.path.join(self.s.egress_proxies_config_path, pgc.KEY_EGRESS_SERVICES)
+            parse = ps.parse_egress_services
         else:
             path, parse = self.s.ingress_proxies_config_path, ps.parse_ingress_config
         reported: tuple = ()

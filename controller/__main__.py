@@ -78,17 +78,12 @@ async def run(cfg: ControllerConfig) -> int:
     kube.write_guard = elector.is_leader
     provider = make_provider(cfg, kube)
     rec = Reconciler(kube, provider, cfg)
-    from . import dnsconfig
-    from .dnsreconcile import DNSReconciler
-    dns = DNSReconciler(kube, cfg)
 
     async def work(key) -> float | None:
         if not elector.is_leader():
             # Fenced (the Lease could not be renewed): the key waits for the renewal (`retry_now` then), or for
             # the stop if another replica took the Lease (the next leader re-runs it).
             return 10.0
-        if key == dnsconfig.QUEUE_KEY:
-            return await dns.reconcile()
         return await rec.reconcile(*key)
     state = State(cfg, rec, WorkQueue(work))
     rec.poke = state.queue.poke

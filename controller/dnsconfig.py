@@ -34,7 +34,7 @@ from .config import ControllerConfig
 from .kinds import labels, meta
 from .model import (ANN_TAILNET_FQDN, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE,
                     LABEL_SVC_TYPE, SVC)
-from .render import _hashed
+from .render import hashed
 
 GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "dnsconfigs", "DNSConfig"
 COND_NAMESERVER_READY = "NameserverReady"
@@ -183,7 +183,7 @@ def render(obj: Mapping[str, Any], cfg: ControllerConfig, domain: str) -> Namese
     service = {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(NAME, obj, cfg), "spec": svc_spec}
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(NAME, obj, cfg),
           "automountServiceAccountToken": False}
-    return Nameserver(_hashed(sa), _hashed(deployment), _hashed(service))
+    return Nameserver(hashed(sa), hashed(deployment), hashed(service))
 
 
 def records_configmap(obj: Mapping[str, Any], cfg: ControllerConfig, text: str) -> dict:

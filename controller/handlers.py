@@ -30,7 +30,8 @@ from .kubeapi import USER_AGENT
 from .model import (APISERVER, CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS,
                     LABEL_PARENT_TYPE, PROXYCLASS, PROXYGROUP, SVC)
 from .queue import WorkQueue
-from .reconcile import Reconciler, handled
+from .kindtable import GROUP, KINDS, PARENT_KINDS, handled
+from .reconcile import Reconciler
 
 log = logging.getLogger("controller")
 
@@ -66,7 +67,7 @@ def child_key(body: Any) -> tuple[str, str, str] | None:
     """The parent's key from a child's labels (upstream's managedResourceHandlerForType)."""
     labels = (body.get("metadata") or {}).get("labels") or {}
     kind = labels.get(LABEL_PARENT_TYPE)
-    if labels.get(LABEL_MANAGED) != "true" or kind not in (SVC, INGRESS, CONNECTOR, PROXYGROUP, APISERVER):
+    if labels.get(LABEL_MANAGED) != "true" or kind not in PARENT_KINDS:
         return None
     return (kind, labels.get(LABEL_PARENT_NS, ""), labels.get(LABEL_PARENT_NAME, ""))
 
@@ -101,16 +102,16 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
 
     def on_parent(kind: str):
         async def handler(body: Any, type: str | None = None, **_: Any) -> None:   # async: no threads
-            key = parent_key(kind, body, state.cfg)
-            if kind == SVC:
+            key, info = parent_key(kind, body, state.cfg), KINDS[kind]
+            if info.on_group is not None:
                 meta = body.get("metadata") or {}
-                k = (SVC, meta.get("namespace") or "", meta.get("name") or "")
+                k = (kind, meta.get("namespace") or "", meta.get("name") or "")
                 state.index_service(k, "" if type == "DELETED" else egress.group_of(body))
             if key is not None:
                 state.queue.poke(key)
-            if kind in (SVC, INGRESS):
+            if info.dns_records:
                 state.queue.poke(dnsconfig.QUEUE_KEY)   # an egress name or an Ingress's MagicDNS name may change
-            if kind == PROXYGROUP:
+            if info.runs == GROUP:
                 for k in sorted(state.group_services.get((body.get("metadata") or {}).get("name") or "", ())):
                     state.queue.poke(k)
         return handler
@@ -148,7 +149,7 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
     async def on_group_pod(body: Any, **_: Any) -> None:
         """A ProxyGroup replica's Pod started, got its IPs or began terminating: its EndpointSlice membership."""
         key = child_key(body)
-        if key is not None and key[0] == PROXYGROUP:
+        if key is not None and KINDS[key[0]].runs == GROUP:
             state.queue.poke(key)
     kopf.on.event("v1", "pods", labels={LABEL_MANAGED: "true", LABEL_PARENT_TYPE: PROXYGROUP},
                   registry=children)(on_group_pod)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import ssl
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import httpx
 
@@ -48,6 +48,22 @@ SERVICEMONITORS = Resource("/apis/monitoring.coreos.com/v1", "servicemonitors")
 CLUSTERROLEBINDINGS = Resource("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", namespaced=False)
 DEPLOYMENTS = Resource("/apis/apps/v1", "deployments")
 DNSCONFIGS = Resource("/apis/tailscale.com/v1alpha1", "dnsconfigs", namespaced=False)
+
+
+class KubeClient(Protocol):
+    """What the passes use of an API client: `Kube` below, and the in-memory fake of the unit tests
+    (tests/support/fakekube.py, checked against this by mypy)."""
+
+    async def get(self, res: Resource, name: str, namespace: str = "") -> dict | None: ...
+
+    async def list(self, res: Resource, namespace: str = "", selector: str = "") -> list[dict]: ...
+
+    async def create(self, res: Resource, obj: Mapping[str, Any], namespace: str = "") -> dict: ...
+
+    async def patch(self, res: Resource, name: str, patch: Mapping[str, Any], namespace: str = "",
+                    subresource: str = "") -> dict: ...
+
+    async def delete(self, res: Resource, name: str, namespace: str = "", *, propagation: str = "") -> bool: ...
 
 
 class KubeError(Exception):

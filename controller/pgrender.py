@@ -4,8 +4,9 @@ Upstream's names and shapes, so stock upstream proxy images run these Pods: a St
 per replica a config Secret `<pg>-<i>-config` (the tailscaled config file, mounted at
 `/etc/tsconfig/<pg>-<i>`, the Pod picking its own through `$(POD_NAME)`) and a state Secret `<pg>-<i>` (the
 agent's `TS_KUBE_SECRET`); the ConfigMap `<pg>-egress-config` with `egress-services` (written per egress
-Service by controller/pgreconcile.py) and `hep-pings`, mounted at `/etc/proxies`; a pre-stop hook on the
-agent's pre-shutdown endpoint with a grace period long enough for it to drain.
+Service by the egress Service's pass) and `hep-pings`, mounted at `/etc/proxies`; a pre-stop hook on the agent's
+pre-shutdown endpoint with a grace period long enough for it to drain. The ConfigMap's document, the port and
+the paths are the ProxyGroup contract's (tscommon/pgcontract.py), shared with the agent.
 
 As for single proxies (controller/proxyrbac.py), the group runs as its own ServiceAccount `<pg>` whose Role
 names only its replicas' state Secrets; the config Secrets, which carry the auth keys, reach the Pods only as
@@ -19,23 +20,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from tscommon import pgcontract as pgc
 from tscommon.secretcontract import CONFIG_CAPVERS, config_key
 
 from . import proxyclass as pcl, proxyrbac
 from .config import ControllerConfig
 from .kinds.proxygroup import GroupSpec
-from .render import SYSCTL_SCRIPT, _hashed, ca_trust, child_labels, dumps, rehash, tailscaled_config
+from .render import SYSCTL_SCRIPT, hashed, ca_trust, child_labels, dumps, rehash, tailscaled_config
 
-EGRESS_CONFIG_DIR = "/etc/proxies"
-EGRESS_SERVICES_KEY = "egress-services"
-HEP_PINGS_KEY = "hep-pings"
-#: the agent's listener for /healthz (with the Pod-IPv4/Pod-IPv6 headers) and the pre-shutdown hook
-LOCAL_PORT = 9002
-PRESHUTDOWN_PATH = "/internal-egress-services-preshutdown"
 #: the hook waits up to 300 s for the Pod to leave every EndpointSlice, then 10 s for connections in flight
 GRACE_SECONDS = 360
-#: health-check requests per replica the hook sends before deciding the Pod no longer gets traffic (upstream)
-HEP_PINGS_PER_REPLICA = 3
 
 
 def state_secret_name(pg: str, i: int) -> str:
@@ -82,14 +76,14 @@ def state_secret(g: GroupSpec, cfg: ControllerConfig, i: int) -> dict:
 
 
 def hep_pings(g: GroupSpec) -> str:
-    return str(g.replicas * HEP_PINGS_PER_REPLICA)
+    return pgc.render_hep_pings(g.replicas)
 
 
 def configmap(g: GroupSpec, cfg: ControllerConfig) -> dict:
     """The ConfigMap as first created; afterwards the group's pass owns `hep-pings` only."""
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": configmap_name(g.name), "namespace": cfg.namespace, "labels": labels(g)},
-            "data": {EGRESS_SERVICES_KEY: "{}", HEP_PINGS_KEY: hep_pings(g)}}
+            "data": {pgc.KEY_EGRESS_SERVICES: pgc.render_egress_services({}), pgc.KEY_HEP_PINGS: hep_pings(g)}}
 
 
 def rbac(g: GroupSpec, cfg: ControllerConfig, secrets: list[str]) -> tuple[dict, dict, dict]:
@@ -109,8 +103,8 @@ def _env(g: GroupSpec, cfg: ControllerConfig) -> list[dict]:
         {"name": "POD_UID", **field("metadata.uid")},
         {"name": "TS_KUBE_SECRET", "value": "$(POD_NAME)"},
         {"name": "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR", "value": "/etc/tsconfig/$(POD_NAME)"},
-        {"name": "TS_EGRESS_PROXIES_CONFIG_PATH", "value": EGRESS_CONFIG_DIR},
-        {"name": "TS_LOCAL_ADDR_PORT", "value": f"$(POD_IP):{LOCAL_PORT}"},
+        {"name": "TS_EGRESS_PROXIES_CONFIG_PATH", "value": pgc.CONFIG_DIR},
+        {"name": "TS_LOCAL_ADDR_PORT", "value": f"$(POD_IP):{pgc.LOCAL_PORT}"},
         {"name": "TS_ENABLE_HEALTH_CHECK", "value": "true"},
     ]
     if cfg.firewall_mode:
@@ -134,7 +128,7 @@ def statefulset(g: GroupSpec, cfg: ControllerConfig, pc: pcl.ProxyClass | None =
         mounts.append({"name": f"tailscaledconfig-{i}", "mountPath": f"/etc/tsconfig/{state_secret_name(g.name, i)}",
                        "readOnly": True})
     volumes.append({"name": "egress-config", "configMap": {"name": configmap_name(g.name)}})
-    mounts.append({"name": "egress-config", "mountPath": EGRESS_CONFIG_DIR, "readOnly": True})
+    mounts.append({"name": "egress-config", "mountPath": pgc.CONFIG_DIR, "readOnly": True})
     trust = ca_trust(cfg)
     if trust:
         volumes.append(trust[0])
@@ -155,14 +149,14 @@ def statefulset(g: GroupSpec, cfg: ControllerConfig, pc: pcl.ProxyClass | None =
         # The agent answers once this replica no longer receives traffic through any egress Service (it is out
         # of the EndpointSlices), so connections through the group move to the other replicas first. The hook
         # asks the health check on its default address: a class that moves it gets no hook (as upstream).
-        container["lifecycle"] = {"preStop": {"httpGet": {"path": PRESHUTDOWN_PATH, "port": LOCAL_PORT}}}
+        container["lifecycle"] = {"preStop": {"httpGet": {"path": pgc.PRESHUTDOWN_PATH, "port": pgc.LOCAL_PORT}}}
         pod_spec["terminationGracePeriodSeconds"] = GRACE_SECONDS
         # Ready only while tailscaled is up with its tailnet addresses (the agent's /healthz, on the same
         # address): a replica whose tailscaled died, or that is still logging in after a restart, leaves the
         # EndpointSlices (they list Ready replicas only) instead of taking every other new connection nowhere.
-        container["readinessProbe"] = {"httpGet": {"path": "/healthz", "port": LOCAL_PORT}, "periodSeconds": 1,
-                                       "failureThreshold": 1, "timeoutSeconds": 1}
-    sts = _hashed({
+        container["readinessProbe"] = {"httpGet": {"path": pgc.HEALTHZ_PATH, "port": pgc.LOCAL_PORT},
+                                       "periodSeconds": 1, "failureThreshold": 1, "timeoutSeconds": 1}
+    sts = hashed({
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": {"name": g.name, "namespace": cfg.namespace, "labels": labels(g)},
         "spec": {"replicas": g.replicas, "selector": {"matchLabels": labels(g)},

@@ -29,7 +29,7 @@ from typing import Any
 
 from .config import ControllerConfig
 from .model import ProxySpec
-from .render import _hashed, base_name, child_labels, secret_name
+from .render import hashed, base_name, child_labels, secret_name
 
 RBAC_API = "rbac.authorization.k8s.io/v1"
 SECRET_VERBS = ("get", "update", "patch")
@@ -41,14 +41,14 @@ def identity(name: str, namespace: str, labels: dict[str, str], secrets: list[st
     order they are created in (the binding names both). A proxy and a ProxyGroup share this shape."""
     def meta() -> dict[str, Any]:
         return {"name": name, "namespace": namespace, "labels": dict(labels)}
-    sa = _hashed({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()})
-    role = _hashed({
+    sa = hashed({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()})
+    role = hashed({
         "apiVersion": RBAC_API, "kind": "Role", "metadata": meta(),
         "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": list(secrets),
                    "verbs": list(SECRET_VERBS)},
                   {"apiGroups": [""], "resources": ["events"], "verbs": list(EVENT_VERBS)}],
     })
-    binding = _hashed({
+    binding = hashed({
         "apiVersion": RBAC_API, "kind": "RoleBinding", "metadata": meta(),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
@@ -63,7 +63,7 @@ def impersonation_binding(spec: ProxySpec, cfg: ControllerConfig, cluster_role: 
     if spec.apiserver_proxy_mode != "auth":
         return None
     name = base_name(spec.parent)
-    return _hashed({
+    return hashed({
         "apiVersion": RBAC_API, "kind": "ClusterRoleBinding",
         "metadata": {"name": f"{cfg.namespace}-{name}-impersonate", "labels": child_labels(spec.parent)},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},

@@ -11,6 +11,9 @@ the API server's random `generateName` suffix, so rendering is a pure function a
 leave a second orphan set; each proxy runs as its own ServiceAccount named like its StatefulSet, allowed only
 its own Secrets (controller/proxyrbac.py), not upstream's shared `proxies` one; each rendered object carries a
 hash of itself (`SPEC_HASH`) so that a pass that changes nothing writes nothing, whatever defaults the API server added.
+
+The proxy's ProxyClass is merged in here too (`render(..., pc, target)`, controller/proxyclass.py's merge), so
+what a pass applies is the whole rendering.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from typing import Any
 
 from tscommon.secretcontract import CONFIG_CAPVERS, KEY_SERVE_CONFIG, config_key
 
+from . import proxyclass as pcl
 from .config import ControllerConfig
 from .model import (CONNECTOR, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, Parent,
                     ProxySpec)
@@ -89,10 +93,11 @@ def secret_string_data(spec: ProxySpec, cfg: ControllerConfig, i: int, authkey: 
 def rehash(obj: dict) -> dict:
     """The object's SPEC_HASH again, after a later step (a ProxyClass) changed it."""
     (obj["metadata"].get("annotations") or {}).pop(SPEC_HASH, None)
-    return _hashed(obj)
+    return hashed(obj)
 
 
-def _hashed(obj: dict) -> dict:
+def hashed(obj: dict) -> dict:
+    """The object with SPEC_HASH, the hash of its rendering: a pass writes it only when the hash differs."""
     h = hashlib.sha256(dumps(obj).encode()).hexdigest()[:16]
     obj["metadata"].setdefault("annotations", {})[SPEC_HASH] = h
     return obj
@@ -100,7 +105,7 @@ def _hashed(obj: dict) -> dict:
 
 def headless_service(spec: ProxySpec, cfg: ControllerConfig) -> dict:
     p = spec.parent
-    return _hashed({
+    return hashed({
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": base_name(p), "namespace": cfg.namespace, "labels": child_labels(p)},
         "spec": {"clusterIP": "None", "selector": {"app": p.uid}, "ipFamilyPolicy": "PreferDualStack"},
@@ -248,7 +253,7 @@ def statefulset(spec: ProxySpec, cfg: ControllerConfig) -> dict:
                                      "labels": {**child_labels(p), "app": p.uid}}
     if spec.pod_annotations:
         template_meta["annotations"] = dict(spec.pod_annotations)
-    return _hashed({
+    return hashed({
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": {"name": name, "namespace": cfg.namespace, "labels": child_labels(p)},
         "spec": {"replicas": spec.replicas, "serviceName": name, "selector": {"matchLabels": {"app": p.uid}},
@@ -263,9 +268,18 @@ class Rendered:
     statefulset: dict
 
 
-def render(spec: ProxySpec, cfg: ControllerConfig, authkeys: tuple[str, ...]) -> Rendered:
-    """Every object of the proxy; authkeys[i] is replica i's key to put in its config ("" = none)."""
+def classed_statefulset(spec: ProxySpec, cfg: ControllerConfig, pc: pcl.ProxyClass | None,
+                        target: pcl.Target) -> dict:
+    """The proxy's StatefulSet with its ProxyClass (if any) merged in (`target`: kindtable.proxy_target)."""
+    sts = statefulset(spec, cfg)
+    return rehash(pcl.apply_to_statefulset(sts, pc, target)) if pc is not None else sts
+
+
+def render(spec: ProxySpec, cfg: ControllerConfig, authkeys: tuple[str, ...], pc: pcl.ProxyClass | None = None,
+           target: pcl.Target = pcl.Target()) -> Rendered:
+    """Every object of the proxy, with its ProxyClass merged in; authkeys[i] is replica i's key to put in its
+    config ("" = none)."""
     return Rendered(headless_service(spec, cfg),
-                    tuple(secret(spec, cfg, i, authkeys[i] if i < len(authkeys) else "")
-                          for i in range(spec.replicas)),
-                    statefulset(spec, cfg))
+                    tuple(pcl.apply_to_config_secret(secret(spec, cfg, i, authkeys[i] if i < len(authkeys) else ""),
+                                                     pc) for i in range(spec.replicas)),
+                    classed_statefulset(spec, cfg, pc, target))

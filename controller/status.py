@@ -18,7 +18,7 @@ from typing import Any
 from tscommon import jsontext
 from tscommon import secretcontract as sc
 
-from .model import APISERVER, CONNECTOR, COND_CONNECTOR_READY, COND_PROXY_READY, INGRESS, ProxySpec
+from .model import CONNECTOR, ProxySpec
 
 
 @dataclass(frozen=True)
@@ -183,8 +183,3 @@ def connector_status(spec: ProxySpec | None, devices: Sequence[DeviceInfo]) -> d
         out["hostname"] = devs[0]["hostname"]
         out["tailnetIPs"] = devs[0]["tailnetIPs"]
     return out
-
-
-def condition_type(kind: str) -> str | None:
-    """The condition a parent of this kind carries (an Ingress has none in its status schema)."""
-    return {CONNECTOR: COND_CONNECTOR_READY, INGRESS: None, APISERVER: None}.get(kind, COND_PROXY_READY)

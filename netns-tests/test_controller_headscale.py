@@ -31,7 +31,7 @@ from controller.providers.headscale import HeadscaleProvider
 from controller.providers import ProviderError
 import httpx
 from controller.model import Parent
-from controller.reconcile import Reconciler
+from controller.writer import Writer
 req = json.loads(sys.stdin.read())
 sent = []
 class Counting(httpx.AsyncHTTPTransport):
@@ -42,8 +42,8 @@ async def main():
     p = HeadscaleProvider(req["url"], api_key=os.environ["HS_API_KEY"], transport=Counting())
     try:
         if req["op"] == "sync":      # the controller's tag pass, as a freshly started controller runs it
-            rec = Reconciler(None, p, None)
-            err = await rec._sync_tags("svc", Parent("svc", "web", "apps", "u1"), tuple(req["tags"]),
+            w = Writer(None, p, None)
+            err = await w.sync_tags("svc", Parent("svc", "web", "apps", "u1"), tuple(req["tags"]),
                                        [{"device_id": req["id"].encode()}])
             return {"error": None if err is None else str(err), "sent": sent}
         if req["op"] == "contract":

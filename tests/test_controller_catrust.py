@@ -10,7 +10,7 @@ from dataclasses import replace
 from controller import render
 from controller.config import ControllerConfig
 from controller.kubeapi import CONFIGMAPS, EVENTS, PROXYGROUPS, SECRETS, SERVICES, STATEFULSETS
-from controller.pgreconcile import CA_RECHECK
+from controller.passes.proxygroup import CA_RECHECK
 from controller.reconcile import POD_SECURITY_RECHECK, Reconciler
 from tests.support.fakekube import FakeKube, FakeProvider
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 
 import pytest
 
 from controller import dnsconfig as dc
+from controller.dnsconfig import QUEUE_KEY
 from controller.config import ConfigError, ControllerConfig, load
-from controller.dnsreconcile import DNSReconciler
 from controller.kubeapi import (CONFIGMAPS, DEPLOYMENTS, DNSCONFIGS, ENDPOINTSLICES, EVENTS, INGRESSES,
                                 SERVICEACCOUNTS, SERVICES, KubeError)
 from controller.model import Parent
@@ -28,7 +29,13 @@ def env():
     kube = FakeKube()
     clock = iter(f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}Z" for i in range(3600))
     now = lambda: next(clock)   # noqa: E731
-    return kube, Reconciler(kube, FakeProvider(), CFG, now=now), DNSReconciler(kube, CFG, now=now)
+    rec = Reconciler(kube, FakeProvider(), CFG, now=now)
+    return kube, rec, dns_pass(rec)
+
+
+def dns_pass(rec):
+    """The DNSConfig key's pass, as the work queue runs it."""
+    return types.SimpleNamespace(reconcile=lambda: rec.reconcile(*QUEUE_KEY))
 
 
 def dnsconfig(kube, name="ts-dns", created="2026-01-01T00:00:00Z", **nameserver):
@@ -196,7 +203,7 @@ async def test_no_crd_no_work(env):
 async def test_stub_zone_only_its_own_block_added_and_removed(env):
     kube, rec, _ = env
     cfg = dataclasses.replace(CFG, stub_zone_configmap="kube-system/coredns")
-    dns = DNSReconciler(kube, cfg, now=lambda: "2026-01-01T00:00:00Z")
+    dns = dns_pass(Reconciler(kube, FakeProvider(), cfg, now=lambda: "2026-01-01T00:00:00Z"))
     kube.put(CONFIGMAPS, {"metadata": {"name": "coredns", "namespace": "kube-system"},
                           "data": {"Corefile": COREFILE, "other": "x"}})
     dnsconfig(kube)

@@ -17,12 +17,11 @@ annotation (not only deleting the Service) removes the Service's objects.
 from __future__ import annotations
 
 import ipaddress
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tscommon import jsontext
+from tscommon import jsontext, pgcontract as pgc
 
 from ..config import ControllerConfig
 from ..model import (ANN_PROXY_GROUP, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE,
@@ -31,7 +30,7 @@ from . import annotations_of, meta, tailnet
 from .proxygroup import TYPE_EGRESS
 
 PORT_MIN, PORT_MAX = 3000, 13000          # matchPorts: [PORT_MIN, PORT_MAX)
-HEALTH_PORT = 9002                        # the replicas' /healthz (pgrender.LOCAL_PORT)
+HEALTH_PORT = pgc.LOCAL_PORT              # the replicas' /healthz
 RESERVED_PORTS = frozenset({9001, HEALTH_PORT})   # tailscaled's debug and the agent's local listener
 HEALTH_PORT_NAME = "tailscale-health-check"
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"
@@ -81,9 +80,6 @@ class EgressTarget:
         """The Service's key in the group's `egress-services` (upstream's `<namespace>-<name>`)."""
         return f"{self.namespace}-{self.name}"
 
-    def target_json(self) -> dict[str, str]:
-        return {"ip": self.ip} if self.ip else {"fqdn": self.fqdn}
-
 
 def decide(svc: Mapping[str, Any], cfg: ControllerConfig, pg: Mapping[str, Any] | None) -> EgressTarget:
     """The Service's target and ports, or Invalid naming every problem; `pg`: the ProxyGroup it names."""
@@ -129,18 +125,10 @@ def decide(svc: Mapping[str, Any], cfg: ControllerConfig, pg: Mapping[str, Any] 
 # ---- the group's egress-services document
 
 
-def parse_entries(text: str | None) -> dict[str, dict]:
-    """The ConfigMap's `egress-services`: {entry name: config}; a missing or broken document is empty (the
-    passes write it back whole)."""
-    try:
-        doc = jsontext.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return {k: v for k, v in doc.items() if isinstance(v, dict)} if isinstance(doc, dict) else {}
-
-
-def dump_entries(entries: Mapping[str, Any]) -> str:
-    return json.dumps(entries, sort_keys=True, separators=(",", ":"))
+#: The ConfigMap's `egress-services`: {entry name: config}; a missing or broken document is empty (the passes
+#: write it back whole). The document is the ProxyGroup contract's (tscommon.pgcontract), which the agent parses.
+parse_entries = pgc.parse_entries
+dump_entries = pgc.render_egress_services
 
 
 def entry_ports(entry: Mapping[str, Any] | None) -> dict[tuple[str, int], int]:
@@ -188,9 +176,9 @@ def health_endpoint(svc_name: str, cfg: ControllerConfig) -> str:
 
 def entry(t: EgressTarget, mapping: Mapping[tuple[str, int], int], svc_name: str, cfg: ControllerConfig) -> dict:
     """The Service's `egress-services` entry (upstream's egressservices.Config)."""
-    return {"tailnetTarget": t.target_json(),
-            "ports": [{"protocol": p.protocol, "matchPort": mapping[p.key], "targetPort": p.port} for p in t.ports],
-            "healthCheckEndpoint": health_endpoint(svc_name, cfg)}
+    return pgc.render_entry(pgc.EgressService(
+        t.entry, t.ip, t.fqdn, tuple(pgc.PortMap(p.protocol, mapping[p.key], p.port) for p in t.ports),
+        health_endpoint(svc_name, cfg)))
 
 
 # ---- objects
@@ -217,11 +205,11 @@ def _port_name(p: Port) -> str:
 
 def clusterip_service(t: EgressTarget, mapping: Mapping[tuple[str, int], int], name: str,
                       cfg: ControllerConfig) -> dict:
-    from ..render import _hashed
+    from ..render import hashed
     ports = [{"name": _port_name(p), "protocol": p.protocol, "port": p.port, "targetPort": mapping[p.key]}
              for p in t.ports]
     ports.append({"name": HEALTH_PORT_NAME, "protocol": "TCP", "port": HEALTH_PORT, "targetPort": HEALTH_PORT})
-    return _hashed({
+    return hashed({
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": name, "namespace": cfg.namespace, "labels": child_labels(t)},
         # No selector: its EndpointSlices are ours, listing only replicas that forward this Service.
@@ -235,12 +223,12 @@ def slice_name(svc_name: str, family: str) -> str:
 
 def endpoint_slice(svc: Mapping[str, Any], family: str, addresses: Iterable[str]) -> dict:
     """The EndpointSlice of one family of the ClusterIP Service `svc` (as the API server returned it)."""
-    from ..render import _hashed
+    from ..render import hashed
     m = svc["metadata"]
     labels = {**m["labels"], LABEL_SERVICE_NAME: m["name"], LABEL_MANAGED_BY: MANAGED_BY}
     ports = [{"name": p.get("name", ""), "protocol": p.get("protocol", "TCP"), "port": p["targetPort"]}
              for p in (svc.get("spec") or {}).get("ports") or []]
-    return _hashed({
+    return hashed({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": slice_name(m["name"], family), "namespace": m["namespace"], "labels": labels},
         "addressType": family, "ports": ports,

@@ -1,0 +1,153 @@
+"""The kinds the controller acts on, as one table (pure): what each is in the API, and which pass runs it.
+
+A row says everything the shell needs to know about a kind: its API resource, apiVersion and Kubernetes kind
+(events name the object with them), the pass that runs its queue keys, and for a parent of single proxies its
+condition type, the `ts_proxy_type` label of its metrics, whether its key carries a namespace, how to tell
+that it is ours (`handled`), how to decide what it asks for (`decide`), which status fields its proxies'
+state gives it, and the few facts that make it different (the reasons it reports, whether its proxies use
+certificates, whether the default ProxyClass applies without a label). The passes (controller/passes/) read
+the row; none of them switches on a kind's name. Adding a kind is adding a row (docs/controller-internals.md).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import dnsconfig as dc, proxyclass as pcl, status as st
+from .config import ControllerConfig
+from .kinds import apiserverproxy, connector, egress, ingress, proxygroup, service
+from .kubeapi import CONFIGMAPS, CONNECTORS, DNSCONFIGS, INGRESSES, PROXYCLASSES, PROXYGROUPS, SERVICES, Resource
+from .model import (APISERVER, COND_CONNECTOR_READY, COND_PG_READY, COND_PROXY_READY, CONNECTOR, INGRESS, PROXYCLASS,
+                    PROXYGROUP, SVC, Decision, ProxySpec)
+from .sameness import same
+
+#: the passes a queue key can go to (KindInfo.runs)
+PARENT, GROUP, CLASS, DNS = "parent", "group", "class", "dns"
+DNSCONFIG = dc.QUEUE_KEY[0]
+
+
+@dataclass(frozen=True)
+class DecideInputs:
+    """What a `decide` may need beyond the object: an Ingress's backend Services (name -> object) and its
+    proxy's MagicDNS name (read back from replica 0's state Secret)."""
+
+    services: Mapping[str, Mapping[str, Any]]
+    fqdn: str = ""
+
+
+@dataclass(frozen=True)
+class KindInfo:
+    key: str                        # the queue key's kind, and the children's LABEL_PARENT_TYPE
+    resource: Resource
+    api_version: str
+    kind: str                       # the Kubernetes kind
+    runs: str                       # the pass for its keys: PARENT, GROUP, CLASS or DNS
+    condition_type: str | None = None
+    proxy_type: str = ""            # the `ts_proxy_type` label of its proxies' metrics (upstream's values)
+    namespaced: bool = True         # the parent's key (and its children's labels) carry its namespace
+    handled: Callable[[Mapping[str, Any], ControllerConfig], bool] | None = None
+    decide: Callable[[Mapping[str, Any], ControllerConfig, DecideInputs], Decision] | None = None
+    #: the backend Services `decide` needs (DecideInputs; with them the proxy's MagicDNS name under INGRESS_HTTP)
+    backends: Callable[[Mapping[str, Any]], Iterable[str]] | None = None
+    #: the status fields its proxies' state gives it, as a patch of what differs from `status` now
+    status_fields: Callable[[Mapping[str, Any], ProxySpec | None, Sequence[st.DeviceInfo]],
+                            dict[str, Any]] | None = None
+    invalid_reason: str = "ProxyInvalid"
+    failed_reason: str = "ProxyFailed"
+    pending_reason: str = "ProxyPending"
+    #: PROXY_DEFAULT_CLASS applies without the class label (spec.proxyClass instead: proxyclass.select)
+    class_in_spec: bool = False
+    #: its proxies serve HTTPS with the control plane's certificates (the ACME staging directory)
+    uses_certs: bool = False
+    #: the proxy's URL is announced on the object (an annotation and a Normal event: the API server proxy)
+    announces_url: bool = False
+    #: its proxy has a ClusterRoleBinding of its own (the API server proxy's impersonation)
+    cluster_binding: bool = False
+    #: a ProxyClass's pass queues the objects of this kind that use it (the API server proxy's ConfigMap is
+    #: not: its pass reads the class again at its next event or re-check)
+    queued_by_class: bool = True
+    #: an object of this kind that a ProxyGroup serves instead of a proxy of its own (egress Services)
+    on_group: Callable[[Mapping[str, Any]], bool] | None = None
+    #: its objects' names can change the DNSConfig's records (an egress name, an Ingress's MagicDNS name)
+    dns_records: bool = False
+    #: status fields cleared, with its condition, from an object that stays but is no longer ours
+    released_status: Mapping[str, Any] | None = None
+
+    def parent_namespace(self, obj: Mapping[str, Any]) -> str:
+        return ((obj.get("metadata") or {}).get("namespace") or "") if self.namespaced else ""
+
+
+def _load_balancer(want: Mapping[str, Any], cur: Mapping[str, Any]) -> dict[str, Any]:
+    if same((cur.get("loadBalancer") or {}).get("ingress"), want.get("ingress")):
+        return {}
+    return {"loadBalancer": {"ingress": want.get("ingress")}}
+
+
+def _service_status(obj: Mapping[str, Any], spec: ProxySpec | None,
+                    devices: Sequence[st.DeviceInfo]) -> dict[str, Any]:
+    if not service.is_load_balancer(obj) or service.is_egress(obj):
+        return {}
+    return _load_balancer(st.service_load_balancer(devices, st.service_families(obj)), obj.get("status") or {})
+
+
+def _ingress_status(obj: Mapping[str, Any], spec: ProxySpec | None,
+                    devices: Sequence[st.DeviceInfo]) -> dict[str, Any]:
+    return {} if spec is None else _load_balancer(st.ingress_load_balancer(devices, spec), obj.get("status") or {})
+
+
+def _connector_status(obj: Mapping[str, Any], spec: ProxySpec | None,
+                      devices: Sequence[st.DeviceInfo]) -> dict[str, Any]:
+    cur, body = obj.get("status") or {}, st.connector_status(spec, devices)
+    return {k: body.get(k) for k in ("subnetRoutes", "isExitNode", "isAppConnector", "devices", "hostname",
+                                     "tailnetIPs") if not same(cur.get(k), body.get(k))}
+
+
+def _service_handled(obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
+    return egress.handled(obj) or service.handled(obj, cfg)
+
+
+KINDS: dict[str, KindInfo] = {k.key: k for k in (
+    KindInfo(SVC, SERVICES, "v1", "Service", PARENT, COND_PROXY_READY, "ingress_service",
+             handled=_service_handled, decide=lambda o, c, _: service.decide(o, c), status_fields=_service_status,
+             on_group=egress.handled, dns_records=True, released_status={"loadBalancer": {"ingress": None}}),
+    KindInfo(INGRESS, INGRESSES, "networking.k8s.io/v1", "Ingress", PARENT, None, "ingress_resource",
+             handled=ingress.handled, decide=lambda o, c, i: ingress.decide(o, c, i.services, i.fqdn),
+             backends=ingress.backend_services, status_fields=_ingress_status, uses_certs=True, dns_records=True),
+    KindInfo(CONNECTOR, CONNECTORS, f"{connector.GROUP}/{connector.VERSION}", "Connector", PARENT,
+             COND_CONNECTOR_READY, "connector", namespaced=False, handled=connector.handled,
+             decide=lambda o, c, _: connector.decide(o, c), status_fields=_connector_status,
+             invalid_reason="ConnectorInvalid", failed_reason="ConnectorCreationFailed",
+             pending_reason="ConnectorCreating", class_in_spec=True),
+    KindInfo(APISERVER, CONFIGMAPS, "v1", "ConfigMap", PARENT, None, "apiserver_proxy",
+             handled=apiserverproxy.handled, decide=lambda o, c, _: apiserverproxy.decide(o, c),
+             announces_url=True, cluster_binding=True, queued_by_class=False),
+    KindInfo(PROXYGROUP, PROXYGROUPS, f"{proxygroup.GROUP}/{proxygroup.VERSION}", "ProxyGroup", GROUP,
+             COND_PG_READY, "proxygroup", namespaced=False, handled=lambda o, c: True, class_in_spec=True),
+    KindInfo(PROXYCLASS, PROXYCLASSES, f"{pcl.GROUP}/{pcl.VERSION}", pcl.KIND, CLASS, pcl.COND_READY,
+             namespaced=False),
+    KindInfo(DNSCONFIG, DNSCONFIGS, f"{dc.GROUP}/{dc.VERSION}", dc.KIND, DNS, dc.COND_NAMESERVER_READY,
+             namespaced=False),
+)}
+
+#: the kinds whose objects own proxies (the children's LABEL_PARENT_TYPE values)
+PARENT_KINDS = tuple(k.key for k in KINDS.values() if k.proxy_type)
+
+
+def handled(kind: str, obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
+    """The controller runs a proxy (or a ProxyGroup's egress) for this object."""
+    h = KINDS[kind].handled
+    return h is not None and h(obj, cfg)
+
+
+def class_of(kind: str, obj: Mapping[str, Any], cfg: ControllerConfig) -> pcl.Selection:
+    """The ProxyClass an object's proxies use (its label, or spec.proxyClass, else PROXY_DEFAULT_CLASS)."""
+    return pcl.select(KINDS[kind].class_in_spec, obj, cfg.default_proxy_class)
+
+
+def proxy_target(kind: str, spec: ProxySpec, cfg: ControllerConfig) -> pcl.Target:
+    """Upstream's exclusions: no metrics or debug endpoints on egress proxies and forwarding L7 Ingress proxies
+    (their cluster traffic is all forwarded); the ACME staging directory only where certificates are used."""
+    to_tailnet = any(k in ("TS_TAILNET_TARGET_IP", "TS_TAILNET_TARGET_FQDN") for k, _ in spec.target_env)
+    return pcl.Target(endpoints=not to_tailnet and not spec.forward_cluster_traffic,
+                      acme=KINDS[kind].uses_certs and not spec.ingress_http)
