@@ -17,7 +17,7 @@ from typing import Any
 from . import dnsconfig as dc, proxyclass as pcl, status as st
 from .config import ControllerConfig
 from .kinds import apiserverproxy, connector, egress, ingress, proxygroup, service
-from .kubeapi import CONFIGMAPS, CONNECTORS, DNSCONFIGS, INGRESSES, PROXYCLASSES, PROXYGROUPS, SERVICES, Resource
+from .resources import CONFIGMAPS, CONNECTORS, DNSCONFIGS, INGRESSES, PROXYCLASSES, PROXYGROUPS, SERVICES, Resource
 from .model import (APISERVER, COND_CONNECTOR_READY, COND_PG_READY, COND_PROXY_READY, CONNECTOR, INGRESS, PROXYCLASS,
                     PROXYGROUP, SVC, Decision, ProxySpec)
 from .sameness import same

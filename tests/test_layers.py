@@ -22,7 +22,6 @@ REPO = Path(__file__).resolve().parents[1]
 ROOT = Path(os.environ.get("CB_LAYERS_ROOT") or REPO)
 #: the one circle left, through `controller.reconcile`'s TYPE_CHECKING import of `controller.pgreconcile`;
 #: the controller's shell, once its passes are peers that receive a shared writer, has none
-KNOWN_CIRCLE = ["controller.pgreconcile", "controller.reconcile"]
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +42,8 @@ def test_the_pure_list_matches_the_docstrings(tree) -> None:
     assert layers.pure_list_problems(tree) == []
 
 
-def test_no_import_circle_other_than_the_known_one(tree) -> None:
-    assert [c for c in layers.cycles(tree.graph()) if c != KNOWN_CIRCLE] == []
-
-
-@pytest.mark.xfail(strict=True, reason="controller.reconcile and controller.pgreconcile import each other (one side "
-                   "under TYPE_CHECKING); remove this mark when the controller's shell no longer has the circle")
-def test_no_import_circle_between_reconcile_and_pgreconcile(tree) -> None:
-    assert KNOWN_CIRCLE not in layers.cycles(tree.graph())
+def test_no_import_circle(tree) -> None:
+    assert layers.cycles(tree.graph()) == []
 
 
 # The checker itself, on planted copies of the tree.

@@ -33,14 +33,14 @@ TOOLING = ("labtools", "bench", "tests")
 
 #: modules that compute without I/O (no network, files, processes, clock, logging)
 PURE: frozenset[str] = frozenset({
-    "tscommon.dnsrecords", "tscommon.jsontext", "tscommon.redact", "tscommon.secretcontract",
+    "tscommon.dnsrecords", "tscommon.jsontext", "tscommon.pgcontract", "tscommon.redact", "tscommon.secretcontract",
     "netfilter.model", "netfilter.plan",
     "serveconfig.model", "serveconfig.status",
     "nameserver.answer", "nameserver.records",
     "containerboot.apiproxy.identity", "containerboot.desired", "containerboot.kube.secretstate",
     "containerboot.login", "containerboot.proxyservices", "containerboot.reachability", "containerboot.settings",
     "containerboot.state", "containerboot.status",
-    "controller.config", "controller.dnsconfig", "controller.kinds", "controller.kinds.apiserverproxy",
+    "controller.config", "controller.dnsconfig", "controller.kindtable", "controller.kinds", "controller.resources", "controller.kinds.apiserverproxy",
     "controller.kinds.connector", "controller.kinds.egress", "controller.kinds.ingress",
     "controller.kinds.proxygroup", "controller.kinds.service", "controller.kinds.tailnet", "controller.model",
     "controller.pgrender", "controller.podsecurity", "controller.proxyclass", "controller.proxyrbac",
