@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import ssl
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol
 
 import httpx
