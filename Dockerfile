@@ -40,6 +40,7 @@ COPY containerboot /src/containerboot
 COPY netfilter /src/netfilter
 COPY serveconfig /src/serveconfig
 COPY nameserver /src/nameserver
+COPY recorder /src/recorder
 COPY tscommon /src/tscommon
 # --no-deps: the dependencies are installed above. pip byte-compiles everything it installs, which matters: a
 # read-only root file system (or PYTHONDONTWRITEBYTECODE) would otherwise make every start compile them.
@@ -70,9 +71,11 @@ COPY --from=build /opt/venv /opt/venv
 # tailscaled and tailscale; a tailscaled built with ts_include_cli (the offline build's) is the CLI too when
 # called as `tailscale`, and then comes alone: the link below stands for the CLI.
 COPY --from=tailscale /usr/local/bin/tailscale* /usr/local/bin/
-# k8s-nameserver: the DNSConfig nameserver, another entrypoint of the same image (at upstream's binary name).
+# k8s-nameserver: the DNSConfig nameserver, and tsrecorder: the Recorder's recorder, other entrypoints of the same
+# image (at upstream's binary names).
 RUN ln -s /opt/venv/bin/containerboot /usr/local/bin/containerboot \
     && ln -s /opt/venv/bin/k8s-nameserver /usr/local/bin/k8s-nameserver \
+    && ln -s /opt/venv/bin/tsrecorder /usr/local/bin/tsrecorder \
     && { [ -e /usr/local/bin/tailscale ] || ln -s tailscaled /usr/local/bin/tailscale; } \
     && /usr/local/bin/tailscale version >/dev/null
 

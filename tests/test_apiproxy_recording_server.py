@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from containerboot.apiproxy.identity import CAP_KUBERNETES
-from containerboot.apiproxy.server import AUTH, NOAUTH
+from containerboot.apiproxy.server import AUTH, NOAUTH, RecorderUnavailable
 from tests.test_apiproxy_server import WHO, Harness
 
 EXEC = (b"POST /api/v1/namespaces/ns/pods/web/exec?command=touch&command=/tmp/marker HTTP/1.1\r\nHost: x\r\n"
@@ -55,6 +55,13 @@ async def proxy(request, tmp_path):
 
     h.proxy._status = get_status
     h.status = status
+    h.tried: list[tuple[str, ...]] = []
+
+    async def start_recording(addrs, session, caller, target, *, fail_open):
+        h.tried.append(addrs)       # a recorder that does not take the session
+        raise RecorderUnavailable(f"recording: error starting recording on {addrs[0]!r}: connection refused")
+
+    h.proxy._start_recording = start_recording
     yield h
     await h.stop()
 
@@ -83,7 +90,9 @@ async def test_enforced_recording_with_a_recorder_that_does_not_take_the_session
     code, body = await _exchange(proxy.port, EXEC)
     assert code == 403
     msg = json.loads(body)["message"]
-    assert msg.startswith("error connecting to session recorders: ")
+    assert proxy.tried == [("127.0.0.1:80",)]       # the tag resolved to the peer's address
+    assert msg.startswith("error connecting to session recorders: recording: error starting recording on "
+                          "'127.0.0.1:80': connection refused; ")
     assert "failure mode is 'fail closed'; closing connection. (rules 1, 2 of capability" in msg
     assert proxy.api.connections == 0
     # other requests go through: a recorder is there

@@ -36,6 +36,8 @@ from tscommon.redact import redact
 
 from .identity import (GrantError, Impersonation, NoIdentity, forwarded_request_headers,
                        forwarded_response_headers, impersonation, is_upgrade)
+from .recclient import RecorderError
+from .record import Recording, start_recording
 from .recording import (RecorderPolicy, Session, connect_failed, plan, recorder_addrs, recorder_policy,
                         session_of)
 
@@ -76,8 +78,12 @@ class RecorderUnavailable(Exception):
     """No recorder took the session; str(e) says why for each recorder tried."""
 
 
-async def _no_recording(addrs: tuple[str, ...], session: Session, caller: Caller, target: bytes) -> Any:
-    raise RecorderUnavailable("this proxy cannot send recordings to a recorder yet")
+async def _start_recording(addrs: tuple[str, ...], session: Session, caller: Caller, target: bytes, *,
+                           fail_open: bool) -> Recording:
+    try:
+        return await start_recording(addrs, session, caller, target, fail_open=fail_open)
+    except RecorderError as e:
+        raise RecorderUnavailable(str(e)) from None
 
 
 class Refused(Exception):
@@ -141,7 +147,7 @@ class ApiServerProxy:
     def __init__(self, *, mode: str, upstream: Upstream, token: Callable[[], str],
                  whois: Callable[[str], Awaitable[dict | None]],
                  status: Callable[[], Awaitable[dict]] | None = None,
-                 start_recording: Callable[..., Awaitable[Any]] = _no_recording) -> None:
+                 start_recording: Callable[..., Awaitable[Any]] = _start_recording) -> None:
         if mode not in (AUTH, NOAUTH):
             raise ValueError(f"mode {mode!r}: want {AUTH!r} or {NOAUTH!r}")
         self.mode, self.upstream, self._token, self._whois = mode, upstream, token, whois
@@ -269,7 +275,7 @@ class ApiServerProxy:
             return None
         assert session is not None
         try:
-            return await self._start_recording(p.addrs, session, caller, req.target)
+            return await self._start_recording(p.addrs, session, caller, req.target, fail_open=p.fail_open)
         except RecorderUnavailable as e:
             msg = connect_failed(session, str(e), p.fail_open, policy)
             if p.fail_open:
@@ -295,8 +301,7 @@ class ApiServerProxy:
         try:
             caller = await self.identify(peer)
             who = caller.imp
-            if await self._recording(req, caller, peer) is not None:
-                raise RuntimeError("a started recording with nowhere to stream")   # no recorder client yet
+            recording = await self._recording(req, caller, peer)
             headers = forwarded_request_headers(req.headers, host=self.upstream.host_header, who=who,
                                                 token=self._token() if who is not None else "")
         except Refused as r:
@@ -306,6 +311,18 @@ class ApiServerProxy:
             log.error("api-server-proxy: %s", redact(str(e)))
             await self._refuse(client, Refused(500, "InternalError", "the proxy cannot read its own credentials"))
             return upstream
+        if recording is None:
+            return await self._forward(client, req, headers, upstream, None)
+        try:
+            kept = await self._forward(client, req, headers, upstream, recording)
+        except BaseException:
+            recording.abort()
+            raise
+        await recording.finish()       # a session refused by the API server leaves a cast with its header
+        return kept
+
+    async def _forward(self, client: _Side, req: h11.Request, headers: list[tuple[bytes, bytes]],
+                       upstream: _Side | None, recording: Recording | None) -> _Side | None:
         if client.conn.they_are_waiting_for_100_continue:
             await client.send(h11.InformationalResponse(status_code=100, headers=[]))
         bodyless = not any(k in (b"content-length", b"transfer-encoding") for k, _ in headers) or \
@@ -346,7 +363,7 @@ class ApiServerProxy:
                 await client.send(h11.InformationalResponse(
                     status_code=101, reason=first.reason,
                     headers=forwarded_response_headers(first.headers, upgrade=True)))
-                await _pipe(client, upstream)
+                await _pipe(client, upstream, recording)
                 upstream.abort()
                 return None
             headers = forwarded_response_headers(first.headers)
@@ -490,20 +507,35 @@ async def _linger(client: _Side) -> None:
         pass
 
 
-async def _pipe(client: _Side, upstream: _Side) -> None:
-    """After a 101: bytes both ways (what h11 already read first) until either side closes."""
-    async def copy(src: _Side, dst: _Side) -> None:
+async def _pipe(client: _Side, upstream: _Side, recording: Recording | None = None) -> None:
+    """After a 101: bytes both ways (what h11 already read first) until either side closes. A recorded session
+    hands each chunk to the recording (and waits for the recorder) before passing it on, so that what the
+    other side received has been recorded; when an enforced recording breaks, the session ends."""
+    async def copy(src: _Side, dst: _Side, feed: Callable[[bytes], None] | None) -> None:
         data, _closed = src.conn.trailing_data
-        if data:
-            dst.writer.write(bytes(data))
-            await dst.writer.drain()
-        while chunk := await src.reader.read(READ_SIZE):
-            dst.writer.write(chunk)
-            await dst.writer.drain()
+        chunk = bytes(data)
+        while True:
+            if chunk:
+                if feed is not None and recording is not None:
+                    feed(chunk)
+                    await recording.send()
+                dst.writer.write(chunk)
+                await dst.writer.drain()
+            chunk = await src.reader.read(READ_SIZE)
+            if not chunk:
+                return
 
-    tasks = [asyncio.ensure_future(copy(client, upstream)), asyncio.ensure_future(copy(upstream, client))]
+    tasks: list[asyncio.Future[Any]] = [
+        asyncio.ensure_future(copy(client, upstream, recording.client if recording else None)),
+        asyncio.ensure_future(copy(upstream, client, recording.server if recording else None))]
+    if recording is not None and not recording.fail_open:
+        tasks.append(asyncio.ensure_future(recording.upload.failed.wait()))   # the recorder went away
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if recording is not None and len(tasks) == 3 and tasks[2] in done and not recording.stopped:
+            recording.abort()
+            log.error("api-server-proxy: connection to the session recorder errored: %s; failure mode set to "
+                      "'fail closed'; closing connection", recording.upload.error)
     finally:
         for t in tasks:
             t.cancel()

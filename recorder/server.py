@@ -1,0 +1,153 @@
+"""The recorder's HTTP server (adapter): upstream's recording protocol, version 1, and the list of recordings.
+
+- `POST /record`: the body is a cast, streamed for as long as the session lasts. The recorder creates the
+  file, answers `100 Continue` (the client starts sending only then), appends each chunk as it arrives and
+  makes it durable (fsync) before reading on; the final `200 OK` is sent once the whole body is on storage,
+  so a recording that was acknowledged was stored. A connection that breaks mid-body leaves what had arrived
+  (a cast cut after its last whole line).
+- `HEAD`/`POST /v2/record` and `/v2/event` answer 404: upstream's client then uses `/record` (it asks for
+  version 2 over HTTP/2, which this server does not speak, and falls back), and treats API request events as
+  not supported by this recorder.
+- With the UI on: `GET /` lists the recordings (newest first: time, user or tags, node, Pod, container,
+  command, size) and `GET /recordings/<name>` is the cast itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import html
+import logging
+import time
+from typing import Any
+
+import h11
+
+from .store import FileStore, FileWriter
+
+log = logging.getLogger("recorder")
+READ_SIZE = 65536
+
+
+class Recorder:
+    def __init__(self, store: FileStore, *, ui: bool = False) -> None:
+        self.store, self.ui = store, ui
+        self.active = 0        # recordings being received
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER)
+        peer = writer.get_extra_info("peername") or ("?", 0)
+        try:
+            while True:
+                event = await _next(conn, reader)
+                if not isinstance(event, h11.Request):
+                    return
+                path = event.target.decode("latin-1").partition("?")[0]
+                method = event.method
+                if path == "/record" and method == b"POST":
+                    await self._record(conn, reader, writer, event, f"{peer[0]}:{peer[1]}")
+                    return      # one recording per connection, as the client does
+                while not isinstance(await _next(conn, reader), h11.EndOfMessage):
+                    pass        # a body nobody here reads
+                if self.ui and method in (b"GET", b"HEAD") and path == "/":
+                    await _send(conn, writer, 200, self.list_page(), b"text/html; charset=utf-8", method)
+                elif self.ui and method in (b"GET", b"HEAD") and path.startswith("/recordings/"):
+                    p = self.store.path(path.removeprefix("/recordings/"))
+                    if p is None:
+                        await _send(conn, writer, 404, b"no such recording\n", b"text/plain", method)
+                    else:
+                        with open(p, "rb") as f:
+                            body = f.read()
+                        await _send(conn, writer, 200, body, b"application/x-asciicast", method)
+                else:
+                    await _send(conn, writer, 404, b"not found\n", b"text/plain", method)
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except (OSError, h11.ProtocolError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.transport.abort() if conn.our_state is h11.ERROR else writer.close()
+
+    async def _record(self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      req: h11.Request, peer: str) -> None:
+        try:
+            out = self.store.create()
+        except OSError as e:
+            log.error("cannot store a recording from %s: %s", peer, e)
+            await _send(conn, writer, 500, f"cannot store the recording: {e}\n".encode(), b"text/plain", b"POST")
+            return
+        self.active += 1
+        log.info("recording %s from %s: started", out.name, peer)
+        ended = False
+        try:
+            if conn.they_are_waiting_for_100_continue:
+                writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
+                await writer.drain()
+            while not ended:
+                # what has arrived is appended, made durable, and only then is more read
+                chunks = []
+                event = await _next(conn, reader)
+                while True:
+                    if isinstance(event, h11.Data):
+                        chunks.append(bytes(event.data))
+                    elif isinstance(event, h11.EndOfMessage):
+                        ended = True
+                        break
+                    else:
+                        raise EOFError("the connection closed")
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA:
+                        break
+                if chunks:
+                    await asyncio.to_thread(_append, out, b"".join(chunks))
+            await asyncio.to_thread(out.sync)
+            await _send(conn, writer, 200, b"", b"text/plain", b"POST")
+            log.info("recording %s from %s: stored (%d bytes)", out.name, peer, out.size)
+        except (OSError, EOFError, h11.ProtocolError) as e:
+            log.warning("recording %s from %s: the connection ended before the recording did (%s); %d bytes kept",
+                        out.name, peer, e or type(e).__name__, out.size)
+            try:
+                await asyncio.to_thread(out.sync)
+            except OSError:
+                pass
+        finally:
+            out.close()
+            self.active -= 1
+
+    def list_page(self) -> bytes:
+        rows = []
+        for e in self.store.list():
+            k = e.kubernetes
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(e.timestamp)) if e.timestamp else ""
+            cells = [when, e.user, e.node, k.get("SessionType", ""), f"{k.get('Namespace', '')}/{k.get('PodName', '')}",
+                     k.get("Container", ""), e.command, str(e.size)]
+            link = f'<a href="/recordings/{html.escape(e.name)}">{html.escape(e.name)}</a>'
+            rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + f"<td>{link}</td></tr>")
+        head = "".join(f"<th>{h}</th>" for h in ("started", "user", "node", "type", "Pod", "container", "command",
+                                                   "bytes", "recording"))
+        return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>Recordings</title></head><body>"
+                f"<h1>Recordings</h1><table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+                f"</body></html>").encode()
+
+
+def _append(out: FileWriter, data: bytes) -> None:
+    out.write(data)
+    out.sync()
+
+
+async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
+    while True:
+        event = conn.next_event()
+        if event is not h11.NEED_DATA:
+            return event
+        conn.receive_data(await reader.read(READ_SIZE))
+
+
+async def _send(conn: h11.Connection, writer: asyncio.StreamWriter, status: int, body: bytes, ctype: bytes,
+                method: bytes) -> None:
+    headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+    data = conn.send(h11.Response(status_code=status, headers=headers)) or b""
+    if method != b"HEAD":
+        data += conn.send(h11.Data(data=body)) or b"" if body else b""
+    data += conn.send(h11.EndOfMessage()) or b""
+    writer.write(data)
+    await writer.drain()
