@@ -6,6 +6,8 @@ import asyncio
 import json
 import logging
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import h11
@@ -176,6 +178,11 @@ async def test_a_spdy_exec_is_recorded_with_its_output_and_resizes(tmp_path, mod
         assert h["kubernetes"] == {"PodName": "web", "Namespace": "team-a", "Container": "app", "SessionType": "exec"}
         events = [e[1:] for e in cast[1:]]
         assert events == [["o", "out: echo recorded\n"], ["r", "132x43"], ["o", "out: exit\n"]]
+        pytest.importorskip("asciinema")
+        (entry,) = lab.store.list()
+        out = subprocess.run([sys.executable, "-m", "asciinema", "cat", lab.store.path(entry.name) or ""],
+                             capture_output=True, timeout=60)
+        assert out.returncode == 0 and out.stdout == b"out: echo recorded\nout: exit\n", out.stderr
     finally:
         await lab.stop()
 
