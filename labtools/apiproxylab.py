@@ -188,7 +188,7 @@ class LocalProxy:
     proxy with `ca` as a cluster CA); and a plain TCP forward on the same tailnet address for comparison."""
 
     def __init__(self, lab, agent, *, ca: str, cert: str, key: str, mode: str = "auth", port: int = 80,
-                 objects: int = 5000, forward_port: int = 0) -> None:
+                 objects: int = 5000, forward_port: int = 0, exec_log: str = "") -> None:
         import os
         import sys
         self.lab, self.agent, self.port = lab, agent, port
@@ -203,7 +203,8 @@ class LocalProxy:
                "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
         self.api = lab._popen("fakeapi", "fakeapi", "proxy", [
             sys.executable, "-m", "labtools.fakeapiserver", "--listen", "127.0.0.1:6443", "--cert", cert,
-            "--key", key, "--objects", str(objects)], env, d / "fakeapi.log")
+            "--key", key, "--objects", str(objects), *(["--exec-log", exec_log] if exec_log else [])], env,
+            d / "fakeapi.log")
         self.log_path = d / "apiserver-proxy.log"
         self.proc = lab._popen("apiproxy", "apiproxy", "proxy", [sys.executable, "-m", "containerboot",
                                                                  "apiserver-proxy"], {

@@ -59,7 +59,7 @@ async def proxy(request, tmp_path):
 
     async def start_recording(addrs, session, caller, target, *, fail_open):
         h.tried.append(addrs)       # a recorder that does not take the session
-        raise RecorderUnavailable(f"recording: error starting recording on {addrs[0]!r}: connection refused")
+        raise RecorderUnavailable(f'recording: error starting recording on "{addrs[0]}": connection refused')
 
     h.proxy._start_recording = start_recording
     yield h
@@ -92,7 +92,7 @@ async def test_enforced_recording_with_a_recorder_that_does_not_take_the_session
     msg = json.loads(body)["message"]
     assert proxy.tried == [("127.0.0.1:80",)]       # the tag resolved to the peer's address
     assert msg.startswith("error connecting to session recorders: recording: error starting recording on "
-                          "'127.0.0.1:80': connection refused; ")
+                          "\"127.0.0.1:80\": connection refused; ")
     assert "failure mode is 'fail closed'; closing connection. (rules 1, 2 of capability" in msg
     assert proxy.api.connections == 0
     # other requests go through: a recorder is there

@@ -230,8 +230,8 @@ async def test_no_recorder_taking_an_enforced_session_refuses_it_and_a_fail_open
     assert head.startswith(b"HTTP/1.1 403")
     body = await asyncio.wait_for(reader.read(), 10)
     msg = json.loads(body)["message"]
-    assert msg.startswith(f"error connecting to session recorders: recording: error starting recording on "
-                          f"'{lab.rec_addr}'")
+    assert msg.startswith(f'error connecting to session recorders: recording: error starting recording on '
+                          f'"{lab.rec_addr}"')
     assert "failure mode is 'fail closed'; closing connection." in msg
     assert lab.api.requests == []
     lab.rules = [{"recorderAddrs": [lab.rec_addr]}]

@@ -15,6 +15,7 @@ our recorder accept.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Iterable
@@ -55,13 +56,13 @@ class Upload:
         for addr in addrs:
             left = deadline - time.monotonic()
             if left <= 0:
-                errors.append(f"recording: error starting recording on {addr!r}: out of time "
+                errors.append(f"recording: error starting recording on {json.dumps(addr)}: out of time "
                               f"({ALL_DIALS_TIMEOUT:.0f} s for all recorders)")
                 continue
             try:
                 return await cls._start(addr, min(left, PER_DIAL_TIMEOUT), left, host_header)
             except (OSError, asyncio.TimeoutError, h11.ProtocolError, RecorderError, ValueError) as e:
-                errors.append(f"recording: error starting recording on {addr!r}: {_describe(e)}")
+                errors.append(f"recording: error starting recording on {json.dumps(addr)}: {_describe(e)}")
         if not errors:
             raise RecorderError("no recorders configured")
         raise RecorderError("; ".join(errors))
