@@ -155,6 +155,7 @@ class ApiServerProxy:
         self._identified: dict[str, tuple[float, Caller]] = {}   # open connection's peer -> caller
         self._peers: tuple[float, dict] | None = None            # tailscaled's status, for recorder tags
         self._events_warned = False
+        self._finishing: set[asyncio.Future[None]] = set()   # recordings being closed after their session
         self.connections = 0    # open client connections (for tests and the status line)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -318,7 +319,11 @@ class ApiServerProxy:
         except BaseException:
             recording.abort()
             raise
-        await recording.finish()       # a session refused by the API server leaves a cast with its header
+        # The rest of the cast and the recorder's confirmation, without holding the client's connection open
+        # meanwhile (a session refused by the API server leaves a cast with its header).
+        task = asyncio.ensure_future(recording.finish())
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
         return kept
 
     async def _forward(self, client: _Side, req: h11.Request, headers: list[tuple[bytes, bytes]],
