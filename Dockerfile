@@ -24,7 +24,8 @@ FROM ${BASE} AS build
 RUN python3 -c 'import ensurepip, venv' 2>/dev/null || { \
       apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-venv \
       && rm -rf /var/lib/apt/lists/*; }
-# Dependencies first, from pyproject.toml alone: a change to the sources does not re-download them.
+# Dependencies first, from pyproject.toml alone: a change to the sources does not re-download them. The
+# recorder's extra (h2: version 2 of the recording protocol) too: tsrecorder is an entrypoint of this image.
 # The `ca` secret is optional: a CA bundle for a TLS-intercepting proxy between the build and PyPI (the
 # offline build passes the host's bundle); it is mounted for this step only and never stored in a layer.
 COPY pyproject.toml /src/
@@ -32,7 +33,7 @@ RUN --mount=type=secret,id=ca \
     set -e; \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
     python3 -m venv /opt/venv; \
-    python3 -c 'import tomllib; print("\n".join(tomllib.load(open("/src/pyproject.toml", "rb"))["project"]["dependencies"]))' \
+    python3 -c 'import tomllib; p = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["recorder"]))' \
       > /tmp/requirements.txt; \
     /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check -q -r /tmp/requirements.txt
 COPY README.md /src/

@@ -5,9 +5,10 @@
   makes it durable (fsync) before reading on; the final `200 OK` is sent once the whole body is on storage,
   so a recording that was acknowledged was stored. A connection that breaks mid-body leaves what had arrived
   (a cast cut after its last whole line).
-- `HEAD`/`POST /v2/record` and `/v2/event` answer 404: upstream's client then uses `/record` (it asks for
-  version 2 over HTTP/2, which this server does not speak, and falls back), and treats API request events as
-  not supported by this recorder.
+- An HTTP/2 connection (prior knowledge, as upstream's client opens it) is version 2 of the protocol
+  (recorder/v2.py: `/v2/record` with acknowledgements of what is on storage), when the `h2` package is
+  installed; without it the connection is closed and upstream's client falls back to `/record`. `/v2/event`
+  answers 404 on either: upstream's client treats API request events as not taken by this recorder.
 - With the UI on: `GET /` lists the recordings (newest first: time, user or tags, node, Pod, container,
   command, size) and `GET /recordings/<name>` is the cast itself.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 import h11
 
+from . import v2
 from .store import FileStore, FileWriter
 
 log = logging.getLogger("recorder")
@@ -36,6 +38,17 @@ class Recorder:
         conn = h11.Connection(h11.SERVER)
         peer = writer.get_extra_info("peername") or ("?", 0)
         try:
+            first = await reader.read(READ_SIZE)
+            while first and v2.PREFACE.startswith(first) and len(first) < len(v2.PREFACE):
+                more = await reader.read(READ_SIZE)     # the HTTP/2 preface cut short
+                if not more:
+                    break
+                first += more
+            if first.startswith(v2.PREFACE):
+                if v2.AVAILABLE:
+                    await v2.V2Connection(self.store, reader, writer, f"{peer[0]}:{peer[1]}", self).serve(first)
+                return              # without h2: closed, and upstream's client falls back to /record
+            conn.receive_data(first)
             while True:
                 event = await _next(conn, reader)
                 if not isinstance(event, h11.Request):

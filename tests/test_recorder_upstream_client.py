@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 import pathlib
 import shutil
@@ -14,6 +15,7 @@ import sys
 
 import pytest
 
+from recorder import v2
 from recorder.server import Recorder
 from recorder.store import FileStore
 
@@ -45,8 +47,14 @@ def client_binary() -> pathlib.Path:
     return out
 
 
-async def test_upstreams_client_records_into_our_recorder_and_asciinema_reads_it(tmp_path):
+@pytest.mark.parametrize("version", [2, 1])
+async def test_upstreams_client_records_into_our_recorder_and_asciinema_reads_it(tmp_path, version, monkeypatch,
+                                                                                 caplog):
+    """Version 2 (HTTP/2 with acks) when the recorder has h2, else version 1 after upstream's fallback."""
+    caplog.set_level(logging.INFO, logger="recorder")
     binary = client_binary()
+    if version == 1:
+        monkeypatch.setattr(v2, "AVAILABLE", False)
     store = FileStore(str(tmp_path / "recordings"))
     rec = Recorder(store)
     server = await asyncio.start_server(rec.handle, "127.0.0.1", 0)
@@ -68,6 +76,7 @@ async def test_upstreams_client_records_into_our_recorder_and_asciinema_reads_it
     path = store.path(entry.name)
     assert path and pathlib.Path(path).read_bytes() == CAST
     assert entry.kubernetes["PodName"] == "web" and entry.node == "laptop.tail.example"
+    assert ("started (version 2)" in caplog.text) == (version == 2)
     pytest.importorskip("asciinema")
     cat = subprocess.run([sys.executable, "-m", "asciinema", "cat", path], capture_output=True, timeout=60)
     assert cat.returncode == 0, cat.stderr
