@@ -10,13 +10,16 @@
   installed; without it the connection is closed and upstream's client falls back to `/record`. `/v2/event`
   answers 404 on either: upstream's client treats API request events as not taken by this recorder.
 - With the UI on: `GET /` lists the recordings (newest first: time, user or tags, node, Pod, container,
-  command, size) and `GET /recordings/<name>` is the cast itself.
+  command, size), `GET /recordings/<name>` is the cast itself and `GET /recordings/<name>/play` replays it
+  in asciinema's web player (served from `/static/`, recorder/static/README.md).
 """
 from __future__ import annotations
 
 import asyncio
 import html
+import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -27,6 +30,10 @@ from .store import FileStore, FileWriter
 
 log = logging.getLogger("recorder")
 READ_SIZE = 65536
+#: asciinema's web player for the replay page (recorder/static/README.md), served as these paths only
+STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
+STATIC = {"/static/asciinema-player.min.js": (b"text/javascript; charset=utf-8", "asciinema-player.min.js"),
+          "/static/asciinema-player.css": (b"text/css; charset=utf-8", "asciinema-player.css")}
 
 
 class Recorder:
@@ -62,6 +69,17 @@ class Recorder:
                     pass        # a body nobody here reads
                 if self.ui and method in (b"GET", b"HEAD") and path == "/":
                     await _send(conn, writer, 200, self.list_page(), b"text/html; charset=utf-8", method)
+                elif self.ui and method in (b"GET", b"HEAD") and path in STATIC:
+                    ctype, fname = STATIC[path]
+                    with open(os.path.join(STATIC_DIR, fname), "rb") as f:
+                        await _send(conn, writer, 200, f.read(), ctype, method)
+                elif self.ui and method in (b"GET", b"HEAD") and path.startswith("/recordings/") and \
+                        path.endswith("/play"):
+                    name = path.removeprefix("/recordings/").removesuffix("/play")
+                    if self.store.path(name) is None:
+                        await _send(conn, writer, 404, b"no such recording\n", b"text/plain", method)
+                    else:
+                        await _send(conn, writer, 200, play_page(name), b"text/html; charset=utf-8", method)
                 elif self.ui and method in (b"GET", b"HEAD") and path.startswith("/recordings/"):
                     p = self.store.path(path.removeprefix("/recordings/"))
                     if p is None:
@@ -133,13 +151,26 @@ class Recorder:
             when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(e.timestamp)) if e.timestamp else ""
             cells = [when, e.user, e.node, k.get("SessionType", ""), f"{k.get('Namespace', '')}/{k.get('PodName', '')}",
                      k.get("Container", ""), e.command, str(e.size)]
-            link = f'<a href="/recordings/{html.escape(e.name)}">{html.escape(e.name)}</a>'
+            n = html.escape(e.name)
+            link = f'<a href="/recordings/{n}/play">play</a> <a href="/recordings/{n}">{n}</a>'
             rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + f"<td>{link}</td></tr>")
         head = "".join(f"<th>{h}</th>" for h in ("started", "user", "node", "type", "Pod", "container", "command",
                                                    "bytes", "recording"))
         return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>Recordings</title></head><body>"
                 f"<h1>Recordings</h1><table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
                 f"</body></html>").encode()
+
+
+def play_page(name: str) -> bytes:
+    """The replay page of one recording: asciinema's player (served from /static/) on the cast."""
+    n = html.escape(name)
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{n}</title>'
+            f'<link rel="stylesheet" href="/static/asciinema-player.css">'
+            f'<link rel="alternate" type="application/x-asciicast" href="/recordings/{n}"></head><body>'
+            f'<p><a href="/">recordings</a> / {n}</p><div id="player"></div>'
+            f'<script src="/static/asciinema-player.min.js"></script>'
+            f'<script>AsciinemaPlayer.create({json.dumps("/recordings/" + name)}, '
+            f'document.getElementById("player"), {{fit: "width"}});</script></body></html>').encode()
 
 
 def _append(out: FileWriter, data: bytes) -> None:

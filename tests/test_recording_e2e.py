@@ -256,5 +256,12 @@ async def test_the_recorder_lists_recordings_and_serves_them(lab):
         cast = await c.get(f"/recordings/{entry.name}")
         assert cast.headers["content-type"] == "application/x-asciicast"
         assert json.loads(cast.text.splitlines()[0])["srcNodeID"] == "nSTABLE"
+        play = await c.get(f"/recordings/{entry.name}/play")
+        assert play.status_code == 200 and f'AsciinemaPlayer.create("/recordings/{entry.name}"' in play.text
+        js = await c.get("/static/asciinema-player.min.js")
+        assert js.headers["content-type"].startswith("text/javascript") and b"AsciinemaPlayer" in js.content
+        assert (await c.get("/static/asciinema-player.css")).status_code == 200
+        assert (await c.get("/static/README.md")).status_code == 404
+        assert (await c.get("/recordings/nope.cast/play")).status_code == 404
         assert (await c.get("/recordings/..%2f..%2fetc%2fpasswd")).status_code == 404
         assert (await c.head("/v2/record")).status_code == 404
