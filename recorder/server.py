@@ -156,7 +156,8 @@ class Recorder:
             rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + f"<td>{link}</td></tr>")
         head = "".join(f"<th>{h}</th>" for h in ("started", "user", "node", "type", "Pod", "container", "command",
                                                    "bytes", "recording"))
-        return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>Recordings</title></head><body>"
+        return (f"<!doctype html><html><head><meta charset=\"utf-8\"><link rel=\"icon\" href=\"data:,\">"
+                f"<title>Recordings</title></head><body>"
                 f"<h1>Recordings</h1><table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
                 f"</body></html>").encode()
 
@@ -164,7 +165,7 @@ class Recorder:
 def play_page(name: str) -> bytes:
     """The replay page of one recording: asciinema's player (served from /static/) on the cast."""
     n = html.escape(name)
-    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{n}</title>'
+    return (f'<!doctype html><html><head><meta charset="utf-8"><link rel="icon" href="data:,"><title>{n}</title>'
             f'<link rel="stylesheet" href="/static/asciinema-player.css">'
             f'<link rel="alternate" type="application/x-asciicast" href="/recordings/{n}"></head><body>'
             f'<p><a href="/">recordings</a> / {n}</p><div id="player"></div>'
