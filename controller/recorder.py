@@ -15,9 +15,13 @@ its device is `<rec>-<i>` with the Recorder's tags, default the controller's pro
 socket and listens on the device's tailnet addresses, port 80. Recordings go to `/data/recordings` on the
 volume `data` (an emptyDir, as upstream's default); with `enableUI` the recorder also lists them there.
 
+With `spec.storage.s3` the recorder writes to the bucket (`TSRECORDER_DST=s3://<endpoint>`,
+`TSRECORDER_BUCKET`) with the credentials Secret's keys as its environment (`envFrom`, as upstream).
+
 What this controller cannot do is refused with a message naming the field and the fix (RecorderInvalid):
-`spec.storage.s3` (S3 storage is not supported by the recorder yet), `spec.tailnet` (this controller serves
-one tailnet), more than one replica without S3 (upstream's rule). `spec.statefulSet` overrides apply as
+`spec.storage.s3` without endpoint, bucket or credentials Secret (this recorder reads no other credentials
+source), `spec.tailnet` (this controller serves one tailnet), more than one replica without S3 (upstream's
+rule). `spec.statefulSet` overrides apply as
 upstream: labels and annotations on the StatefulSet and the Pod, the Pod's affinity, nodeSelector,
 tolerations, imagePullSecrets, securityContext and ServiceAccount, and the `recorder` container's env, image,
 imagePullPolicy, resources and securityContext.
@@ -76,6 +80,9 @@ class RecorderSpec:
     sts_annotations: Mapping[str, str] = field(default_factory=dict)
     pod: Mapping[str, Any] = field(default_factory=dict)          # spec.statefulSet.pod, checked
     generation: int = 0
+    s3_endpoint: str = ""
+    s3_bucket: str = ""
+    s3_secret: str = ""                                           # Secret with AWS_ACCESS_KEY_ID, ...
 
 
 def _get(obj: Mapping[str, Any] | None, *path: str) -> Any:
@@ -103,9 +110,17 @@ def decide(obj: Mapping[str, Any], cfg: ControllerConfig) -> RecorderSpec:
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
         problems.append(f"spec.replicas={replicas!r}: want a whole number, 0 or more")
         replicas = 1
-    if _get(spec, "storage", "s3") is not None:
-        problems.append("spec.storage.s3: S3 storage is not supported by this recorder yet; remove it to store "
-                        "recordings on the Pod's volume (read them with spec.enableUI: true)")
+    s3 = _get(spec, "storage", "s3")
+    if s3 is not None:
+        if not isinstance(s3, Mapping) or not s3.get("endpoint") or not s3.get("bucket"):
+            problems.append("spec.storage.s3: want endpoint and bucket (e.g. endpoint: s3.us-east-1.amazonaws.com, "
+                            "bucket: recordings)")
+            s3 = None
+        elif not _get(s3, "credentials", "secret", "name"):
+            problems.append("spec.storage.s3.credentials.secret.name is empty: this recorder takes S3 credentials "
+                            "from a Secret in the controller's namespace (keys AWS_ACCESS_KEY_ID and "
+                            "AWS_SECRET_ACCESS_KEY)")
+            s3 = None
     elif replicas > 1:
         problems.append("must use S3 storage when using multiple replicas to ensure recordings are accessible "
                         f"(spec.replicas={replicas}); use spec.replicas: 1")
@@ -144,7 +159,9 @@ def decide(obj: Mapping[str, Any], cfg: ControllerConfig) -> RecorderSpec:
         raise RecorderInvalid("; ".join(problems))
     return RecorderSpec(name=name, uid=str(meta.get("uid") or ""), replicas=replicas, tags=tuple(tags),
                         enable_ui=ui, service_account=sa, sts_labels=sts_labels, sts_annotations=sts_annotations,
-                        pod=pod, generation=int(meta.get("generation") or 0))
+                        pod=pod, generation=int(meta.get("generation") or 0),
+                        s3_endpoint=str(s3["endpoint"]) if s3 else "", s3_bucket=str(s3["bucket"]) if s3 else "",
+                        s3_secret=str(_get(s3, "credentials", "secret", "name") or "") if s3 else "")
 
 
 def labels(r: RecorderSpec) -> dict[str, str]:
@@ -231,7 +248,12 @@ def statefulset(r: RecorderSpec, cfg: ControllerConfig) -> dict:
         # a kernel TUN device: the recorder listens on the tailnet addresses tailscaled puts on tailscale0
         "securityContext": {"privileged": True}}
     c_over = _get(pod_over, "container") or {}
-    env = [{"name": "TSRECORDER_DST", "value": RECORDINGS_DIR}, {"name": "TS_SOCKET", "value": SOCKET}]
+    if r.s3_bucket:
+        env = [{"name": "TSRECORDER_DST", "value": f"s3://{r.s3_endpoint}"},
+               {"name": "TSRECORDER_BUCKET", "value": r.s3_bucket}]
+    else:
+        env = [{"name": "TSRECORDER_DST", "value": RECORDINGS_DIR}]
+    env.append({"name": "TS_SOCKET", "value": SOCKET})
     if r.enable_ui:
         env.append({"name": "TSRECORDER_UI", "value": "true"})
     # the user's env last, as upstream: its value wins over a rendered one of the same name
@@ -247,6 +269,9 @@ def statefulset(r: RecorderSpec, cfg: ControllerConfig) -> dict:
             "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}}
     if c_over.get("resources"):
         recorder["resources"] = dict(c_over["resources"])
+    if r.s3_secret:
+        # each key of the Secret an environment variable, as upstream (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)
+        recorder["envFrom"] = [{"secretRef": {"name": r.s3_secret}}]
     pod_spec: dict[str, Any] = {"serviceAccountName": r.service_account, "containers": [tailscale, recorder],
                                 "volumes": volumes}
     for k in ("affinity", "nodeSelector", "tolerations", "imagePullSecrets", "securityContext"):

@@ -26,7 +26,7 @@ from typing import Any
 import h11
 
 from . import v2
-from .store import FileStore, FileWriter
+from .store import Store, Writer
 
 log = logging.getLogger("recorder")
 READ_SIZE = 65536
@@ -37,7 +37,7 @@ STATIC = {"/static/asciinema-player.min.js": (b"text/javascript; charset=utf-8",
 
 
 class Recorder:
-    def __init__(self, store: FileStore, *, ui: bool = False) -> None:
+    def __init__(self, store: Store, *, ui: bool = False) -> None:
         self.store, self.ui = store, ui
         self.active = 0        # recordings being received
 
@@ -68,7 +68,8 @@ class Recorder:
                 while not isinstance(await _next(conn, reader), h11.EndOfMessage):
                     pass        # a body nobody here reads
                 if self.ui and method in (b"GET", b"HEAD") and path == "/":
-                    await _send(conn, writer, 200, self.list_page(), b"text/html; charset=utf-8", method)
+                    page = await asyncio.to_thread(self.list_page)
+                    await _send(conn, writer, 200, page, b"text/html; charset=utf-8", method)
                 elif self.ui and method in (b"GET", b"HEAD") and path in STATIC:
                     ctype, fname = STATIC[path]
                     with open(os.path.join(STATIC_DIR, fname), "rb") as f:
@@ -76,17 +77,15 @@ class Recorder:
                 elif self.ui and method in (b"GET", b"HEAD") and path.startswith("/recordings/") and \
                         path.endswith("/play"):
                     name = path.removeprefix("/recordings/").removesuffix("/play")
-                    if self.store.path(name) is None:
+                    if await asyncio.to_thread(self.store.read, name) is None:
                         await _send(conn, writer, 404, b"no such recording\n", b"text/plain", method)
                     else:
                         await _send(conn, writer, 200, play_page(name), b"text/html; charset=utf-8", method)
                 elif self.ui and method in (b"GET", b"HEAD") and path.startswith("/recordings/"):
-                    p = self.store.path(path.removeprefix("/recordings/"))
-                    if p is None:
+                    body = await asyncio.to_thread(self.store.read, path.removeprefix("/recordings/"))
+                    if body is None:
                         await _send(conn, writer, 404, b"no such recording\n", b"text/plain", method)
                     else:
-                        with open(p, "rb") as f:
-                            body = f.read()
                         await _send(conn, writer, 200, body, b"application/x-asciicast", method)
                 else:
                     await _send(conn, writer, 404, b"not found\n", b"text/plain", method)
@@ -101,7 +100,7 @@ class Recorder:
     async def _record(self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       req: h11.Request, peer: str) -> None:
         try:
-            out = self.store.create()
+            out = await asyncio.to_thread(self.store.create)
         except OSError as e:
             log.error("cannot store a recording from %s: %s", peer, e)
             await _send(conn, writer, 500, f"cannot store the recording: {e}\n".encode(), b"text/plain", b"POST")
@@ -130,18 +129,18 @@ class Recorder:
                         break
                 if chunks:
                     await asyncio.to_thread(_append, out, b"".join(chunks))
-            await asyncio.to_thread(out.sync)
+            await asyncio.to_thread(lambda: out.sync(final=True))
             await _send(conn, writer, 200, b"", b"text/plain", b"POST")
             log.info("recording %s from %s: stored (%d bytes)", out.name, peer, out.size)
         except (OSError, EOFError, h11.ProtocolError) as e:
             log.warning("recording %s from %s: the connection ended before the recording did (%s); %d bytes kept",
                         out.name, peer, e or type(e).__name__, out.size)
             try:
-                await asyncio.to_thread(out.sync)
+                await asyncio.to_thread(lambda: out.sync(final=True))
             except OSError:
                 pass
         finally:
-            out.close()
+            await asyncio.to_thread(out.close)
             self.active -= 1
 
     def list_page(self) -> bytes:
@@ -174,7 +173,7 @@ def play_page(name: str) -> bytes:
             f'document.getElementById("player"), {{fit: "width"}});</script></body></html>').encode()
 
 
-def _append(out: FileWriter, data: bytes) -> None:
+def _append(out: Writer, data: bytes) -> None:
     out.write(data)
     out.sync()
 

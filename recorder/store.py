@@ -13,7 +13,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 NAME = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{8}\.cast$")
 
@@ -21,6 +21,27 @@ NAME = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{8}\.cast$")
 def new_name(now: float | None = None) -> str:
     t = time.gmtime(time.time() if now is None else now)
     return time.strftime("%Y%m%dT%H%M%SZ", t) + "-" + secrets.token_hex(4) + ".cast"
+
+
+class Writer(Protocol):
+    name: str
+    size: int
+
+    def write(self, data: bytes) -> None: ...
+
+    def sync(self, *, final: bool = False) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Store(Protocol):
+    directory: str
+
+    def create(self) -> Writer: ...
+
+    def read(self, name: str) -> bytes | None: ...
+
+    def list(self) -> list[Entry]: ...
 
 
 class FileWriter:
@@ -40,7 +61,7 @@ class FileWriter:
             view = view[n:]
         self.size += len(data)
 
-    def sync(self) -> None:
+    def sync(self, *, final: bool = False) -> None:
         """Everything written so far survives a crash of the recorder or of its machine."""
         os.fsync(self._fd)
         if self._new:
@@ -64,6 +85,13 @@ class FileStore:
 
     def create(self) -> FileWriter:
         return FileWriter(self.directory, new_name())
+
+    def read(self, name: str) -> bytes | None:
+        p = self.path(name)
+        if p is None:
+            return None
+        with open(p, "rb") as f:
+            return f.read()
 
     def path(self, name: str) -> str | None:
         """The file of a recording, or None for a name that is not one (no path outside the directory)."""

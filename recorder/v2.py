@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .store import FileStore, FileWriter
+from .store import Store, Writer
 
 log = logging.getLogger("recorder")
 
@@ -40,7 +40,7 @@ except ImportError:        # the recorder then speaks version 1 only
 
 @dataclass
 class _Upload:
-    out: FileWriter
+    out: Writer
     acked: int = 0
     unacked_flow: int = 0
 
@@ -48,7 +48,7 @@ class _Upload:
 class V2Connection:
     """One HTTP/2 connection from a recording client."""
 
-    def __init__(self, store: FileStore, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    def __init__(self, store: Store, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  peer: str, recorder: Any) -> None:
         self.store, self.reader, self.writer, self.peer, self.recorder = store, reader, writer, peer, recorder
         self.conn = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=False,
@@ -128,7 +128,7 @@ class V2Connection:
             self.conn.send_headers(sid, [(":status", "200")], end_stream=True)
         elif path == "/v2/record" and method == "POST":
             try:
-                out = self.store.create()
+                out = await asyncio.to_thread(self.store.create)
             except OSError as e:
                 log.error("cannot store a recording from %s: %s", self.peer, e)
                 self.conn.send_headers(sid, [(":status", "500")], end_stream=True)
@@ -151,10 +151,10 @@ class V2Connection:
 
     async def _end(self, sid: int, up: _Upload, *, complete: bool) -> None:
         try:
-            await asyncio.to_thread(up.out.sync)
+            await asyncio.to_thread(lambda: up.out.sync(final=True))
         except OSError:
             pass
-        up.out.close()
+        await asyncio.to_thread(up.out.close)
         self.recorder.active -= 1
         if complete:
             self._frame(sid, {"ack": up.out.size}, end=True)
@@ -173,6 +173,6 @@ class V2Connection:
             self._flush()
 
 
-def _append(out: FileWriter, data: bytes) -> None:
+def _append(out: Writer, data: bytes) -> None:
     out.write(data)
     out.sync()

@@ -121,7 +121,9 @@ def test_statefulset_overrides_apply_as_upstream():
 
 
 @pytest.mark.parametrize("spec, words", [
-    ({"storage": {"s3": {"bucket": "b"}}}, "spec.storage.s3: S3 storage is not supported by this recorder yet"),
+    ({"storage": {"s3": {"bucket": "b"}}}, "spec.storage.s3: want endpoint and bucket"),
+    ({"storage": {"s3": {"bucket": "b", "endpoint": "s3.example"}}, "replicas": 2},
+     "spec.storage.s3.credentials.secret.name is empty"),
     ({"replicas": 2}, "must use S3 storage when using multiple replicas"),
     ({"tailnet": "other"}, "spec.tailnet='other'"),
     ({"tags": ["k8s"]}, "spec.tags=['k8s']: want tags like tag:k8s-recorder"),
@@ -131,6 +133,19 @@ def test_what_cannot_be_built_is_refused_naming_the_field(spec, words):
     with pytest.raises(RecorderInvalid) as e:
         decide({**EXAMPLE, "spec": spec}, CFG)
     assert words in str(e.value)
+
+
+def test_s3_storage_goes_to_the_bucket_with_the_secrets_keys_as_environment():
+    obj = {**EXAMPLE, "spec": {"replicas": 2, "storage": {"s3": {
+        "endpoint": "s3.us-east-1.amazonaws.com", "bucket": "recordings",
+        "credentials": {"secret": {"name": "s3-creds"}}}}}}
+    out = render(decide(obj, CFG), CFG, ["k1", "k2"])
+    rec = out.statefulset["spec"]["template"]["spec"]["containers"][1]
+    env = {e["name"]: e.get("value") for e in rec["env"]}
+    assert env["TSRECORDER_DST"] == "s3://s3.us-east-1.amazonaws.com" and env["TSRECORDER_BUCKET"] == "recordings"
+    assert rec["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    assert out.statefulset["spec"]["replicas"] == 2 and out.role["rules"][0]["resourceNames"] == ["recorder-0",
+                                                                                                 "recorder-1"]
 
 
 def state(fqdn: str, ips: list[str], device_id: str = "n1") -> dict:

@@ -136,8 +136,10 @@ def test_a_listing_reads_the_header_and_survives_a_bad_one():
 
 
 @pytest.mark.parametrize("env, words", [
-    ({"TSRECORDER_DST": "s3://bucket", "TSRECORDER_LISTEN": ":1"}, "S3 storage is not supported by this recorder yet"),
-    ({"TSRECORDER_DST": "rel/dir", "TSRECORDER_LISTEN": ":1"}, "want an absolute directory"),
+    ({"TSRECORDER_DST": "s3://s3.example", "TSRECORDER_LISTEN": ":1"}, "TSRECORDER_BUCKET is empty"),
+    ({"TSRECORDER_DST": "s3://s3.example", "TSRECORDER_BUCKET": "b", "TSRECORDER_LISTEN": ":1"},
+     "AWS_ACCESS_KEY_ID is empty: S3 storage needs credentials"),
+    ({"TSRECORDER_DST": "rel/dir", "TSRECORDER_LISTEN": ":1"}, "want an absolute directory such as /data/recordings, or s3://<endpoint>"),
     ({"TSRECORDER_UI": "maybe", "TSRECORDER_LISTEN": ":1"}, "TSRECORDER_UI='maybe': want true or false"),
     ({"TSRECORDER_LISTEN": "80"}, "TSRECORDER_LISTEN='80': want HOST:PORT"),
     ({}, "set TS_SOCKET"),
