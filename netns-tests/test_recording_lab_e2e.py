@@ -12,7 +12,6 @@ recorder's node gone, every request of the caller is refused (no recorder availa
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -20,21 +19,16 @@ from pathlib import Path
 import pytest
 
 from labtools import apiproxylab as ap
-from labtools.lab import stop_process, wait_until
+from labtools.lab import wait_until
 from tests.support.kubeapi import make_certs
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(400)]
 
-TAG = "tag:k8s-recorder"
 REPO = Path(__file__).resolve().parents[1]
 
 
 def policy(enforce: bool) -> dict:
-    return {"tagOwners": {TAG: ["e2e@"]},
-            "grants": [{"src": ["*"], "dst": ["*"], "ip": ["*"]},
-                       {"src": ["e2e@"], "dst": ["e2e@"], "app": {ap.CAP_KUBERNETES: [
-                           {"impersonate": {"groups": [ap.GROUP]}},
-                           {"recorder": [TAG], "enforceRecorder": enforce}]}}]}
+    return ap.recorder_policy("e2e", "e2e@", enforce=enforce)
 
 
 def _exec(lab, ip: str, *lines: str):
@@ -56,15 +50,7 @@ def test_exec_recorded_on_a_tagged_recorder_and_refused_without_one(lab, start_a
         p.wait_listening()
         ip = agent.tailnet_ips()[0]
         with lab.hs_policy(policy(enforce=True)):
-            if "recorder" not in lab.namespaces:
-                lab.add_namespace("recorder")
-            node = lab.start_node("k8s-recorder", "recorder", authkey=lab.preauth_key(tags=[TAG]))
-            recorder = lab._popen("recorder", "recorder", "recorder", [sys.executable, "-m", "recorder"], {
-                "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
-                "TSRECORDER_DST": str(rec_dir), "TSRECORDER_UI": "true", "TS_SOCKET": node.socket},
-                lab.run_dir / "recorder.log")
-            wait_until(lambda: "recorder listening on" in (lab.run_dir / "recorder.log").read_text(), 60, 0.5,
-                       "the recorder listening on its tailnet address")
+            recorder = ap.TailnetRecorder(lab, rec_dir)
 
             # recorded: the exec runs, and its cast is on the recorder
             def recorded():
@@ -86,8 +72,7 @@ def test_exec_recorded_on_a_tagged_recorder_and_refused_without_one(lab, start_a
             assert "will be recorded, the recording will be sent to a recorder at" in p.log_text()
 
             # the recorder stops: enforced, so refused before the API server sees the exec
-            stop_process(recorder)
-            recorder = None
+            recorder.stop()
             ran = exec_log.read_text().count("\n")
             cp = _exec(lab, ip, "touch /tmp/marker")
             assert cp.returncode == 3 and "HTTP/1.1 403" in cp.stdout, cp
@@ -97,8 +82,8 @@ def test_exec_recorded_on_a_tagged_recorder_and_refused_without_one(lab, start_a
             assert exec_log.read_text().count("\n") == ran            # nothing ran in the "container"
 
             # the recorder's node gone: no recorder available, every request of the caller refused
-            stop_process(node.proc)
-            lab.delete_node("k8s-recorder")
+            recorder.remove()
+            recorder = None
 
             def none_available():
                 cp = _exec(lab, ip, "touch /tmp/marker")
@@ -110,5 +95,5 @@ def test_exec_recorded_on_a_tagged_recorder_and_refused_without_one(lab, start_a
             assert get.stdout.endswith("403") and "must be recorded, but no recorders are available" in get.stdout
     finally:
         if recorder is not None:
-            stop_process(recorder)
+            recorder.remove()
         p.stop()

@@ -10,21 +10,16 @@ With ``enforceRecorder`` off, the same exec runs unrecorded (fail open).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from labtools import apiproxylab as ap, helmchart, kubecluster, kubecontroller, kubemanifests
-from labtools.lab import stop_process, wait_until
+from labtools.lab import wait_until
 from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
 
-TAG = "tag:k8s-recorder"
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +52,7 @@ def kube(lab, images):
 
 
 def policy(enforce: bool) -> dict:
-    return {"tagOwners": {"tag:k8s": ["e2e@"], TAG: ["e2e@"]},
-            "grants": [{"src": ["*"], "dst": ["*"], "ip": ["*"]},
-                       {"src": ["e2e@"], "dst": ["tag:k8s"], "app": {ap.CAP_KUBERNETES: [
-                           {"impersonate": {"groups": [ap.GROUP]}},
-                           {"recorder": [TAG], "enforceRecorder": enforce}]}}]}
+    return ap.recorder_policy("e2e", "tag:k8s", enforce=enforce)
 
 
 def talker(image: str) -> dict:
@@ -69,10 +60,6 @@ def talker(image: str) -> dict:
             "spec": {"terminationGracePeriodSeconds": 1,
                      "containers": [{"name": "talker", "image": image, "imagePullPolicy": "Never",
                                      "command": ["/bin/sh", "-c", "sleep 100000"]}]}}
-
-
-def casts(d: Path) -> list[list]:
-    return [[json.loads(x) for x in p.read_text().splitlines()] for p in sorted(d.glob("*.cast"))]
 
 
 def test_kubectl_exec_recorded_and_refused_without_the_recorder(lab, kube):
@@ -86,14 +73,7 @@ def test_kubectl_exec_recorded_and_refused_without_the_recorder(lab, kube):
     work.mkdir(exist_ok=True)
     with lab.hs_policy(policy(enforce=True)):
         try:
-            if "recorder" not in lab.namespaces:
-                lab.add_namespace("recorder")
-            node = lab.start_node("k8s-recorder", "recorder", authkey=lab.preauth_key(tags=[TAG]))
-            recorder = lab._popen("recorder", "recorder", "recorder", [sys.executable, "-m", "recorder"], {
-                "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
-                "TSRECORDER_DST": str(rec_dir), "TS_SOCKET": node.socket}, lab.run_dir / "k8s-recorder.log")
-            wait_until(lambda: "recorder listening on" in (lab.run_dir / "k8s-recorder.log").read_text(), 60, 0.5,
-                       "the recorder listening on its tailnet address")
+            recorder = ap.TailnetRecorder(lab, rec_dir, ui=False)
             ap.set_mode(kc, "auth")
             ap.wait_url(kc)
             ip = ap.proxy_ip(kc)
@@ -108,7 +88,7 @@ def test_kubectl_exec_recorded_and_refused_without_the_recorder(lab, kube):
                 wait_until(exec_ok, 120, 3, "kubectl exec -it through the proxy, recorded")
             except TimeoutError:
                 raise AssertionError(ap.proxy_log(kc)) from None
-            cast = wait_until(lambda: next((c for c in casts(rec_dir) if "rec-ws-42" in json.dumps(c[1:])), None),
+            cast = wait_until(lambda: next((c for c in recorder.casts() if "rec-ws-42" in json.dumps(c[1:])), None),
                               30, 0.5, "the WebSocket session's cast")
             head = cast[0]
             assert head["srcNodeUser"] == "e2e" and head["srcNode"].startswith("client")
@@ -121,12 +101,11 @@ def test_kubectl_exec_recorded_and_refused_without_the_recorder(lab, kube):
                                    *client.argv("-n", "apps", "exec", "talker", "--", "sh", "-c", "echo rec-spdy-7")],
                                   capture_output=True, text=True, timeout=60)
             assert spdy.returncode == 0 and "rec-spdy-7" in spdy.stdout, spdy
-            wait_until(lambda: any("rec-spdy-7" in json.dumps(c[1:]) for c in casts(rec_dir)), 30, 0.5,
+            wait_until(lambda: any("rec-spdy-7" in json.dumps(c[1:]) for c in recorder.casts()), 30, 0.5,
                        "the SPDY session's cast")
 
             # the recorder stops: the exec is refused and the command never runs
-            stop_process(recorder)
-            recorder = None
+            recorder.stop()
             marker = f"/tmp/marker-{lab.prefix}"
             ex = client.run("-n", "apps", "exec", "talker", "--", "touch", marker)
             assert ex.returncode != 0 and "error connecting to session recorders" in ex.stderr, ex
@@ -135,7 +114,7 @@ def test_kubectl_exec_recorded_and_refused_without_the_recorder(lab, kube):
             assert ls.returncode != 0, "the refused exec ran in the container"
         finally:
             if recorder is not None:
-                stop_process(recorder)
+                recorder.remove()
     # not enforced: the same exec runs, unrecorded, with the proxy's warning
     with lab.hs_policy(policy(enforce=False)):
         def runs():
