@@ -13,8 +13,10 @@ from pathlib import Path
 import h11
 import pytest
 
+from containerboot.apiproxy import recclient
 from containerboot.apiproxy.identity import CAP_KUBERNETES
 from containerboot.apiproxy.server import AUTH, NOAUTH, ApiServerProxy, Upstream
+from recorder import v2 as recorder_v2
 from recorder.server import Recorder
 from recorder.store import FileStore
 from tests.support.spdyws import SpdyClient, data, resize, ws_frame
@@ -155,8 +157,12 @@ async def wait_for(cond, what: str) -> None:
     raise AssertionError(f"never: {what}")
 
 
-@pytest.mark.parametrize("mode", [AUTH, NOAUTH])
-async def test_a_spdy_exec_is_recorded_with_its_output_and_resizes(tmp_path, mode):
+@pytest.mark.parametrize("mode, version", [(AUTH, 2), (NOAUTH, 2), (AUTH, 1)])
+async def test_a_spdy_exec_is_recorded_with_its_output_and_resizes(tmp_path, mode, version, monkeypatch, caplog):
+    """Version 2 of the protocol (acks) with a recorder that speaks it, else version 1."""
+    caplog.set_level(logging.INFO)
+    if version == 1:
+        monkeypatch.setattr(recorder_v2, "AVAILABLE", False)
     lab = Lab(tmp_path, mode)
     await lab.start()
     try:
@@ -172,6 +178,7 @@ async def test_a_spdy_exec_is_recorded_with_its_output_and_resizes(tmp_path, mod
         writer.close()
         await wait_for(lambda: lab.casts() and lab.recorder.active == 0, "the recording stored")
         (cast,) = lab.casts()
+        assert ("started (version 2)" in caplog.text) == (version == 2)
         h = cast[0]
         assert (h["version"], h["width"], h["height"], h["srcNodeUser"], h["srcNode"], h["command"]) == \
             (2, 80, 24, "alice@example.com", "laptop.tail.example", "sh")
@@ -265,3 +272,25 @@ async def test_the_recorder_lists_recordings_and_serves_them(lab):
         assert (await c.get("/recordings/nope.cast/play")).status_code == 404
         assert (await c.get("/recordings/..%2f..%2fetc%2fpasswd")).status_code == 404
         assert (await c.head("/v2/record")).status_code == 404
+
+
+async def test_a_recorder_that_stops_acknowledging_ends_an_enforced_session(lab, monkeypatch, caplog):
+    """Version 2: no ack frame for the ack window (upstream: 30 s, shortened here) fails the upload."""
+    monkeypatch.setattr(recclient, "ACK_WINDOW", 1.0)
+    monkeypatch.setattr(recorder_v2, "ACK_INTERVAL", 3600.0)
+    real_handle = recorder_v2.V2Connection._handle
+
+    async def deaf(self, events):          # takes the data, and acknowledges nothing after the probe
+        for ev in events:
+            if type(ev).__name__ == "DataReceived":
+                self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+        await real_handle(self, [ev for ev in events if type(ev).__name__ != "DataReceived"])
+    monkeypatch.setattr(recorder_v2.V2Connection, "_handle", deaf)
+    lab.rules = [{"recorderAddrs": [lab.rec_addr], "enforceRecorder": True}]
+    reader, writer = await open_session(lab.port, SPDY_EXEC.replace(b"tty=true", b"tty=false"))
+    c = SpdyClient()
+    writer.write(c.syn_stream(3, "stdin") + c.syn_stream(5, "stdout"))
+    await wait_for(lambda: "did not receive ack frames from the recorder in 1s" in caplog.text, "the ack window")
+    with pytest.raises((EOFError, ConnectionError)):
+        writer.write(data(3, b"after\n"))
+        await read_until(reader, b"out: after\n")

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from .cast import Cast, SessionInfo, session_info
-from .recclient import RecorderError, Upload
+from .recclient import RecorderError, Upload, UploadV2
 from .recording import SPDY, Session
 from .streams import SpdySession, StreamError, WebSocketSession
 
@@ -25,7 +25,7 @@ class RecordingFailed(Exception):
 
 
 class Recording:
-    def __init__(self, upload: Upload, info: SessionInfo, protocol: str, *, fail_open: bool) -> None:
+    def __init__(self, upload: Upload | UploadV2, info: SessionInfo, protocol: str, *, fail_open: bool) -> None:
         self.upload, self.info, self.fail_open = upload, info, fail_open
         self._streams: Any = SpdySession() if protocol == SPDY else WebSocketSession()
         self._cast = Cast(info, start=time.monotonic(), timestamp=int(time.time()))
