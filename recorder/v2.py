@@ -27,12 +27,14 @@ log = logging.getLogger("recorder")
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 ACK_INTERVAL = 10.0
+WINDOW = 4 << 20
 
 try:
     import h2.config
     import h2.connection
     import h2.events
     import h2.exceptions
+    import h2.settings
     AVAILABLE = True
 except ImportError:        # the recorder then speaks version 1 only
     AVAILABLE = False
@@ -62,6 +64,11 @@ class V2Connection:
 
     async def serve(self, first: bytes) -> None:
         self.conn.initiate_connection()
+        # A window of WINDOW per upload (and for the connection): the client sends on while what came before
+        # is being made durable, and is held back once that much is waiting (the window comes back only when
+        # what it carried is on storage). HTTP/2's default, 64 KiB, would allow one fsync's worth at a time.
+        self.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW})
+        self.conn.increment_flow_control_window(WINDOW)
         self._flush()
         ticker = asyncio.ensure_future(self._tick())
         try:

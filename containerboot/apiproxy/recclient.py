@@ -251,9 +251,8 @@ class UploadV2:
         while sid not in self._status:
             if self.failed.is_set():
                 raise EOFError(self.error)
-            await asyncio.wait({asyncio.ensure_future(self._window.wait()), asyncio.ensure_future(self.failed.wait())},
-                               return_when=asyncio.FIRST_COMPLETED)
             self._window.clear()
+            await self._window.wait()       # set on every read, and on failure
 
     async def _flush(self) -> None:
         data = self._conn.data_to_send()
