@@ -56,6 +56,7 @@ import base64
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import time
 
@@ -917,29 +918,35 @@ def test_apiserver_proxy_records_kubectl_exec_and_refuses_it_without_the_recorde
             client = ap.TailnetKubectl(lab, "client", kubectl, f"http://{ip}", work, token="unused")
             kc.kubectl("-n", "apps", "wait", "pod/rec-target", "--for=condition=Ready", "--timeout=120s", timeout=130)
 
+            def tty(*args: str, spdy: bool = False) -> subprocess.CompletedProcess[str]:
+                """kubectl in a pseudo-terminal of 100x30 (util-linux `script`), as an interactive exec -it."""
+                env = "KUBECTL_REMOTE_COMMAND_WEBSOCKETS=false " if spdy else ""
+                line = f"stty cols 100 rows 30; {env}{shlex.join(client.argv(*args))}"
+                return subprocess.run(["script", "-qec", line, "/dev/null"], capture_output=True, text=True,
+                                      timeout=60, stdin=subprocess.DEVNULL)
+
             def exec_ok():
-                ex = client.run_tty("-n", "apps", "exec", "-it", "rec-target", "--", "sh", "-c",
-                                    "echo rec-ws-$((6*7))")
+                ex = tty("-n", "apps", "exec", "-it", "rec-target", "--", "sh", "-c", "echo rec-ws-$((6*7))")
                 return ex if ex.returncode == 0 and "rec-ws-42" in ex.stdout else None
             try:
                 wait_until(exec_ok, 120, 3, "kubectl exec -it through the proxy, recorded")
             except TimeoutError:
                 raise AssertionError(f"{ap.proxy_log(kc)}\n{recorder.log_text()[-2000:]}") from None
             rec = recorder
-            cast = wait_until(lambda: next((c for c in rec.casts() if "rec-ws-42" in json.dumps(c[1:])), None),
-                              30, 0.5, "the WebSocket session's cast")
-            head = cast[0]
-            assert head["srcNodeUser"] == "e2e" and head["srcNode"].startswith("client"), head
-            assert head["kubernetes"] == {"PodName": "rec-target", "Namespace": "apps", "Container": "",
-                                          "SessionType": "exec"}, head
-            assert head["command"] == "sh -c echo rec-ws-$((6*7))" and head["width"] > 0 and head["height"] > 0
-            # SPDY, what kubectl before 1.31 speaks
-            spdy = subprocess.run(["env", "KUBECTL_REMOTE_COMMAND_WEBSOCKETS=false", *client.argv(
-                "-n", "apps", "exec", "rec-target", "--", "sh", "-c", "echo rec-spdy-7")],
-                capture_output=True, text=True, timeout=60)
-            assert spdy.returncode == 0 and "rec-spdy-7" in spdy.stdout, spdy
-            wait_until(lambda: any("rec-spdy-7" in json.dumps(c[1:]) for c in rec.casts()), 30, 0.5,
-                       "the SPDY session's cast")
+            for marker_text, spdy in (("rec-ws-42", False), ("rec-spdy-42", True)):
+                if spdy:    # SPDY, what kubectl before 1.31 speaks
+                    ex = tty("-n", "apps", "exec", "-it", "rec-target", "--", "sh", "-c", "echo rec-spdy-$((6*7))",
+                             spdy=True)
+                    assert ex.returncode == 0 and "rec-spdy-42" in ex.stdout, ex
+                cast = wait_until(lambda: next((c for c in rec.casts() if marker_text in json.dumps(c[1:])), None),
+                                  30, 0.5, f"the cast of {marker_text}")
+                head = cast[0]
+                assert head["srcNodeUser"] == "e2e" and head["srcNode"].startswith("client"), head
+                assert head["kubernetes"] == {"PodName": "rec-target", "Namespace": "apps", "Container": "target",
+                                              "SessionType": "exec"}, head
+                assert head["command"] == f"sh -c echo {marker_text[:-2]}$((6*7))", head
+                assert (head["width"], head["height"]) == (100, 30), head      # the terminal's size, read
+                assert marker_text in "".join(e[2] for e in cast[1:] if e[1] == "o")
             # the recorder stops: the exec is refused, and its command never runs
             recorder.stop()
             ex = client.run("-n", "apps", "exec", "rec-target", "--", "touch", marker)
