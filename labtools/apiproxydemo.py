@@ -84,7 +84,8 @@ def recording_story(st: Stage, timeout: float) -> bool:
                                   lab.run_dir / "apiproxy", token="unused")
             kc.kubectl("wait", "pod/talker", "--for=condition=Ready", "--timeout=120s", timeout=130)
             command = "echo recorded-$((6*7)); uname -s"
-            ex = wait_until(lambda: (cp := k.run_tty("exec", "-it", "talker", "--", "sh", "-c", command))
+            ex = wait_until(lambda: (cp := k.run_tty("exec", "-it", "talker", "--", "sh", "-c", command,
+                                                     size=(100, 30)))
                             .returncode == 0 and "recorded-42" in cp.stdout and cp, 120, 3,
                             "kubectl exec -it through the proxy")
             _say(f"client$ kubectl exec -it talker -- sh -c '{command}'\n{ex.stdout.rstrip()}")

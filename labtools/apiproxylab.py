@@ -169,10 +169,15 @@ class TailnetKubectl:
         return subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
 
-    def run_tty(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-        """With a pseudo-terminal (util-linux `script`), as an interactive `kubectl exec -it` has."""
+    def run_tty(self, *args: str, timeout: float = 60.0, size: tuple[int, int] | None = None,
+                ) -> subprocess.CompletedProcess[str]:
+        """With a pseudo-terminal (util-linux `script`), as an interactive `kubectl exec -it` has; `size`:
+        its columns and rows (else script's, 0x0 without a terminal around it)."""
         import shlex
-        return subprocess.run(["script", "-qec", shlex.join(self.argv(*args)), "/dev/null"], capture_output=True,
+        line = shlex.join(self.argv(*args))
+        if size:
+            line = f"stty cols {size[0]} rows {size[1]}; {line}"
+        return subprocess.run(["script", "-qec", line, "/dev/null"], capture_output=True,
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
     def background(self, *args: str, stdin: bool = False) -> Background:
