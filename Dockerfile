@@ -24,7 +24,8 @@ FROM ${BASE} AS build
 RUN python3 -c 'import ensurepip, venv' 2>/dev/null || { \
       apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3-venv \
       && rm -rf /var/lib/apt/lists/*; }
-# Dependencies first, from pyproject.toml alone: a change to the sources does not re-download them.
+# Dependencies first, from pyproject.toml alone: a change to the sources does not re-download them. The
+# recorder's extra (h2: version 2 of the recording protocol) too: tsrecorder is an entrypoint of this image.
 # The `ca` secret is optional: a CA bundle for a TLS-intercepting proxy between the build and PyPI (the
 # offline build passes the host's bundle); it is mounted for this step only and never stored in a layer.
 COPY pyproject.toml /src/
@@ -32,7 +33,7 @@ RUN --mount=type=secret,id=ca \
     set -e; \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
     python3 -m venv /opt/venv; \
-    python3 -c 'import tomllib; print("\n".join(tomllib.load(open("/src/pyproject.toml", "rb"))["project"]["dependencies"]))' \
+    python3 -c 'import tomllib; p = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["recorder"]))' \
       > /tmp/requirements.txt; \
     /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check -q -r /tmp/requirements.txt
 COPY README.md /src/
@@ -40,6 +41,7 @@ COPY containerboot /src/containerboot
 COPY netfilter /src/netfilter
 COPY serveconfig /src/serveconfig
 COPY nameserver /src/nameserver
+COPY recorder /src/recorder
 COPY tscommon /src/tscommon
 # --no-deps: the dependencies are installed above. pip byte-compiles everything it installs, which matters: a
 # read-only root file system (or PYTHONDONTWRITEBYTECODE) would otherwise make every start compile them.
@@ -70,9 +72,11 @@ COPY --from=build /opt/venv /opt/venv
 # tailscaled and tailscale; a tailscaled built with ts_include_cli (the offline build's) is the CLI too when
 # called as `tailscale`, and then comes alone: the link below stands for the CLI.
 COPY --from=tailscale /usr/local/bin/tailscale* /usr/local/bin/
-# k8s-nameserver: the DNSConfig nameserver, another entrypoint of the same image (at upstream's binary name).
+# k8s-nameserver: the DNSConfig nameserver, and tsrecorder: the Recorder's recorder, other entrypoints of the same
+# image (at upstream's binary names).
 RUN ln -s /opt/venv/bin/containerboot /usr/local/bin/containerboot \
     && ln -s /opt/venv/bin/k8s-nameserver /usr/local/bin/k8s-nameserver \
+    && ln -s /opt/venv/bin/tsrecorder /usr/local/bin/tsrecorder \
     && { [ -e /usr/local/bin/tailscale ] || ln -s tailscaled /usr/local/bin/tailscale; } \
     && /usr/local/bin/tailscale version >/dev/null
 

@@ -6,9 +6,17 @@ headscale policy granting ``e2e`` ``impersonate.groups: ["tailnet-readers"]`` an
 access (labtools.apiproxylab), then prints the proxy's URL, ``kubectl get nodes`` run on the tailnet client
 through it, and the refusal of a write (``kubectl run``) by RBAC naming the impersonated user. Exit status 0
 only if the read worked and the write was refused.
+
+With ``--recorder`` (``make demo DEMO_ARGS="--apiserver-proxy --recorder --once"``) the grant also says
+``recorder: ["tag:k8s-recorder"], enforceRecorder: true`` and our recorder runs on a tailnet node with that tag
+(labtools.apiproxylab.TailnetRecorder; the controller does not run Recorders yet): the client's
+``kubectl exec -it`` types a command in a Pod, the cast's first lines are printed (the header naming the user
+and the Pod, the command's output); then, with the recorder stopped, the same exec is refused and the marker
+file its command would create is not in the Pod. Exit status 0 only if both behaved.
 """
 from __future__ import annotations
 
+import json
 import time
 
 from labtools import apiproxylab as ap
@@ -21,8 +29,8 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def run(firewall: str, once: bool, timeout: float = 180.0) -> int:
-    return run_controller_demo(firewall, once, lambda st: story(st, timeout),
+def run(firewall: str, once: bool, timeout: float = 180.0, *, recorder: bool = False) -> int:
+    return run_controller_demo(firewall, once, lambda st: (recording_story if recorder else story)(st, timeout),
                                logs=lambda kc: [kubecontroller.controller_log(kc), ap.proxy_log(kc)])
 
 
@@ -52,3 +60,51 @@ def story(st: Stage, timeout: float) -> bool:
         if not ok:
             _say("FAILED: the write was not refused by RBAC as user e2e")
         return ok
+
+
+def _talker(image: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "talker", "namespace": "default"},
+            "spec": {"terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "talker", "image": image, "imagePullPolicy": "Never",
+                                     "command": ["/bin/sh", "-c", "sleep 100000"]}]}}
+
+
+def recording_story(st: Stage, timeout: float) -> bool:
+    kc, lab = st.kc, st.lab
+    with lab.hs_policy(ap.recorder_policy()):
+        rec = ap.TailnetRecorder(lab, lab.run_dir / "demo-recordings")
+        try:
+            _say(f"recorder on the tailnet: node {rec.hostname} tagged {ap.RECORDER_TAG}; headscale policy grants "
+                 f"user e2e impersonate.groups [{ap.GROUP}] and recorder [{ap.RECORDER_TAG}], enforceRecorder true")
+            kubecontroller.install(kc, lab, st.proxy_tar, st.ctl_tar, firewall=st.firewall,
+                                   values={"apiServerProxy": {"mode": "auth"}})
+            kc.apply([*ap.reader_rbac("default"), _talker(kubecontroller.PROXY_IMAGE)])
+            ip = ap.proxy_ip(kc, timeout)
+            k = ap.TailnetKubectl(lab, "client", kc.cfg.bin_dir / "kubectl", f"http://{ip}",
+                                  lab.run_dir / "apiproxy", token="unused")
+            kc.kubectl("wait", "pod/talker", "--for=condition=Ready", "--timeout=120s", timeout=130)
+            command = "echo recorded-$((6*7)); uname -s"
+            ex = wait_until(lambda: (cp := k.run_tty("exec", "-it", "talker", "--", "sh", "-c", command,
+                                                     size=(100, 30)))
+                            .returncode == 0 and "recorded-42" in cp.stdout and cp, 120, 3,
+                            "kubectl exec -it through the proxy")
+            _say(f"client$ kubectl exec -it talker -- sh -c '{command}'\n{ex.stdout.rstrip()}")
+            cast = wait_until(lambda: next((c for c in rec.casts() if "recorded-42" in json.dumps(c[1:])), None),
+                              30, 0.5, "the recording")
+            lines = [json.dumps(x) for x in cast[:4]]
+            _say("the recording's first lines (asciinema v2 cast, on the recorder):\n" + "\n".join(lines))
+            recorded = cast[0].get("srcNodeUser") == "e2e" and cast[0]["kubernetes"]["PodName"] == "talker"
+            rec.stop()
+            marker = f"/tmp/marker-{lab.prefix}"
+            refused = k.run("exec", "talker", "--", "touch", marker)
+            _say(f"recorder stopped; client$ kubectl exec talker -- touch {marker}   (exit {refused.returncode})\n"
+                 f"{refused.stderr.rstrip()}")
+            ran = kc.kubectl("exec", "talker", "--", "ls", marker, check=False).returncode == 0
+            _say(f"the marker file in the Pod: {'PRESENT (the refused exec ran)' if ran else 'absent'}")
+            ok = recorded and refused.returncode != 0 and "error connecting to session recorders" in refused.stderr \
+                and not ran
+            if not ok:
+                _say("FAILED: the exec was not recorded, or the unrecordable exec was not refused")
+            return ok
+        finally:
+            rec.remove()

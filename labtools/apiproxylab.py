@@ -169,10 +169,15 @@ class TailnetKubectl:
         return subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
 
-    def run_tty(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-        """With a pseudo-terminal (util-linux `script`), as an interactive `kubectl exec -it` has."""
+    def run_tty(self, *args: str, timeout: float = 60.0, size: tuple[int, int] | None = None,
+                ) -> subprocess.CompletedProcess[str]:
+        """With a pseudo-terminal (util-linux `script`), as an interactive `kubectl exec -it` has; `size`:
+        its columns and rows (else script's, 0x0 without a terminal around it)."""
         import shlex
-        return subprocess.run(["script", "-qec", shlex.join(self.argv(*args)), "/dev/null"], capture_output=True,
+        line = shlex.join(self.argv(*args))
+        if size:
+            line = f"stty cols {size[0]} rows {size[1]}; {line}"
+        return subprocess.run(["script", "-qec", line, "/dev/null"], capture_output=True,
                               text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
     def background(self, *args: str, stdin: bool = False) -> Background:
@@ -188,7 +193,7 @@ class LocalProxy:
     proxy with `ca` as a cluster CA); and a plain TCP forward on the same tailnet address for comparison."""
 
     def __init__(self, lab, agent, *, ca: str, cert: str, key: str, mode: str = "auth", port: int = 80,
-                 objects: int = 5000, forward_port: int = 0) -> None:
+                 objects: int = 5000, forward_port: int = 0, exec_log: str = "") -> None:
         import os
         import sys
         self.lab, self.agent, self.port = lab, agent, port
@@ -203,7 +208,8 @@ class LocalProxy:
                "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
         self.api = lab._popen("fakeapi", "fakeapi", "proxy", [
             sys.executable, "-m", "labtools.fakeapiserver", "--listen", "127.0.0.1:6443", "--cert", cert,
-            "--key", key, "--objects", str(objects)], env, d / "fakeapi.log")
+            "--key", key, "--objects", str(objects), *(["--exec-log", exec_log] if exec_log else [])], env,
+            d / "fakeapi.log")
         self.log_path = d / "apiserver-proxy.log"
         self.proc = lab._popen("apiproxy", "apiproxy", "proxy", [sys.executable, "-m", "containerboot",
                                                                  "apiserver-proxy"], {
@@ -230,3 +236,59 @@ class LocalProxy:
         for p in (self.proc, self.api, self.forward):
             if p is not None:
                 stop_process(p)
+
+
+RECORDER_TAG = "tag:k8s-recorder"
+
+
+def recorder_policy(user: str = "e2e", dst: str = "tag:k8s", *, enforce: bool = True) -> dict:
+    """`policy()` whose grant also says `recorder: [RECORDER_TAG]` with `enforceRecorder`, the tag owned by
+    `user` so that the recorder node's tagged key is accepted."""
+    return {"tagOwners": {"tag:k8s": [f"{user}@"], RECORDER_TAG: [f"{user}@"]},
+            "grants": [{"src": ["*"], "dst": ["*"], "ip": ["*"]},
+                       {"src": [f"{user}@"], "dst": [dst], "app": {CAP_KUBERNETES: [
+                           {"impersonate": {"groups": [GROUP]}},
+                           {"recorder": [RECORDER_TAG], "enforceRecorder": enforce}]}}]}
+
+
+class TailnetRecorder:
+    """Our recorder (`python -m recorder`, this checkout) on a plain tailscaled node tagged RECORDER_TAG in
+    the lab namespace `recorder`, listening on the node's tailnet addresses, storing casts in `directory`."""
+
+    def __init__(self, lab, directory: Path, hostname: str = "k8s-recorder", ui: bool = True) -> None:
+        import os
+        import sys
+        self.lab, self.directory, self.hostname = lab, directory, hostname
+        if "recorder" not in lab.namespaces:
+            lab.add_namespace("recorder")
+        self.node = lab.start_node(hostname, "recorder", authkey=lab.preauth_key(tags=[RECORDER_TAG]))
+        self.log_path = lab.run_dir / f"{hostname}.log"
+        self.proc = lab._popen("recorder", hostname, "recorder", [sys.executable, "-m", "recorder"], {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "TSRECORDER_DST": str(directory),
+            "TSRECORDER_UI": "true" if ui else "false", "TS_SOCKET": self.node.socket}, self.log_path)
+        wait_until(lambda: "recorder listening on" in self.log_text() or self._exited(), 60, 0.5,
+                   "the recorder listening on its tailnet address")
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the recorder exited:\n{self.log_text()[-2000:]}")
+
+    def _exited(self) -> bool:
+        return self.proc.poll() is not None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def casts(self) -> list[list]:
+        return [[json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+                for p in sorted(self.directory.glob("*.cast"))]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+            self.proc = None
+
+    def remove(self) -> None:
+        """The recorder and its node gone from the tailnet."""
+        self.stop()
+        stop_process(self.node.proc)
+        self.lab.delete_node(self.hostname)

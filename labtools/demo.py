@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                     "resolves a tailnet node's MagicDNS name and fetches its page (labtools.dnsdemo)")
     ap.add_argument("--apiserver-proxy", action="store_true", help="the controller installed with helm and "
                     "apiServerProxy.mode=auth: kubectl from the tailnet client through it (labtools.apiproxydemo)")
+    ap.add_argument("--recorder", action="store_true", help="with --apiserver-proxy: a grant that enforces session "
+                    "recording, our recorder on a tagged tailnet node; a recorded kubectl exec -it, then one refused "
+                    "with the recorder stopped (labtools.apiproxydemo)")
     ap.add_argument("--controller", action="store_true", help="the companion controller installed from deploy/ "
                     "in a real Kubernetes exposes an annotated Service (labtools.controllerdemo)")
     ap.add_argument("--proxygroup", action="store_true", help="a client Pod egresses to a tailnet node through "
@@ -84,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C must unwind even if we were started with SIGINT ignored (e.g. as a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    if a.recorder and not a.apiserver_proxy:
+        ap.error("--recorder goes with --apiserver-proxy")
     if a.apiserver_proxy:
         from labtools import apiproxydemo
         try:
-            return apiproxydemo.run(a.firewall, a.once)
+            return apiproxydemo.run(a.firewall, a.once, recorder=a.recorder)
         except KeyboardInterrupt:
             return 130
     if a.kube or a.controller or a.proxygroup or a.dns:

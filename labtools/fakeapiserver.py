@@ -6,6 +6,9 @@
 HTTPS, HTTP/1.1 keep-alive (http.server, one thread per connection). Answers:
 - `GET /api/v1/namespaces/default/pods/small`: a small Pod object (about 600 bytes), the latency probe;
 - `GET /api/v1/pods`: a PodList of `--objects` Pods (about 1.5 kB each), the list probe;
+- `POST /api/v1/namespaces/<ns>/pods/<pod>/exec` with `Upgrade: SPDY/3.1` (kubectl's exec before 1.31):
+  `101`, then a container that answers each stdin chunk (stream 3) with `out: <chunk>` on stdout (stream 5);
+  with `--exec-log FILE` each such request's target is appended to FILE first (what "ran in the container");
 - anything else: `{"method", "path", "headers": [[name, value], ...]}` of the request as the server saw it
   (what the proxy sent: identity headers included), so a test can check them.
 
@@ -44,7 +47,7 @@ def pod(i: int) -> dict:
                                               "image": "registry.example/web:1.2.3", "started": True}]}}
 
 
-def make_handler(objects: int) -> type[BaseHTTPRequestHandler]:
+def make_handler(objects: int, exec_log: str = "") -> type[BaseHTTPRequestHandler]:
     small = json.dumps(pod(0)).encode()
     listing = json.dumps({"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "200000"},
                           "items": [pod(i) for i in range(objects)]}).encode()
@@ -67,13 +70,35 @@ def make_handler(objects: int) -> type[BaseHTTPRequestHandler]:
             if n:
                 self.rfile.read(n)
             path = self.path.split("?")[0]
-            if path == "/api/v1/namespaces/default/pods/small":
+            if path.endswith("/exec") and self.headers.get("Upgrade", "").lower() == "spdy/3.1":
+                self._exec()
+            elif path == "/api/v1/namespaces/default/pods/small":
                 self._send(small)
             elif path == "/api/v1/pods":
                 self._send(listing)
             else:
                 self._send(json.dumps({"method": self.command, "path": self.path,
                                        "headers": [[k, v] for k, v in self.headers.items()]}).encode())
+
+        def _exec(self) -> None:
+            if exec_log:
+                with open(exec_log, "a") as f:
+                    f.write(self.path + "\n")
+            self.send_response(101)
+            self.send_header("Connection", "Upgrade")
+            self.send_header("Upgrade", "SPDY/3.1")
+            self.end_headers()
+            self.wfile.flush()
+            self.close_connection = True
+            while True:
+                head = self.rfile.read(8)
+                if len(head) < 8:
+                    return
+                payload = self.rfile.read(int.from_bytes(head[5:8], "big"))
+                if not head[0] & 0x80 and int.from_bytes(head[:4], "big") == 3 and payload:
+                    out = b"out: " + payload
+                    self.wfile.write((5).to_bytes(4, "big") + b"\0" + len(out).to_bytes(3, "big") + out)
+                    self.wfile.flush()
 
         do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _any
 
@@ -117,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cert")
     ap.add_argument("--key")
     ap.add_argument("--objects", type=int, default=5000)
+    ap.add_argument("--exec-log", default="", help="append each exec request's target to this file")
     ap.add_argument("--forward", help="listen here and copy bytes to --to (no HTTP)")
     ap.add_argument("--to", default="127.0.0.1:6443")
     a = ap.parse_args(argv)
@@ -126,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (a.cert and a.key):
         ap.error("--cert and --key are required to serve")
     host, _, port = a.listen.rpartition(":")
-    srv = ThreadingHTTPServer((host.strip("[]"), int(port)), make_handler(a.objects))
+    srv = ThreadingHTTPServer((host.strip("[]"), int(port)), make_handler(a.objects, a.exec_log))
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(a.cert, a.key)
     srv.socket = ctx.wrap_socket(srv.socket, server_side=True)

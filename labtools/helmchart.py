@@ -42,6 +42,7 @@ DEPLOY_FILES = {"crds/tailscale.com_connectors.yaml": "crds/tailscale.com_connec
                 "crds/tailscale.com_dnsconfigs.yaml": "crds/tailscale.com_dnsconfigs.yaml",
                 "crds/tailscale.com_proxygroups.yaml": "crds/tailscale.com_proxygroups.yaml",
                 "crds/tailscale.com_proxyclasses.yaml": "crds/tailscale.com_proxyclasses.yaml",
+                "crds/tailscale.com_recorders.yaml": "crds/tailscale.com_recorders.yaml",
                 "templates/rbac.yaml": "10-rbac.yaml",
                 "templates/leader-election.yaml": "12-leader-election.yaml",
                 "templates/deployment.yaml": "20-controller.yaml",

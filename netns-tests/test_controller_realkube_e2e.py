@@ -45,6 +45,8 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
    annotated Service its proxy (a tailnet IP in its status); deleting it leaves nothing.
 7. The API server proxy (``helm upgrade --set apiServerProxy.mode=auth``, then ``noauth``, then ``off``):
    kubectl from the lab's tailnet client through it, with the tailnet identity impersonated.
+   Session recording: the client's kubectl exec (WebSocket and SPDY) recorded into our recorder on a tagged
+   tailnet node, refused (and never run) with the recorder stopped (docs/recording.md).
 9. A control server behind a private CA (``proxy.caConfigMap``, ``loginServer`` on HTTPS): a proxy logs in
    through a TLS front of headscale and carries traffic.
 """
@@ -54,6 +56,7 @@ import base64
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import time
 
@@ -882,6 +885,90 @@ def test_apiserver_proxy_kubectl_from_a_tailnet_node(lab, kube):
     crbs = kc.kubectl("get", "clusterrolebindings", "-l", "tailscale.com/parent-resource-type=apiserverproxy",
                       "-o", "json").stdout
     assert json.loads(crbs)["items"] == []
+
+
+def test_apiserver_proxy_records_kubectl_exec_and_refuses_it_without_the_recorder(lab, kube):
+    """Session recording (docs/recording.md): the grant also says ``recorder: ["tag:k8s-recorder"],
+    enforceRecorder: true``, and our recorder (``python -m recorder``, labtools.apiproxylab.TailnetRecorder)
+    runs on a tailnet node with that tag. The client's real ``kubectl exec -it`` (kubectl v1.34: WebSocket)
+    and ``kubectl exec`` over SPDY (``KUBECTL_REMOTE_COMMAND_WEBSOCKETS=false``) through the proxy are recorded:
+    the casts' headers name the user ``e2e``, the Pod and the command, and they hold the output. With the
+    recorder stopped the exec is refused with upstream's fail-closed message and its command never runs (the
+    marker file it would create is not in the Pod); with ``enforceRecorder: false`` it runs, unrecorded, and
+    the proxy logs that it fails open."""
+    kc = kube
+    kubectl = kc.cfg.bin_dir / "kubectl"
+    lab.delete_node("kube-apiserver")
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "rec-target", "namespace": "apps"},
+           "spec": {"terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "target", "image": kubecontroller.PROXY_IMAGE, "imagePullPolicy": "Never",
+                                    "command": ["/bin/sh", "-c", "sleep 100000"]}]}}
+    from labtools import apiproxylab as ap
+    kc.apply([*ap.reader_rbac("apps"), pod])
+    work = lab.run_dir / "recording"
+    work.mkdir(exist_ok=True)
+    marker = f"/tmp/marker-{lab.prefix}"
+    recorder = None
+    try:
+        with lab.hs_policy(ap.recorder_policy("e2e", "tag:k8s", enforce=True)):
+            recorder = ap.TailnetRecorder(lab, lab.run_dir / "k8s-recordings", ui=False)
+            ap.set_mode(kc, "auth")
+            ap.wait_url(kc)
+            ip = ap.proxy_ip(kc)
+            client = ap.TailnetKubectl(lab, "client", kubectl, f"http://{ip}", work, token="unused")
+            kc.kubectl("-n", "apps", "wait", "pod/rec-target", "--for=condition=Ready", "--timeout=120s", timeout=130)
+
+            def tty(*args: str, spdy: bool = False) -> subprocess.CompletedProcess[str]:
+                """kubectl in a pseudo-terminal of 100x30 (util-linux `script`), as an interactive exec -it."""
+                env = "KUBECTL_REMOTE_COMMAND_WEBSOCKETS=false " if spdy else ""
+                line = f"stty cols 100 rows 30; {env}{shlex.join(client.argv(*args))}"
+                return subprocess.run(["script", "-qec", line, "/dev/null"], capture_output=True, text=True,
+                                      timeout=60, stdin=subprocess.DEVNULL)
+
+            def exec_ok():
+                ex = tty("-n", "apps", "exec", "-it", "rec-target", "--", "sh", "-c", "echo rec-ws-$((6*7))")
+                return ex if ex.returncode == 0 and "rec-ws-42" in ex.stdout else None
+            try:
+                wait_until(exec_ok, 120, 3, "kubectl exec -it through the proxy, recorded")
+            except TimeoutError:
+                raise AssertionError(f"{ap.proxy_log(kc)}\n{recorder.log_text()[-2000:]}") from None
+            rec = recorder
+            for marker_text, spdy in (("rec-ws-42", False), ("rec-spdy-42", True)):
+                if spdy:    # SPDY, what kubectl before 1.31 speaks
+                    ex = tty("-n", "apps", "exec", "-it", "rec-target", "--", "sh", "-c", "echo rec-spdy-$((6*7))",
+                             spdy=True)
+                    assert ex.returncode == 0 and "rec-spdy-42" in ex.stdout, ex
+                cast = wait_until(lambda: next((c for c in rec.casts() if marker_text in json.dumps(c[1:])), None),
+                                  30, 0.5, f"the cast of {marker_text}")
+                head = cast[0]
+                assert head["srcNodeUser"] == "e2e" and head["srcNode"].startswith("client"), head
+                assert head["kubernetes"] == {"PodName": "rec-target", "Namespace": "apps", "Container": "target",
+                                              "SessionType": "exec"}, head
+                assert head["command"] == f"sh -c echo {marker_text[:-2]}$((6*7))", head
+                assert (head["width"], head["height"]) == (100, 30), head      # the terminal's size, read
+                assert marker_text in "".join(e[2] for e in cast[1:] if e[1] == "o")
+            # the recorder stops: the exec is refused, and its command never runs
+            recorder.stop()
+            ex = client.run("-n", "apps", "exec", "rec-target", "--", "touch", marker)
+            assert ex.returncode != 0 and "error connecting to session recorders" in ex.stderr, ex
+            assert "failure mode is 'fail closed'" in ex.stderr, ex
+            ls = kc.kubectl("-n", "apps", "exec", "rec-target", "--", "ls", marker, check=False)
+            assert ls.returncode != 0, "the refused exec ran in the container"
+        with lab.hs_policy(ap.recorder_policy("e2e", "tag:k8s", enforce=False)):
+            def runs():
+                ex = client.run("-n", "apps", "exec", "rec-target", "--", "touch", marker)
+                return ex if ex.returncode == 0 else None
+            wait_until(runs, 60, 2, "the exec running unrecorded once recording is not enforced")
+            assert kc.kubectl("-n", "apps", "exec", "rec-target", "--", "ls", marker, check=False).returncode == 0
+            assert "failure mode is 'fail open'; continuing session without recording." in ap.proxy_log(kc, 400)
+    except BaseException:
+        print(f"{kubecontroller.controller_log(kc)}\n{ap.proxy_log(kc)}")
+        raise
+    finally:
+        if recorder is not None:
+            recorder.remove()
+        ap.set_mode(kc, "off")
+        kc.kubectl("-n", "apps", "delete", "pod", "rec-target", "--wait=false", check=False)
 
 
 def _pg_children(kc, name: str) -> dict[str, list[str]]:

@@ -141,7 +141,7 @@ async def serve(env: Mapping[str, str], root: str = "/") -> int:
                   os.path.join(sa, "ca.crt"), e)
         return 1
     lapi = LocalAPI(sock_path)
-    proxy = ApiServerProxy(mode=mode, upstream=upstream, token=token.get, whois=lapi.whois)
+    proxy = ApiServerProxy(mode=mode, upstream=upstream, token=token.get, whois=lapi.whois, status=lapi.status)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -35,7 +35,11 @@ import h11
 from tscommon.redact import redact
 
 from .identity import (GrantError, Impersonation, NoIdentity, forwarded_request_headers,
-                       forwarded_response_headers, impersonation)
+                       forwarded_response_headers, impersonation, is_upgrade)
+from .recclient import RecorderError
+from .record import Recording, start_recording
+from .recording import (RecorderPolicy, Session, connect_failed, plan, recorder_addrs, recorder_policy,
+                        session_of)
 
 log = logging.getLogger("containerboot")
 
@@ -59,6 +63,27 @@ class Upstream:
     port: int
     ssl: ssl.SSLContext | None
     host_header: bytes
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling: the WhoIs answer, the impersonation (auth mode) and what its rules say of recording."""
+
+    who: dict
+    imp: Impersonation | None
+    policy: RecorderPolicy
+
+
+class RecorderUnavailable(Exception):
+    """No recorder took the session; str(e) says why for each recorder tried."""
+
+
+async def _start_recording(addrs: tuple[str, ...], session: Session, caller: Caller, target: bytes, *,
+                           fail_open: bool) -> Recording:
+    try:
+        return await start_recording(addrs, session, caller, target, fail_open=fail_open)
+    except RecorderError as e:
+        raise RecorderUnavailable(str(e)) from None
 
 
 class Refused(Exception):
@@ -120,11 +145,17 @@ class ApiServerProxy:
     """Serves one client connection at a time per `handle` call; shared state is read-only or atomic."""
 
     def __init__(self, *, mode: str, upstream: Upstream, token: Callable[[], str],
-                 whois: Callable[[str], Awaitable[dict | None]]) -> None:
+                 whois: Callable[[str], Awaitable[dict | None]],
+                 status: Callable[[], Awaitable[dict]] | None = None,
+                 start_recording: Callable[..., Awaitable[Any]] = _start_recording) -> None:
         if mode not in (AUTH, NOAUTH):
             raise ValueError(f"mode {mode!r}: want {AUTH!r} or {NOAUTH!r}")
         self.mode, self.upstream, self._token, self._whois = mode, upstream, token, whois
-        self._identified: dict[str, tuple[float, Impersonation]] = {}   # open connection's peer -> caller
+        self._status, self._start_recording = status, start_recording
+        self._identified: dict[str, tuple[float, Caller]] = {}   # open connection's peer -> caller
+        self._peers: tuple[float, dict] | None = None            # tailscaled's status, for recorder tags
+        self._events_warned = False
+        self._finishing: set[asyncio.Future[None]] = set()   # recordings being closed after their session
         self.connections = 0    # open client connections (for tests and the status line)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -178,8 +209,9 @@ class ApiServerProxy:
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"connection", b"close")]), h11.Data(data=body), h11.EndOfMessage())
 
-    async def identify(self, peer: str) -> Impersonation:
-        """The caller's impersonation; Refused (403) when it has no identity or a malformed grant."""
+    async def identify(self, peer: str) -> Caller:
+        """The caller (its impersonation in auth mode, its recording rules in both modes); Refused (403) when
+        it has no identity or a malformed grant."""
         now = time.monotonic()
         known = self._identified.get(peer)
         if known is not None and now - known[0] < WHOIS_TTL:
@@ -194,9 +226,9 @@ class ApiServerProxy:
                         "proxy", peer)
             raise Refused(403, "Forbidden", "failed to authenticate caller")
         try:
-            imp = impersonation(who)
-            self._identified[peer] = (now, imp)
-            return imp
+            caller = Caller(who, impersonation(who) if self.mode == AUTH else None, recorder_policy(who.get("CapMap")))
+            self._identified[peer] = (now, caller)
+            return caller
         except NoIdentity as e:
             log.warning("api-server-proxy: failed to authenticate caller %s: %s", peer, e)
             raise Refused(403, "Forbidden", "failed to authenticate caller") from None
@@ -205,6 +237,53 @@ class ApiServerProxy:
             log.error("api-server-proxy: refusing %s (%s): malformed capability grant: %s", peer, name, e)
             raise Refused(403, "Forbidden", f"forbidden: the tailnet policy grants this caller a malformed "
                                             f"capability: {e}; fix the grant in the tailnet policy") from None
+
+    async def _recorders(self, policy: RecorderPolicy) -> tuple[str, ...]:
+        """The recorder addresses of the caller's rules, the `recorder` tags resolved with tailscaled's
+        status (asked at most once per WHOIS_TTL). A status that cannot be read resolves no tag."""
+        if not policy.tags or self._status is None:
+            return recorder_addrs(policy, None)
+        now = time.monotonic()
+        if self._peers is None or now - self._peers[0] >= WHOIS_TTL:
+            try:
+                self._peers = (now, await self._status())
+            except Exception as e:
+                log.warning("api-server-proxy: cannot read tailscaled's status to find the recorders %s: %s",
+                            ", ".join(policy.tags), e)
+                return recorder_addrs(policy, None)
+        return recorder_addrs(policy, self._peers[1])
+
+    async def _recording(self, req: h11.Request, caller: Caller, peer: str) -> Any:
+        """Apply the recording rules before anything is sent to the API server: None to forward the request
+        unrecorded, a started recording to forward it recorded; Refused (403) when it must be recorded and
+        cannot be."""
+        policy = caller.policy
+        if policy.events and not self._events_warned:
+            self._events_warned = True
+            log.warning("api-server-proxy: %s: enableEvents is set, and this proxy does not send API request "
+                        "events to recorders (as with a recorder without the /v2/event endpoint)", policy.which())
+        if not policy.asks:
+            return None
+        session = session_of(req.method, req.target)
+        p = plan(policy, await self._recorders(policy), session, target=req.target,
+                 upgrade=is_upgrade(req.headers))
+        if p.action == "refuse":
+            log.error("api-server-proxy: refusing %s: %s", peer, p.message)
+            raise Refused(403, "Forbidden", p.message)
+        if p.action == "pass":
+            if p.message:
+                log.warning("api-server-proxy: %s: %s", peer, p.message)
+            return None
+        assert session is not None
+        try:
+            return await self._start_recording(p.addrs, session, caller, req.target, fail_open=p.fail_open)
+        except RecorderUnavailable as e:
+            msg = connect_failed(session, str(e), p.fail_open, policy)
+            if p.fail_open:
+                log.warning("api-server-proxy: %s: %s", peer, msg)
+                return None
+            log.error("api-server-proxy: refusing %s: %s", peer, msg)
+            raise Refused(403, "Forbidden", msg) from None
 
     async def _connect(self) -> _Side:
         up = self.upstream
@@ -221,7 +300,9 @@ class ApiServerProxy:
     async def _exchange(self, client: _Side, req: h11.Request, peer: str, upstream: _Side | None) -> _Side | None:
         """Forward one request and its response; the API server connection to keep, or None."""
         try:
-            who = await self.identify(peer) if self.mode == AUTH else None
+            caller = await self.identify(peer)
+            who = caller.imp
+            recording = await self._recording(req, caller, peer)
             headers = forwarded_request_headers(req.headers, host=self.upstream.host_header, who=who,
                                                 token=self._token() if who is not None else "")
         except Refused as r:
@@ -231,6 +312,22 @@ class ApiServerProxy:
             log.error("api-server-proxy: %s", redact(str(e)))
             await self._refuse(client, Refused(500, "InternalError", "the proxy cannot read its own credentials"))
             return upstream
+        if recording is None:
+            return await self._forward(client, req, headers, upstream, None)
+        try:
+            kept = await self._forward(client, req, headers, upstream, recording)
+        except BaseException:
+            recording.abort()
+            raise
+        # The rest of the cast and the recorder's confirmation, without holding the client's connection open
+        # meanwhile (a session refused by the API server leaves a cast with its header).
+        task = asyncio.ensure_future(recording.finish())
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+        return kept
+
+    async def _forward(self, client: _Side, req: h11.Request, headers: list[tuple[bytes, bytes]],
+                       upstream: _Side | None, recording: Recording | None) -> _Side | None:
         if client.conn.they_are_waiting_for_100_continue:
             await client.send(h11.InformationalResponse(status_code=100, headers=[]))
         bodyless = not any(k in (b"content-length", b"transfer-encoding") for k, _ in headers) or \
@@ -271,7 +368,7 @@ class ApiServerProxy:
                 await client.send(h11.InformationalResponse(
                     status_code=101, reason=first.reason,
                     headers=forwarded_response_headers(first.headers, upgrade=True)))
-                await _pipe(client, upstream)
+                await _pipe(client, upstream, recording)
                 upstream.abort()
                 return None
             headers = forwarded_response_headers(first.headers)
@@ -415,20 +512,35 @@ async def _linger(client: _Side) -> None:
         pass
 
 
-async def _pipe(client: _Side, upstream: _Side) -> None:
-    """After a 101: bytes both ways (what h11 already read first) until either side closes."""
-    async def copy(src: _Side, dst: _Side) -> None:
+async def _pipe(client: _Side, upstream: _Side, recording: Recording | None = None) -> None:
+    """After a 101: bytes both ways (what h11 already read first) until either side closes. A recorded session
+    hands each chunk to the recording (and waits for the recorder) before passing it on, so that what the
+    other side received has been recorded; when an enforced recording breaks, the session ends."""
+    async def copy(src: _Side, dst: _Side, feed: Callable[[bytes], None] | None) -> None:
         data, _closed = src.conn.trailing_data
-        if data:
-            dst.writer.write(bytes(data))
-            await dst.writer.drain()
-        while chunk := await src.reader.read(READ_SIZE):
-            dst.writer.write(chunk)
-            await dst.writer.drain()
+        chunk = bytes(data)
+        while True:
+            if chunk:
+                if feed is not None and recording is not None:
+                    feed(chunk)
+                    await recording.send()
+                dst.writer.write(chunk)
+                await dst.writer.drain()
+            chunk = await src.reader.read(READ_SIZE)
+            if not chunk:
+                return
 
-    tasks = [asyncio.ensure_future(copy(client, upstream)), asyncio.ensure_future(copy(upstream, client))]
+    tasks: list[asyncio.Future[Any]] = [
+        asyncio.ensure_future(copy(client, upstream, recording.client if recording else None)),
+        asyncio.ensure_future(copy(upstream, client, recording.server if recording else None))]
+    if recording is not None and not recording.fail_open:
+        tasks.append(asyncio.ensure_future(recording.upload.failed.wait()))   # the recorder went away
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if recording is not None and len(tasks) == 3 and tasks[2] in done and not recording.stopped:
+            recording.abort()
+            log.error("api-server-proxy: connection to the session recorder errored: %s; failure mode set to "
+                      "'fail closed'; closing connection", recording.upload.error)
     finally:
         for t in tasks:
             t.cancel()

@@ -1,0 +1,447 @@
+"""Recorder: a recorder on the tailnet for the API server proxy's session recordings (pure: objects in, objects
+out).
+
+Upstream's resource (`tailscale.com/v1alpha1`, kind `Recorder`, cluster-scoped) and upstream's object names,
+in the controller's namespace: a StatefulSet `<rec>`, per replica a state Secret `<rec>-<i>` and a config
+Secret `<rec>-<i>-config` (the tailscaled config file with the auth key, as a ProxyGroup's replicas have;
+upstream's tsrecorder reads a Secret `<rec>-auth-<i>` instead, since it embeds tailscaled), and a
+ServiceAccount, Role and RoleBinding `<rec>` (or the ServiceAccount named in
+`spec.statefulSet.pod.serviceAccount.name`). The Role names only the replicas' state Secrets
+(controller/proxyrbac.py).
+
+Each Pod runs two containers of the proxy image: `tailscale` (the agent and tailscaled, as in every proxy Pod;
+its device is `<rec>-<i>` with the Recorder's tags, default the controller's proxy tags) and `recorder`
+(`tsrecorder`: the recorder package), which shares the Pod's network namespace and tailscaled's LocalAPI
+socket and listens on the device's tailnet addresses, port 80. Recordings go to `/data/recordings` on the
+volume `data` (an emptyDir, as upstream's default); with `enableUI` the recorder also lists them there.
+
+With `spec.storage.s3` the recorder writes to the bucket (`TSRECORDER_DST=s3://<endpoint>`,
+`TSRECORDER_BUCKET`) with the credentials Secret's keys as its environment (`envFrom`, as upstream).
+
+What this controller cannot do is refused with a message naming the field and the fix (RecorderInvalid):
+`spec.storage.s3` without endpoint, bucket or credentials Secret (this recorder reads no other credentials
+source), `spec.tailnet` (this controller serves one tailnet), more than one replica without S3 (upstream's
+rule). `spec.statefulSet` overrides apply as
+upstream: labels and annotations on the StatefulSet and the Pod, the Pod's affinity, nodeSelector,
+tolerations, imagePullSecrets, securityContext and ServiceAccount, and the `recorder` container's env, image,
+imagePullPolicy, resources and securityContext.
+
+Status (`status()`): `devices` (hostname, tailnetIPs, and with the UI its URL `http://<MagicDNS name>`) from the
+replicas' state Secrets, and the condition RecorderReady (RecorderCreated once every replica is on the tailnet,
+RecorderCreating before, RecorderInvalid for a refused spec).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tscommon.secretcontract import (CONFIG_CAPVERS, KEY_DEVICE_FQDN, KEY_DEVICE_ID, KEY_DEVICE_IPS, config_key,
+                                     parse_device_fqdn, parse_device_ips)
+
+from . import proxyrbac
+from .config import ControllerConfig
+from .render import SPEC_HASH, _hashed, dumps, rehash
+
+GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "recorders", "Recorder"
+COND_READY = "RecorderReady"
+REASON_CREATED = "RecorderCreated"
+REASON_CREATING = "RecorderCreating"
+REASON_INVALID = "RecorderInvalid"
+REASON_FAILED = "RecorderCreationFailed"
+APP = "k8s-operator-recorder"
+LABEL_RECORDER = "tailscale.com/recorder"
+SOCKET_DIR = "/var/run/tailscale"
+SOCKET = SOCKET_DIR + "/tailscaled.sock"
+DATA_DIR = "/data"
+RECORDINGS_DIR = DATA_DIR + "/recordings"
+_TAG = re.compile(r"^tag:[a-zA-Z][a-zA-Z0-9-]*$")
+
+__all__ = ["RecorderInvalid", "RecorderSpec", "decide", "render", "status", "Rendered", "RecorderPass",
+           "RecorderWriter", "SPEC_HASH"]
+
+
+class RecorderInvalid(ValueError):
+    """The Recorder asks for something this controller cannot build; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class RecorderSpec:
+    name: str
+    uid: str
+    replicas: int
+    tags: tuple[str, ...]
+    enable_ui: bool
+    service_account: str
+    sts_labels: Mapping[str, str] = field(default_factory=dict)
+    sts_annotations: Mapping[str, str] = field(default_factory=dict)
+    pod: Mapping[str, Any] = field(default_factory=dict)          # spec.statefulSet.pod, checked
+    generation: int = 0
+    s3_endpoint: str = ""
+    s3_bucket: str = ""
+    s3_secret: str = ""                                           # Secret with AWS_ACCESS_KEY_ID, ...
+
+
+def _get(obj: Mapping[str, Any] | None, *path: str) -> Any:
+    for p in path:
+        if not isinstance(obj, Mapping):
+            return None
+        obj = obj.get(p)
+    return obj
+
+
+def _strmap(v: Any, where: str) -> dict[str, str]:
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping) or not all(isinstance(x, str) for x in v.values()):
+        raise RecorderInvalid(f"{where}: want a map of strings")
+    return dict(v)
+
+
+def decide(obj: Mapping[str, Any], cfg: ControllerConfig) -> RecorderSpec:
+    """The Recorder as this controller builds it; RecorderInvalid naming every problem and its fix."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    problems: list[str] = []
+    replicas = spec.get("replicas", 1)
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+        problems.append(f"spec.replicas={replicas!r}: want a whole number, 0 or more")
+        replicas = 1
+    s3 = _get(spec, "storage", "s3")
+    if s3 is not None:
+        if not isinstance(s3, Mapping) or not s3.get("endpoint") or not s3.get("bucket"):
+            problems.append("spec.storage.s3: want endpoint and bucket (e.g. endpoint: s3.us-east-1.amazonaws.com, "
+                            "bucket: recordings)")
+            s3 = None
+        elif not _get(s3, "credentials", "secret", "name"):
+            problems.append("spec.storage.s3.credentials.secret.name is empty: this recorder takes S3 credentials "
+                            "from a Secret in the controller's namespace (keys AWS_ACCESS_KEY_ID and "
+                            "AWS_SECRET_ACCESS_KEY)")
+            s3 = None
+    elif replicas > 1:
+        problems.append("must use S3 storage when using multiple replicas to ensure recordings are accessible "
+                        f"(spec.replicas={replicas}); use spec.replicas: 1")
+    if spec.get("tailnet"):
+        problems.append(f"spec.tailnet={spec['tailnet']!r}: this controller serves the one tailnet it is "
+                        "configured for; remove spec.tailnet")
+    tags = spec.get("tags")
+    if tags is None or tags == []:
+        tags = list(cfg.proxy_tags)
+    if not isinstance(tags, list) or not all(isinstance(t, str) and _TAG.match(t) for t in tags):
+        problems.append(f"spec.tags={tags!r}: want tags like tag:k8s-recorder (tag:, a letter, then letters, "
+                        "digits or dashes)")
+        tags = list(cfg.proxy_tags)
+    ui = spec.get("enableUI", False)
+    if not isinstance(ui, bool):
+        problems.append(f"spec.enableUI={ui!r}: want true or false")
+        ui = False
+    sts = spec.get("statefulSet") or {}
+    pod = sts.get("pod") or {}
+    try:
+        sts_labels = _strmap(sts.get("labels"), "spec.statefulSet.labels")
+        sts_annotations = _strmap(sts.get("annotations"), "spec.statefulSet.annotations")
+        _strmap(pod.get("labels"), "spec.statefulSet.pod.labels")
+        _strmap(pod.get("annotations"), "spec.statefulSet.pod.annotations")
+        _strmap(pod.get("nodeSelector"), "spec.statefulSet.pod.nodeSelector")
+        _strmap(_get(pod, "serviceAccount", "annotations"), "spec.statefulSet.pod.serviceAccount.annotations")
+    except RecorderInvalid as e:
+        problems.append(str(e))
+        sts_labels, sts_annotations = {}, {}
+    env = _get(pod, "container", "env") or []
+    if not isinstance(env, list) or not all(isinstance(e, Mapping) and isinstance(e.get("name"), str) for e in env):
+        problems.append("spec.statefulSet.pod.container.env: want a list of {name, value}")
+    name = str(meta.get("name") or "")
+    sa = str(_get(pod, "serviceAccount", "name") or name)
+    if problems:
+        raise RecorderInvalid("; ".join(problems))
+    return RecorderSpec(name=name, uid=str(meta.get("uid") or ""), replicas=replicas, tags=tuple(tags),
+                        enable_ui=ui, service_account=sa, sts_labels=sts_labels, sts_annotations=sts_annotations,
+                        pod=pod, generation=int(meta.get("generation") or 0),
+                        s3_endpoint=str(s3["endpoint"]) if s3 else "", s3_bucket=str(s3["bucket"]) if s3 else "",
+                        s3_secret=str(_get(s3, "credentials", "secret", "name") or "") if s3 else "")
+
+
+def labels(r: RecorderSpec) -> dict[str, str]:
+    """On every object of the Recorder: the controller's and upstream's recorder label."""
+    return {"tailscale.com/managed": "true", LABEL_RECORDER: r.name}
+
+
+def state_secret_name(r: RecorderSpec, i: int) -> str:
+    return f"{r.name}-{i}"
+
+
+def config_secret_name(r: RecorderSpec, i: int) -> str:
+    return f"{r.name}-{i}-config"
+
+
+def _owner(r: RecorderSpec) -> list[dict]:
+    return [{"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": r.name, "uid": r.uid, "controller": True,
+             "blockOwnerDeletion": True}]
+
+
+def _meta(r: RecorderSpec, cfg: ControllerConfig, name: str) -> dict:
+    return {"name": name, "namespace": cfg.namespace, "labels": labels(r), "ownerReferences": _owner(r)}
+
+
+def tailscaled_config(r: RecorderSpec, cfg: ControllerConfig, i: int, authkey: str, capver: int) -> dict:
+    """Replica i's tailscaled config (as a ProxyGroup replica's): its host name and, until it has logged in,
+    its auth key."""
+    conf: dict[str, Any] = {"Version": "alpha0", "Locked": False, "ServerURL": cfg.server_url,
+                            "Hostname": f"{r.name}-{i}", "acceptDNS": False, "acceptRoutes": False,
+                            "NoStatefulFiltering": True}
+    if authkey:
+        conf["AuthKey"] = authkey
+    if capver >= 107:
+        conf["AppConnector"] = {"Advertise": False}
+    return conf
+
+
+def config_secret(r: RecorderSpec, cfg: ControllerConfig, i: int, authkey: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(r, cfg, config_secret_name(r, i)),
+            "stringData": {config_key(c): dumps(tailscaled_config(r, cfg, i, authkey, c)) for c in CONFIG_CAPVERS}}
+
+
+def state_secret(r: RecorderSpec, cfg: ControllerConfig, i: int) -> dict:
+    """Empty: the controller makes it so that the Role can name it; the agent fills it."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(r, cfg, state_secret_name(r, i)),
+            "stringData": {}}
+
+
+def rbac(r: RecorderSpec, cfg: ControllerConfig) -> tuple[dict | None, dict, dict]:
+    """ServiceAccount (None when spec.statefulSet.pod.serviceAccount names one to use), Role and RoleBinding
+    `<rec>`; the Role allows the replicas' state Secrets only."""
+    sa, role, binding = proxyrbac.identity(r.name, cfg.namespace, labels(r),
+                                           [state_secret_name(r, i) for i in range(r.replicas)])
+    for o in (sa, role, binding):
+        o["metadata"]["ownerReferences"] = _owner(r)
+    sa_ann = _get(r.pod, "serviceAccount", "annotations") or {}
+    if sa_ann:
+        sa["metadata"]["annotations"] = {**sa["metadata"].get("annotations", {}), **sa_ann}
+    binding["subjects"] = [{"kind": "ServiceAccount", "name": r.service_account, "namespace": cfg.namespace}]
+    return (rehash(sa) if r.service_account == r.name else None), rehash(role), rehash(binding)
+
+
+def statefulset(r: RecorderSpec, cfg: ControllerConfig) -> dict:
+    pod_over = r.pod
+    volumes: list[dict] = [{"name": "tailscaled-socket", "emptyDir": {}}, {"name": "data", "emptyDir": {}}]
+    sock = {"name": "tailscaled-socket", "mountPath": SOCKET_DIR}
+    mounts: list[dict] = [sock]
+    for i in range(r.replicas):
+        volumes.append({"name": f"tailscaledconfig-{i}", "secret": {"secretName": config_secret_name(r, i)}})
+        mounts.append({"name": f"tailscaledconfig-{i}", "mountPath": f"/etc/tsconfig/{state_secret_name(r, i)}",
+                       "readOnly": True})
+
+    def fieldref(path: str) -> dict:
+        return {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+    tailscale = {
+        "name": "tailscale", "image": cfg.proxy_image, "imagePullPolicy": cfg.image_pull_policy,
+        "env": [{"name": "POD_NAME", **fieldref("metadata.name")}, {"name": "POD_UID", **fieldref("metadata.uid")},
+                {"name": "TS_USERSPACE", "value": "false"},
+                {"name": "TS_KUBE_SECRET", "value": "$(POD_NAME)"},
+                {"name": "TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR", "value": "/etc/tsconfig/$(POD_NAME)"},
+                {"name": "TS_SOCKET", "value": SOCKET},
+                {"name": "TS_INTERNAL_APP", "value": APP}],
+        "resources": cfg.proxy_resources, "volumeMounts": mounts,
+        # a kernel TUN device: the recorder listens on the tailnet addresses tailscaled puts on tailscale0
+        "securityContext": {"privileged": True}}
+    c_over = _get(pod_over, "container") or {}
+    if r.s3_bucket:
+        env = [{"name": "TSRECORDER_DST", "value": f"s3://{r.s3_endpoint}"},
+               {"name": "TSRECORDER_BUCKET", "value": r.s3_bucket}]
+    else:
+        env = [{"name": "TSRECORDER_DST", "value": RECORDINGS_DIR}]
+    env.append({"name": "TS_SOCKET", "value": SOCKET})
+    if r.enable_ui:
+        env.append({"name": "TSRECORDER_UI", "value": "true"})
+    # the user's env last, as upstream: its value wins over a rendered one of the same name
+    env = [e for e in env if e["name"] not in {x["name"] for x in c_over.get("env") or ()}] + \
+        [dict(e) for e in c_over.get("env") or ()]
+    recorder: dict[str, Any] = {
+        "name": "recorder", "image": c_over.get("image") or cfg.proxy_image,
+        "imagePullPolicy": c_over.get("imagePullPolicy") or cfg.image_pull_policy,
+        "command": ["tsrecorder"], "env": env,
+        "volumeMounts": [sock, {"name": "data", "mountPath": DATA_DIR}],
+        # port 80 on the tailnet addresses needs this one capability, nothing else
+        "securityContext": c_over.get("securityContext") or {
+            "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}}
+    if c_over.get("resources"):
+        recorder["resources"] = dict(c_over["resources"])
+    if r.s3_secret:
+        # each key of the Secret an environment variable, as upstream (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)
+        recorder["envFrom"] = [{"secretRef": {"name": r.s3_secret}}]
+    pod_spec: dict[str, Any] = {"serviceAccountName": r.service_account, "containers": [tailscale, recorder],
+                                "volumes": volumes}
+    for k in ("affinity", "nodeSelector", "tolerations", "imagePullSecrets", "securityContext"):
+        if pod_over.get(k):
+            pod_spec[k] = pod_over[k]
+    if "imagePullSecrets" not in pod_spec and cfg.proxy_image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in cfg.proxy_image_pull_secrets]
+    pod_labels = {**(pod_over.get("labels") or {}), **labels(r)}
+    template_meta: dict[str, Any] = {"labels": pod_labels}
+    if pod_over.get("annotations"):
+        template_meta["annotations"] = dict(pod_over["annotations"])
+    meta = _meta(r, cfg, r.name)
+    meta["labels"] = {**r.sts_labels, **labels(r)}
+    if r.sts_annotations:
+        meta["annotations"] = dict(r.sts_annotations)
+    return _hashed({
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta,
+        "spec": {"replicas": r.replicas, "serviceName": r.name, "selector": {"matchLabels": labels(r)},
+                 "podManagementPolicy": "Parallel",
+                 "template": {"metadata": template_meta, "spec": pod_spec}}})
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """In the order they are applied: the Secrets, then the identity, then the StatefulSet."""
+
+    secrets: tuple[dict, ...]
+    service_account: dict | None
+    role: dict
+    role_binding: dict
+    statefulset: dict
+
+    def objects(self) -> list[dict]:
+        return [*self.secrets, *([self.service_account] if self.service_account else []), self.role,
+                self.role_binding, self.statefulset]
+
+
+def render(r: RecorderSpec, cfg: ControllerConfig, authkeys: Sequence[str]) -> Rendered:
+    """Every object of the Recorder; `authkeys[i]` is replica i's (empty once it has logged in)."""
+    if len(authkeys) != r.replicas:
+        raise ValueError(f"{len(authkeys)} auth keys for {r.replicas} replicas")
+    secrets: list[dict] = []
+    for i in range(r.replicas):
+        secrets += [state_secret(r, cfg, i), config_secret(r, cfg, i, authkeys[i])]
+    sa, role, binding = rbac(r, cfg)
+    return Rendered(tuple(secrets), sa, role, binding, statefulset(r, cfg))
+
+
+def _b64(data: Mapping[str, Any], key: str) -> bytes | None:
+    v = data.get(key)
+    return base64.b64decode(v) if isinstance(v, str) else None
+
+
+def devices(r: RecorderSpec, state_secrets: Mapping[str, Mapping[str, Any]]) -> list[dict]:
+    """The replicas on the tailnet, from their state Secrets (by name): hostname, tailnetIPs and, with the UI,
+    its URL."""
+    out = []
+    for i in range(r.replicas):
+        s = state_secrets.get(state_secret_name(r, i))
+        if not s:
+            continue
+        data = s.get("data") or {}
+        fqdn = parse_device_fqdn(_b64(data, KEY_DEVICE_FQDN))
+        ips = list(parse_device_ips(_b64(data, KEY_DEVICE_IPS)))
+        if not fqdn and not ips:
+            continue
+        d: dict[str, Any] = {"hostname": fqdn.split(".")[0] if fqdn else f"{r.name}-{i}", "tailnetIPs": ips}
+        if r.enable_ui and fqdn:
+            d["url"] = f"http://{fqdn.rstrip('.')}"
+        out.append(d)
+    return out
+
+
+def status(r: RecorderSpec | None, state_secrets: Mapping[str, Mapping[str, Any]], *, invalid: str = "",
+           now: str, previous: Mapping[str, Any] | None = None, generation: int = 0) -> dict:
+    """The Recorder's status: its devices and the RecorderReady condition (its lastTransitionTime kept while
+    the status stays the same)."""
+    if invalid or r is None:
+        devs: list[dict] = []
+        st, reason, msg = "False", REASON_INVALID, invalid
+    else:
+        devs = devices(r, state_secrets)
+        if len(devs) >= r.replicas:
+            st, reason, msg = "True", REASON_CREATED, REASON_CREATED
+        else:
+            st, reason, msg = "False", REASON_CREATING, (f"{len(devs)}/{r.replicas} replicas are on the tailnet")
+        generation = r.generation
+    old = next((c for c in (previous or {}).get("conditions") or () if c.get("type") == COND_READY), None)
+    when = old["lastTransitionTime"] if old and old.get("status") == st and old.get("lastTransitionTime") else now
+    cond = {"type": COND_READY, "status": st, "reason": reason, "message": msg, "lastTransitionTime": when,
+            "observedGeneration": generation}
+    return {"conditions": [cond], "devices": devs}
+
+
+# ---- the pass: what the controller does for one Recorder, through a writer it is given -------------------------
+
+class RecorderWriter(Protocol):
+    """The I/O a Recorder pass needs, each verb one Kubernetes or control-plane call (the controller shell's
+    writer object provides them)."""
+
+    async def get_secret(self, name: str) -> Mapping[str, Any] | None:
+        """A Secret of the controller's namespace, or None."""
+
+    async def apply(self, obj: dict) -> None:
+        """Create or update the object (unchanged SPEC_HASH: no write)."""
+
+    async def delete_secret(self, name: str) -> None:
+        """Delete a Secret of the controller's namespace if it exists."""
+
+    async def mint_authkey(self, tags: tuple[str, ...]) -> str:
+        """A single-use, pre-authorized auth key for a device with these tags."""
+
+    async def patch_status(self, obj: Mapping[str, Any], status: dict) -> None:
+        """Write the Recorder's status subresource."""
+
+    async def event(self, obj: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        """An event on the Recorder (kind Normal or Warning)."""
+
+
+def _logged_in(state: Mapping[str, Any] | None) -> bool:
+    return bool(state and (state.get("data") or {}).get(KEY_DEVICE_ID))
+
+
+def _config_authkey(config: Mapping[str, Any] | None) -> str:
+    """The auth key already in a replica's config Secret (kept until the replica has logged in)."""
+    raw = _b64((config or {}).get("data") or {}, config_key(CONFIG_CAPVERS[0]))
+    if not raw:
+        return ""
+    try:
+        return str(json.loads(raw).get("AuthKey") or "")
+    except ValueError:
+        return ""
+
+
+class RecorderPass:
+    """One reconcile of one Recorder: decide, render, apply, status. Deletion needs nothing here: every object
+    is owned by the Recorder, so the garbage collector removes them with it (devices are removed by the
+    controller's provider as for any proxy, from the state Secrets, before they go)."""
+
+    def __init__(self, writer: RecorderWriter, cfg: ControllerConfig, now: Callable[[], str]) -> None:
+        self.writer, self.cfg, self.now = writer, cfg, now
+
+    async def reconcile(self, obj: Mapping[str, Any]) -> None:
+        try:
+            r = decide(obj, self.cfg)
+        except RecorderInvalid as e:
+            await self.writer.event(obj, "Warning", REASON_INVALID, str(e))
+            await self.writer.patch_status(obj, status(None, {}, invalid=str(e), now=self.now(),
+                                                       previous=obj.get("status"),
+                                                       generation=int((obj.get("metadata") or {}).get("generation")
+                                                                      or 0)))
+            return
+        states = {state_secret_name(r, i): await self.writer.get_secret(state_secret_name(r, i))
+                  for i in range(r.replicas)}
+        keys = []
+        for i in range(r.replicas):
+            if _logged_in(states[state_secret_name(r, i)]):
+                keys.append("")
+                continue
+            key = _config_authkey(await self.writer.get_secret(config_secret_name(r, i)))
+            keys.append(key or await self.writer.mint_authkey(r.tags))
+        for o in render(r, self.cfg, keys).objects():
+            if o["kind"] == "Secret" and o["metadata"]["name"] in states and states[o["metadata"]["name"]]:
+                continue     # a state Secret the agent already fills: never overwritten
+            await self.writer.apply(o)
+        # replicas beyond spec.replicas (a scale-down): their Secrets go once the StatefulSet has shrunk
+        i = r.replicas
+        while await self.writer.get_secret(state_secret_name(r, i)) is not None:
+            await self.writer.delete_secret(state_secret_name(r, i))
+            await self.writer.delete_secret(config_secret_name(r, i))
+            i += 1
+        await self.writer.patch_status(obj, status(r, {k: v for k, v in states.items() if v}, now=self.now(),
+                                                   previous=obj.get("status")))

@@ -1,0 +1,1 @@
+"""A session recorder: accepts recordings over upstream's recording protocol and stores them as cast files."""

@@ -1,0 +1,83 @@
+"""Our recorder against upstream's own recording client (tailscale.com/sessionrecording.ConnectToRecorder, built
+from the Go module cache into tests/support/upstream_recclient): it asks for version 2 of the protocol, falls
+back to `/record`, uploads a cast line by line and gets the recorder's confirmation; the stored cast is what
+it sent, and asciinema's own tooling reads it."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from recorder import v2
+from recorder.server import Recorder
+from recorder.store import FileStore
+
+SRC = pathlib.Path(__file__).parent / "support" / "upstream_recclient"
+CACHE = pathlib.Path(os.environ.get("CB_CACHE", pathlib.Path.home() / ".cache" / "containerboot-py")) / "bin"
+CAST = (b'{"version":2,"width":80,"height":24,"timestamp":1700000000,"srcNode":"laptop.tail.example",'
+        b'"kubernetes":{"PodName":"web","Namespace":"team-a","Container":"app","SessionType":"exec"}}\n'
+        b'[0.1,"o","$ echo hi\\r\\n"]\n[0.2,"o","hi\\r\\n"]\n[0.3,"r","100x30"]\n')
+
+
+def client_binary() -> pathlib.Path:
+    """Built once per source version into the shared cache (offline: the module cache must hold the modules)."""
+    if shutil.which("go") is None:
+        pytest.skip("no Go toolchain")
+    digest = hashlib.sha256(b"".join((SRC / f).read_bytes() for f in ("go.mod", "go.sum", "main.go"))).hexdigest()
+    out = CACHE / f"upstream-recclient-{digest[:12]}"
+    if out.exists():
+        return out
+    CACHE.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "GOFLAGS": "-mod=mod", "GOPROXY": "off", "GOSUMDB": "off", "GOTOOLCHAIN": "local",
+           "CGO_ENABLED": "0"}
+    r = subprocess.run(["go", "build", "-o", str(out) + ".tmp", "."], cwd=SRC, env=env, capture_output=True,
+                       text=True, timeout=900)
+    if r.returncode != 0:
+        if "module lookup disabled" in r.stderr or "missing go.sum entry" in r.stderr:
+            pytest.skip(f"upstream's modules are not in the Go module cache: {r.stderr[-300:]}")
+        raise AssertionError(r.stderr)
+    os.rename(str(out) + ".tmp", out)
+    return out
+
+
+@pytest.mark.parametrize("version", [2, 1])
+async def test_upstreams_client_records_into_our_recorder_and_asciinema_reads_it(tmp_path, version, monkeypatch,
+                                                                                 caplog):
+    """Version 2 (HTTP/2 with acks) when the recorder has h2, else version 1 after upstream's fallback."""
+    caplog.set_level(logging.INFO, logger="recorder")
+    binary = client_binary()
+    if version == 1:
+        monkeypatch.setattr(v2, "AVAILABLE", False)
+    store = FileStore(str(tmp_path / "recordings"))
+    rec = Recorder(store)
+    server = await asyncio.start_server(rec.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    # a closed port first: the client tries the next recorder, as it does with several
+    probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    dead = probe.sockets[0].getsockname()[1]
+    probe.close()
+    await probe.wait_closed()
+    proc = await asyncio.create_subprocess_exec(str(binary), f"127.0.0.1:{dead}", f"127.0.0.1:{port}",
+                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    out, _ = await asyncio.wait_for(proc.communicate(CAST), 120)
+    server.close()
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert text.splitlines()[-1] == "uploaded"
+    assert f'attempt 127.0.0.1:{dead} "recording: error starting recording on' in text
+    (entry,) = store.list()
+    path = store.path(entry.name)
+    assert path and pathlib.Path(path).read_bytes() == CAST
+    assert entry.kubernetes["PodName"] == "web" and entry.node == "laptop.tail.example"
+    assert ("started (version 2)" in caplog.text) == (version == 2)
+    pytest.importorskip("asciinema")
+    cat = subprocess.run([sys.executable, "-m", "asciinema", "cat", path], capture_output=True, timeout=60)
+    assert cat.returncode == 0, cat.stderr
+    assert cat.stdout == b"$ echo hi\r\nhi\r\n"
