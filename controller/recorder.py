@@ -44,7 +44,7 @@ from tscommon.secretcontract import (CONFIG_CAPVERS, KEY_DEVICE_FQDN, KEY_DEVICE
 
 from . import proxyrbac
 from .config import ControllerConfig
-from .render import SPEC_HASH, _hashed, dumps, rehash
+from .render import SPEC_HASH, hashed, dumps, rehash
 
 GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "recorders", "Recorder"
 COND_READY = "RecorderReady"
@@ -287,7 +287,7 @@ def statefulset(r: RecorderSpec, cfg: ControllerConfig) -> dict:
     meta["labels"] = {**r.sts_labels, **labels(r)}
     if r.sts_annotations:
         meta["annotations"] = dict(r.sts_annotations)
-    return _hashed({
+    return hashed({
         "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta,
         "spec": {"replicas": r.replicas, "serviceName": r.name, "selector": {"matchLabels": labels(r)},
                  "podManagementPolicy": "Parallel",

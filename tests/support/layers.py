@@ -5,7 +5,8 @@ under `if TYPE_CHECKING:` (a type-only import is still a dependency a reader mus
 circle hides). The rules:
 
 - packages import only the layers below them: `tscommon` nothing of ours; `netfilter`, `serveconfig` and
-  `nameserver` only `tscommon`; `containerboot` and `controller` those, never each other; the lab's tooling
+  `nameserver` only `tscommon`; `containerboot` and `controller` those, never each other; `recorder` (the
+  session recorder) `tscommon` and `containerboot` (it runs beside tailscaled as the agent does); the lab's tooling
   (`labtools`, `bench`, `tests`) sits on top and no shipped package imports it;
 - a pure module (the list `PURE`: data in, data out, no I/O) imports only pure modules of ours and no library
   that does I/O (`IO_LIBRARIES`); every module whose docstring calls it pure is in the list;
@@ -25,6 +26,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "netfilter": frozenset({"netfilter", "tscommon"}),
     "serveconfig": frozenset({"serveconfig", "tscommon"}),
     "nameserver": frozenset({"nameserver", "tscommon"}),
+    "recorder": frozenset({"recorder", "tscommon", "containerboot"}),
     "containerboot": frozenset({"containerboot", "tscommon", "netfilter", "serveconfig", "nameserver"}),
     "controller": frozenset({"controller", "tscommon", "netfilter", "serveconfig", "nameserver"}),
 }
@@ -37,7 +39,9 @@ PURE: frozenset[str] = frozenset({
     "netfilter.model", "netfilter.plan",
     "serveconfig.model", "serveconfig.status",
     "nameserver.answer", "nameserver.records",
-    "containerboot.apiproxy.identity", "containerboot.desired", "containerboot.kube.secretstate",
+    "containerboot.apiproxy.cast", "containerboot.apiproxy.identity",
+    "containerboot.apiproxy.recording", "containerboot.apiproxy.streams",
+    "containerboot.desired", "containerboot.kube.secretstate",
     "containerboot.login", "containerboot.proxyservices", "containerboot.reachability", "containerboot.settings",
     "containerboot.state", "containerboot.status",
     "controller.config", "controller.dnsconfig", "controller.kindtable", "controller.kinds", "controller.resources",
@@ -45,6 +49,7 @@ PURE: frozenset[str] = frozenset({
     "controller.kinds.connector", "controller.kinds.egress", "controller.kinds.ingress",
     "controller.kinds.proxygroup", "controller.kinds.service", "controller.kinds.tailnet", "controller.model",
     "controller.pgrender", "controller.podsecurity", "controller.proxyclass", "controller.proxyrbac",
+    "controller.recorder",
     "controller.render", "controller.sameness", "controller.status", "controller.validation",
 })
 
