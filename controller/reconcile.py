@@ -29,7 +29,7 @@ from .model import (APISERVER, CONNECTOR, FINALIZER, INGRESS, LABEL_PROXY_GROUP,
                     Invalid, Parent, Pending, ProxySpec)
 from .pgreconcile import GroupReconciler
 from .sameness import same
-from .providers import Provider, ProviderError
+from .providers import REASON_UNSUPPORTED, Provider, ProviderError, limitations
 
 log = logging.getLogger("controller")
 
@@ -120,6 +120,9 @@ class Reconciler:
         if sel.misplaced:
             decision = dataclasses.replace(decision, notices=decision.notices + (
                 ("Warning", pcl.REASON_ANNOTATION, pcl.annotation_message(_k8s_kind(kind), sel.misplaced)),))
+        if limits := limitations(self.provider, kind, decision.spec.apiserver_proxy_mode == "auth"):
+            decision = dataclasses.replace(decision, notices=decision.notices + tuple(
+                ("Warning", REASON_UNSUPPORTED, m) for m in limits))
         pc: pcl.ProxyClass | None = None
         spec = decision.spec
         waiting = ""                  # why the class cannot be used (missing, or not valid)
@@ -280,6 +283,8 @@ class Reconciler:
                     keys.append(st.config_authkey(data) if action == "keep" else "")
         except ProviderError as e:
             msg = f"no auth key: {e}" if "no auth key" not in str(e) else str(e)
+            if e.reason:        # the control plane's version cannot do it: said once as an event too
+                await self._warn(obj, kind, e.reason, msg)
             await self._write_status(kind, obj, spec, [], st.Readiness(False, _failed(kind), msg))
             raise
         rendered = render.render(spec, cfg, tuple(keys))
