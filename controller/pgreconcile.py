@@ -142,7 +142,7 @@ class GroupReconciler:
         except ProviderError as e:
             await self._group_status(obj, [], (False, "ProxyGroupCreationFailed", f"no auth key: {e}"))
             if e.reason:        # the control plane's version cannot do it: said once as an event too
-                await rec._warn(obj, PROXYGROUP, e.reason, f"no auth key: {e}")
+                await rec._warn(obj, PROXYGROUP, e.reason, str(e))
             raise
         cm = await kube.get(CONFIGMAPS, pgrender.configmap_name(g.name), ns)
         if cm is None:

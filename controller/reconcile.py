@@ -284,7 +284,7 @@ class Reconciler:
         except ProviderError as e:
             msg = f"no auth key: {e}" if "no auth key" not in str(e) else str(e)
             if e.reason:        # the control plane's version cannot do it: said once as an event too
-                await self._warn(obj, kind, e.reason, msg)
+                await self._warn(obj, kind, e.reason, str(e))
             await self._write_status(kind, obj, spec, [], st.Readiness(False, _failed(kind), msg))
             raise
         rendered = render.render(spec, cfg, tuple(keys))

@@ -83,10 +83,6 @@ async def _inner(req: Mapping[str, Any]) -> dict:
     """Run the provider's calls of `req["ops"]` against the lab's headscale; results and the exchanges."""
     import httpx
 
-    from controller.providers import ProviderError
-    from controller.providers.headscale import HeadscaleProvider
-    from controller.providers.hscompat import Capabilities
-
     exchanges: list[dict] = []
 
     class Recording(httpx.AsyncHTTPTransport):
@@ -105,46 +101,59 @@ async def _inner(req: Mapping[str, Any]) -> dict:
                 answer = body.decode(errors="replace")
             exchanges.append({"method": request.method, "path": request.url.path, "request": scrub(sent),
                               "status": r.status_code, "response": scrub(answer)})
-            return httpx.Response(r.status_code, headers=r.headers, content=body, request=request)
+            headers = [(k, v) for k, v in r.headers.items() if k.lower() not in ("content-encoding", "content-length")]
+            return httpx.Response(r.status_code, headers=headers, content=body, request=request)
 
     results = []
     for op in req["ops"]:
-        caps = None
-        if op.get("assume_newest"):     # as when detection found nothing: headscale's own answer is seen
-            caps = Capabilities("0.29 (assumed)", (0, 29), detected=False)
-        p = HeadscaleProvider(req["url"], api_key=op.get("api_key", req["api_key"]), user=op.get("user", ""),
-                              transport=Recording(), capabilities=caps)
         start = len(exchanges)
-        try:
-            kind = op["op"]
-            if kind == "detect":
-                c = await p.detect()
-                out: Any = {"version": c.version, "level": list(c.level), "summary": c.summary(user_set=False)}
-            elif kind == "create":
-                out = {"key": await p.create_auth_key(tuple(op["tags"]))}
-            elif kind == "tags":
-                t = await p.device_tags(op["id"])
-                out = {"tags": None if t is None else list(t)}
-            elif kind == "settags":
-                await p.set_device_tags(op["id"], tuple(op["tags"]))
-                out = {"set": True}
-            elif kind == "approve":
-                routes = await p.approve_routes(op["id"], tuple(op["routes"]))
-                out = {"approved": None if routes is None else list(routes)}
-            elif kind == "delete":
-                out = {"deleted": await p.delete_device(op["id"])}
-            elif kind == "policy":
-                await p._caps()
-                answer = await p._client.put("/api/v1/policy", json={"policy": op["policy"]}, headers=p._headers())
-                out = {"status": answer.status_code, "message": _message(answer.text)}
-            else:
-                raise ValueError(f"unknown op {kind}")
-        except ProviderError as e:
-            out = {"error": str(e), "reason": e.reason}
-        finally:
-            await p.aclose()
+        out = await run_op(op, req["url"], req["api_key"], Recording())
         results.append({"op": op, "result": out, "exchanges": exchanges[start:]})
     return {"results": results}
+
+
+async def run_op(op: Mapping[str, Any], url: str, api_key: str, transport: Any) -> Any:
+    """One of the provider's calls, as the controller makes it, through `transport` (recording in the lab,
+    replaying the recording in the unit tests); its result, or its error as the user sees it."""
+    from controller.providers import ProviderError
+    from controller.providers.headscale import HeadscaleProvider
+    from controller.providers.hscompat import Capabilities
+
+    caps = None
+    if op.get("assume_newest"):     # as when detection found nothing: headscale's own answer is seen
+        caps = Capabilities("0.29 (assumed)", (0, 29), detected=False)
+    p = HeadscaleProvider(url, api_key=op.get("api_key", api_key), user=op.get("user", ""), transport=transport,
+                          capabilities=caps)
+    out: Any
+    try:
+        kind = op["op"]
+        if kind == "detect":
+            c = await p.detect()
+            out = {"version": c.version, "level": list(c.level), "summary": c.summary(user_set=False)}
+        elif kind == "create":
+            out = {"key": await p.create_auth_key(tuple(op["tags"]))}
+        elif kind == "tags":
+            t = await p.device_tags(op["id"])
+            out = {"tags": None if t is None else list(t)}
+        elif kind == "settags":
+            await p.set_device_tags(op["id"], tuple(op["tags"]))
+            out = {"set": True}
+        elif kind == "approve":
+            routes = await p.approve_routes(op["id"], tuple(op["routes"]))
+            out = {"approved": None if routes is None else list(routes)}
+        elif kind == "delete":
+            out = {"deleted": await p.delete_device(op["id"])}
+        elif kind == "policy":
+            await p._caps()
+            answer = await p._client.put("/api/v1/policy", json={"policy": op["policy"]}, headers=p._headers())
+            out = {"status": answer.status_code, "message": _message(answer.text)}
+        else:
+            raise ValueError(f"unknown op {kind}")
+    except ProviderError as e:
+        out = {"error": str(e), "reason": e.reason}
+    finally:
+        await p.aclose()
+    return out
 
 
 def _message(body: str) -> str:
@@ -171,6 +180,9 @@ class Run:
         if cp.returncode != 0:
             raise RuntimeError(f"{scenario}: the provider's run failed:\n{cp.stderr[-3000:]}")
         results = json.loads(cp.stdout.strip().splitlines()[-1])["results"]
+        for r in results:       # the (wrong or expired) API keys of the error scenarios stay out of the record
+            if "api_key" in r["op"]:
+                r["op"]["api_key"] = "hskey-api-RECORDED-NOT-VALID"
         self.scenarios.setdefault(scenario, []).extend(results)
         return [r["result"] for r in results]
 
@@ -286,12 +298,14 @@ def _policies(run: Run) -> None:
         res = run.call("policies", {"op": "policy", "policy": text})[0]
         got.setdefault(name, []).append("accepted" if res.get("status") == 200 else
                                         f"refused: {_short(res.get('message') or str(res))}")
-    # the newest minor's minimal policy, as a user of an older headscale following an older guide would load it
-    newest = [t for n, m, t in doc_policies() if n == "minimal" and "0.29" in m]
-    if newest and minor(run.version) != "0.29":
-        res = run.call("policies", {"op": "policy", "policy": newest[0]})[0]
-        run.cells["policy: minimal of 0.29"] = ("accepted" if res.get("status") == 200 else
-                                                "refused: " + _short(res.get("message") or ""))
+    # 0.29's minimal and grants examples, as a user of an older headscale following the newest guide would load
+    # them: refused, or (worse) accepted with a part ignored
+    for name in ("minimal", "grants"):
+        newest = [t for n, m, t in doc_policies() if n == name and "0.29" in m]
+        if newest and minor(run.version) != "0.29":
+            res = run.call("policies", {"op": "policy", "policy": newest[0]})[0]
+            run.cells[f"policy: {name} of 0.29"] = ("accepted" if res.get("status") == 200 else
+                                                    "refused: " + _short(res.get("message") or ""))
     for name in ("minimal", "tags", "routes", "grants"):
         verdicts = got.get(name)
         run.cells[f"policy: {name}"] = ("; ".join(verdicts) if verdicts else "no example (not available)")
@@ -318,10 +332,27 @@ def _auto_approval(run: Run) -> None:
         run.cells["policy: routes"] += "; auto-approval failed: " + _short(str(e))
 
 
+#: The proxies' end-to-end tests run against each version with `--e2e` (our agent and tailscaled v1.102.3).
+E2E_MODULES = ("netns-tests/test_ingress_e2e.py", "netns-tests/test_egress_e2e.py", "netns-tests/test_connector_e2e.py")
+E2E_FEATURE = "proxies: L3 ingress, egress, subnet router, exit node"
+
+
+def run_e2e(version: str) -> str:
+    """The proxies' e2e modules (E2E_MODULES) with this headscale: pytest's summary line."""
+    import subprocess
+    cp = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *E2E_MODULES],
+                        cwd=REPO_ROOT, env={**os.environ, "HEADSCALE_VERSION": version}, capture_output=True,
+                        text=True, timeout=1800)
+    lines = [ln for ln in cp.stdout.splitlines() if ln.strip()]
+    summary = lines[-1].strip("= ") if lines else cp.stderr[-300:]
+    return f"works ({summary})" if cp.returncode == 0 else f"failed ({_short(summary)})"
+
+
 def table(rows: Mapping[str, Mapping[str, str]]) -> str:
     """The matrix as Markdown: a line per feature, a column per version."""
     versions = list(rows)
-    feats = [f for f in (*FEATURES, "policy: minimal of 0.29") if any(f in rows[v] for v in versions)]
+    feats = [f for f in (*FEATURES, "policy: minimal of 0.29", "policy: grants of 0.29", E2E_FEATURE)
+             if any(f in rows[v] for v in versions)]
     out = ["| feature | " + " | ".join(f"headscale {v}" for v in versions) + " |",
            "|---|" + "---|" * len(versions)]
     for f in feats:
@@ -345,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--versions", default=os.environ.get("HEADSCALE_VERSIONS", ",".join(HEADSCALE_VERSIONS)))
     ap.add_argument("--record", type=Path, help="write the REST exchanges under this directory")
     ap.add_argument("--write-docs", action="store_true", help="render the table into docs/install-headscale.md")
+    ap.add_argument("--e2e", action="store_true", help="also run the proxies' e2e tests against each version")
     a = ap.parse_args(args)
     rows: dict[str, dict[str, str]] = {}
     for v in [x.strip() for x in a.versions.split(",") if x.strip()]:
@@ -353,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows[v] = run_version(v, a.record)
         except Exception as e:       # one version's failure is a line of the table, the others still run
             rows[v] = {"detected": "lab failed: " + _short(str(e), 300)}
+        if a.e2e:
+            rows[v][E2E_FEATURE] = run_e2e(v)
         print(f"[compat] headscale {v}: {time.monotonic() - t0:.0f}s", file=sys.stderr)
     text = table(rows)
     print(text)

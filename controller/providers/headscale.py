@@ -95,17 +95,24 @@ class HeadscaleProvider:
 
     def limitations(self, kind: str, auth_mode: bool = False) -> tuple[str, ...]:
         """What this server cannot do for a parent of `kind` (controller.model's kinds); () before the version is
-        known. Key minting without a user is refused at minting time (every parent needs a key), so only the API
-        server proxy's grants are a limitation of their own."""
+        known. Every parent needs a key: a server that cannot mint one without a user, with no user set, is a
+        limitation of all (the same words as the minting's error, so that the event is sent once)."""
         caps = self.capabilities
         if caps is None:
             return ()
         if not caps.supported:
             return (f"headscale: {caps.too_old()}",)
+        found = []
+        if not self.user and not caps.has(TAG_ONLY_KEYS):
+            found.append(self._no_tag_only_keys(caps))
         from ..model import APISERVER
         if kind == APISERVER and auth_mode and not caps.has(GRANTS):
-            return (f"headscale: {GRANTS.refusal(caps.version)}",)
-        return ()
+            found.append(f"headscale: {GRANTS.refusal(caps.version)}")
+        return tuple(found)
+
+    @staticmethod
+    def _no_tag_only_keys(caps: Capabilities) -> str:
+        return f"headscale: creating a pre-auth key: {TAG_ONLY_KEYS.refusal(caps.version)}"
 
     # ---- calls
 
@@ -130,8 +137,7 @@ class HeadscaleProvider:
         what = "creating a pre-auth key"
         caps = await self._caps()
         if not self.user and not caps.has(TAG_ONLY_KEYS):
-            raise ProviderError(f"headscale: {what}: {TAG_ONLY_KEYS.refusal(caps.version)}", transient=False,
-                                reason=REASON_UNSUPPORTED)
+            raise ProviderError(self._no_tag_only_keys(caps), transient=False, reason=REASON_UNSUPPORTED)
         exp = datetime.datetime.fromtimestamp(time.time() + KEY_TTL, datetime.timezone.utc)
         body: dict = {"reusable": False, "ephemeral": False, "aclTags": list(tags),
                       "expiration": exp.strftime("%Y-%m-%dT%H:%M:%SZ")}
