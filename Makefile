@@ -129,8 +129,9 @@ bench: setup-bin
 ## HEADSCALE_VERSIONS (default v0.26.1,v0.27.1,v0.28.0,v0.29.2; each built once) the controller's provider, a real
 ## tailscaled and the proxies' e2e tests against that headscale; prints the table, records the REST answers for
 ## the unit tests (tests/data/headscale/) and renders the table into the docs (root).
+COMPAT_ARGS ?= --e2e --record tests/data/headscale --write-docs
 compat: setup-bin
-	$(PY) -m labtools.hsmatrix compat --e2e --record tests/data/headscale --write-docs
+	$(PY) -m labtools.hsmatrix compat $(COMPAT_ARGS)
 
 ## clean-lab: remove namespaces left by an interrupted lab run (only ones this project created).
 clean-lab:

@@ -279,7 +279,7 @@ def _retag(run: Run, nid: str) -> str:
         {"op": "settags", "id": nid, "tags": ["tag:k8s", "tag:web"]},
         {"op": "settags", "id": nid, "tags": ["tag:k8s", "tag:nope"]},
         {"op": "settags", "id": nid, "tags": ["tag:k8s"]},
-        {"op": "policy", "policy": "{}"})
+        {"op": "policy", "policy": run.lab.hs_open_policy})
     if pol.get("status") != 200:
         return "policy refused: " + _short(str(pol))
     if "error" in web:
@@ -313,7 +313,7 @@ def _policies(run: Run) -> None:
     if routes:
         run.call("policies", {"op": "policy", "policy": routes[0]})
         _auto_approval(run)
-    run.call("policies", {"op": "policy", "policy": "{}"})
+    run.call("policies", {"op": "policy", "policy": run.lab.hs_open_policy})
 
 
 def _auto_approval(run: Run) -> None:
@@ -377,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--record", type=Path, help="write the REST exchanges under this directory")
     ap.add_argument("--write-docs", action="store_true", help="render the table into docs/install-headscale.md")
     ap.add_argument("--e2e", action="store_true", help="also run the proxies' e2e tests against each version")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 when anything failed (a refusal the version is known for is not a failure)")
     a = ap.parse_args(args)
     rows: dict[str, dict[str, str]] = {}
     for v in [x.strip() for x in a.versions.split(",") if x.strip()]:
@@ -392,7 +394,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(text)
     if a.write_docs:
         write_docs(text, time.strftime("%Y-%m-%d", time.gmtime()))
+    failed = failures(rows)
+    if a.check and failed:
+        print("[compat] failed: " + "; ".join(failed), file=sys.stderr)
+        return 1
     return 0
+
+
+def failures(rows: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """The cells that are failures rather than what a version is known to refuse: a step that failed, an error
+    passed on raw, an example of the guide its own version refused, an auto-approval that did not happen."""
+    bad = []
+    for v, cells in rows.items():
+        for feat, cell in cells.items():
+            own_policy = feat in ("policy: minimal", "policy: tags", "policy: routes", "policy: grants")
+            if (cell.startswith(("failed", "lab failed", "raw:", "policy refused", "read "))
+                    or (own_policy and "refused" in cell) or "auto-approval failed" in cell):
+                bad.append(f"{v} {feat}: {cell}")
+    return bad
 
 
 if __name__ == "__main__":

@@ -690,8 +690,9 @@ logtail:
         one, which headscale v0.29.2 treats as no policy at all, as it does an empty policy file path
         (``PolicyBytes`` is nil both ways); ``headscale policy set`` replaces it at run time. An empty policy
         cannot take it back (headscale ignores empty policy bytes and keeps the last one), so the restore is
-        ``{}``: no ACLs and no grants give the same allow-all filter as no policy, no ``tagOwners`` the same
-        refusal of every tag set through the API, and no SSH rules, nodeAttrs or autoApprovers either."""
+        ``hs_open_policy``: no ACLs and no grants give the same allow-all filter as no policy, no ``tagOwners``
+        the same refusal of every tag set through the API, and no SSH rules, nodeAttrs or autoApprovers
+        either."""
         d = self.run_dir / "hs"
         f = d / "policy.hujson"
         f.write_text(json.dumps(dict(policy)))
@@ -699,8 +700,17 @@ logtail:
         try:
             yield
         finally:
-            f.write_text("{}")
+            f.write_text(self.hs_open_policy)
             _run(self._hs_argv("policy", "set", "-f", str(f)), env=self._base_env(d))
+
+    @property
+    def hs_open_policy(self) -> str:
+        """A policy that lets every node reach every other, as no policy does: ``{}`` from headscale 0.27 (a
+        policy without ACLs allows all there); 0.26 compiles a policy without ACLs to no rule at all (nothing
+        reaches anything), so an ACL that accepts everything."""
+        if self.hs_minor >= (0, 27):
+            return "{}"
+        return json.dumps({"acls": [{"action": "accept", "src": ["*"], "dst": ["*:*"]}]})
 
     def hs_nodes(self) -> list[dict]:
         return self.hs("nodes", "list") or []

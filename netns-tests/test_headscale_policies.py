@@ -31,7 +31,7 @@ def admin(lab):
     if not any(u.get("name") == "admin" for u in lab.hs("users", "list") or []):
         lab.create_user("admin")
     yield
-    load(lab, "{}")
+    load(lab, lab.hs_open_policy)
 
 
 def test_each_example_for_this_version_is_accepted(lab, admin):
