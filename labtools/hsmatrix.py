@@ -210,7 +210,7 @@ def run_version(version: str, record: Path | None) -> dict[str, str]:
                 d = record / version
                 d.mkdir(parents=True, exist_ok=True)
                 for name, results in run.scenarios.items():
-                    (d / f"{name}.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+                    (d / f"{name}.json").write_text(json.dumps(scrub(results), indent=1, sort_keys=True) + "\n")
         return run.cells
 
 
@@ -324,7 +324,10 @@ def _auto_approval(run: Run) -> None:
         k = lab.hs("preauthkeys", "create", "--expiration", "1h", "--user", str(lab.user_id), "--tags", "tag:k8s")
         key = k["key"] if isinstance(k, dict) else str(k)
     try:
-        lab.start_node("router2", "proxy", [f"--advertise-routes={SUBNET}"], accept_routes=False, authkey=key)
+        # a namespace of its own: the first router's tailscaled still holds the proxy namespace's TUN and port
+        if "router2" not in lab.namespaces:
+            lab.add_namespace("router2")
+        lab.start_node("router2", "router2", [f"--advertise-routes={SUBNET}"], accept_routes=False, authkey=key)
         node = wait_until(lambda: (n := lab.hs_node("router2")) and SUBNET in (
             n.get("approved_routes") or n.get("approvedRoutes") or []) and n, 30, 0.5, "auto-approval")
         run.cells["policy: routes"] += f"; auto-approved {SUBNET} for node {node['id']}"

@@ -199,7 +199,9 @@ def explain(what: str, status: int, body: str, caps: Capabilities | None, *, use
                     f"(tag-only keys)"), False
         return f"headscale: {what}: {TAG_ONLY_KEYS.refusal(version)}", False
     if "invalid or not permitted" in low or "not permitted" in low or "tagowner" in low or "tag owner" in low:
-        named = ", ".join(tags) or "the tags asked for"
+        # headscale names the ones it refuses ("requested tags [tag:a tag:b] are ..."); else all that were asked
+        m = re.search(r"requested tags \[([^\]]*)\]", msg)
+        named = ", ".join(m.group(1).split()) if m else ", ".join(tags) or "the tags asked for"
         return (f"headscale: {what}: headscale's policy refuses {named} ({msg}): add each to the policy's "
                 f"tagOwners (`headscale policy get > policy.hujson`, edit, `headscale policy set -f "
                 f"policy.hujson`; or the file at policy.path), or change tailscale.com/tags or PROXY_TAGS"), False
