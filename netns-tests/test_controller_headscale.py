@@ -149,7 +149,7 @@ def test_retag_with_a_tag_owners_policy(lab, start_agent, api_key):
         got = provider(lab, api_key, op="sync", id=stable_id, tags=["tag:k8s", "tag:nope"])
         assert got["error"].startswith(f"device tags not applied (tag:k8s,tag:nope on device {stable_id}): "
                                        f"headscale: setting the tags of node {stable_id}: headscale's policy "
-                                       "refuses tag:k8s, tag:nope"), got
+                                       "refuses tag:nope ("), got
         assert "tag:nope" in got["error"] and "invalid or not permitted" in got["error"], got
         assert set(lab.hs_node("ctl-retag").get("tags") or []) == {"tag:k8s", "tag:web"}
         assert agent.running()
