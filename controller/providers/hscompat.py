@@ -185,10 +185,11 @@ def explain(what: str, status: int, body: str, caps: Capabilities | None, *, use
     only ever in the request)."""
     msg = error_message(body)
     low = msg.lower()
-    version = caps.version if caps is not None else "(version unknown)"
+    version = caps.version if caps is not None and caps.detected else "(its version not detected)"
     if low == "unauthorized":
         # 401 for an unknown or expired key; 0.26 answers 500 for a key it does not know
-        return (f"headscale: {what}: headscale refused the controller's API key (HTTP {status} Unauthorized): it "
+        code = "HTTP 401 " if status == 401 else ""      # 0.26's 500 says nothing more than "Unauthorized"
+        return (f"headscale: {what}: headscale refused the controller's API key ({code}Unauthorized): it "
                 f"is wrong, expired or was deleted. Create a new one where headscale runs, `headscale apikeys create "
                 f"--expiration 8760h`, and put it in {KEY_SETTING}; `headscale apikeys list` shows which have "
                 f"expired"), False
