@@ -368,7 +368,7 @@ def table(rows: Mapping[str, Mapping[str, str]]) -> str:
 def write_docs(text: str, when: str) -> None:
     doc = DOCS.read_text()
     a, b = doc.index(TABLE_BEGIN) + len(TABLE_BEGIN), doc.index(TABLE_END)
-    DOCS.write_text(doc[:a] + f"\n\n{text}\n\n(`make compat`, {when})\n\n" + doc[b:])
+    DOCS.write_text(doc[:a] + f"\n\n{text}\n\n(`make compat`; {when})\n\n" + doc[b:])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -377,7 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(asyncio.run(_inner(json.loads(sys.stdin.read())))))
         return 0
     ap = argparse.ArgumentParser(prog="python -m labtools.hsmatrix")
-    ap.add_argument("cmd", choices=["compat"])
+    ap.add_argument("cmd", choices=["compat", "table"],
+                    help="compat: run the matrix; table: the table of each version's last recorded run (--record)")
     ap.add_argument("--versions", default=os.environ.get("HEADSCALE_VERSIONS", ",".join(HEADSCALE_VERSIONS)))
     ap.add_argument("--record", type=Path, help="write the REST exchanges under this directory")
     ap.add_argument("--write-docs", action="store_true", help="render the table into docs/install-headscale.md")
@@ -386,6 +387,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="exit 1 when anything failed (a refusal the version is known for is not a failure)")
     a = ap.parse_args(args)
     rows: dict[str, dict[str, str]] = {}
+    if a.cmd == "table":
+        if a.record is None:
+            ap.error("table needs --record <dir> (where compat wrote each version's run)")
+        for v in [x.strip() for x in a.versions.split(",") if x.strip()]:
+            if (a.record / v / "table.json").exists():
+                rows[v] = json.loads((a.record / v / "table.json").read_text())
+        text = table(rows)
+        print(text)
+        if a.write_docs:
+            write_docs(text, "each version's last run: " + ", ".join(
+                f"{v} {time.strftime('%Y-%m-%d', time.gmtime((a.record / v / 'table.json').stat().st_mtime))}"
+                for v in rows))
+        return 0
     for v in [x.strip() for x in a.versions.split(",") if x.strip()]:
         t0 = time.monotonic()
         try:
@@ -394,6 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows[v] = {"detected": "lab failed: " + _short(str(e), 300)}
         if a.e2e:
             rows[v][E2E_FEATURE] = run_e2e(v)
+        if a.record is not None:
+            (a.record / v).mkdir(parents=True, exist_ok=True)
+            (a.record / v / "table.json").write_text(json.dumps(rows[v], indent=1) + "\n")
         print(f"[compat] headscale {v}: {time.monotonic() - t0:.0f}s", file=sys.stderr)
     text = table(rows)
     print(text)
