@@ -361,7 +361,7 @@ def table(rows: Mapping[str, Mapping[str, str]]) -> str:
     out = ["| feature | " + " | ".join(f"headscale {v}" for v in versions) + " |",
            "|---|" + "---|" * len(versions)]
     for f in feats:
-        out.append(f"| {f} | " + " | ".join(rows[v].get(f, "not run").replace("|", "\\|") for v in versions) + " |")
+        out.append(f"| {f} | " + " | ".join(rows[v].get(f, "—").replace("|", "\\|") for v in versions) + " |")
     return "\n".join(out)
 
 
