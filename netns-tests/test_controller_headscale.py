@@ -20,9 +20,12 @@ import sys
 
 import pytest
 
-from labtools.lab import wait_until
+from labtools.lab import HEADSCALE_VERSION, wait_until
 
-pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(240),
+              # tag-only keys, `tags` and refused re-tags are 0.28's; older minors: labtools/hsmatrix.py (make compat)
+              pytest.mark.skipif(HEADSCALE_VERSION in ("v0.26.1", "v0.27.1"),
+                                 reason="asserts headscale 0.28+ behaviour; make compat covers older ones")]
 
 REPO = str(pathlib.Path(__file__).resolve().parents[1])
 SCRIPT = r"""
