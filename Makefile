@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: setup setup-bin image images images-archives chart demo test test-unit test-netns bench clean-lab readme modulemap figures manifests check fuzz outages hostile crash
+.PHONY: compat setup setup-bin image images images-archives chart demo test test-unit test-netns bench clean-lab readme modulemap figures manifests check fuzz outages hostile crash
 
 setup:
 	@bash scripts/setup.sh
@@ -126,6 +126,14 @@ bench: setup-bin
 	$(PY) -m bench.controller
 	$(PY) -m bench.footprint
 	$(PY) -m bench.dns
+
+## compat: headscale's version matrix (docs/install-headscale.md, "headscale versions"): for each of
+## HEADSCALE_VERSIONS (default v0.26.1,v0.27.1,v0.28.0,v0.29.2; each built once) the controller's provider, a real
+## tailscaled and the proxies' e2e tests against that headscale; prints the table, records the REST answers for
+## the unit tests (tests/data/headscale/) and renders the table into the docs (root).
+COMPAT_ARGS ?= --e2e --record tests/data/headscale --write-docs
+compat: setup-bin
+	$(PY) -m labtools.hsmatrix compat $(COMPAT_ARGS)
 
 ## clean-lab: remove namespaces left by an interrupted lab run (only ones this project created).
 clean-lab:

@@ -56,6 +56,19 @@ async def serve_health(addr: str, role: Callable[[], str]) -> asyncio.AbstractSe
     return await asyncio.start_server(handle, host.strip("[]") or None, int(port))
 
 
+async def detect_control_plane(provider) -> None:
+    """The control plane's version and what it cannot do, logged once by the provider (headscale's); one that
+    cannot be reached now is read at its first call instead."""
+    detect = getattr(provider, "detect", None)
+    if detect is None:
+        return
+    from .providers import ProviderError
+    try:
+        await detect()
+    except ProviderError as e:
+        logging.getLogger("controller").warning("%s; its version is read again at the first call", e)
+
+
 #: How often the fault counts held by the log folding are checked for a window that has passed (seconds).
 FLUSH_EVERY = 5.0
 
@@ -116,6 +129,7 @@ async def run(cfg: ControllerConfig) -> int:
             acquiring.cancel()
             return 0
         stopping.cancel()
+        await detect_control_plane(provider)
 
         parents, children = registries(state, functools.partial(kopf_login, kube.url, kube.token, kube.ca_file,
                                                                 cfg.namespace))

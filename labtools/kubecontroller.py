@@ -73,9 +73,10 @@ def build_images() -> tuple[Path, Path]:
     return _build("--name", PROXY_IMAGE), _build("--dockerfile", CONTROLLER_DOCKERFILE, "--name", CONTROLLER_IMAGE)
 
 
-def lab_values(firewall: str = "", api_key: str = "", stub_zone: str = "") -> dict:
+def lab_values(firewall: str = "", api_key: str = "", stub_zone: str = "", user: str = "") -> dict:
     """The chart's values for the lab: its headscale, the project's proxy image (imported, never pulled);
-    `stub_zone`: CoreDNS's ConfigMap for the DNSConfig stub zone (a cluster with CoreDNS)."""
+    `stub_zone`: CoreDNS's ConfigMap for the DNSConfig stub zone (a cluster with CoreDNS); `user`: headscale.user
+    (a headscale older than 0.28 mints no key without one)."""
     # <registry>/<repository>:<tag>, the chart's three parts; both lab images are under localhost/
     reg, _, crepo = CONTROLLER_IMAGE.rpartition(":")[0].partition("/")
     ctag = CONTROLLER_IMAGE.rpartition(":")[2]
@@ -89,6 +90,8 @@ def lab_values(firewall: str = "", api_key: str = "", stub_zone: str = "") -> di
                          "env": LAB_PROXY_ENV}}
     if api_key:
         v["credentials"] = {"headscaleAPIKey": api_key}
+    if user:
+        v["headscale"]["user"] = user
     if stub_zone:
         v["dns"] = {"stubZoneConfigMap": stub_zone}
     return v
@@ -117,11 +120,13 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
     t0 = time.monotonic()
     key = lab.hs("apikeys", "create", "--expiration", "2h")
     key = key if isinstance(key, str) else str((key or {}).get("key") or key)
+    # as the install guide says for headscale 0.26 and 0.27: keys for a user (the lab's), tag-only from 0.28
+    user = str(lab.user_id) if lab.hs_minor < (0, 28) and lab.user_id is not None else ""
     if method == "helm":
         # the key goes in through stdin (a values file "-"), never on a command line
         cp = helm(kc, "install", helmchart.RELEASE, str(helmchart.CHART), "--namespace", NS, "--create-namespace",
-                  "-f", "-", input=json.dumps({**lab_values(firewall, key, STUB_ZONE if kc.cfg.cluster_dns else ""),
-                                               **(values or {})}), timeout=timeout)
+                  "-f", "-", input=json.dumps({**lab_values(firewall, key, STUB_ZONE if kc.cfg.cluster_dns else "",
+                                                            user), **(values or {})}), timeout=timeout)
         kc.helm_output = cp.stdout + cp.stderr
     elif method == "kubectl":
         # deploy/ names the controller's image in a placeholder registry: replaced before applying, as a kubectl
@@ -136,7 +141,8 @@ def install(kc: kubecluster.KubeCluster, lab: labmod.Lab, proxy_tar: Path, contr
             "type": "Opaque", "data": {"key": base64.b64encode(key.encode()).decode()}}))
         env = {"CONTROL_PLANE": "headscale", "HEADSCALE_URL": labmod.LOGIN_SERVER,
                "TS_MAGICDNS_SUFFIX": "tailnet.test", "PROXY_IMAGE": PROXY_IMAGE, "PROXY_IMAGE_PULL_POLICY": "Never",
-               "PROXY_FIREWALL_MODE": firewall, "PROXY_ENV": json.dumps(LAB_PROXY_ENV, sort_keys=True)}
+               "PROXY_FIREWALL_MODE": firewall, "PROXY_ENV": json.dumps(LAB_PROXY_ENV, sort_keys=True),
+               **({"HEADSCALE_USER": user} if user else {})}
         kc.kubectl("-n", NS, "set", "env", "deployment/tailscale-controller", *[f"{k}={v}" for k, v in env.items()])
     else:
         raise ValueError(f"method={method!r}; use helm or kubectl")

@@ -45,6 +45,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 INSTALL_SCRIPT = REPO_ROOT / "scripts" / "install-binaries.sh"
 TS_VER = os.environ.get("TS_VER", "v1.102.3")
 HS_VER = os.environ.get("HS_VER", "v0.29.2")
+#: The headscale the lab runs: HS_VER (the pinned one, built with the tailscale binaries) unless HEADSCALE_VERSION
+#: names another minor of the version matrix (HEADSCALE_VERSIONS; built on demand, one binary per version).
+HEADSCALE_VERSION = os.environ.get("HEADSCALE_VERSION", "") or HS_VER
+HEADSCALE_VERSIONS = ("v0.26.1", "v0.27.1", "v0.28.0", "v0.29.2")
 BINARIES = ("tailscaled", "tailscale", "containerboot", "headscale")
 # what a lab needs when it runs only this project's agent (the demo): upstream containerboot is the reference
 # agent of the conformance tests and benchmarks, and a cold build need not wait for it
@@ -127,6 +131,35 @@ def _run(argv: Sequence[str], *, timeout: float = 30.0, check: bool = True, env:
 def default_bin_dir() -> Path:
     cache = Path(os.environ.get("CB_CACHE", str(Path.home() / ".cache" / "containerboot-py")))
     return cache / "bin" / f"ts-{TS_VER}-hs-{HS_VER}"
+
+
+def headscale_binary(version: str = "", bin_dir: Path | None = None, *, build: bool = True,
+                     timeout: float = 30 * 60) -> Path:
+    """The headscale binary of ``version`` (default HEADSCALE_VERSION): the pinned one in the binaries' directory,
+    another as ``headscale-<version>`` next to that directory, built by scripts/install-binaries.sh --headscale
+    when missing (under the build lock)."""
+    version = version or HEADSCALE_VERSION
+    if version == HS_VER:
+        return (bin_dir or default_bin_dir()) / "headscale"
+    if not re.fullmatch(r"v\d+\.\d+\.\d+", version):
+        raise LabError(f"HEADSCALE_VERSION={version!r} is not a version; use one of {', '.join(HEADSCALE_VERSIONS)}")
+    path = default_bin_dir().parent / f"headscale-{version}"
+    if os.access(path, os.X_OK):
+        return path
+    if not build:
+        raise LabError(f"headscale {version} missing ({path}); build it: bash scripts/install-binaries.sh "
+                       f"--headscale {version}")
+    import fcntl
+    lock_path = path.parent.parent / ".build.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.access(path, os.X_OK):
+            cp = _run(["bash", str(INSTALL_SCRIPT), "--headscale", version], timeout=timeout, check=False,
+                      env={**os.environ, "TS_VER": TS_VER, "HS_VER": HS_VER})
+            if cp.returncode != 0 or not os.access(path, os.X_OK):
+                raise LabError(f"building headscale {version} failed (exit {cp.returncode}):\n{cp.stderr[-4000:]}")
+    return path
 
 
 def binaries_present(bin_dir: Path, names: tuple[str, ...] = BINARIES) -> bool:
@@ -320,9 +353,12 @@ class Lab:
     """See the module docstring. Create with ``Lab.create()``; use as a context manager or call close()."""
 
     def __init__(self, prefix: str, bin_dir: Path, ipv6: bool, firewall_mode: str, run_root: Path,
-                 hs_log_level: str) -> None:
+                 hs_log_level: str, hs_bin: Path | None = None, hs_version: str = "") -> None:
         self.prefix = prefix
         self.bin_dir = Path(bin_dir)
+        self.hs_bin = Path(hs_bin) if hs_bin else self.bin_dir / "headscale"
+        #: the headscale version the lab runs ("v0.29.2"); its minor decides the config and the CLI used
+        self.hs_version = hs_version or HS_VER
         self.ipv6 = ipv6
         self.firewall_mode = firewall_mode
         self.run_dir = run_root / prefix
@@ -346,7 +382,7 @@ class Lab:
     @classmethod
     def create(cls, prefix: str | None = None, bin_dir: str | Path | None = None, ipv6: bool = True, *,
                firewall_mode: str = "iptables", run_root: str | Path = "/tmp",
-               hs_log_level: str = "info", client: bool = True) -> "Lab":
+               hs_log_level: str = "info", client: bool = True, hs_version: str = "") -> "Lab":
         """Build the island, start headscale, create a user and a reusable key, and (``client=True``) start the
         ``client`` tailscaled node. On any failure (or Ctrl-C) during bring-up everything is torn down."""
         if os.geteuid() != 0:
@@ -355,7 +391,9 @@ class Lab:
         # the lab itself runs tailscaled and headscale; upstream containerboot only for those who start it
         if not binaries_present(bdir, OWN_BINARIES):
             raise LabError(f"{bdir} lacks one of {OWN_BINARIES}")
-        lab = cls(prefix or _short_id(), bdir, ipv6, firewall_mode, Path(run_root), hs_log_level)
+        hs_version = hs_version or HEADSCALE_VERSION
+        hs_bin = bdir / "headscale" if hs_version == HS_VER else headscale_binary(hs_version, bdir)
+        lab = cls(prefix or _short_id(), bdir, ipv6, firewall_mode, Path(run_root), hs_log_level, hs_bin, hs_version)
         _LIVE_LABS.add(lab)
         try:
             t0 = time.monotonic()
@@ -528,6 +566,9 @@ class Lab:
         # STUN timeout for IPv6 probes nobody answers (about 3 s before Running on every boot).
         stun = '"[::]:3478"' if self.ipv6 else f"{HS_V4}:3478"
         derp_v6 = f"\n    ipv6: {HS_V6}" if self.ipv6 else ""
+        # Each minor's config-example.yaml, reduced to what the lab sets: derp.server.verify_clients arrived in
+        # 0.27 (0.26 has no such key); the rest is the same from 0.26 to 0.29.
+        verify = "\n    verify_clients: true" if self.hs_minor >= (0, 27) else ""
         return f"""\
 server_url: {LOGIN_SERVER}
 listen_addr: {HS_V4}:{HS_PORT}
@@ -551,8 +592,7 @@ derp:
     enabled: true
     region_id: 999
     region_code: headscale
-    region_name: Headscale Embedded DERP
-    verify_clients: true
+    region_name: Headscale Embedded DERP{verify}
     stun_listen_addr: {stun}
     private_key_path: {d}/derp_server_private.key
     automatically_add_embedded_derp_region: true
@@ -581,13 +621,15 @@ logtail:
         d = self.run_dir / "hs"
         d.mkdir(parents=True, exist_ok=True)
         self.hs_config.write_text(self._hs_config_text())
-        p = self._popen("headscale", "headscale", "hs", ["headscale", "-c", str(self.hs_config), "serve"],
+        p = self._popen("headscale", "headscale", "hs", [str(self.hs_bin), "-c", str(self.hs_config), "serve"],
                         self._base_env(d), d / "headscale.log")
+        # `headscale health` arrived in 0.27; before, any CLI call over the socket tells that it serves
+        probe = ("health",) if self.hs_minor >= (0, 27) else ("users", "list")
 
         def ready() -> bool:
             if p.poll() is not None:
                 raise _Exited(p.returncode)
-            cp = _run(self._hs_argv("health"), check=False, timeout=10, env=self._base_env(d))
+            cp = _run(self._hs_argv(*probe), check=False, timeout=10, env=self._base_env(d))
             return cp.returncode == 0
         try:
             wait_until(ready, 60, 0.2, "headscale health")
@@ -595,7 +637,13 @@ logtail:
             raise LabError("headscale exited during start:\n" + (d / "headscale.log").read_text()[-3000:]) from None
 
     def _hs_argv(self, *args: str) -> list[str]:
-        return [str(self.bin_dir / "headscale"), "-c", str(self.hs_config), *args, "-o", "json"]
+        return [str(self.hs_bin), "-c", str(self.hs_config), *args, "-o", "json"]
+
+    @property
+    def hs_minor(self) -> tuple[int, int]:
+        """The minor of the headscale the lab runs: (0, 29)."""
+        m = re.match(r"v?(\d+)\.(\d+)", self.hs_version)
+        return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
     def hs(self, *args: str, timeout: float = 30.0) -> Any:
         """Run the headscale CLI (over its unix socket, from the root namespace) with ``-o json``; parsed JSON.
@@ -642,8 +690,9 @@ logtail:
         one, which headscale v0.29.2 treats as no policy at all, as it does an empty policy file path
         (``PolicyBytes`` is nil both ways); ``headscale policy set`` replaces it at run time. An empty policy
         cannot take it back (headscale ignores empty policy bytes and keeps the last one), so the restore is
-        ``{}``: no ACLs and no grants give the same allow-all filter as no policy, no ``tagOwners`` the same
-        refusal of every tag set through the API, and no SSH rules, nodeAttrs or autoApprovers either."""
+        ``hs_open_policy``: no ACLs and no grants give the same allow-all filter as no policy, no ``tagOwners``
+        the same refusal of every tag set through the API, and no SSH rules, nodeAttrs or autoApprovers
+        either."""
         d = self.run_dir / "hs"
         f = d / "policy.hujson"
         f.write_text(json.dumps(dict(policy)))
@@ -651,8 +700,17 @@ logtail:
         try:
             yield
         finally:
-            f.write_text("{}")
+            f.write_text(self.hs_open_policy)
             _run(self._hs_argv("policy", "set", "-f", str(f)), env=self._base_env(d))
+
+    @property
+    def hs_open_policy(self) -> str:
+        """A policy that lets every node reach every other, as no policy does: ``{}`` from headscale 0.27 (a
+        policy without ACLs allows all there); 0.26 compiles a policy without ACLs to no rule at all (nothing
+        reaches anything), so an ACL that accepts everything."""
+        if self.hs_minor >= (0, 27):
+            return "{}"
+        return json.dumps({"acls": [{"action": "accept", "src": ["*"], "dst": ["*:*"]}]})
 
     def hs_nodes(self) -> list[dict]:
         return self.hs("nodes", "list") or []

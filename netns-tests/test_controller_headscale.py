@@ -20,9 +20,12 @@ import sys
 
 import pytest
 
-from labtools.lab import wait_until
+from labtools.lab import HEADSCALE_VERSION, wait_until
 
-pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(240),
+              # tag-only keys, `tags` and refused re-tags are 0.28's; older minors: labtools/hsmatrix.py (make compat)
+              pytest.mark.skipif(HEADSCALE_VERSION in ("v0.26.1", "v0.27.1"),
+                                 reason="asserts headscale 0.28+ behaviour; make compat covers older ones")]
 
 REPO = str(pathlib.Path(__file__).resolve().parents[1])
 SCRIPT = r"""
@@ -36,7 +39,8 @@ req = json.loads(sys.stdin.read())
 sent = []
 class Counting(httpx.AsyncHTTPTransport):
     async def handle_async_request(self, request):
-        sent.append(f"{request.method} {request.url.path}")
+        if request.url.path.startswith("/api/"):     # not the version read once at start
+            sent.append(f"{request.method} {request.url.path}")
         return await super().handle_async_request(request)
 async def main():
     p = HeadscaleProvider(req["url"], api_key=os.environ["HS_API_KEY"], transport=Counting())
@@ -98,7 +102,9 @@ def test_tagged_single_use_key_login_and_device_deletion(lab, start_agent, api_k
     # the node's tags as the controller reads them (sorted), the same as headscale's CLI shows
     assert provider(lab, api_key, op="tags", id=stable_id) == {"tags": sorted(tags)}
     refused = provider(lab, api_key, op="settags", id=stable_id, tags=["tag:k8s", "tag:web"])
-    assert refused["error"].startswith(f"headscale: setting the tags of node {stable_id}: HTTP 400"), refused
+    assert refused["error"].startswith(f"headscale: setting the tags of node {stable_id}: headscale's policy refuses "
+                                      "tag:k8s, tag:web"), refused
+    assert "tagOwners" in refused["error"], refused
     assert "invalid or not permitted" in refused["error"], refused
     assert set(lab.hs_node("ctl-proxy").get("tags") or []) == tags
     # not a headscale node ID (a damaged state Secret): it names no device, so nothing is deleted and the
@@ -163,7 +169,8 @@ def test_retag_with_a_tag_owners_policy(lab, start_agent, api_key):
         # a tag no tagOwners defines is still refused, with headscale's answer, and changes nothing
         got = provider(lab, api_key, op="sync", id=stable_id, tags=["tag:k8s", "tag:nope"])
         assert got["error"].startswith(f"device tags not applied (tag:k8s,tag:nope on device {stable_id}): "
-                                       f"headscale: setting the tags of node {stable_id}: HTTP 400"), got
+                                       f"headscale: setting the tags of node {stable_id}: headscale's policy "
+                                       "refuses tag:nope ("), got
         assert "tag:nope" in got["error"] and "invalid or not permitted" in got["error"], got
         assert set(lab.hs_node("ctl-retag").get("tags") or []) == {"tag:k8s", "tag:web"}
         assert agent.running()

@@ -14,6 +14,7 @@ import pytest
 
 from controller.kubeapi import SECRETS, Kube
 from controller.providers.headscale import HeadscaleProvider
+from controller.providers.hscompat import Capabilities
 from controller.providers.tailscale import TailscaleProvider
 from tscommon import crashpoint
 
@@ -45,7 +46,8 @@ async def test_headscale_provider_writes_hit_their_points_before_sending(points)
             return httpx.Response(200, json={"node": {"tags": ["tag:k8s"]}})
         return httpx.Response(200, json={})
     seen, transport = _recorder(points, answer)
-    p = HeadscaleProvider("http://hs:8080", api_key="hskey-api-KEY", transport=transport)
+    p = HeadscaleProvider("http://hs:8080", api_key="hskey-api-KEY", transport=transport,
+                          capabilities=Capabilities("v0.29.2", (0, 29)))      # no version read first
     await p.create_auth_key(("tag:k8s",))
     await p.device_tags("7")
     await p.set_device_tags("7", ("tag:k8s", "tag:web"))

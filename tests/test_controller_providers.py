@@ -13,6 +13,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from controller.providers import ProviderError
 from controller.providers.headscale import HeadscaleProvider
+from controller.providers.hscompat import Capabilities
 from controller.providers.static import StaticKeyProvider
 from controller.providers.tailscale import TailscaleProvider
 from tests.support.fake_tailscale_api import FakeTailscaleAPI
@@ -132,7 +133,8 @@ async def test_headscale_request_shape():
         if req.method == "POST":
             return httpx.Response(200, json={"preAuthKey": {"key": "hskey-auth-abc-SECRETXYZ", "reusable": False}})
         return httpx.Response(404 if req.url.path.endswith("/99") else 200, json={})
-    p = HeadscaleProvider("http://hs:8080/", api_key="hskey-api-KEY", user="3", transport=httpx.MockTransport(handler))
+    p = HeadscaleProvider("http://hs:8080/", api_key="hskey-api-KEY", user="3", transport=httpx.MockTransport(handler),
+                          capabilities=Capabilities("v0.29.2", (0, 29)))
     assert await p.create_auth_key(("tag:k8s",)) == "hskey-auth-abc-SECRETXYZ"
     assert await p.delete_device("12") is True and await p.delete_device("99") is False
     await p.aclose()
@@ -158,12 +160,14 @@ async def test_headscale_node_tags_request_shape():
                 else httpx.Response(200, json={"node": {"id": "12"}})
             )
         return httpx.Response(200, json={"node": {"id": "12", "tags": ["tag:web", "tag:k8s"]}})
-    p = HeadscaleProvider("http://hs:8080/", api_key="hskey-api-KEY", transport=httpx.MockTransport(handler))
+    p = HeadscaleProvider("http://hs:8080/", api_key="hskey-api-KEY", transport=httpx.MockTransport(handler),
+                          capabilities=Capabilities("v0.29.2", (0, 29)))
     assert await p.device_tags("12") == ("tag:k8s", "tag:web") and await p.device_tags("99") is None
     await p.set_device_tags("12", ("tag:web", "tag:a"))
     with pytest.raises(ProviderError) as e:
         await p.set_device_tags("12", ("tag:x",))
-    assert "headscale: setting the tags of node 12: HTTP 400" in str(e.value) and not e.value.transient
+    assert "headscale: setting the tags of node 12: headscale's policy refuses tag:x" in str(e.value)
+    assert "tagOwners" in str(e.value) and not e.value.transient
     with pytest.raises(ProviderError, match="not a headscale node ID"):
         await p.device_tags("nABC")
     await p.aclose()

@@ -31,6 +31,7 @@ from controller.model import (ANN_EXPOSE, ANN_FORWARD_CLUSTER_TRAFFIC, ANN_HOSTN
                               ANN_TAILNET_IP, Decision, Invalid, Pending, ProxySpec)
 from controller.providers import ProviderError
 from controller.providers.headscale import HeadscaleProvider
+from controller.providers.hscompat import Capabilities
 from controller.providers.tailscale import TailscaleProvider
 from serveconfig import model as serve
 from tests.support.fuzz import branch, env_text, hostile_text, json_text, reaches, shaped
@@ -272,7 +273,8 @@ async def test_providers_refuse_a_device_id_that_is_not_an_id(device_id: str) ->
         return httpx.Response(200, json={"node": {"tags": []}, "tags": [], "access_token": "tok"})
 
     providers: list[HeadscaleProvider | TailscaleProvider] = [
-        HeadscaleProvider("http://hs", api_key="k", transport=httpx.MockTransport(answer)),
+        HeadscaleProvider("http://hs", api_key="k", transport=httpx.MockTransport(answer),
+                          capabilities=Capabilities("v0.29.2", (0, 29))),
         TailscaleProvider("http://ts", client_id="i", client_secret="s", transport=httpx.MockTransport(answer))]
     for p in providers:
         sent.clear()

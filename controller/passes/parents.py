@@ -21,7 +21,7 @@ from ..kindtable import KINDS, DecideInputs, class_of, handled, proxy_target
 from ..kinds import apiserverproxy, meta, service
 from ..kubeapi import CLUSTERROLEBINDINGS, NAMESPACES, SECRETS, SERVICES, STATEFULSETS, KubeError
 from ..model import FINALIZER, Decision, Invalid, Parent, Pending, ProxySpec
-from ..providers import ProviderError
+from ..providers import REASON_UNSUPPORTED, ProviderError, limitations
 from ..sameness import same
 from ..writer import RBAC_RESOURCES, Writer, decode
 from .egress import EgressPass
@@ -89,6 +89,9 @@ class ParentPass:
         if sel.misplaced:
             decision = dataclasses.replace(decision, notices=decision.notices + (
                 ("Warning", pcl.REASON_ANNOTATION, pcl.annotation_message(info.kind, sel.misplaced)),))
+        if limits := limitations(w.provider, kind, decision.spec.apiserver_proxy_mode == "auth"):
+            decision = dataclasses.replace(decision, notices=decision.notices + tuple(
+                ("Warning", REASON_UNSUPPORTED, m) for m in limits))
         pc: pcl.ProxyClass | None = None
         spec = decision.spec
         waiting = ""                  # why the class cannot be used (missing, or not valid)
@@ -179,6 +182,8 @@ class ParentPass:
                                      f"{kind} {p.namespace}/{p.name}".strip())
         except ProviderError as e:
             msg = f"no auth key: {e}" if "no auth key" not in str(e) else str(e)
+            if e.reason:        # the control plane's version cannot do it: said once as an event too
+                await w.warn(obj, kind, e.reason, str(e))
             await self.write_status(kind, obj, spec, [], st.Readiness(False, info.failed_reason, msg))
             raise
         target = proxy_target(kind, spec, cfg)

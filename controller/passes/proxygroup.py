@@ -137,6 +137,8 @@ class ProxyGroupPass:
             keys = await w.auth_keys(datas, g.tags, f"ProxyGroup {g.name}", f"ProxyGroup {g.name}")
         except ProviderError as e:
             await self.status(obj, [], (False, "ProxyGroupCreationFailed", f"no auth key: {e}"))
+            if e.reason:        # the control plane's version cannot do it: said once as an event too
+                await w.warn(obj, PROXYGROUP, e.reason, str(e))
             raise
         cm = await kube.get(CONFIGMAPS, pgrender.configmap_name(g.name), ns)
         if cm is None:

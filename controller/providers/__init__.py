@@ -16,12 +16,18 @@ import httpx
 from tscommon.redact import redact
 
 
-class ProviderError(Exception):
-    """The control plane refused or could not be reached. `transient` errors are retried with backoff."""
+#: The Warning event's reason when the control plane's version lacks what a parent needs.
+REASON_UNSUPPORTED = "ControlPlaneUnsupported"
 
-    def __init__(self, message: str, *, transient: bool = True) -> None:
+
+class ProviderError(Exception):
+    """The control plane refused or could not be reached. `transient` errors are retried with backoff. `reason`
+    set (REASON_UNSUPPORTED): the control plane's version cannot do this at all, which the parent's Warning event
+    says."""
+
+    def __init__(self, message: str, *, transient: bool = True, reason: str = "") -> None:
         super().__init__(redact(message))
-        self.transient = transient
+        self.transient, self.reason = transient, reason
 
 
 class Provider(Protocol):
@@ -41,6 +47,14 @@ class Provider(Protocol):
         """Replace the device's tags (what `tailscale.com/tags` or PROXY_TAGS now say)."""
 
     async def aclose(self) -> None: ...
+
+
+def limitations(provider: object, kind: str, auth_mode: bool = False) -> tuple[str, ...]:
+    """What the provider's control plane cannot do for a parent of `kind` (`auth_mode`: an API server proxy in
+    auth mode), as messages for its condition and Warning event; () when all is available or the provider does
+    not tell (providers without a `limitations` method)."""
+    ask = getattr(provider, "limitations", None)
+    return tuple(ask(kind, auth_mode)) if ask is not None else ()
 
 
 def http_error(what: str, e: Exception) -> ProviderError:
