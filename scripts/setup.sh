@@ -3,7 +3,8 @@
 # pinned Go-built binaries. Each step is skipped when already done. Progress goes to stderr.
 #   --binaries                  everything: tailscale (tailscaled, tailscale, headscale), upstream (upstream
 #                               containerboot, the tests' reference agent), kubernetes (Kubernetes, etcd, CoreDNS
-#                               and the node's Debian packages) and helm
+#                               and the node's Debian packages), helm and browser (Debian's chromium and its
+#                               driver, for the recorder's replay page test)
 #   --binaries=tailscale,...    only those parts (the plain `make demo` needs tailscale alone)
 #   --image                     podman, runc and mmdebstrap for images/build.sh
 #   --multiarch                 qemu user mode for other architectures' images
@@ -14,7 +15,7 @@ log() { echo "[setup] $*" >&2; }
 want_image=0 want_multiarch=0 parts=""
 for a in "$@"; do
   case "$a" in
-    --binaries) parts=tailscale,upstream,kubernetes,helm ;;
+    --binaries) parts=tailscale,upstream,kubernetes,helm,browser ;;
     --binaries=*) parts=${a#--binaries=} ;;
     --image) want_image=1 ;;
     --multiarch) want_multiarch=1 ;;  # qemu user mode for other architectures' images (make images-archives)
@@ -27,6 +28,8 @@ want() { [[ ",$parts," == *",$1,"* ]]; }
 pkgs=(iproute2 nftables iptables libnftables1 curl dnsmasq-base openssl python3-venv procps)
 # the real Kubernetes node of the lab (labtools/kubecluster.py): container runtime, OCI runtime, CNI plugins
 want kubernetes && pkgs+=(containerd runc containernetworking-plugins)
+# a real browser for the recorder's replay page (tests/test_recorder_browser.py, driven by selenium)
+want browser && pkgs+=(chromium chromium-driver)
 [ $want_image = 1 ] && pkgs+=(podman runc mmdebstrap bc)
 [ $want_multiarch = 1 ] && pkgs+=(qemu-user-static)
 missing=()
