@@ -110,9 +110,10 @@ for n in "${NAMES[@]}"; do
         for p in "${platforms[@]}"; do
           arch=${p#linux/}
           [ "$arch" = "$(dpkg --print-architecture)" ] || foreign_ready "$arch"
+          tsimg=$(bash "$here/tailscale.sh" --arch "$arch")
           pod build --network host --pull=never --platform "$p" -f "${DOCKERFILES[$n]}" --build-arg "VERSION=$version" \
-            --build-arg "BASE=$(bash "$here/base.sh" --arch "$arch")" \
-            --build-arg "TAILSCALE_IMAGE=$(bash "$here/tailscale.sh" --arch "$arch")" \
+            --build-arg "BASE=$(bash "$here/base.sh" --arch "$arch")" --build-arg "TAILSCALE_IMAGE=$tsimg" \
+            --build-arg "TAILSCALE_VERSION=$(echo "$tsimg" | sed -n 's/.*:v\([0-9.]*\)-.*/\1/p')" \
             ${secret:+"$secret"} --manifest "$ref" "$repo"
         done
       else

@@ -1,5 +1,5 @@
-"""Releases pushed to the lab's registry (TLS from its private CA, htpasswd auth), read back as a cluster and
-Flux would read them (root).
+"""Releases pushed to the lab's registry (TLS from its private CA, htpasswd auth; on the host's loopback),
+read back as a cluster and Flux would read them.
 
 1. `make release` (scripts/release.sh) of the version in VERSION: each image is an index with one entry per
    platform (linux/amd64 and linux/arm64, or CB_RELEASE_PLATFORMS), each entry's manifest served by its digest
@@ -39,7 +39,7 @@ MANIFEST = "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.d
 @pytest.fixture(scope="module")
 def reg(tmp_path_factory):
     if os.geteuid() != 0:
-        unavailable("the release tests run the registry in a network namespace (root)")
+        unavailable("the release tests install the image build's packages and use podman's storage (root)")
     if not registry.binary_path().exists():
         unavailable("the registry is not built: run scripts/setup.sh --binaries=registry")
     if helmchart.helm_bin() is None:
@@ -48,7 +48,8 @@ def reg(tmp_path_factory):
                         text=True, timeout=1800)
     if cp.returncode != 0:
         unavailable(f"the image build's packages cannot be installed: {cp.stderr[-800:]}")
-    r = registry.LabRegistry.start(tmp_path_factory.mktemp("registry"), netns=f"cbrel{os.getpid()}", new_netns=True)
+    # on the host's loopback (a free port): the image builds reach PyPI from the host only
+    r = registry.LabRegistry.start(tmp_path_factory.mktemp("registry"))
     try:
         yield r
     finally:
