@@ -11,7 +11,10 @@
 # release, the offline build passes a local image holding a tailscaled built from source with Go (with the
 # CLI included, see images/tailscale.sh).
 ARG BASE=docker.io/library/python:3.11-slim-bookworm
-ARG TAILSCALE_IMAGE=docker.io/tailscale/tailscale:v1.102.3
+# TAILSCALE_VERSION picks upstream's image, so a Tailscale security release is one rebuild:
+# --build-arg TAILSCALE_VERSION=1.102.4 (the offline build builds that tailscaled: images/tailscale.sh).
+ARG TAILSCALE_VERSION=1.102.3
+ARG TAILSCALE_IMAGE=docker.io/tailscale/tailscale:v${TAILSCALE_VERSION}
 
 FROM ${TAILSCALE_IMAGE} AS tailscale
 
@@ -36,7 +39,7 @@ RUN --mount=type=secret,id=ca \
     python3 -c 'import tomllib; p = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + p["optional-dependencies"]["recorder"]))' \
       > /tmp/requirements.txt; \
     /opt/venv/bin/pip install --no-cache-dir --disable-pip-version-check -q -r /tmp/requirements.txt
-COPY README.md /src/
+COPY README.md VERSION /src/
 COPY containerboot /src/containerboot
 COPY netfilter /src/netfilter
 COPY serveconfig /src/serveconfig
@@ -81,7 +84,7 @@ RUN ln -s /opt/venv/bin/containerboot /usr/local/bin/containerboot \
     && /usr/local/bin/tailscale version >/dev/null
 
 ARG VERSION=0.1.0
-ARG TAILSCALE_VERSION=1.102.3
+ARG TAILSCALE_VERSION
 LABEL org.opencontainers.image.title="containerboot-py" \
       org.opencontainers.image.description="Tailscale proxy Pod agent (containerboot) in Python, with tailscaled and tailscale" \
       org.opencontainers.image.version="${VERSION}" \

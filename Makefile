@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: compat setup setup-bin image images images-archives chart demo test test-unit test-netns bench clean-lab readme modulemap figures manifests check fuzz outages hostile crash
+.PHONY: compat setup setup-bin image images images-archives release chart demo test test-unit test-netns bench clean-lab readme modulemap figures manifests check fuzz outages hostile crash
 
 setup:
 	@bash scripts/setup.sh
@@ -31,15 +31,20 @@ image: setup-bin
 # Images for a registry (docs/install-headscale.md, step 1). TAG defaults to the chart's appVersion.
 REGISTRY ?=
 TAG ?=
+LOCAL_BASES ?=
+REGISTRY_CERT_DIR ?=
+REGISTRY_AUTHFILE ?=
 PLATFORMS ?= linux/amd64,linux/arm64
 TOOL ?=
 RELEASE_ARGS = --registry "$(REGISTRY)" $(if $(TAG),--tag "$(TAG)") --platforms "$(PLATFORMS)"
 
 ## images: both images (proxy, controller) for PLATFORMS as REGISTRY/<name>:TAG, pushed (docker buildx, else
-## podman manifest lists; TOOL=docker|podman chooses).
+## podman manifest lists; TOOL=docker|podman chooses). With podman: LOCAL_BASES=1 builds on this machine's
+## bases instead of Docker Hub's; REGISTRY_CERT_DIR / REGISTRY_AUTHFILE for a private registry.
 images:
 	@[ -n "$(REGISTRY)" ] || { echo "make images needs REGISTRY=<registry/path>, e.g. REGISTRY=registry.example.com/tailscale" >&2; exit 2; }
-	bash images/release.sh $(RELEASE_ARGS) --push $(if $(TOOL),--tool "$(TOOL)")
+	bash images/release.sh $(RELEASE_ARGS) --push $(if $(TOOL),--tool "$(TOOL)") $(if $(LOCAL_BASES),--local-bases) \
+	  $(if $(REGISTRY_CERT_DIR),--cert-dir "$(REGISTRY_CERT_DIR)") $(if $(REGISTRY_AUTHFILE),--authfile "$(REGISTRY_AUTHFILE)")
 
 ## images-archives: the same without a registry: one OCI archive per image and platform (foreign ones under
 ## qemu user mode), then their checks (tests/test_image_archives.py). REGISTRY defaults to a placeholder.
@@ -49,6 +54,20 @@ images-archives: setup-bin
 	bash images/release.sh $(RELEASE_ARGS) --offline
 	CB_RELEASE_DIR="$$(bash images/release.sh $(RELEASE_ARGS) --print-out)" CB_RELEASE_REGISTRY="$(REGISTRY)" \
 	  CB_RELEASE_PLATFORMS="$(PLATFORMS)" $(PY) -m pytest -q tests/test_image_archives.py
+
+## release: VERSION (default: the file VERSION, which it must equal) released to REGISTRY: both images for PLATFORMS
+## as multi-arch indexes and the chart (version = appVersion = VERSION, images pinned by tag and digest) as
+## oci://REGISTRY/charts/tailscale-controller. REGISTRY_CERT_DIR (a directory with ca.crt) and REGISTRY_AUTHFILE
+## (podman's/helm's auth file) for a private registry; TAILSCALE_VERSION=1.102.x for another tailscale. See
+## docs/install-gitops.md, "The release flow".
+VERSION ?=
+TAILSCALE_VERSION ?=
+release: setup-bin
+	@[ -n "$(REGISTRY)" ] || { echo "make release needs REGISTRY=<registry/path>, e.g. REGISTRY=registry.example.com/tailscale" >&2; exit 2; }
+	@bash scripts/setup.sh --image $(if $(findstring arm64,$(PLATFORMS)),--multiarch)
+	$(if $(TAILSCALE_VERSION),TS_VER=v$(TAILSCALE_VERSION)) bash scripts/release.sh --registry "$(REGISTRY)" \
+	  $(if $(VERSION),--version "$(VERSION)") --platforms "$(PLATFORMS)" \
+	  $(if $(REGISTRY_CERT_DIR),--cert-dir "$(REGISTRY_CERT_DIR)") $(if $(REGISTRY_AUTHFILE),--authfile "$(REGISTRY_AUTHFILE)")
 
 ## chart: the packaged chart, dist/tailscale-controller-<version>.tgz (helm package).
 chart: setup-bin

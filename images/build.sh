@@ -61,7 +61,7 @@ command -v podman >/dev/null || { log "podman is missing: run scripts/setup.sh -
 start=$(date +%s.%N)
 base=$(bash "$here/base.sh" --arch "$ARCH")
 tsimg=$(bash "$here/tailscale.sh" --arch "$ARCH")
-version=$(python3 -c 'import tomllib,sys; print(tomllib.load(open(sys.argv[1],"rb"))["project"]["version"])' "$repo/pyproject.toml")
+version=$(tr -d '[:space:]' < "$repo/VERSION")   # the one place the version is written
 ts_version=$(echo "$tsimg" | sed -n 's/.*:v\([0-9.]*\)-.*/\1/p')
 secret=()
 for ca in "${SSL_CERT_FILE:-}" /etc/ssl/certs/ca-certificates.crt; do

@@ -6,6 +6,7 @@
 #        --platforms linux/amd64,linux/arm64 --push [--tool docker|podman]
 #   bash images/release.sh --registry registry.example.com/tailscale --tag 0.1.0 \
 #        --platforms linux/amd64,linux/arm64 --offline [--out DIR]     # archives, --print-out for DIR
+#   ... --push --tool podman --local-bases [--cert-dir DIR] [--authfile FILE]
 #
 # `make images` and `make images-archives` run it. The images are <registry>/containerboot-py:<tag> and
 # <registry>/containerboot-py-controller:<tag>; the chart's default tag is its appVersion, so --tag defaults to
@@ -14,6 +15,10 @@
 # --push: with Docker, `docker buildx build --platform ... --push` (BuildKit: the Dockerfiles mount a build
 # secret); with podman, `podman build --platform ... --manifest` and `podman manifest push --all`. Foreign
 # platforms' RUN steps run under qemu user mode (binfmt_misc), as with any multi-platform build.
+# --local-bases (podman): each platform built on its own with this machine's bases (images/base.sh and
+# images/tailscale.sh for that architecture) instead of the Dockerfiles' defaults from Docker Hub, added to the
+# same manifest list: where the registry is reachable and Docker Hub is not (the lab's registry).
+# --cert-dir (a directory with ca.crt) and --authfile (podman's auth file) for a private registry (podman).
 # --offline: images/build.sh per platform (a local Debian base per architecture made with mmdebstrap, tailscaled
 # cross-compiled with Go), each exported as an archive whose index names the image <registry>/<name>:<tag>,
 # as the registry would serve it: `ctr -n k8s.io images import` on a node, or `skopeo copy
@@ -23,7 +28,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/.." && pwd)
 . "$here/common.sh"
 
-REGISTRY= TAG= PLATFORMS=linux/amd64,linux/arm64 MODE= TOOL= OUT= print=
+REGISTRY= TAG= PLATFORMS=linux/amd64,linux/arm64 MODE= TOOL= OUT= print= LOCAL_BASES= CERT_DIR= AUTHFILE=
 while [ $# -gt 0 ]; do
   case "$1" in
     --registry) REGISTRY=${2%/}; shift 2 ;;
@@ -34,6 +39,9 @@ while [ $# -gt 0 ]; do
     --tool) TOOL=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --print-out) print=1; shift ;;
+    --local-bases) LOCAL_BASES=1; shift ;;
+    --cert-dir) CERT_DIR=$2; shift 2 ;;
+    --authfile) AUTHFILE=$2; shift 2 ;;
     *) log "unknown argument $1 (see the header of $0)"; exit 2 ;;
   esac
 done
@@ -41,7 +49,7 @@ done
 if [ -z "$TAG" ]; then
   TAG=$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' "$repo/charts/tailscale-controller/Chart.yaml")
 fi
-version=$(python3 -c 'import tomllib,sys; print(tomllib.load(open(sys.argv[1],"rb"))["project"]["version"])' "$repo/pyproject.toml")
+version=$(tr -d '[:space:]' < "$repo/VERSION")   # the one place the version is written
 OUT=${OUT:-$IMAGES_CACHE/release/$TAG}
 if [ -n "$print" ]; then echo "$OUT"; exit 0; fi
 [ -n "$MODE" ] || { log "say --push (to the registry) or --offline (OCI archives)"; exit 2; }
@@ -83,6 +91,12 @@ if [ -z "$TOOL" ]; then
   else log "neither docker buildx nor podman is installed"; exit 1; fi
 fi
 secret=$(ca_secret)
+if [ "$TOOL" = docker ] && [ -n "$LOCAL_BASES$CERT_DIR$AUTHFILE" ]; then
+  log "--local-bases, --cert-dir and --authfile are podman's (docker: docker login, and the CA in /etc/docker/certs.d)"; exit 2
+fi
+reg=()
+[ -z "$CERT_DIR" ] || reg+=(--cert-dir "$CERT_DIR")
+[ -z "$AUTHFILE" ] || reg+=(--authfile "$AUTHFILE")
 for n in "${NAMES[@]}"; do
   ref="$REGISTRY/$n:$TAG"
   log "building and pushing $ref for $PLATFORMS with $TOOL"
@@ -92,9 +106,22 @@ for n in "${NAMES[@]}"; do
         --build-arg "VERSION=$version" ${secret:+"$secret"} -t "$ref" --push "$repo" ;;
     podman)
       podman manifest rm "$ref" >/dev/null 2>&1 || true
-      pod build --platform "$PLATFORMS" -f "${DOCKERFILES[$n]}" --build-arg "VERSION=$version" \
-        ${secret:+"$secret"} --manifest "$ref" "$repo"
-      podman manifest push --all "$ref" "docker://$ref" ;;
+      if [ -n "$LOCAL_BASES" ]; then
+        for p in "${platforms[@]}"; do
+          arch=${p#linux/}
+          [ "$arch" = "$(dpkg --print-architecture)" ] || foreign_ready "$arch"
+          tsimg=$(bash "$here/tailscale.sh" --arch "$arch")
+          pod build --network host --pull=never --platform "$p" -f "${DOCKERFILES[$n]}" --build-arg "VERSION=$version" \
+            --build-arg "BASE=$(bash "$here/base.sh" --arch "$arch")" --build-arg "TAILSCALE_IMAGE=$tsimg" \
+            --build-arg "TAILSCALE_VERSION=$(echo "$tsimg" | sed -n 's/.*:v\([0-9.]*\)-.*/\1/p')" \
+            ${secret:+"$secret"} --manifest "$ref" "$repo"
+        done
+      else
+        pod build --platform "$PLATFORMS" -f "${DOCKERFILES[$n]}" --build-arg "VERSION=$version" \
+          ${secret:+"$secret"} --manifest "$ref" "$repo"
+      fi
+      podman manifest push --all "${reg[@]}" "$ref" "docker://$ref"
+      podman manifest rm "$ref" >/dev/null 2>&1 || true ;;
     *) log "--tool $TOOL: use docker or podman"; exit 2 ;;
   esac
 done

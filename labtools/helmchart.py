@@ -15,7 +15,7 @@ API::
     objects(text)                  # the rendered YAML as a list of objects
     manifests()                    # {path under deploy/: text} as `make manifests` writes them
     package(directory)             # `helm package`: directory/tailscale-controller-<version>.tgz
-    chart_meta(), project_version()  # Chart.yaml; pyproject's version (images, chart and appVersion agree)
+    chart_meta(), project_version()  # Chart.yaml; the file VERSION (images, chart and appVersion agree)
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 import yaml
@@ -108,9 +107,9 @@ def chart_meta() -> dict:
 
 
 def project_version() -> str:
-    """pyproject.toml's version: the images' VERSION, the chart's version and appVersion."""
-    with open(REPO / "pyproject.toml", "rb") as f:
-        return str(tomllib.load(f)["project"]["version"])
+    """The file VERSION: the package's version (pyproject.toml reads it), the images' VERSION, the chart's
+    version and appVersion."""
+    return (REPO / "VERSION").read_text().strip()
 
 
 def package(directory: Path) -> Path:

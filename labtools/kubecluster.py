@@ -442,6 +442,8 @@ disabled_plugins = {json.dumps(unused)}
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "{CNI_BIN_DIR}"
     conf_dir = "{cfg.node_run_dir / 'cni'}"
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "{c / 'certs.d'}"
 """
 
 
@@ -980,6 +982,18 @@ class KubeCluster:
         targets: list[str | None] = [*(nodes or self.node_cfgs)] or [None]
         outs = [self._ctr("images", "import", str(p), node=n).stdout for n in targets]
         return outs[0]
+
+    def trust_registry(self, address: str, ca_pem: bytes) -> None:
+        """Every node's containerd pulls from the registry at ``address`` (host:port) over HTTPS, trusting
+        ``ca_pem`` for it: certs.d/<address>/hosts.toml and its ca.crt in the node's containerd config dir (its
+        ``config_path``), which containerd reads at each pull. The credentials come with each pull from the
+        Pod's image pull Secret."""
+        from labtools import registry
+        for ncfg in self.node_cfgs.values() or [self.cfg]:
+            d = ncfg.containerd_dir / "certs.d" / address
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "ca.crt").write_bytes(ca_pem)
+            (d / "hosts.toml").write_text(registry.hosts_toml(address, str(d / "ca.crt")))
 
     def images(self, node: str | None = None) -> list[str]:
         return [ln.split()[0] for ln in self._ctr("images", "ls", "-q", node=node).stdout.splitlines() if ln.strip()]

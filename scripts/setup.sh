@@ -3,7 +3,8 @@
 # pinned Go-built binaries. Each step is skipped when already done. Progress goes to stderr.
 #   --binaries                  everything: tailscale (tailscaled, tailscale, headscale), upstream (upstream
 #                               containerboot, the tests' reference agent), kubernetes (Kubernetes, etcd, CoreDNS
-#                               and the node's Debian packages), helm and browser (Debian's chromium and its
+#                               and the node's Debian packages), helm, registry (the lab's container registry,
+#                               with Apache's htpasswd for its users) and browser (Debian's chromium and its
 #                               driver, for the recorder's replay page test)
 #   --binaries=tailscale,...    only those parts (the plain `make demo` needs tailscale alone)
 #   --image                     podman, runc and mmdebstrap for images/build.sh
@@ -15,7 +16,7 @@ log() { echo "[setup] $*" >&2; }
 want_image=0 want_multiarch=0 parts=""
 for a in "$@"; do
   case "$a" in
-    --binaries) parts=tailscale,upstream,kubernetes,helm,browser ;;
+    --binaries) parts=tailscale,upstream,kubernetes,helm,registry,browser ;;
     --binaries=*) parts=${a#--binaries=} ;;
     --image) want_image=1 ;;
     --multiarch) want_multiarch=1 ;;  # qemu user mode for other architectures' images (make images-archives)
@@ -30,6 +31,7 @@ pkgs=(iproute2 nftables iptables libnftables1 curl dnsmasq-base openssl python3-
 want kubernetes && pkgs+=(containerd runc containernetworking-plugins)
 # a real browser for the recorder's replay page (tests/test_recorder_browser.py, driven by selenium)
 want browser && pkgs+=(chromium chromium-driver)
+want registry && pkgs+=(apache2-utils)
 [ $want_image = 1 ] && pkgs+=(podman runc mmdebstrap bc)
 [ $want_multiarch = 1 ] && pkgs+=(qemu-user-static)
 missing=()
@@ -78,6 +80,10 @@ if [ -n "$parts" ]; then
     if want kubernetes; then
       bash scripts/install-coredns.sh >/dev/null || log "building CoreDNS failed; the lab cluster will have no DNS"
       bash scripts/install-crds.sh >/dev/null || log "fetching the ServiceMonitor CRD failed; its test will be skipped"
+    fi
+    # the CNCF registry v3.0.0, the lab's container registry (labtools/registry.py; about 2 min cold)
+    if want registry; then
+      bash scripts/install-registry.sh >/dev/null || log "building the registry failed; the registry tests will be skipped"
     fi
   else
     log "no Go toolchain: the end-to-end tests will be skipped"

@@ -1,7 +1,8 @@
-{{/* An image reference: (list $ .Values.image) -> <imageRegistry>/<repository>:<tag or appVersion>. */}}
+{{/* An image reference: (list $ .Values.image) -> <imageRegistry>/<repository>:<tag or appVersion>, then
+@<digest> when the digest is set (a released chart sets both: the tag says which release, the digest pins it). */}}
 {{- define "tsc.image" -}}
 {{- $root := index . 0 -}}{{- $img := index . 1 -}}
-{{ $root.Values.imageRegistry | trimSuffix "/" }}/{{ $img.repository }}:{{ $img.tag | default $root.Chart.AppVersion }}
+{{ $root.Values.imageRegistry | trimSuffix "/" }}/{{ $img.repository }}:{{ $img.tag | default $root.Chart.AppVersion }}{{ with $img.digest }}@{{ . }}{{ end }}
 {{- end -}}
 
 {{/* Stop before anything is installed when a setting is wrong, naming the value and the fix. */}}
@@ -14,6 +15,11 @@
 {{- end -}}
 {{- if not .Values.imageRegistry -}}
 {{- fail "imageRegistry is empty: set it to the registry you pushed both images to (make images REGISTRY=registry.example.com/tailscale TAG=<chart appVersion>), e.g. --set imageRegistry=registry.example.com/tailscale" -}}
+{{- end -}}
+{{- range $key, $img := dict "image" .Values.image "proxy.image" .Values.proxy.image -}}
+{{- if and $img.digest (not (regexMatch "^sha256:[a-f0-9]{64}$" $img.digest)) -}}
+{{- fail (printf "%s.digest=%q is not an image digest; use sha256:<64 hex digits> (the index digest the registry reports), or \"\" for the tag alone" $key $img.digest) -}}
+{{- end -}}
 {{- end -}}
 {{- if not (has .Values.ingressScheme (list "auto" "https" "http")) -}}
 {{- fail (printf "ingressScheme=%q is not a scheme; use auto, https or http" .Values.ingressScheme) -}}
