@@ -121,6 +121,12 @@ async def run(cfg: ControllerConfig) -> int:
             acquiring.cancel()
             return 0
         stopping.cancel()
+        # The leader probes the ProxyGroup replicas' health over the Pod network: one that stops answering
+        # leaves the egress EndpointSlices within seconds (controller/replicahealth.py).
+        from .model import PROXYGROUP
+        from .replicaprober import ReplicaProber
+        rec.groups.prober = ReplicaProber(lambda group: state.queue.poke((PROXYGROUP, "", group)))
+        probing = asyncio.ensure_future(rec.groups.prober.run())
 
         parents, children = registries(state, functools.partial(kopf_login, kube.url, kube.token, kube.ca_file,
                                                                 cfg.namespace))
@@ -175,6 +181,7 @@ async def run(cfg: ControllerConfig) -> int:
                 signals(), until_stopped())
         finally:
             holder.cancel()
+            probing.cancel()
     finally:
         flusher.cancel()
         await state.queue.aclose()

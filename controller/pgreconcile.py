@@ -33,6 +33,7 @@ from .kubeapi import (CONFIGMAPS, CRDS, ENDPOINTSLICES, PODS, PROXYGROUPS, ROLEB
 from .model import (COND_EGRESS_CONFIGURED, COND_EGRESS_VALID, COND_PG_AVAILABLE, COND_PG_READY, FINALIZER,
                     LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PROXY_GROUP, PROXYGROUP, SVC, Invalid, Parent)
 from .providers import ProviderError
+from .replicaprober import ReplicaProber, target_of
 
 if TYPE_CHECKING:
     from .reconcile import Reconciler
@@ -65,6 +66,8 @@ class GroupReconciler:
     def __init__(self, rec: "Reconciler") -> None:
         self.rec = rec
         self._locks: dict[str, asyncio.Lock] = {}
+        #: the leader's health probes of the replicas (controller.replicaprober); None: Pod readiness alone
+        self.prober: ReplicaProber | None = None
 
     def _lock(self, group: str) -> asyncio.Lock:
         return self._locks.setdefault(group, asyncio.Lock())
@@ -229,6 +232,8 @@ class GroupReconciler:
         """StatefulSet (foreground: the Pods drain first), then each device, the Secrets, the ConfigMap and the
         group's ServiceAccount, Role and RoleBinding. True when done."""
         kube, ns = self.rec.kube, self.rec.cfg.namespace
+        if self.prober is not None:
+            self.prober.track(obj["metadata"]["name"], ())
         name = meta(obj).get("name", "")
         sel = group_selector(name)
         stss = await kube.list(STATEFULSETS, ns, sel)
@@ -260,14 +265,19 @@ class GroupReconciler:
         if secrets is None:
             secrets = {s["metadata"]["name"]: s for s in await kube.list(SECRETS, ns, sel)}
         out = []
+        lives = {p["metadata"]["name"]: _live(p) for p in pods}
+        # A replica the controller's own probe no longer hears (its node lost, long before the node lifecycle
+        # controller marks its Pod not Ready) leaves them too (controller.replicahealth).
+        probed = {p["metadata"]["name"]: target_of(p) for p in pods if lives[p["metadata"]["name"]]}
+        answering: frozenset = frozenset()
+        if self.prober is not None:
+            self.prober.track(group, (t for t in probed.values() if t is not None))
+            answering = self.prober.serving(t for t in probed.values() if t is not None)
         for p in pods:
             name = p["metadata"]["name"]
             pst = p.get("status") or {}
-            # A terminating Pod leaves the EndpointSlices at once: that is what its pre-stop drain waits for.
-            # A Pod that is not Ready (its tailscaled down, its container restarting, its node lost) leaves them
-            # too, until its readiness probe passes again.
-            ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in pst.get("conditions") or [])
-            live = not p["metadata"].get("deletionTimestamp") and pst.get("phase") == "Running" and ready
+            t = probed.get(name)
+            live = lives[name] and (self.prober is None or t is None or t in answering)
             ips = tuple(a["ip"] for a in pst.get("podIPs") or [] if a.get("ip")) if live else ()
             data = _decode(secrets.get(name)) or {}
             out.append(Replica(name, ips, egress.parse_status(data.get(sc.KEY_EGRESS_SERVICES))))
@@ -424,6 +434,15 @@ class GroupReconciler:
                 await kube.delete(ENDPOINTSLICES, s["metadata"]["name"], ns_ctl)
             await kube.delete(SERVICES, o["metadata"]["name"], ns_ctl)
             log.info("Service %s/%s: egress through ProxyGroup %s removed", ns, name, group)
+
+
+def _live(pod: Mapping[str, Any]) -> bool:
+    """A terminating Pod leaves the EndpointSlices at once: that is what its pre-stop drain waits for. A Pod
+    that is not Ready (its tailscaled down, its container restarting, its node lost) leaves them too, until its
+    readiness probe passes again."""
+    pst = pod.get("status") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in pst.get("conditions") or [])
+    return not pod["metadata"].get("deletionTimestamp") and pst.get("phase") == "Running" and ready
 
 
 def _index(group: str, secret: str) -> int | None:
