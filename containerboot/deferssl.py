@@ -16,7 +16,6 @@ or by a library (httpx, anyio), loads the real module and binds it into asyncio'
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import sys
 from types import ModuleType
@@ -60,8 +59,10 @@ def _rebind(ssl: ModuleType) -> None:
         importlib.reload(sslproto)
 
 
-class _SslLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader) -> None:
+# Plain classes, not importlib.abc's: that module imports importlib.resources, and with it tempfile, shutil,
+# lzma and random (about 1 MB and 25 ms), for an interface the import system only duck-types.
+class _SslLoader:
+    def __init__(self, loader) -> None:
         self._loader = loader
 
     def create_module(self, spec):
@@ -72,7 +73,7 @@ class _SslLoader(importlib.abc.Loader):
         _rebind(module)
 
 
-class _SslFinder(importlib.abc.MetaPathFinder):
+class _SslFinder:
     """Finds `ssl` through the normal finders once, then wraps its loader so asyncio gets it bound."""
 
     def find_spec(self, fullname, path, target=None):
