@@ -2,13 +2,13 @@
 
 Run: `python -m bench.importstages [VAR=value ...]` (default: the footprint's L3 ingress, `TS_DEST_IP=10.0.0.7
 TS_USERSPACE=false`). In a fresh interpreter it takes the agent's start-up steps that cost memory without
-starting anything (no tailscaled, no rule written): the interpreter, `containerboot.__main__` (asyncio,
-without ssl: containerboot/deferssl.py), the settings, the agent's modules, the firewall backend's modules
-and libnftables (a context, no command), the conntrack clean-up's modules (pyroute2's conntrack alone), and
-what the steady state loads for this configuration. After each stage it returns freed memory to the kernel
-(malloc_trim, as the agent does after start-up) and prints the resident memory, the change and the modules
-that stage loaded (top-level packages); then whether ssl, httpx, pyroute2's whole package, dnspython and
-watchdog were loaded. With `--json` the same as one JSON object.
+starting anything (no tailscaled, no rule written): the interpreter; `containerboot.__main__` (asyncio, without
+ssl: containerboot/deferssl.py); the settings; the agent's modules; the firewall backend's modules with
+libnftables (a context, no command; iptables' modules with TS_DEBUG_FIREWALL_MODE=iptables); the conntrack
+clean-up's modules (pyroute2's conntrack alone); what the steady state loads for this configuration. After each
+stage it returns freed memory to the kernel (malloc_trim, as the agent does after start-up) and prints the
+resident memory, the change and the top-level packages that stage loaded; then whether ssl, httpx, certifi,
+pyroute2's whole package, dnspython, watchdog and the Kubernetes client were loaded. `--json`: one JSON object.
 """
 from __future__ import annotations
 
@@ -45,11 +45,15 @@ Agent(settings, env)
 import containerboot.reconcile, containerboot.endpoints
 stage("agent modules")
 if not settings.userspace:
-    from netfilter import detect, nft
-    nft.NftBackend
-    import nftables
-    nftables.Nftables()
-    stage("firewall modules and libnftables")
+    from netfilter import detect
+    if (env.get("TS_DEBUG_FIREWALL_MODE") or "nftables") == "nftables":
+        from netfilter import nft
+        import nftables
+        nftables.Nftables()
+        stage("firewall modules and libnftables")
+    else:
+        from netfilter import iptables
+        stage("firewall modules (iptables)")
     from netfilter.conntrack import conntrack_class
     conntrack_class()
     stage("conntrack clean-up (pyroute2.conntrack)")
