@@ -167,3 +167,37 @@ async def test_the_egress_endpointslice_follows_the_probe(env):  # noqa: F811
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
         reps.close()
+
+
+async def test_the_agents_own_health_endpoint_is_heard_and_its_not_ready_answer_is_not():
+    """Against the agent's endpoint server (containerboot.endpoints), as replicas run it: the 200 of a replica
+    whose tailscaled is up is heard; the 503 of one whose tailscaled is down is silence to the rule."""
+    from containerboot.endpoints import EndpointServer
+    from tests.test_endpoints import Holder, not_ready_status, ready_status
+    statuses = {ip: Holder(ready_status()) for ip in ("10.0.0.1", "10.0.0.2")}
+    servers, ports = [], {}
+    for ip, st in statuses.items():
+        srv = EndpointServer(status_provider=st, metrics_source=None, enable_metrics=False, enable_health=True,
+                             pod_ipv4=ip)
+        ports[ip] = int((await srv.start("127.0.0.1:0")).rsplit(":", 1)[1])
+        servers.append(srv)
+    changed: list[str] = []
+    p = ReplicaProber(changed.append, rule=FAST, connections=2, interval=0.05, tick=0.02, stale=5.0,
+                      open_connection=lambda host, _port: asyncio.open_connection("127.0.0.1", ports[host]))
+    a, b = Target("pg-0", "10.0.0.1", 9002), Target("pg-1", "10.0.0.2", 9002)
+    runner = asyncio.ensure_future(p.run())
+    try:
+        p.track("pg", [a, b])
+        await asyncio.sleep(FAST.down_after * 2)
+        assert p.serving([a, b]) == {a, b} and changed == []
+        statuses["10.0.0.1"].st = not_ready_status()
+        await wait_for(lambda: changed == ["pg"])
+        assert p.serving([a, b]) == {b}
+        statuses["10.0.0.1"].st = ready_status()
+        await wait_for(lambda: changed == ["pg", "pg"])
+        assert p.serving([a, b]) == {a, b}
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        for srv in servers:
+            await srv.close()
