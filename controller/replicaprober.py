@@ -9,8 +9,9 @@ Every `TICK` seconds it applies the rule, and when a group's serving set changes
 (the controller queues a pass of the group, which writes the EndpointSlices). Only the leader runs it.
 
 An exchange without an answer for `STALE` seconds, or a connection that fails, is made again after
-`INTERVAL`; an answer that is not HTTP/1.1 (or not 200) is not heard. The requests are a few bytes each: with
-six connections a replica answers six requests a second, about 0.1 % of a core for the agent.
+`INTERVAL`; an answer that is not HTTP/1.1 (or not 200) is not heard. Six requests a second per replica: the
+agent's endpoint server and this client each spend under 60 µs of CPU on one (measured together on one
+keep-alive connection), about 1 s of CPU an hour per replica on either side.
 """
 from __future__ import annotations
 
