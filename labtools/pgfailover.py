@@ -378,7 +378,8 @@ class Scenario:
     def lose_node(self, timeout: float = 240.0, *, until_node_marked: bool = True) -> CaseResult:
         """The second node lost. Events (seconds after the loss), recorded as they are seen: ``left_slice`` (the
         controller's health probe or the node's eviction took the victim out), ``node_not_ready`` (the node
-        lifecycle controller marked the node), ``pod_evicted``, ``ten_ok_after_slice``. With
+        lifecycle controller marked the node), ``pod_evicted``, ``tailnet_offline`` (headscale reports the
+        victim's device offline: the tailnet control plane's view), ``ten_ok_after_slice``. With
         ``until_node_marked`` the case also waits for the node to be marked (up to the grace period and the
         kubelet's 10 s Lease renewal), so that ``node_not_ready`` is known; it never waits for the eviction."""
         victim, v, s = self._victim(1)
@@ -396,8 +397,21 @@ class Scenario:
             p = self.kc.get("pod", victim, kubecontroller.NS) or {}
             return bool(p.get("metadata", {}).get("uid") != v["uid"] or p.get("metadata", {}).get("deletionTimestamp"))
 
+        device = f"{PREFIX}-{victim.rsplit('-', 1)[1]}"
+        asked_hs = [0.0]
+
+        def tailnet_offline() -> bool:
+            """headscale's view of the victim's device (asked at most once a second: a CLI run each time)."""
+            if time.monotonic() - asked_hs[0] < 1.0:
+                return False
+            asked_hs[0] = time.monotonic()
+            n = self.lab.hs_node(device) or {}
+            return n.get("online") is False or ("online" not in n and bool(n))
+
         def observe() -> None:
             now = time.time() - start
+            if "tailnet_offline" not in events and tailnet_offline():
+                events["tailnet_offline"] = now
             if "left_slice" not in events and v["pod_ip"] not in self.slice_addresses():
                 events["left_slice"] = now
             if "node_not_ready" not in events and node_marked():
