@@ -289,6 +289,8 @@ class GroupReconciler:
         kube, ns = self.rec.kube, self.rec.cfg.namespace
         svcs = await kube.list(SERVICES, ns, egress.group_selector(group))
         if not svcs:
+            if self.prober is not None:
+                self.prober.track(group, ())   # nothing to steer: no probes
             return
         cm = await kube.get(CONFIGMAPS, pgrender.configmap_name(group), ns)
         entries = egress.parse_entries((cm or {}).get("data", {}).get(pgrender.EGRESS_SERVICES_KEY))
