@@ -4,8 +4,9 @@ Run: `python -m bench.importstages [VAR=value ...]` (default: the footprint's L3
 TS_USERSPACE=false`). In a fresh interpreter it takes the agent's start-up steps that cost memory without
 starting anything (no tailscaled, no rule written): the interpreter; `containerboot.__main__` (asyncio, without
 ssl: containerboot/deferssl.py); the settings; the agent's modules; the firewall backend's modules with
-libnftables (a context, no command; iptables' modules with TS_DEBUG_FIREWALL_MODE=iptables); the conntrack
-clean-up's modules (pyroute2's conntrack alone); what the steady state loads for this configuration. After each
+libnftables (a context, no command; iptables' modules with TS_DEBUG_FIREWALL_MODE=iptables); what the steady
+state loads for this configuration; last, what the conntrack clean-up loads (pyroute2's conntrack alone), which
+the agent does in a forked child that exits when done (netfilter/conntrack.py), so it is not the agent's. After each
 stage it returns freed memory to the kernel (malloc_trim, as the agent does after start-up) and prints the
 resident memory, the change and the top-level packages that stage loaded; then whether ssl, httpx, certifi,
 pyroute2's whole package, dnspython, watchdog and the Kubernetes client were loaded. `--json`: one JSON object.
@@ -54,11 +55,13 @@ if not settings.userspace:
     else:
         from netfilter import iptables
         stage("firewall modules (iptables)")
+import containerboot.steady
+import containerboot.probes
+stage("steady state")
+if not settings.userspace:
     from netfilter.conntrack import conntrack_class
     conntrack_class()
-    stage("conntrack clean-up (pyroute2.conntrack)")
-import containerboot.steady
-stage("steady state")
+    stage("+ conntrack clean-up, in its forked child only")
 loaded = set(sys.modules)
 print(json.dumps({"stages": stages, "modules": len(loaded),
                   "loaded": {m: m in loaded for m in ("ssl", "httpx", "certifi", "pyroute2.ndb.main", "dns",

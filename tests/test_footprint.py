@@ -75,3 +75,17 @@ asyncio.run(main())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "hello tls"
+
+
+def test_the_conntrack_clean_up_in_a_child_leaves_pyroute2_out_of_the_agent_and_returns_its_count():
+    out = subprocess.run([sys.executable, "-c", (
+        "import sys\nimport netfilter.conntrack as ct\nfrom netfilter.model import RuleSet\n"
+        "def flush(rules, previous):\n"
+        "    ct.conntrack_class()   # what the real clean-up loads\n"
+        "    return 3\n"
+        "ct.flush_stale_conntrack = flush\n"
+        "print(ct.PendingCleanup(RuleSet(), None).run_in_child())\n"
+        "print('pyroute2.conntrack' in sys.modules)\n")],
+        capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["3", "False"]
