@@ -92,9 +92,11 @@ while True:
         with socket.create_connection((HOST, PORT), timeout=2) as s:
             s.settimeout(2)
             peer = ask(s)
-        print(f"{{t:.3f}} new ok {{peer}}", flush=True)
+        line = f"{{t:.3f}} new ok {{peer}}"
     except Exception as e:
-        print(f"{{t:.3f}} new fail {{type(e).__name__}}", flush=True)
+        line = f"{{t:.3f}} new fail {{type(e).__name__}}"
+    with lock:   # one line at a time: the held connections' thread writes too
+        print(line, flush=True)
     time.sleep(max(0.0, 0.2 - (time.time() - t)))
 '''
 
