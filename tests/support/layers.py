@@ -49,7 +49,7 @@ PURE: frozenset[str] = frozenset({
     "controller.kinds.connector", "controller.kinds.egress", "controller.kinds.ingress",
     "controller.kinds.proxygroup", "controller.kinds.service", "controller.kinds.tailnet", "controller.model",
     "controller.pgrender", "controller.podsecurity", "controller.proxyclass", "controller.proxyrbac",
-    "controller.recorder",
+    "controller.recorder", "controller.replicahealth",
     "controller.render", "controller.sameness", "controller.status", "controller.validation",
 })
 
