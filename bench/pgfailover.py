@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
           for case, k in keys)])
     timing = "Kubernetes' default node-loss timing" if a.node_loss == "default" else \
         f"the lab's shortened node-loss timing ({node_loss[0]} s, {node_loss[1]} s)"
-    recorded = a.recorded or f"{machine()}; {a.firewall}; {timing}; the 0.2 s between attempts bounds the resolution"
+    where = machine() if a.runs == 1 else machine().replace("one run,", f"{a.runs} runs, each on a fresh cluster,", 1)
+    recorded = a.recorded or f"{where}; {a.firewall}; {timing}; the 0.2 s between attempts bounds the resolution"
     command = "python -m bench.pgfailover" + (f" --runs {a.runs}" if a.runs > 1 else "") + (
         " --node-loss short" if a.node_loss == "short" else "")
     record(Results("pgfailover", command, recorded, {"cases": cases, "events": events}), a.record)
