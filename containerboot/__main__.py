@@ -1,12 +1,15 @@
 """Command line: `containerboot` runs the agent; `containerboot rules` shows its rules (debugging)."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
 
 from tscommon.redact import redact
+
+from .deferssl import import_asyncio
+
+asyncio = import_asyncio()   # without ssl until something needs TLS (containerboot.deferssl)
 
 
 class _RedactingFormatter(logging.Formatter):

@@ -307,6 +307,7 @@ class Agent:
         rec = Reconciler(self.s, self.firewall.backend, rules_file=rules_file,
                          ensure_forwarding=None if self.s.userspace else boot.forwarding_ensurer(self.s),
                          on_converged=self._on_converged, before_rules=self._before_rules)
+        rec.cleanup_in_child = True   # pyroute2's modules live only as long as the clean-up
         if self._forwarding_ensured:
             rec.applied.forwarding = self.s.forwarding_families    # by `boot.prepare`, before tailscaled started
         return rec

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from tscommon.redact import redact
 
 from .reachability import FIRST_CHECK_AFTER, Reachability, next_check_in, public_url
+
+if TYPE_CHECKING:
+    import ssl   # loaded at the first https check only (a control server over http never needs it)
 
 log = logging.getLogger("containerboot")
 
@@ -72,10 +75,10 @@ class Probe:
 
 # -- the control server ------------------------------------------------------------------------------------------
 
-_TLS: ssl.SSLContext | None = None
+_TLS: "ssl.SSLContext | None" = None
 
 
-def _tls() -> ssl.SSLContext:
+def _tls() -> "ssl.SSLContext":
     global _TLS
     if _TLS is None:
         from .catrust import client_context
@@ -105,7 +108,7 @@ async def http_status(url: str, timeout: float = CHECK_TIMEOUT) -> int:
             writer.close()
             try:
                 await writer.wait_closed()
-            except (OSError, ssl.SSLError):
+            except OSError:   # ssl.SSLError is one
                 pass
     parts = line.split()
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
@@ -129,7 +132,7 @@ def control_check(prefs: Callable[[], Awaitable[dict]], capver: int,
             status = await get(f"{target.rstrip('/')}/key?v={capver}")
         except TimeoutError:
             return target, f"GET /key: no answer within {CHECK_TIMEOUT:g}s"
-        except (OSError, ssl.SSLError, ValueError) as e:
+        except (OSError, ValueError) as e:   # ssl.SSLError is an OSError
             return target, f"GET /key: {type(e).__name__}: {e}"
         if status != 200:
             return target, f"GET /key: HTTP {status}"

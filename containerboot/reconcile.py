@@ -100,6 +100,8 @@ class Reconciler:
         self._rules_file_pending = False
         #: The UDP conntrack clean-up owed for rule changes since the last one ran (see `_reconcile_once`).
         self.pending_cleanup: PendingCleanup | None = None
+        #: the agent runs the conntrack clean-up in a forked child (netfilter.conntrack.PendingCleanup.run_in_child)
+        self.cleanup_in_child = False
 
     # -- events ----------------------------------------------------------------------------------------
     def set_node(self, node: NodeState) -> None:
@@ -200,7 +202,7 @@ class Reconciler:
         if self.pending_cleanup is not None and not defer_cleanup:
             cleanup, self.pending_cleanup = self.pending_cleanup, None
             try:   # after the Secret and start-up bookkeeping: a conntrack dump takes tens of milliseconds
-                await asyncio.to_thread(cleanup.run)
+                await asyncio.to_thread(cleanup.run_in_child if self.cleanup_in_child else cleanup.run)
             except Exception as e:   # best effort, like the clean-up itself
                 log.info("conntrack clean-up failed: %s", e)
         self.stats.last_duration = time.monotonic() - start

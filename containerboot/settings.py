@@ -108,8 +108,9 @@ def parse_go_duration(text: str) -> float:
         return 0.0
     if not s:
         raise ValueError(f"invalid duration {text!r}")
-    from fractions import Fraction   # here, not at the top: this module is imported before tailscaled starts
-    total = Fraction(0)
+    # Exact arithmetic in integers: the total is `num / scale` nanoseconds, `scale` the largest power of ten a
+    # fraction needed so far (fractions.Fraction would do the same but loads the decimal module, about 1 MB).
+    num, scale = 0, 1
     while s:
         m = _DURATION_NUMBER.match(s)
         assert m is not None   # the pattern matches the empty string
@@ -125,9 +126,12 @@ def parse_go_duration(text: str) -> float:
         if unit not in _DURATION_UNITS:
             raise ValueError(f"unknown unit {unit!r} in duration {text!r}")
         s = s[len(unit):]
-        number = Fraction(int(whole or "0")) + (Fraction(int(frac), 10 ** len(frac)) if frac else 0)
-        total += number * _DURATION_UNITS[unit]
-    nanoseconds = int(total)  # Go truncates sub-nanosecond fractions
+        f_scale = 10 ** len(frac)
+        value = (int(whole or "0") * f_scale + (int(frac) if frac else 0)) * _DURATION_UNITS[unit]
+        if f_scale > scale:
+            num, scale = num * (f_scale // scale), f_scale
+        num += value * (scale // f_scale)
+    nanoseconds = num // scale  # Go truncates sub-nanosecond fractions
     if nanoseconds > 2**63 - (0 if negative else 1):
         raise ValueError(f"invalid duration {text!r}: out of range")
     return (-nanoseconds if negative else nanoseconds) / 1e9

@@ -79,8 +79,10 @@ async def run(cfg: ControllerConfig) -> int:
     from .handlers import State, kopf_login, registries, settings
     from .kubeapi import Kube
     from .leader import LeaderElector, LeaseUnrenewed, LostLeadership
+    from .model import PROXYGROUP
     from .queue import WorkQueue
     from .reconcile import Reconciler
+    from .replicaprober import ReplicaProber
 
     # kopf's default identity asks getpass for the user name, which fails for a UID without a passwd entry
     # (the image runs as 65532: "KeyError: 'getpwuid(): uid not found: 65532'", a crash loop in a real Pod).
@@ -90,7 +92,10 @@ async def run(cfg: ControllerConfig) -> int:
     kube = Kube.in_cluster()
     kube.write_guard = elector.is_leader
     provider = make_provider(cfg, kube)
-    rec = Reconciler(kube, provider, cfg)
+    # The leader probes the ProxyGroup replicas' health over the Pod network: one that stops answering leaves
+    # the egress EndpointSlices within seconds (controller/replicahealth.py). Its loop starts with the Lease.
+    prober = ReplicaProber(lambda group: state.queue.poke((PROXYGROUP, "", group)))
+    rec = Reconciler(kube, provider, cfg, prober=prober)
 
     async def work(key) -> float | None:
         if not elector.is_leader():
@@ -129,6 +134,7 @@ async def run(cfg: ControllerConfig) -> int:
             acquiring.cancel()
             return 0
         stopping.cancel()
+        probing = asyncio.ensure_future(prober.run())
         await detect_control_plane(provider)
 
         parents, children = registries(state, functools.partial(kopf_login, kube.url, kube.token, kube.ca_file,
@@ -184,6 +190,7 @@ async def run(cfg: ControllerConfig) -> int:
                 signals(), until_stopped())
         finally:
             holder.cancel()
+            probing.cancel()
     finally:
         flusher.cancel()
         await state.queue.aclose()

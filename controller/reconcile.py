@@ -26,15 +26,18 @@ from .passes.parents import ParentPass
 from .passes.proxyclass import ProxyClassPass
 from .passes.proxygroup import ProxyGroupPass
 from .providers import Provider
+from .replicaprober import ReplicaProber
 from .writer import Writer, now_utc
 
 
 class Reconciler:
     def __init__(self, kube: KubeClient, provider: Provider, cfg: ControllerConfig, *,
-                 now: Callable[[], str] = now_utc, clock: Callable[[], float] = time.monotonic) -> None:
+                 now: Callable[[], str] = now_utc, clock: Callable[[], float] = time.monotonic,
+                 prober: ReplicaProber | None = None) -> None:
         self.writer = Writer(kube, provider, cfg, now=now, clock=clock)
-        self.groups = ProxyGroupPass(self.writer)
-        self.egress = EgressPass(self.writer)
+        # the leader's health probes of the ProxyGroup replicas, shared by the groups' and the egress pass
+        self.groups = ProxyGroupPass(self.writer, prober)
+        self.egress = EgressPass(self.writer, prober)
         self.parents = ParentPass(self.writer, self.egress)
         self.classes = ProxyClassPass(self.writer)
         self.dns = DNSConfigPass(self.writer)

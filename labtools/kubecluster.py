@@ -86,13 +86,13 @@ PAUSE_IMAGE = "localhost/pause:lab"
 ECHO_IMAGE = "localhost/lab-echo:lab"
 NODE_HOST = 50          # the cluster's namespace on the island: 10.99.0.50
 NODE_NAME = "knode"
-#: Node-loss timing of a cluster with more than one node, shortened from Kubernetes' defaults (50 s and 300 s)
-#: so that a test of a lost node ends in about half a minute: a node whose kubelet has not renewed its Lease for
-#: NODE_MONITOR_GRACE_S is marked Unknown and tainted unreachable; its Pods (which tolerate that taint for
-#: UNREACHABLE_TOLERATION_S, the API server's default toleration) are then deleted (they stay Terminating, as
-#: no kubelet confirms).
-NODE_MONITOR_GRACE_S = 20
-UNREACHABLE_TOLERATION_S = 5
+#: Node-loss timing: a node whose kubelet has not renewed its Lease for kube-controller-manager's
+#: `--node-monitor-grace-period` is marked Unknown and tainted unreachable (its Pods not Ready); its Pods (which
+#: tolerate that taint for the API server's `--default-unreachable-toleration-seconds`) are then deleted (they
+#: stay Terminating, as no kubelet confirms). A cluster runs with Kubernetes' defaults (KUBERNETES_NODE_LOSS)
+#: unless started with other values; SHORT_NODE_LOSS ends a test of a lost node in about half a minute.
+KUBERNETES_NODE_LOSS = (50, 300)
+SHORT_NODE_LOSS = (20, 5)
 
 _LIVE: "weakref.WeakSet[KubeCluster]" = weakref.WeakSet()
 
@@ -170,6 +170,9 @@ class ClusterConfig:
     node_ip: str = ""
     extra_nodes: tuple[tuple[str, str], ...] = ()   # (name, address) of the nodes after the first
     spread_pods: bool = False             # the scheduler spreads a workload's Pods over the nodes (hard)
+    #: (--node-monitor-grace-period, --default-unreachable-toleration-seconds) in seconds; None: not passed,
+    #: Kubernetes' defaults (KUBERNETES_NODE_LOSS)
+    node_loss: tuple[int, int] | None = None
 
     @property
     def server(self) -> str:
@@ -300,8 +303,8 @@ def apiserver_argv(cfg: ClusterConfig) -> list[str]:
             f"--audit-policy-file={p / 'audit-policy.json'}",
             f"--audit-log-path={cfg.run_dir / 'logs' / 'audit.jsonl'}",
             "--audit-log-mode=blocking",
-            *([f"--default-unreachable-toleration-seconds={UNREACHABLE_TOLERATION_S}",
-               f"--default-not-ready-toleration-seconds={UNREACHABLE_TOLERATION_S}"] if cfg.extra_nodes else [])]
+            *([f"--default-unreachable-toleration-seconds={cfg.node_loss[1]}",
+               f"--default-not-ready-toleration-seconds={cfg.node_loss[1]}"] if cfg.node_loss else [])]
 
 
 AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
@@ -327,7 +330,7 @@ def controller_manager_argv(cfg: ClusterConfig) -> list[str]:
             "--allocate-node-cidrs=true", f"--cluster-cidr={cfg.cluster_cidr}",
             f"--node-cidr-mask-size={cfg.node_cidr_mask}", f"--service-cluster-ip-range={cfg.service_cidr}",
             "--profiling=false", "--v=1", *([f"--controllers={','.join(cfg.controllers)}"] if cfg.controllers else []),
-            *([f"--node-monitor-grace-period={NODE_MONITOR_GRACE_S}s"] if cfg.extra_nodes else [])]
+            *([f"--node-monitor-grace-period={cfg.node_loss[0]}s"] if cfg.node_loss else [])]
 
 
 def scheduler_argv(cfg: ClusterConfig) -> list[str]:
@@ -578,7 +581,7 @@ class KubeCluster:
               run_dir: str | Path | None = None, bin_dir: str | Path | None = None, name: str | None = None,
               timeout: float = 90.0, service_cidr: str = ClusterConfig.service_cidr,
               audit_users: Sequence[str] = (), controllers: Sequence[str] = (), nodes: int = 1,
-              dns: bool = True) -> "KubeCluster":
+              dns: bool = True, node_loss: tuple[int, int] | None = None) -> "KubeCluster":
         """Start a control plane (and with ``node=True``, which needs ``lab``, a node) and wait until it is
         ready (with a node: Node Ready and the ``default`` ServiceAccount present). ``service_cidr``
         "v4,v6" makes Services dual-stack; ``audit_users``: ``audit(user=...)`` then has every request of
@@ -586,7 +589,9 @@ class KubeCluster:
         a test that writes a StatefulSet's status itself runs without the statefulset controller); ``nodes=2``
         (with ``node=True``): a second node ``knode2`` in its own namespace ``k8s2`` (10.99.0.51), routes between
         the nodes' Pod ranges, and the scheduler spreading a workload's Pods over the nodes; ``dns``: with a node,
-        CoreDNS as the cluster DNS (``labtools.coredns``; started, not waited for: ``wait_dns``). On failure
+        CoreDNS as the cluster DNS (``labtools.coredns``; started, not waited for: ``wait_dns``); ``node_loss``: the
+        node-monitor grace period and the unreachable toleration in seconds (e.g. SHORT_NODE_LOSS), None for
+        Kubernetes' defaults (KUBERNETES_NODE_LOSS). On failure
         everything started is torn down and ClusterError says which component failed, with its log."""
         if os.geteuid() != 0:
             raise ClusterError("the cluster needs root")
@@ -610,13 +615,13 @@ class KubeCluster:
             cfg = ClusterConfig(name, rdir, bdir, host, proxy_mode=proxy_mode, token=_secrets.token_hex(16),
                                 service_cidr=service_cidr, audit_users=tuple(audit_users),
                                 controllers=tuple(controllers), extra_nodes=extra, spread_pods=nodes > 1,
-                                cluster_dns=dns_ip)
+                                cluster_dns=dns_ip, node_loss=node_loss)
         else:
             rdir = Path(run_dir) if run_dir else Path("/tmp") / f"cbpy-{name}"
             cfg = ClusterConfig(name, rdir, bdir, "127.0.0.1", api_port=_free_port(), etcd_port=_free_port(),
                                 etcd_peer_port=_free_port(), proxy_mode=proxy_mode, token=_secrets.token_hex(16),
                                 service_cidr=service_cidr, audit_users=tuple(audit_users),
-                                controllers=tuple(controllers), cluster_dns=dns_ip)
+                                controllers=tuple(controllers), cluster_dns=dns_ip, node_loss=node_loss)
         kc = cls(cfg, lab=lab)
         _LIVE.add(kc)
         try:

@@ -15,10 +15,10 @@ The cases (each on a group with both replicas serving, and returning a :class:`C
 
 * ``delete_pod``: ``kubectl delete pod`` of one replica (its pre-stop drain, the StatefulSet's new Pod);
 * ``kill_tailscaled``: SIGKILL to one replica's tailscaled (the container restarts);
-* ``lose_node``: the second node cut off (island link down, kubelet stopped): its replica lives on, unreachable,
-  until Kubernetes marks the node unreachable and evicts (deletes) the Pod; the controller then drops it from
-  the EndpointSlice. The lab's node-loss timing is kubecluster.NODE_MONITOR_GRACE_S and
-  UNREACHABLE_TOLERATION_S (Kubernetes' defaults: 50 s and 300 s).
+* ``lose_node``: the second node cut off (island link down, kubelet stopped): its replica lives on, unreachable.
+  It stops answering the controller's health probes and leaves the EndpointSlice within seconds
+  (controller/replicahealth.py), long before Kubernetes marks the node unreachable (the cluster's node-loss
+  timing, ``KubeCluster.start(node_loss=...)``: Kubernetes' defaults, 50 s and 300 s, unless given).
 
 Each case ends on an event, never after a fixed time: the victim serving new connections again (cases a, b), or
 ten consecutive successes after the victim left the EndpointSlice (case c).
@@ -92,9 +92,11 @@ while True:
         with socket.create_connection((HOST, PORT), timeout=2) as s:
             s.settimeout(2)
             peer = ask(s)
-        print(f"{{t:.3f}} new ok {{peer}}", flush=True)
+        line = f"{{t:.3f}} new ok {{peer}}"
     except Exception as e:
-        print(f"{{t:.3f}} new fail {{type(e).__name__}}", flush=True)
+        line = f"{{t:.3f}} new fail {{type(e).__name__}}"
+    with lock:   # one line at a time: the held connections' thread writes too
+        print(line, flush=True)
     time.sleep(max(0.0, 0.2 - (time.time() - t)))
 '''
 
@@ -375,30 +377,58 @@ class Scenario:
         return judge("kill_tailscaled", victim, v["tailnet_ip"], s["tailnet_ip"], start, back, end, self.log(),
                      events)
 
-    def lose_node(self, timeout: float = 240.0) -> CaseResult:
+    def lose_node(self, timeout: float = 240.0, *, until_node_marked: bool = True) -> CaseResult:
+        """The second node lost. Events (seconds after the loss), recorded as they are seen: ``left_slice`` (the
+        controller's health probe or the node's eviction took the victim out), ``node_not_ready`` (the node
+        lifecycle controller marked the node), ``pod_evicted``, ``tailnet_offline`` (headscale reports the
+        victim's device offline: the tailnet control plane's view), ``ten_ok_after_slice``. With
+        ``until_node_marked`` the case also waits for the node to be marked (up to the grace period and the
+        kubelet's 10 s Lease renewal), so that ``node_not_ready`` is known; it never waits for the eviction."""
         victim, v, s = self._victim(1)
         node = self.kc.nodes[1]
         start = time.time()
         self.kc.lose_node(node)
         events: dict[str, float] = {}
 
-        def node_unknown():
+        def node_marked() -> bool:
             n = self.kc.get("node", node) or {}
-            c = next((c for c in (n.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"), {})
+            c: dict = next((c for c in (n.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"), {})
             return c.get("status") != "True"
-        wait_until(node_unknown, timeout, 0.5, f"node {node} no longer Ready")
-        events["node_not_ready"] = time.time() - start
 
-        def evicted():
+        def evicted() -> bool:
             p = self.kc.get("pod", victim, kubecontroller.NS) or {}
-            return p.get("metadata", {}).get("uid") != v["uid"] or p.get("metadata", {}).get("deletionTimestamp")
-        wait_until(evicted, timeout, 0.5, f"{victim} evicted")
-        events["pod_evicted"] = time.time() - start
-        wait_until(lambda: v["pod_ip"] not in self.slice_addresses(), timeout, 0.2, "the victim out of the slice")
-        left = time.time()
-        events["left_slice"] = left - start
+            return bool(p.get("metadata", {}).get("uid") != v["uid"] or p.get("metadata", {}).get("deletionTimestamp"))
+
+        device = f"{PREFIX}-{victim.rsplit('-', 1)[1]}"
+        asked_hs = [0.0]
+
+        def tailnet_offline() -> bool:
+            """headscale's view of the victim's device (asked at most once a second: a CLI run each time)."""
+            if time.monotonic() - asked_hs[0] < 1.0:
+                return False
+            asked_hs[0] = time.monotonic()
+            n = self.lab.hs_node(device) or {}
+            return n.get("online") is False or ("online" not in n and bool(n))
+
+        def observe() -> None:
+            now = time.time() - start
+            if "tailnet_offline" not in events and tailnet_offline():
+                events["tailnet_offline"] = now
+            if "left_slice" not in events and v["pod_ip"] not in self.slice_addresses():
+                events["left_slice"] = now
+            if "node_not_ready" not in events and node_marked():
+                events["node_not_ready"] = now
+            if "pod_evicted" not in events and evicted():
+                events["pod_evicted"] = now
+
+        def out() -> bool:
+            observe()
+            return "left_slice" in events
+        wait_until(out, timeout, 0.2, "the victim out of the slice")
+        left = start + events["left_slice"]
 
         def ten_ok() -> float | None:
+            observe()
             run = 0
             for a in self.new():
                 if a.t <= left:
@@ -410,7 +440,13 @@ class Scenario:
         settled = wait_until(ten_ok, timeout, 0.5, "ten consecutive successes after the victim left the slice")
         events["ten_ok_after_slice"] = settled - start
         end = self._close(settled, timeout)
-        return judge("lose_node", victim, v["tailnet_ip"], s["tailnet_ip"], start, left, end, self.log(), events)
+        if until_node_marked:
+            def marked() -> bool:
+                observe()
+                return "node_not_ready" in events
+            wait_until(marked, timeout, 0.5, f"node {node} no longer Ready")
+        return judge("lose_node", victim, v["tailnet_ip"], s["tailnet_ip"], start, left, end, self.log(),
+                     dict(sorted(events.items(), key=lambda kv: kv[1])))
 
     def report(self) -> str:
         kc = self.kc

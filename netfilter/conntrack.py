@@ -29,6 +29,46 @@ class PendingCleanup:
     def run(self) -> int:
         return flush_stale_conntrack(self.rules, self.previous)
 
+    def run_in_child(self) -> int:
+        """`run()` in a forked child that exits when done; returns its count (-1 when the child failed).
+
+        The clean-up loads pyroute2's netlink and conntrack modules (about 2.5 MB of a long-running agent's
+        resident memory, for a dump that runs once after start-up and after rule changes that remove a
+        translation); in a child they go away with it. The child only dumps and deletes entries and logs,
+        then leaves with `os._exit` (no clean-up of the parent's objects, sockets or files); CPython
+        re-initialises the import and logging locks after a fork. Where fork is not available, in-process."""
+        import os
+        if not hasattr(os, "fork"):
+            return self.run()
+        r, w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(r)
+            os.close(w)
+            return self.run()
+        if pid == 0:   # the child
+            code = 1
+            try:
+                import signal
+                os.close(r)
+                signal.set_wakeup_fd(-1)   # a signal to the child must not wake the parent's event loop
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    signal.signal(sig, signal.SIG_DFL)
+                os.write(w, str(self.run()).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        try:
+            out = b""
+            while chunk := os.read(r, 64):
+                out += chunk
+        finally:
+            os.close(r)
+            os.waitpid(pid, 0)
+        return int(out) if out.strip().isdigit() else -1
+
 
 IPS_DST_NAT = 1 << 5      # conntrack status bit: the flow's destination was translated
 

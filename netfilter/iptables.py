@@ -16,9 +16,9 @@ generation), the tables are saved, compared and rewritten.
 from __future__ import annotations
 
 import logging
-import shutil
 import subprocess
 
+from .detect import which
 from .errors import FirewallError
 from .generation import RulesetGeneration, advanced_by
 from .model import RuleSet
@@ -69,7 +69,7 @@ class IptablesBackend:
         return self._families()
 
     def _exec(self, argv: list[str], stdin: str | None = None) -> str:
-        if shutil.which(argv[0]) is None:
+        if which(argv[0]) is None:
             raise FirewallError(f"{argv[0]} not found in $PATH; install iptables or set "
                                 "TS_DEBUG_FIREWALL_MODE=nftables")
         try:
@@ -184,7 +184,7 @@ class IptablesBackend:
                 self._restore(fam, text)
                 commits += text.count("\nCOMMIT")
                 changed = True
-        if not self.ipv6 and shutil.which(self._bin(6, "save")):
+        if not self.ipv6 and which(self._bin(6, "save")):
             # IPv6 became unusable: best-effort removal of chains a previous run left in ip6tables.
             try:
                 text = plan_iptables(RuleSet(), 6, self._save(6))
@@ -214,7 +214,7 @@ class IptablesBackend:
         self._ref = self._gen = None
         errors = []
         for fam in (4, 6):
-            if fam == 6 and shutil.which(self._bin(6, "save")) is None:
+            if fam == 6 and which(self._bin(6, "save")) is None:
                 continue
             try:
                 text = plan_iptables(RuleSet(), fam, self._save(fam))

@@ -130,7 +130,9 @@ def test_a_second_node_has_its_own_identity_address_files_and_cgroup(tmp_path):
     spread = sched["profiles"][0]["pluginConfig"][0]["args"]["defaultConstraints"]
     assert spread == [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule"}]
     assert any(a.startswith("--config=") for a in kc.scheduler_argv(cfg))
-    # node-loss timing shortened only with more than one node
-    assert f"--node-monitor-grace-period={kc.NODE_MONITOR_GRACE_S}s" in kc.controller_manager_argv(cfg)
-    assert not any(a.startswith("--node-monitor") for a in kc.controller_manager_argv(_cfg(tmp_path)))
-    assert not any("toleration-seconds" in a for a in kc.apiserver_argv(_cfg(tmp_path)))
+    # node-loss timing: Kubernetes' defaults unless the cluster is started with other values
+    assert not any(a.startswith("--node-monitor") for a in kc.controller_manager_argv(cfg))
+    assert not any("toleration-seconds" in a for a in kc.apiserver_argv(cfg))
+    short = replace(cfg, node_loss=kc.SHORT_NODE_LOSS)
+    assert "--node-monitor-grace-period=20s" in kc.controller_manager_argv(short)
+    assert "--default-unreachable-toleration-seconds=5" in kc.apiserver_argv(short)

@@ -21,6 +21,7 @@ from ..kinds import egress, meta
 from ..kinds.egress import EgressTarget
 from ..kubeapi import CONFIGMAPS, ENDPOINTSLICES, PROXYGROUPS, SERVICES, STATEFULSETS
 from ..model import COND_EGRESS_CONFIGURED, COND_EGRESS_VALID, LABEL_PROXY_GROUP, SVC, Invalid
+from ..replicaprober import ReplicaProber
 from ..sameness import same
 from ..writer import Writer
 from .proxygroup import PENDING_RECHECK, RETIRING_RECHECK, replicas
@@ -29,8 +30,9 @@ log = logging.getLogger("controller")
 
 
 class EgressPass:
-    def __init__(self, w: Writer) -> None:
+    def __init__(self, w: Writer, prober: ReplicaProber | None = None) -> None:
         self.w = w
+        self.prober = prober    # the leader's health probes of the replicas, shared with the groups' pass
         self.locks: dict[str, asyncio.Lock] = {}    # group -> the lock on its ConfigMap's writes
 
     def lock(self, group: str) -> asyncio.Lock:
@@ -76,7 +78,7 @@ class EgressPass:
                 await kube.patch(CONFIGMAPS, cm_name, {
                     "metadata": {"resourceVersion": cm["metadata"].get("resourceVersion")},
                     "data": {pgc.KEY_EGRESS_SERVICES: egress.dump_entries(entries)}}, ns_ctl)
-        reps = await replicas(w, t.group)
+        reps = await replicas(w, t.group, prober=self.prober)
         for fam in egress.families(cip):
             desired = egress.endpoint_slice(cip, fam, egress.addresses(reps, t.entry, want, fam))
             cur = await kube.get(ENDPOINTSLICES, desired["metadata"]["name"], ns_ctl)

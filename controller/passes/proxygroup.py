@@ -7,7 +7,8 @@ made or changed while it is missing or invalid), and its metrics Service when th
 away lose their device and Secrets once their Pod is gone; the status lists the devices from the state Secrets;
 and every egress Service's EndpointSlices are brought to what the replicas report (their state Secrets'
 `egress-services`), so one replica's change costs one pass of the group. The egress Services themselves have
-their own pass (controller/passes/egress.py), which uses `replicas` from here.
+their own pass (controller/passes/egress.py), which uses `replicas` from here. On the leader, a replica that
+stops answering the controller's health probes (controller/replicaprober.py) leaves them within seconds.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from ..kubeapi import CONFIGMAPS, ENDPOINTSLICES, PODS, PROXYGROUPS, SECRETS, SE
 from ..model import COND_PG_AVAILABLE, COND_PG_READY, FINALIZER, LABEL_PARENT_NAME, LABEL_PARENT_NS, PROXYGROUP, \
     Invalid, Parent
 from ..providers import ProviderError
+from ..replicaprober import ReplicaProber, Target, target_of
 from ..sameness import same
 from ..writer import RBAC_RESOURCES, Writer, decode
 from .proxyclass import class_state
@@ -47,32 +49,49 @@ def group_selector(name: str) -> str:
 
 
 async def replicas(w: Writer, group: str, pods: list[dict] | None = None,
-                   secrets: Mapping[str, Mapping[str, Any]] | None = None) -> list[Replica]:
-    """The group's replicas as the EndpointSlices need them (`pods` and `secrets`: already read)."""
+                   secrets: Mapping[str, Mapping[str, Any]] | None = None, *,
+                   prober: ReplicaProber | None = None) -> list[Replica]:
+    """The group's replicas as the EndpointSlices need them (`pods` and `secrets`: already read). With the
+    leader's `prober`, its live replicas are the probe's candidates, and one it no longer hears has no address."""
     kube, ns = w.kube, w.cfg.namespace
     sel = group_selector(group)
     if pods is None:
         pods = await kube.list(PODS, ns, sel)
     if secrets is None:
         secrets = {s["metadata"]["name"]: s for s in await kube.list(SECRETS, ns, sel)}
+    lives = {p["metadata"]["name"]: _live(p) for p in pods}
+    # A replica the controller's own probe no longer hears (its node lost, long before the node lifecycle
+    # controller marks its Pod not Ready) leaves them too (controller.replicahealth).
+    probed = {p["metadata"]["name"]: target_of(p) for p in pods if lives[p["metadata"]["name"]]}
+    answering: frozenset[Target] = frozenset()
+    if prober is not None:
+        prober.track(group, (t for t in probed.values() if t is not None))
+        answering = prober.serving(t for t in probed.values() if t is not None)
     out = []
     for p in pods:
         name = p["metadata"]["name"]
-        pst = p.get("status") or {}
-        # A terminating Pod leaves the EndpointSlices at once: that is what its pre-stop drain waits for.
-        # A Pod that is not Ready (its tailscaled down, its container restarting, its node lost) leaves them
-        # too, until its readiness probe passes again.
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in pst.get("conditions") or [])
-        live = not p["metadata"].get("deletionTimestamp") and pst.get("phase") == "Running" and ready
-        ips = tuple(a["ip"] for a in pst.get("podIPs") or [] if a.get("ip")) if live else ()
+        t = probed.get(name)
+        live = lives[name] and (prober is None or t is None or t in answering)
+        ips = tuple(a["ip"] for a in (p.get("status") or {}).get("podIPs") or [] if a.get("ip")) if live else ()
         data = decode(secrets.get(name)) or {}
         out.append(Replica(name, ips, egress.parse_status(data.get(sc.KEY_EGRESS_SERVICES))))
     return out
 
 
+def _live(pod: Mapping[str, Any]) -> bool:
+    """A terminating Pod leaves the EndpointSlices at once: that is what its pre-stop drain waits for. A Pod
+    that is not Ready (its tailscaled down, its container restarting, its node lost) leaves them too, until its
+    readiness probe passes again."""
+    pst = pod.get("status") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in pst.get("conditions") or [])
+    return not pod["metadata"].get("deletionTimestamp") and pst.get("phase") == "Running" and ready
+
+
 class ProxyGroupPass:
-    def __init__(self, w: Writer) -> None:
+    def __init__(self, w: Writer, prober: ReplicaProber | None = None) -> None:
         self.w = w
+        #: the leader's health probes of the replicas (controller.replicaprober); None: Pod readiness alone
+        self.prober = prober
 
     async def run(self, kind: str, namespace: str, name: str) -> float | None:
         w, kube, cfg = self.w, self.w.kube, self.w.cfg
@@ -210,6 +229,8 @@ class ProxyGroupPass:
         """StatefulSet (foreground: the Pods drain first), then each device, the Secrets, the ConfigMap and the
         group's ServiceAccount, Role and RoleBinding. True when done."""
         name = meta(obj).get("name", "")
+        if self.prober is not None:
+            self.prober.track(name, ())
         # The metrics Service (a class's metrics.enable) carries the group's labels; its egress Services do not.
         done = await self.w.remove_children(Parent(PROXYGROUP, name, "", meta(obj).get("uid", "")),
                                             group_selector(name), (CONFIGMAPS, SERVICES, *reversed(RBAC_RESOURCES)))
@@ -223,10 +244,12 @@ class ProxyGroupPass:
         w, kube, ns = self.w, self.w.kube, self.w.cfg.namespace
         svcs = await kube.list(SERVICES, ns, egress.group_selector(group))
         if not svcs:
+            if self.prober is not None:
+                self.prober.track(group, ())   # nothing to steer: no probes
             return
         cm = await kube.get(CONFIGMAPS, pgrender.configmap_name(group), ns)
         entries = egress.parse_entries((cm or {}).get("data", {}).get(pgc.KEY_EGRESS_SERVICES))
-        reps = await replicas(w, group, pods, secrets)
+        reps = await replicas(w, group, pods, secrets, prober=self.prober)
         slices = {s["metadata"]["name"]: s for s in await kube.list(ENDPOINTSLICES, ns, egress.group_selector(group))}
         for svc in svcs:
             labels = svc["metadata"].get("labels") or {}

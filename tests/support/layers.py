@@ -50,7 +50,7 @@ PURE: frozenset[str] = frozenset({
     "controller.kinds.proxygroup", "controller.kinds.service", "controller.kinds.tailnet", "controller.model",
     "controller.pgrender", "controller.podsecurity", "controller.providers.hscompat",
     "controller.proxyclass", "controller.proxyrbac",
-    "controller.recorder",
+    "controller.recorder", "controller.replicahealth",
     "controller.render", "controller.sameness", "controller.status", "controller.validation",
 })
 
