@@ -20,8 +20,6 @@ from tests.support import layers
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = Path(os.environ.get("CB_LAYERS_ROOT") or REPO)
-#: the one circle left, through `controller.reconcile`'s TYPE_CHECKING import of `controller.pgreconcile`;
-#: the controller's shell, once its passes are peers that receive a shared writer, has none
 
 
 @pytest.fixture(scope="module")
