@@ -1,0 +1,225 @@
+"""HTTPS with the user's own certificate: a TLS terminator in front of tailscaled's plain-HTTP serve.
+
+tailscaled serves HTTPS only with certificates its control plane issued (headscale issues none), so the
+certificate of a `kubernetes.io/tls` Secret is served here. The path of one connection:
+
+    tailnet client ──WireGuard──► tailscaled, serve config TCP 443: TCPForward 127.0.0.1:<TS_TLS_LISTEN port>
+        ──► this terminator (asyncio + ssl, the Secret's certificate) ──decrypted bytes──►
+        tailscaled's LocalAPI `dial` to the node's own tailnet address, port <TS_TLS_UPSTREAM_PORT>
+        ──► tailscaled's plain-HTTP serve (the Ingress's paths and backends, exactly as without TLS)
+
+The terminator parses no HTTP: it copies bytes, so every HTTP feature tailscaled's serve has (paths,
+WebSockets, streaming, the Tailscale identity headers are the exception: they name the proxy itself) works
+unchanged. The choice and its figures are in docs/https.md (bench/https.py measures the alternatives).
+
+Renewal: `CertWatcher` reads the source every `interval` seconds; a pair that differs is checked
+(`tscommon.tlscert`: PEM, validity, names, the key's match) and, when good, becomes the context that new
+handshakes use (an SNI callback picks the current context per handshake); established connections keep the
+session they negotiated. A bad pair is logged once per version and the last good one stays in use.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from tscommon import tlscert
+from tscommon.tlscert import CertInfo, CertProblem
+
+log = logging.getLogger("containerboot.tls")
+
+CHUNK = 256 * 1024
+Dialer = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
+class CertSource(Protocol):
+    """Where the pair comes from; `describe` names it in logs (never its content)."""
+
+    def describe(self) -> str: ...
+
+    async def load(self) -> tuple[bytes, bytes]: ...
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """`tls.crt` and `tls.key` in a directory (a mounted Secret volume, or files the operator writes)."""
+
+    directory: str
+
+    def describe(self) -> str:
+        return f"directory {self.directory}"
+
+    async def load(self) -> tuple[bytes, bytes]:
+        def read() -> tuple[bytes, bytes]:
+            with open(f"{self.directory}/tls.crt", "rb") as c, open(f"{self.directory}/tls.key", "rb") as k:
+                return c.read(), k.read()
+        return await asyncio.to_thread(read)
+
+
+class KubeSecretSource:
+    """A `kubernetes.io/tls` Secret read through the API server (it may live in another namespace than the
+    Pod, where a volume cannot reach). The proxy's Role allows `get` on exactly this Secret."""
+
+    def __init__(self, kube: "KubeGetter", namespace: str, name: str):
+        self.kube, self.namespace, self.name = kube, namespace, name
+
+    def describe(self) -> str:
+        return f"Secret {self.namespace}/{self.name}"
+
+    async def load(self) -> tuple[bytes, bytes]:
+        import base64
+        doc = await self.kube.get_secret_in(self.namespace, self.name)
+        if doc is None:
+            raise CertProblem(f"Secret {self.namespace}/{self.name} not found")
+        if doc.get("type") not in ("kubernetes.io/tls", None):
+            raise CertProblem(f"Secret {self.namespace}/{self.name} is of type {doc.get('type')!r}, not "
+                              "kubernetes.io/tls")
+        data = doc.get("data") or {}
+        try:
+            return base64.b64decode(data.get("tls.crt", "")), base64.b64decode(data.get("tls.key", ""))
+        except ValueError:
+            raise CertProblem(f"Secret {self.namespace}/{self.name}: tls.crt or tls.key is not base64") from None
+
+
+class KubeGetter(Protocol):
+    async def get_secret_in(self, namespace: str, name: str) -> dict | None: ...
+
+
+def tcp_dialer(host: str, port: int) -> Dialer:
+    async def dial() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(host, port, limit=CHUNK)
+    return dial
+
+
+def localapi_dialer(socket_path: str, host: Callable[[], str], port: int) -> Dialer:
+    """A connection through tailscaled (its LocalAPI `dial`, the `ts-dial` upgrade): it reaches the node's own
+    tailnet address inside tailscaled's netstack, where the serve config's plain-HTTP port listens."""
+    async def dial() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        h = host()
+        if not h:
+            raise ConnectionError("the node has no tailnet address yet")
+        r, w = await asyncio.open_unix_connection(socket_path, limit=CHUNK)
+        w.write((f"POST /localapi/v0/dial HTTP/1.1\r\nHost: local-tailscaled.sock\r\nConnection: upgrade\r\n"
+                 f"Upgrade: ts-dial\r\nDial-Host: {h}\r\nDial-Port: {port}\r\nDial-Network: tcp\r\n"
+                 "Content-Length: 0\r\n\r\n").encode())
+        head = await r.readuntil(b"\r\n\r\n")
+        status = head.split(b"\r\n", 1)[0]
+        if b" 101 " not in status + b" ":
+            w.close()
+            raise ConnectionError(f"tailscaled refused the dial to {h}:{port}: {status.decode(errors='replace')}")
+        return r, w
+    return dial
+
+
+async def _pump(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    try:
+        while data := await r.read(CHUNK):
+            w.write(data)
+            await w.drain()
+        if w.can_write_eof():
+            w.write_eof()
+    except (ConnectionError, ssl.SSLError, OSError):
+        pass
+
+
+class Terminator:
+    """The TLS listener: the current certificate for new handshakes, bytes copied to `dial`'s connection."""
+
+    def __init__(self, dial: Dialer):
+        self.dial = dial
+        self.current: ssl.SSLContext | None = None
+        self.info: CertInfo | None = None
+        self.counters = {"connections": 0, "handshake_errors": 0, "dial_errors": 0}
+        self._front = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._front.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._front.sni_callback = self._pick
+        self._server: asyncio.Server | None = None
+
+    def use(self, ctx: ssl.SSLContext, info: CertInfo) -> None:
+        """New handshakes use `ctx` from now on; open connections keep theirs."""
+        if self.current is None:
+            # The front context answers handshakes that carry no SNI too (OpenSSL calls the callback for
+            # every ClientHello), but it needs a pair of its own to be a server context at all.
+            self._front = ctx
+            self._front.sni_callback = self._pick
+        self.current, self.info = ctx, info
+
+    def _pick(self, sslobj: ssl.SSLObject, server_name: str | None, ctx: ssl.SSLContext) -> None:
+        if self.current is not None and sslobj.context is not self.current:
+            sslobj.context = self.current
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._handle, host, port, ssl=self._front, limit=CHUNK,
+                                                  ssl_handshake_timeout=15)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        self.counters["connections"] += 1
+        try:
+            ur, uw = await self.dial()
+        except (OSError, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+            self.counters["dial_errors"] += 1
+            log.warning("tls: cannot reach the serve port: %s", e)
+            cw.close()
+            return
+        try:
+            await asyncio.gather(_pump(cr, uw), _pump(ur, cw))
+        finally:
+            for w in (uw, cw):
+                w.close()
+
+
+class CertWatcher:
+    """Keeps the terminator's certificate equal to the source's last good pair."""
+
+    def __init__(self, source: CertSource, term: Terminator, names: Callable[[], tuple[str, ...]], *,
+                 interval: float = 20.0, now: Callable[[], float] = time.time,
+                 on_change: Callable[[str], None] | None = None):
+        self.source, self.term, self.names, self.interval, self.now = source, term, names, interval, now
+        self.on_change = on_change
+        self.last_error = ""
+        self._seen: tuple[bytes, bytes] | None = None
+        self._names: tuple[str, ...] = ()
+
+    async def refresh(self) -> bool:
+        """One read: True when the terminator now serves a new certificate."""
+        try:
+            pair = await self.source.load()
+        except (OSError, CertProblem, ValueError) as e:
+            self._problem(f"cannot read {self.source.describe()}: {e}")
+            return False
+        names = self.names()
+        if pair == self._seen and names == self._names:
+            return False
+        self._seen, self._names = pair, names
+        try:
+            info = tlscert.check(pair[0], pair[1], names, self.now())
+            ctx = await asyncio.to_thread(tlscert.server_context, *pair)
+        except CertProblem as e:
+            self._problem(f"{self.source.describe()}: {e}; "
+                          + ("still serving the last good certificate" if self.term.info else "not serving HTTPS"))
+            return False
+        self.term.use(ctx, info)
+        self.last_error = ""
+        log.info("tls: serving the certificate of %s (serial %s, valid until %s)", self.source.describe(),
+                 info.serial, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(info.not_after)))
+        if self.on_change:
+            self.on_change(info.serial)
+        return True
+
+    def _problem(self, msg: str) -> None:
+        if msg != self.last_error:
+            log.warning("tls: %s", msg)
+        self.last_error = msg
+
+    async def run(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.interval)
