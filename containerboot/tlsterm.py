@@ -72,7 +72,12 @@ class KubeSecretSource:
 
     async def load(self) -> tuple[bytes, bytes]:
         import base64
-        doc = await self.kube.get_secret_in(self.namespace, self.name)
+
+        from .kube.client import KubeError
+        try:
+            doc = await self.kube.get_secret_in(self.namespace, self.name)
+        except KubeError as e:
+            raise CertProblem(str(e)) from None
         if doc is None:
             raise CertProblem(f"Secret {self.namespace}/{self.name} not found")
         if doc.get("type") not in ("kubernetes.io/tls", None):
