@@ -18,6 +18,9 @@ What the Role allows is what the agents (ours and upstream containerboot v1.102.
 - Events, get/create/patch: tailscaled's store records "state loaded/updated" events on its Pod when a
   SelfSubjectAccessReview without a name says it may do all three (else it logs that it cannot and goes on).
   An Event carries no credential; RBAC cannot limit a create to a name either. Same rule as upstream's.
+- An L7 Ingress with `spec.tls[].secretName` (ours, docs/https.md): a second Role and RoleBinding, in the
+  Ingress's namespace, named like the proxy, that allow `get` on exactly that Secret (the agent reads it every
+  20 s; no list, no watch, no write). They go when the Ingress stops naming a Secret or goes away.
 Creating SelfSubjectAccessReviews needs no grant (every authenticated user has it).
 
 The objects carry the proxy's child labels (the controller's child lookup and cleanup find them by these)
@@ -69,6 +72,30 @@ def impersonation_binding(spec: ProxySpec, cfg: ControllerConfig, cluster_role: 
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": cfg.namespace}],
     })
+
+
+TLS_SECRET_VERBS = ("get",)
+
+
+def tls_secret_access(spec: ProxySpec, cfg: ControllerConfig) -> tuple[dict, dict] | None:
+    """Role and RoleBinding in the Ingress's namespace: the proxy may read its one TLS Secret. None without one."""
+    if not spec.tls_secret:
+        return None
+    name, ns = base_name(spec.parent), spec.parent.namespace
+
+    def meta() -> dict[str, Any]:
+        return {"name": name, "namespace": ns, "labels": child_labels(spec.parent)}
+    role = _hashed({
+        "apiVersion": RBAC_API, "kind": "Role", "metadata": meta(),
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [spec.tls_secret],
+                   "verbs": list(TLS_SECRET_VERBS)}],
+    })
+    binding = _hashed({
+        "apiVersion": RBAC_API, "kind": "RoleBinding", "metadata": meta(),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": cfg.namespace}],
+    })
+    return role, binding
 
 
 def objects(spec: ProxySpec, cfg: ControllerConfig) -> tuple[dict, dict, dict]:

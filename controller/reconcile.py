@@ -225,7 +225,8 @@ class Reconciler:
             if svc is not None:
                 services[n] = svc
         fqdn = ""
-        if self.cfg.ingress_http:
+        tls_secret, tls_hosts = ingress.tls_entry(obj)
+        if self.cfg.ingress_http or tls_secret:
             # The plain-HTTP serve config names the proxy's MagicDNS name, which only the proxy knows: read it
             # back from replica 0's state Secret (its write brings another pass).
             m = meta(obj)
@@ -233,7 +234,11 @@ class Reconciler:
             data = _decode(await self.kube.get(SECRETS, render.secret_name(p, 0), self.cfg.namespace))
             fqdn = sc.parse_device_fqdn((data or {}).get(sc.KEY_DEVICE_FQDN)) if (data or {}).get(
                 sc.KEY_DEVICE_ID) else ""
-        return ingress.decide(obj, self.cfg, services, fqdn)
+        problem = ""
+        if tls_secret:   # the user's certificate, checked as far as the controller can see (docs/https.md)
+            problem = ingress.tls_problem(await self.kube.get(SECRETS, tls_secret, ns), ns, tls_secret,
+                                          ingress.tls_names(fqdn, tls_hosts), time.time())
+        return ingress.decide(obj, self.cfg, services, fqdn, problem)
 
     # ---- provisioning
 
@@ -296,6 +301,8 @@ class Reconciler:
             await self._apply(res, desired)
         if kind == APISERVER:
             await self._apply_impersonation(spec)
+        if kind == INGRESS:
+            await self._apply_tls_access(spec)
         sts = await self._apply(STATEFULSETS, rendered.statefulset)
         await self._metrics(kind, spec, rendered.statefulset, pc if pc is not None and target.endpoints else None)
         # Replicas scaled away: their devices and Secrets go too (as upstream).
@@ -431,6 +438,18 @@ class Reconciler:
         if want is not None:
             await self._apply(CLUSTERROLEBINDINGS, want)
 
+    async def _apply_tls_access(self, spec: ProxySpec) -> None:
+        """The Ingress proxy's read access to its TLS Secret, in the Ingress's namespace: there while the Ingress
+        names one, gone otherwise (controller/proxyrbac.py)."""
+        want = proxyrbac.tls_secret_access(spec, self.cfg)
+        ns, sel = spec.parent.namespace, render.child_selector(spec.parent)
+        for res, desired in zip((ROLEBINDINGS, ROLES), reversed(want) if want else (None, None)):
+            for o in await self.kube.list(res, ns, sel):
+                if desired is None or o["metadata"]["name"] != desired["metadata"]["name"]:
+                    await self.kube.delete(res, o["metadata"]["name"], ns)
+        for res, desired in zip((ROLES, ROLEBINDINGS), want or ()):
+            await self._apply(res, desired)
+
     async def _apply_secret(self, desired: dict, cur: Mapping[str, Any] | None) -> None:
         md = desired["metadata"]
         data = {k: base64.b64encode(v.encode()).decode() for k, v in desired["stringData"].items()}
@@ -478,6 +497,10 @@ class Reconciler:
         if kind == APISERVER:
             for o in await self.kube.list(CLUSTERROLEBINDINGS, "", sel):
                 await self.kube.delete(CLUSTERROLEBINDINGS, o["metadata"]["name"])
+        if kind == INGRESS and p.namespace != ns:     # the TLS Secret's Role and RoleBinding
+            for res in (ROLEBINDINGS, ROLES):
+                for o in await self.kube.list(res, p.namespace, sel):
+                    await self.kube.delete(res, o["metadata"]["name"], p.namespace)
         if await self.kube.get(CRDS, pcl.SERVICE_MONITOR_CRD) is not None:
             await self._delete_service_monitors(p)
         log.info("%s %s: proxy removed", kind, _ref(p))
