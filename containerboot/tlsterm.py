@@ -131,34 +131,41 @@ async def _pump(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         pass
 
 
-class Terminator:
-    """The TLS listener: the current certificate for new handshakes, bytes copied to `dial`'s connection."""
+class ContextSwitch:
+    """The SSLContext a listener hands every new handshake: the current certificate's. The listener is made with
+    `front` (the first good context); its SNI callback, which OpenSSL calls for every ClientHello, with or
+    without a server name, moves the handshake to `current`. Open connections keep the session they have."""
 
-    def __init__(self, dial: Dialer):
-        self.dial = dial
+    def __init__(self) -> None:
+        self.front: ssl.SSLContext | None = None
         self.current: ssl.SSLContext | None = None
         self.info: CertInfo | None = None
-        self.counters = {"connections": 0, "handshake_errors": 0, "dial_errors": 0}
-        self._front = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        self._front.minimum_version = ssl.TLSVersion.TLSv1_2
-        self._front.sni_callback = self._pick
-        self._server: asyncio.Server | None = None
 
     def use(self, ctx: ssl.SSLContext, info: CertInfo) -> None:
         """New handshakes use `ctx` from now on; open connections keep theirs."""
-        if self.current is None:
-            # The front context answers handshakes that carry no SNI too (OpenSSL calls the callback for
-            # every ClientHello), but it needs a pair of its own to be a server context at all.
-            self._front = ctx
-            self._front.sni_callback = self._pick
+        if self.front is None:
+            self.front = ctx
+            ctx.sni_callback = self._pick
         self.current, self.info = ctx, info
 
     def _pick(self, sslobj: ssl.SSLObject, server_name: str | None, ctx: ssl.SSLContext) -> None:
         if self.current is not None and sslobj.context is not self.current:
             sslobj.context = self.current
 
+
+class Terminator(ContextSwitch):
+    """The TLS listener: the current certificate for new handshakes, bytes copied to `dial`'s connection."""
+
+    def __init__(self, dial: Dialer):
+        super().__init__()
+        self.dial = dial
+        self.counters = {"connections": 0, "dial_errors": 0}
+        self._server: asyncio.Server | None = None
+
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._handle, host, port, ssl=self._front, limit=CHUNK,
+        if self.front is None:
+            raise RuntimeError("no certificate loaded yet")
+        self._server = await asyncio.start_server(self._handle, host, port, ssl=self.front, limit=CHUNK,
                                                   ssl_handshake_timeout=15)
 
     def close(self) -> None:
@@ -184,7 +191,7 @@ class Terminator:
 class CertWatcher:
     """Keeps the terminator's certificate equal to the source's last good pair."""
 
-    def __init__(self, source: CertSource, term: Terminator, names: Callable[[], tuple[str, ...]], *,
+    def __init__(self, source: CertSource, term: ContextSwitch, names: Callable[[], tuple[str, ...]], *,
                  interval: float = 20.0, now: Callable[[], float] = time.time,
                  on_change: Callable[[str], None] | None = None):
         self.source, self.term, self.names, self.interval, self.now = source, term, names, interval, now

@@ -580,7 +580,7 @@ class Reconciler:
         dev = devices[0] if devices else None
         # HTTPS where the control plane issues certificates, and in noauth mode anyway (a self-signed one: kubectl
         # sends credentials over TLS only); plain HTTP in auth mode without certificates
-        https = not self.cfg.ingress_http or spec.apiserver_proxy_mode == "noauth"
+        https = not self.cfg.ingress_http or spec.apiserver_proxy_mode == "noauth" or bool(spec.tls_secret)
         # the device's name, not the Pod's readiness: a restart (a mode change) keeps the same device and URL
         url = apiserverproxy.url(dev.hostname, dev.ips, https) if dev and dev.device_id and dev.hostname else ""
         if (m.get("annotations") or {}).get(apiserverproxy.ANN_URL, "") == url:

@@ -129,3 +129,30 @@ def test_a_problem_becomes_a_warning_event():
                        "Secret apps/site-tls: the certificate expired at 2020-02-01T00:00:00Z")
     assert ("Warning", "TLSCertificateInvalid", "Secret apps/site-tls: the certificate expired at "
             "2020-02-01T00:00:00Z; the proxy keeps serving the last good certificate, if it had one") in d.notices
+
+
+# ---- the API server proxy's own certificate
+
+def apiserver_cm(data):
+    return {"metadata": {"name": "apiserver-proxy", "namespace": "tailscale", "uid": "u1",
+                         "labels": {"tailscale.com/apiserver-proxy": "true"}}, "data": data}
+
+
+def test_apiserver_proxy_serves_and_may_read_its_secret():
+    from controller.kinds import apiserverproxy
+    from controller.proxyrbac import role
+    d = apiserverproxy.decide(apiserver_cm({"mode": "auth", "tlsSecret": "kube-api-tls"}), HS)
+    sts = render(d.spec, HS, ("key",)).statefulset
+    c = {x["name"]: x for x in sts["spec"]["template"]["spec"]["containers"]}["apiserver-proxy"]
+    assert {"name": "TS_APISERVER_PROXY_TLS_SECRET", "value": "kube-api-tls"} in c["env"]
+    rules = role(d.spec, HS)["rules"]
+    assert {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["kube-api-tls"], "verbs": ["get"]} in rules
+    assert tls_secret_access(d.spec, HS) is None      # same namespace: no second Role
+    plain = apiserverproxy.decide(apiserver_cm({"mode": "auth"}), HS)
+    assert all("kube-api-tls" not in (r.get("resourceNames") or []) for r in role(plain.spec, HS)["rules"])
+
+
+def test_apiserver_proxy_secret_name_is_checked():
+    from controller.kinds import apiserverproxy
+    with pytest.raises(Invalid, match="data.tlsSecret='Bad_Name' is not a Secret name"):
+        apiserverproxy.decide(apiserver_cm({"mode": "noauth", "tlsSecret": "Bad_Name"}), HS)
