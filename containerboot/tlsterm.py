@@ -33,6 +33,9 @@ from tscommon.tlscert import CertInfo, CertProblem
 log = logging.getLogger("containerboot.tls")
 
 CHUNK = 256 * 1024
+#: Seconds between reads of the certificate's source: a renewal reaches new connections within this (plus the
+#: source's own delay: none for a Secret read through the API server).
+RELOAD_INTERVAL = 20.0
 Dialer = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
 
@@ -192,9 +195,10 @@ class CertWatcher:
     """Keeps the terminator's certificate equal to the source's last good pair."""
 
     def __init__(self, source: CertSource, term: ContextSwitch, names: Callable[[], tuple[str, ...]], *,
-                 interval: float = 20.0, now: Callable[[], float] = time.time,
+                 interval: float | None = None, now: Callable[[], float] = time.time,
                  on_change: Callable[[str], None] | None = None):
-        self.source, self.term, self.names, self.interval, self.now = source, term, names, interval, now
+        self.source, self.term, self.names, self.now = source, term, names, now
+        self.interval = RELOAD_INTERVAL if interval is None else interval
         self.on_change = on_change
         self.last_error = ""
         self._seen: tuple[bytes, bytes] | None = None
