@@ -41,6 +41,7 @@ RBAC_RESOURCES = (SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
 #: Secrets and StatefulSets bring changes at once, so polling 500 parents must not cost much.
 PENDING_RECHECK = 60.0
 READY_RECHECK = 600.0
+TLS_RECHECK = 60.0          # an Ingress serving its own certificate: its Secret checked again (docs/https.md)
 #: A device's tags, once seen equal to the wanted ones, are read again after this long (a re-tag by hand in
 #: the admin console is undone then); a change of the wanted tags is acted on at the next pass.
 TAGS_RECHECK = 3600.0
@@ -329,6 +330,8 @@ class Reconciler:
         await self._write_status(kind, obj, spec, devices, r)
         if tags_error is not None:
             raise tags_error                # retried with backoff; the condition says what failed
+        if spec.tls_secret and kind == INGRESS:
+            return TLS_RECHECK          # the user's Secret is not watched: re-checked this often
         return READY_RECHECK if r.ok else PENDING_RECHECK
 
     async def ca_trust_problem(self) -> str:
