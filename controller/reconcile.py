@@ -218,7 +218,16 @@ class Reconciler:
         if kind == CONNECTOR:
             return connector.decide(obj, self.cfg)
         if kind == APISERVER:
-            return apiserverproxy.decide(obj, self.cfg)
+            d = apiserverproxy.decide(obj, self.cfg)
+            if d.spec.tls_secret:   # its own certificate, checked as an Ingress's (docs/https.md)
+                ns = self.cfg.namespace
+                problem = ingress.tls_problem(
+                    await self.kube.get(SECRETS, d.spec.tls_secret, ns), ns, d.spec.tls_secret,
+                    ingress.tls_names(await self._device_fqdn(d.spec.parent), ()), time.time(),
+                    "apiServerProxy.tls.secretName")
+                if problem:
+                    d = dataclasses.replace(d, notices=d.notices + (("Warning", ingress.REASON_TLS, problem),))
+            return d
         ns = meta(obj).get("namespace", "")
         services = {}
         for n in ingress.backend_services(obj):
@@ -231,15 +240,18 @@ class Reconciler:
             # The plain-HTTP serve config names the proxy's MagicDNS name, which only the proxy knows: read it
             # back from replica 0's state Secret (its write brings another pass).
             m = meta(obj)
-            p = Parent(INGRESS, m.get("name", ""), ns, m.get("uid", ""))
-            data = _decode(await self.kube.get(SECRETS, render.secret_name(p, 0), self.cfg.namespace))
-            fqdn = sc.parse_device_fqdn((data or {}).get(sc.KEY_DEVICE_FQDN)) if (data or {}).get(
-                sc.KEY_DEVICE_ID) else ""
+            fqdn = await self._device_fqdn(Parent(INGRESS, m.get("name", ""), ns, m.get("uid", "")))
         problem = ""
         if tls_secret:   # the user's certificate, checked as far as the controller can see (docs/https.md)
             problem = ingress.tls_problem(await self.kube.get(SECRETS, tls_secret, ns), ns, tls_secret,
                                           ingress.tls_names(fqdn, tls_hosts), time.time())
         return ingress.decide(obj, self.cfg, services, fqdn, problem)
+
+    async def _device_fqdn(self, p: Parent) -> str:
+        """The MagicDNS name replica 0's proxy wrote into its state Secret, "" before it registered."""
+        data = _decode(await self.kube.get(SECRETS, render.secret_name(p, 0), self.cfg.namespace))
+        return sc.parse_device_fqdn((data or {}).get(sc.KEY_DEVICE_FQDN)) if (data or {}).get(
+            sc.KEY_DEVICE_ID) else ""
 
     # ---- provisioning
 

@@ -98,3 +98,23 @@ async def test_ingress_with_its_own_certificate(env, ca):
         await rec.reconcile("ingress", "apps", "site")
         kube.objects.pop(("statefulsets", "tailscale", name), None)     # the kubelet's part of a foreground delete
     assert kube.obj(ROLES, name, "apps") is None and kube.obj(ROLEBINDINGS, name, "apps") is None
+
+
+async def test_apiserver_proxy_certificate_problem_is_a_warning_on_its_configmap(env, ca):
+    from controller.kubeapi import CONFIGMAPS
+    from controller.model import APISERVER
+    kube, prov, rec = env
+    kube.put(CONFIGMAPS, {"metadata": {"name": "apiserver-proxy", "namespace": "tailscale",
+                                       "labels": {"tailscale.com/apiserver-proxy": "true"}},
+                          "data": {"mode": "auth", "tlsSecret": "kube-api-tls"}})
+    await rec.reconcile(APISERVER, "tailscale", "apiserver-proxy")
+    warn = [e for e in kube.of(EVENTS) if e["reason"] == "TLSCertificateInvalid"]
+    assert [e["message"].split(":")[0] for e in warn] == [
+        "Secret tailscale/kube-api-tls (apiServerProxy.tls.secretName) not found"]
+    assert warn[0]["involvedObject"]["kind"] == "ConfigMap"
+    leaf = ca.issue("kube-apiserver.tail.test")
+    kube.put(SECRETS, {"metadata": {"name": "kube-api-tls", "namespace": "tailscale"}, "type": "kubernetes.io/tls",
+                       "data": {"tls.crt": base64.b64encode(leaf.cert_pem).decode(),
+                                "tls.key": base64.b64encode(leaf.key_pem).decode()}})
+    await rec.reconcile(APISERVER, "tailscale", "apiserver-proxy")
+    assert len([e for e in kube.of(EVENTS) if e["reason"] == "TLSCertificateInvalid"]) == len(warn)

@@ -72,15 +72,16 @@ def tls_names(fqdn: str, hosts: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def tls_problem(secret: Mapping[str, Any] | None, namespace: str, name: str, names: tuple[str, ...],
-                now: float) -> str:
-    """Why the Secret cannot be served ("" when it can): missing, wrong type or keys, or tlscert's checks."""
+                now: float, field: str = "spec.tls[].secretName") -> str:
+    """Why the Secret cannot be served ("" when it can): missing, wrong type or keys, or tlscert's checks.
+    `field`: where the user named it, for the message."""
     import base64
     import binascii
 
     from tscommon import tlscert
     ref = f"Secret {namespace}/{name}"
     if secret is None:
-        return f"{ref} (spec.tls[].secretName) not found: create it, e.g. with cert-manager or kubectl create " \
+        return f"{ref} ({field}) not found: create it, e.g. with cert-manager or kubectl create " \
                "secret tls"
     if secret.get("type") != "kubernetes.io/tls":
         return f"{ref} is of type {secret.get('type')!r}: the proxy serves only kubernetes.io/tls Secrets"
