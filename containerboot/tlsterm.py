@@ -230,6 +230,13 @@ class CertWatcher:
             self.on_change(info.serial)
         return True
 
+    def status(self) -> dict:
+        """For /status: what is served and the last problem (never the key)."""
+        info = self.term.info
+        return {"source": self.source.describe(), "serial": info.serial if info else "",
+                "not_after": info.not_after if info else None, "names": list(info.names()) if info else [],
+                "last_error": self.last_error, **getattr(self.term, "counters", {})}
+
     def _problem(self, msg: str) -> None:
         if msg != self.last_error:
             log.warning("tls: %s", msg)

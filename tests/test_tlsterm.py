@@ -100,3 +100,15 @@ async def test_a_bad_first_certificate_serves_nothing(ca):
     watch = CertWatcher(MemSource((wrong.cert_pem, wrong.key_pem)), term, lambda: (NAME,))
     assert not await watch.refresh()
     assert term.current is None and "not serving HTTPS" in watch.last_error
+
+
+def test_readiness_waits_for_a_first_good_certificate_only():
+    import time as _time
+
+    from containerboot.status import AgentStatus
+    now = _time.time()
+    waiting = AgentStatus(tls={"serial": "", "last_error": "Secret apps/site-tls not found"})
+    assert "HTTPS: no good certificate served yet: Secret apps/site-tls not found" in waiting.ready(now)[1]
+    serving = AgentStatus(tls={"serial": "1A", "last_error": "the certificate expired at 2020-02-01T00:00:00Z"})
+    assert not [r for r in serving.ready(now)[1] if r.startswith("HTTPS")]
+    assert serving.to_json(now)["tls"]["serial"] == "1A"
