@@ -184,9 +184,14 @@ class Terminator(ContextSwitch):
             log.warning("tls: cannot reach the serve port: %s", e)
             cw.close()
             return
+        # The connection lasts as long as the server side sends: when it ends (an HTTP `Connection: close`
+        # answer, or its reply to the client's half-close), the client gets a TLS close at once; TLS has no
+        # half-close to pass the end on with and leave the client's direction open.
+        up = asyncio.ensure_future(_pump(cr, uw))
         try:
-            await asyncio.gather(_pump(cr, uw), _pump(ur, cw))
+            await _pump(ur, cw)
         finally:
+            up.cancel()
             for w in (uw, cw):
                 w.close()
 

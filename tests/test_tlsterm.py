@@ -112,3 +112,24 @@ def test_readiness_waits_for_a_first_good_certificate_only():
     serving = AgentStatus(tls={"serial": "1A", "last_error": "the certificate expired at 2020-02-01T00:00:00Z"})
     assert not [r for r in serving.ready(now)[1] if r.startswith("HTTPS")]
     assert serving.to_json(now)["tls"]["serial"] == "1A"
+
+
+async def test_the_server_side_ending_closes_the_client_at_once(ca):
+    """An HTTP/1.0-style answer ends with the connection: the client must see the end at once."""
+    async def answer_and_close(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nbody without a length")
+        await w.drain()
+        w.close()
+    srv = await asyncio.start_server(answer_and_close, "127.0.0.1", 0)
+    term = Terminator(tcp_dialer("127.0.0.1", srv.sockets[0].getsockname()[1]))
+    leaf = ca.issue(NAME)
+    assert await CertWatcher(MemSource((leaf.cert_pem, leaf.key_pem)), term, lambda: (NAME,)).refresh()
+    await term.start("127.0.0.1", 0)
+    r, w, _ = await connect(term._server.sockets[0].getsockname()[1], ca.ca_path)
+    w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    await w.drain()
+    assert (await asyncio.wait_for(r.read(), 10)).endswith(b"body without a length")
+    w.close()
+    term.close()
+    srv.close()
