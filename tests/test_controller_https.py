@@ -156,3 +156,28 @@ def test_apiserver_proxy_secret_name_is_checked():
     from controller.kinds import apiserverproxy
     with pytest.raises(Invalid, match="data.tlsSecret='Bad_Name' is not a Secret name"):
         apiserverproxy.decide(apiserver_cm({"mode": "noauth", "tlsSecret": "Bad_Name"}), HS)
+
+
+def test_the_chart_passes_the_api_server_proxys_secret_and_lets_the_controller_grant_it():
+    import os
+
+    from labtools import helmchart
+    if helmchart.helm_bin() is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI is set, so this test must run, but helm is not built (make setup-bin)")
+        pytest.skip("helm is not built: run make setup-bin (scripts/install-helm.sh)")
+    from controller.kinds import apiserverproxy
+
+    def render_(values):
+        return helmchart.objects(helmchart.template({"imageRegistry": "registry.example.com/t", **values},
+                                                    "tailscale"))
+    objs = render_({"provider": "tailscale", "apiServerProxy": {"mode": "auth", "tls": {"secretName": "kube-tls"}}})
+    (cm,) = [o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "apiserver-proxy"]
+    assert cm["data"]["tlsSecret"] == "kube-tls"
+    assert apiserverproxy.decide(cm, ControllerConfig(namespace="tailscale")).spec.tls_secret == "kube-tls"
+    plain = render_({"provider": "tailscale", "apiServerProxy": {"mode": "auth"}})
+    (cm,) = [o for o in plain if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "apiserver-proxy"]
+    assert "tlsSecret" not in cm["data"]
+    (cr,) = [o for o in objs if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "tailscale-controller"]
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]} in cr["rules"]
+    assert not any("secrets" in r["resources"] and {"list", "watch"} & set(r["verbs"]) for r in cr["rules"])
