@@ -378,6 +378,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TS_TLS_UPSTREAM_PORT", Kind.STRING, "The serve config's plain-HTTP port that decrypted "
             "connections go to, on the node's own tailnet address (through tailscaled).", "tls_upstream_port",
             default="10080", differs=_OURS_TLS),
+    Setting("TS_TLS_BACKEND", Kind.ADDRPORT, "Decrypted connections go straight to this `IP:port` (one plain-HTTP "
+            "backend for every path) instead of through tailscaled to TS_TLS_UPSTREAM_PORT: the faster path, "
+            "docs/https.md.", "tls_backend", differs=_OURS_TLS),
     Setting("TS_TLS_HOSTS", Kind.STRING, "Host names clients use besides the node's MagicDNS name (comma "
             "separated, e.g. an Ingress's spec.tls[].hosts): the certificate must cover one of them.",
             "tls_hosts", differs=_OURS_TLS),
@@ -521,7 +524,8 @@ UPSTREAM_WORDS: Mapping[str, str] = {
     "boot_timeout": 'error parsing TS_BOOT_TIMEOUT value "{value}"',
 }
 # Ours (no upstream counterpart): the same sentence shape for our own listeners.
-_OWN_WORDS: Mapping[str, str] = {"tls_listen": 'error parsing TS_TLS_LISTEN value "{value}"'}
+_OWN_WORDS: Mapping[str, str] = {"tls_listen": 'error parsing TS_TLS_LISTEN value "{value}"',
+                                 "tls_backend": 'error parsing TS_TLS_BACKEND value "{value}"'}
 
 
 def _upstream(condition: str, **values: Any) -> str:
@@ -563,6 +567,7 @@ class Settings:
     tls_cert_dir: str = ""
     tls_listen: str = "127.0.0.1:10443"
     tls_upstream_port: str = "10080"
+    tls_backend: str = ""
     tls_hosts: str = ""
     versioned_config_dir: str = ""
     tailscaled_config_path: str = ""
@@ -946,6 +951,8 @@ def _validate_tls(s: Settings, env: Mapping[str, str]) -> None:
             raise _fail(f"{_shown(src, env)} needs the Kubernetes API and a state Secret (KUBERNETES_SERVICE_HOST "
                         "and TS_KUBE_SECRET): use TS_TLS_CERT_DIR without them", src)
     _check_addr_port("TS_TLS_LISTEN", s.tls_listen, "tls_listen")
+    if s.tls_backend:
+        _check_addr_port("TS_TLS_BACKEND", s.tls_backend, "tls_backend")
     if not s.tls_upstream_port.isdigit() or not 0 < int(s.tls_upstream_port) < 65536:
         raise _fail(f"{_shown('TS_TLS_UPSTREAM_PORT', env)} is not a port number: give 1-65535 (the serve "
                     "config's plain-HTTP port)", "TS_TLS_UPSTREAM_PORT")

@@ -215,7 +215,8 @@ class SteadyState:
     async def run_tls(self) -> None:
         """HTTPS with the user's certificate: the TLS listener, once a good certificate is loaded (tlsterm)."""
         from .settings import parse_addr_port
-        from .tlsterm import CertSource, CertWatcher, FileSource, KubeSecretSource, Terminator, localapi_dialer
+        from .tlsterm import (CertSource, CertWatcher, FileSource, KubeSecretSource, Terminator, localapi_dialer,
+                              tcp_dialer)
         s = self.s
 
         def own_ip() -> str:
@@ -235,7 +236,11 @@ class SteadyState:
             source = KubeSecretSource(self.publisher.secret.client, ns, name)
         else:
             source = FileSource(s.tls_cert_dir)
-        term = Terminator(localapi_dialer(s.socket, own_ip, int(s.tls_upstream_port)))
+        if s.tls_backend:
+            bhost, bport = parse_addr_port(s.tls_backend)
+            term = Terminator(tcp_dialer(str(bhost), bport))
+        else:
+            term = Terminator(localapi_dialer(s.socket, own_ip, int(s.tls_upstream_port)))
         watcher = CertWatcher(source, term, names)
         self.tls_watcher = watcher
         host, port = parse_addr_port(s.tls_listen)

@@ -137,3 +137,24 @@ def test_own_certificate_served_renewed_and_kept_when_bad(lab, lab_backend, star
     code, body, serial = served()
     assert code == 0 and serial == second.serial.lstrip("0")
     assert "BEGIN" not in agent.log_text()
+
+
+def test_one_backend_is_reached_straight_with_the_certificate(lab, lab_backend, start_agent, tmp_path):
+    """TS_TLS_BACKEND (an Ingress whose every path goes to one Service): no plain-HTTP port on the tailnet."""
+    ca = TestCA(str(tmp_path / "ca"))
+    certs = tmp_path / "tls"
+    certs.mkdir()
+    leaf = ca.issue(FQDN)
+    write_pair(str(certs), leaf)
+    serve = tmp_path / "serve.json"
+    serve.write_text(json.dumps({"TCP": {"443": {"TCPForward": "127.0.0.1:10443"}}}))
+    agent = start_agent({"TS_USERSPACE": "true", "TS_SERVE_CONFIG": str(serve), "TS_TLS_CERT_DIR": str(certs),
+                         "TS_TLS_BACKEND": "10.98.0.2:8080"})
+    agent.wait_for_log("tls: listening on 127.0.0.1:10443", timeout=90)
+    v4, _ = agent.tailnet_ips()
+    wait_until(lambda: curl_https(lab, v4, ca.ca_path, "/straight")[0] == 0, 45, 0.3, "HTTPS through the proxy")
+    code, body, serial = curl_https(lab, v4, ca.ca_path, "/straight")
+    assert code == 0 and lab_backend.marker in body and "path=/straight" in body, body
+    assert serial == leaf.serial.lstrip("0")
+    r = lab.exec("client", ["curl", "-sS", "-m", "5", f"http://{v4}:10080/"], timeout=10)
+    assert r.returncode != 0, "a plain-HTTP port is open on the tailnet"

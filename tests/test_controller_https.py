@@ -40,18 +40,33 @@ def tls_secret(leaf, key=None, type_="kubernetes.io/tls"):
 
 @pytest.mark.parametrize("cfg", [HS, TS], ids=["headscale", "tailscale"])
 def test_the_secret_wins_on_either_control_plane(cfg):
-    d = ingress.decide(ing([{"hosts": ["site"], "secretName": "site-tls"}]), cfg, {"be": BACKEND}, FQDN + ".")
-    h = {"/": {"Proxy": "http://10.96.0.20:80/"}}
+    """Several paths: the agent hands the decrypted stream back to tailscaled's serve on the inner port."""
+    d = ingress.decide(ing([{"hosts": ["site"], "secretName": "site-tls"}], paths=("/", "/api")), cfg,
+                       {"be": BACKEND}, FQDN + ".")
+    h = {"/": {"Proxy": "http://10.96.0.20:80/"}, "/api": {"Proxy": "http://10.96.0.20:80/api"}}
     assert d.spec.serve_config == {"TCP": {"443": {"TCPForward": "127.0.0.1:10443"}, "10080": {"HTTP": True}},
                                    "Web": {f"{FQDN}:10080": {"Handlers": h}}}   # "site" is that name too
     env = dict(d.spec.target_env)
     assert env["TS_TLS_CERT_SECRET"] == "apps/site-tls" and env["TS_TLS_HOSTS"] == "site"
     assert env["TS_TLS_LISTEN"] == "127.0.0.1:10443" and env["TS_TLS_UPSTREAM_PORT"] == "10080"
+    assert "TS_TLS_BACKEND" not in env
     assert d.spec.tls_secret == "site-tls" and not d.spec.ingress_http
     assert not [n for n in d.notices if n[1] == "HTTPOnly"]
     sts = render(d.spec, cfg, ("key",)).statefulset
     c = sts["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "TS_TLS_CERT_SECRET", "value": "apps/site-tls"} in c["env"]
+
+
+def test_one_backend_for_every_path_is_reached_straight():
+    d = ingress.decide(ing([{"secretName": "site-tls"}]), HS, {"be": BACKEND}, FQDN)
+    assert d.spec.serve_config == {"TCP": {"443": {"TCPForward": "127.0.0.1:10443"}}}   # no plain-HTTP port
+    assert dict(d.spec.target_env)["TS_TLS_BACKEND"] == "10.96.0.20:80"
+    v6 = {"metadata": {"name": "be"}, "spec": {"clusterIP": "fd00::20", "ports": [{"port": 80}]}}
+    assert dict(ingress.decide(ing([{"secretName": "x"}]), HS, {"be": v6}, FQDN).spec.target_env)[
+        "TS_TLS_BACKEND"] == "[fd00::20]:80"
+    for handlers in ({"/": {"Proxy": "https+insecure://10.0.0.1:443/"}}, {"/": {"Proxy": "http://10.0.0.1:80/x"}},
+                     {"/a": {"Proxy": "http://10.0.0.1:80/a"}}, {"/": {"Proxy": "http://10.0.0.1:80/"}, "/b": {}}):
+        assert ingress.direct_backend(handlers) == ""
 
 
 def test_without_a_secret_tailscale_keeps_upstreams_certificate():
@@ -62,7 +77,8 @@ def test_without_a_secret_tailscale_keeps_upstreams_certificate():
 
 
 def test_own_domain_and_redirect():
-    i = ing([{"hosts": ["app.example.com"], "secretName": "app-tls"}], {"tailscale.com/http-redirect": "true"})
+    i = ing([{"hosts": ["app.example.com"], "secretName": "app-tls"}], {"tailscale.com/http-redirect": "true"},
+            paths=("/", "/api"))
     d = ingress.decide(i, HS, {"be": BACKEND}, "app.tail.example.")
     sc = d.spec.serve_config
     assert sc["TCP"]["80"] == {"HTTP": True}

@@ -73,7 +73,8 @@ async def test_ingress_with_its_own_certificate(env, ca):
     assert any(m.startswith("Secret apps/site-tls: the certificate covers none of the served names site.tail.test")
                for m in msgs), msgs
     sc = json.loads(secret_data(kube, f"{name}-0")["serve-config"])
-    assert sc["TCP"]["443"] == {"TCPForward": "127.0.0.1:10443"} and f"{FQDN}:10080" in sc["Web"]
+    assert sc == {"TCP": {"443": {"TCPForward": "127.0.0.1:10443"}}}     # one backend: the agent goes straight
+    assert env_of["TS_TLS_BACKEND"] == "10.96.0.20:80"
     assert kube.obj(INGRESSES, "site", "apps")["status"]["loadBalancer"] == {
         "ingress": [{"hostname": FQDN, "ports": [{"port": 443, "protocol": "TCP"}]}]}
 

@@ -1034,6 +1034,8 @@ def test_exit_node_needs_forwarding_in_both_families():
      {"TS_TLS_CERT_SECRET"}),
     ({"TS_TLS_CERT_DIR": "/tls", "TS_SERVE_CONFIG": "/s", "TS_TLS_LISTEN": "localhost:1"},
      'error parsing TS_TLS_LISTEN value "localhost:1"', {"TS_TLS_LISTEN"}),
+    ({"TS_TLS_CERT_DIR": "/tls", "TS_SERVE_CONFIG": "/s", "TS_TLS_BACKEND": "web:80"},
+     'error parsing TS_TLS_BACKEND value "web:80"', {"TS_TLS_BACKEND"}),
     ({"TS_TLS_CERT_DIR": "/tls", "TS_SERVE_CONFIG": "/s", "TS_TLS_UPSTREAM_PORT": "http"},
      "TS_TLS_UPSTREAM_PORT=\"http\" is not a port number", {"TS_TLS_UPSTREAM_PORT"}),
 ])
