@@ -9,10 +9,10 @@ holding every path, so all are measured in the same run against the same tailsca
 - `plain`:  port 80, tailscaled's plain-HTTP serve proxying to the backend (the reference);
 - `tls`:    port 443, TCPForward to the agent's TLS listener (containerboot.tlsterm), which sends the decrypted
             bytes back into tailscaled (LocalAPI dial to its own address) to the plain-HTTP serve on port 10080,
-            then the backend: the design shipped (docs/https.md);
+            then the backend: what an Ingress with several paths or backends gets (docs/https.md);
 - `direct`: port 8443, TCPForward to a second terminator of the same code that copies the decrypted bytes
-            straight to the backend, without tailscaled's HTTP handling: the best an in-agent HTTP router
-            could do (it would add HTTP parsing on top), the alternative measured.
+            straight to the backend, without tailscaled's HTTP handling: what an Ingress whose every path goes
+            to one backend gets (TS_TLS_BACKEND), and the ceiling of any in-agent HTTP router.
 
 The backend (10.98.0.2:8090) and the load generator are small Go programs built at the first run into the
 lab's cache (Go's net/http: so neither end is the bottleneck a Python server would be). The load generator
@@ -217,8 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--seconds", type=float, default=8.0, help="per measurement")
     a.add_argument("--concurrency", type=int, default=16)
     a.add_argument("--rounds", type=int, default=2, help="ABBA rounds per size")
+    a.add_argument("--paths", default="plain,tls,direct",
+                   help="which paths to measure (comma separated; tailscaled's peak memory is the lab run's, so "
+                        "one path per run tells which path costs it)")
     a.add_argument("--json", help="write the figures here too")
     args = a.parse_args(argv)
+    chosen = [p for p in args.paths.split(",") if p]
     tools = build_tools()
     with Lab.create(bin_dir=ensure_binaries(upstream=False)) as lab:
         run = pathlib.Path(tempfile.mkdtemp(prefix="https-", dir=str(lab.run_dir)))
@@ -245,9 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         ip = agent.tailnet_ips()[0]
         tsd = children(agent.pid)
         procs = {"agent": agent.pid, "direct": direct.pid, **{f"tailscaled-{p}": p for p in tsd}}
-        paths = {"plain": (f"http://{FQDN}", f"{ip}:80", ""),
+        every = {"plain": (f"http://{FQDN}", f"{ip}:80", ""),
                  "tls": (f"https://{FQDN}", f"{ip}:443", ca.ca_path),
                  "direct": (f"https://{FQDN}:8443", f"{ip}:8443", ca.ca_path)}
+        paths = {p: every[p] for p in chosen}
 
         def load(path: str, size: str, seconds: float) -> dict:
             url, addr, cacert = paths[path]
@@ -277,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
         mem = {"agent": rss(agent.pid), "direct": rss(direct.pid), "tailscaled": rss(tsd[0]) if tsd else {}}
     figures: dict = {"seconds": args.seconds, "concurrency": args.concurrency, "rounds": args.rounds,
-                     "memory_kb": mem, "paths": {}}
+                     "memory_kb": mem, "load_average": os.getloadavg(), "paths": {}}
     for size, by_path in results.items():
         for path, runs in by_path.items():
             figures["paths"].setdefault(size, {})[path] = {
@@ -286,12 +291,16 @@ def main(argv: list[str] | None = None) -> int:
                 "errors": sum(r["errors"] for r in runs)}
     print()
     for size, key, goal in (("small", "rps", 0.5), ("big", "mb_s", 0.8)):
+        if "plain" not in paths:
+            break
         base = figures["paths"][size]["plain"][key]
-        for path in ("tls", "direct"):
+        for path in [p for p in ("tls", "direct") if p in paths]:
             ratio = figures["paths"][size][path][key] / base if base else 0.0
             figures["paths"][size][path]["ratio_to_plain"] = ratio
             print(f"{size}: {path} {key} {ratio:.2f}x plain (goal >= {goal}: {'MET' if ratio >= goal else 'NOT MET'})")
-    print(f"agent RSS {mem['agent'].get('VmRSS', 0) / 1024:.1f} MiB (peak {mem['agent'].get('VmHWM', 0) / 1024:.1f})")
+    print(f"agent RSS {mem['agent'].get('VmRSS', 0) / 1024:.1f} MiB (peak {mem['agent'].get('VmHWM', 0) / 1024:.1f}), "
+          f"direct terminator {mem['direct'].get('VmRSS', 0) / 1024:.1f} MiB, tailscaled "
+          f"{mem['tailscaled'].get('VmRSS', 0) / 1024:.1f} MiB (peak {mem['tailscaled'].get('VmHWM', 0) / 1024:.1f})")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(figures, indent=1))
     return 0
