@@ -5,12 +5,13 @@ certificate of a `kubernetes.io/tls` Secret is served here. The path of one conn
 
     tailnet client ──WireGuard──► tailscaled, serve config TCP 443: TCPForward 127.0.0.1:<TS_TLS_LISTEN port>
         ──► this terminator (asyncio + ssl, the Secret's certificate) ──decrypted bytes──►
-        tailscaled's LocalAPI `dial` to the node's own tailnet address, port <TS_TLS_UPSTREAM_PORT>
-        ──► tailscaled's plain-HTTP serve (the Ingress's paths and backends, exactly as without TLS)
+        either the one backend (TS_TLS_BACKEND: every path goes to it), or tailscaled's LocalAPI `dial` to the
+        node's own tailnet address, port <TS_TLS_UPSTREAM_PORT>, tailscaled's plain-HTTP serve (the Ingress's
+        paths and backends, exactly as without TLS)
 
-The terminator parses no HTTP: it copies bytes, so every HTTP feature tailscaled's serve has (paths,
-WebSockets, streaming, the Tailscale identity headers are the exception: they name the proxy itself) works
-unchanged. The choice and its figures are in docs/https.md (bench/https.py measures the alternatives).
+The terminator parses no HTTP: it copies bytes, so every HTTP feature of the backend or of tailscaled's serve
+(paths, WebSockets, streaming) works unchanged; the Tailscale identity headers are the exception (through
+tailscaled they name the proxy itself). The choice and its figures are in docs/https.md (bench/https.py).
 
 Renewal: `CertWatcher` reads the source every `interval` seconds; a pair that differs is checked
 (`tscommon.tlscert`: PEM, validity, names, the key's match) and, when good, becomes the context that new
