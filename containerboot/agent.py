@@ -223,6 +223,9 @@ class Agent:
             control_plane=steady.control_probe.state if steady is not None else None,
             kubernetes_api=steady.kube_probe.state if steady is not None and steady.kube_probe else None,
             secret_pending_writes=secret.pending if secret is not None else (),
+            tls=(steady.tls_watcher.status() if steady is not None and steady.tls_watcher is not None
+                 else {"serial": "", "last_error": "waiting for the first read"}
+                 if self.s.tls_cert_secret or self.s.tls_cert_dir else None),
         )
 
     # -- login -----------------------------------------------------------------------------------------

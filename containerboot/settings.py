@@ -304,6 +304,8 @@ class Setting:
 _STRICT_BOOL = ("A value other than ParseBool's words (1, t, true, 0, f, false ...) is an error; upstream uses the "
                 "default.")
 
+_OURS_TLS = "Ours (upstream has no such variable): HTTPS with a certificate of your own, docs/https.md."
+
 SETTINGS: tuple[Setting, ...] = (
     # Login.
     Setting("TS_AUTHKEY", Kind.STRING, "Auth key for `tailscale up --authkey`. The CLI resolves a `file:<path>` value.",
@@ -368,6 +370,25 @@ SETTINGS: tuple[Setting, ...] = (
             default="false", differs=_STRICT_BOOL),
     Setting("TS_SERVE_CONFIG", Kind.PATH, "Serve config JSON file, watched and applied.", "serve_config",
             differs="An error together with TS_DEST_IP (upstream documents them as incompatible but runs both)."),
+    Setting("TS_TLS_CERT_SECRET", Kind.STRING,
+            "HTTPS with your own certificate (ours, not upstream's): `<namespace>/<name>` of a `kubernetes.io/tls` "
+            "Secret, read through the API server every 20 s and served by the agent's TLS listener "
+            "(TS_TLS_LISTEN); the serve config forwards TCP port 443 there. Needs TS_SERVE_CONFIG and "
+            "userspace networking.", "tls_cert_secret", differs=_OURS_TLS),
+    Setting("TS_TLS_CERT_DIR", Kind.PATH,
+            "As TS_TLS_CERT_SECRET, from `tls.crt` and `tls.key` in a directory (a mounted Secret volume).",
+            "tls_cert_dir", differs=_OURS_TLS),
+    Setting("TS_TLS_LISTEN", Kind.ADDRPORT, "The TLS listener's local address: the serve config's TCPForward "
+            "target for port 443.", "tls_listen", default="127.0.0.1:10443", differs=_OURS_TLS),
+    Setting("TS_TLS_UPSTREAM_PORT", Kind.STRING, "The serve config's plain-HTTP port that decrypted "
+            "connections go to, on the node's own tailnet address (through tailscaled).", "tls_upstream_port",
+            default="10080", differs=_OURS_TLS),
+    Setting("TS_TLS_BACKEND", Kind.ADDRPORT, "Decrypted connections go straight to this `IP:port` (one plain-HTTP "
+            "backend for every path) instead of through tailscaled to TS_TLS_UPSTREAM_PORT: the faster path, "
+            "docs/https.md.", "tls_backend", differs=_OURS_TLS),
+    Setting("TS_TLS_HOSTS", Kind.STRING, "Host names clients use besides the node's MagicDNS name (comma "
+            "separated, e.g. an Ingress's spec.tls[].hosts): the certificate must cover one of them.",
+            "tls_hosts", differs=_OURS_TLS),
     Setting("TS_EXPERIMENTAL_VERSIONED_CONFIG_DIR", Kind.PATH,
             "Directory of `cap-<N>.hujson` tailscaled config files; the newest this tailscaled supports is used, "
             "and replaces `tailscale up` (one-step mode).", "versioned_config_dir",
@@ -507,11 +528,14 @@ UPSTREAM_WORDS: Mapping[str, str] = {
                                   "Kubernetes",
     "boot_timeout": 'error parsing TS_BOOT_TIMEOUT value "{value}"',
 }
+# Ours (no upstream counterpart): the same sentence shape for our own listeners.
+_OWN_WORDS: Mapping[str, str] = {"tls_listen": 'error parsing TS_TLS_LISTEN value "{value}"',
+                                 "tls_backend": 'error parsing TS_TLS_BACKEND value "{value}"'}
 
 
 def _upstream(condition: str, **values: Any) -> str:
     """Upstream's words for `condition`, filled in."""
-    return UPSTREAM_WORDS[condition].format(**values)
+    return {**UPSTREAM_WORDS, **_OWN_WORDS}[condition].format(**values)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -544,6 +568,12 @@ class Settings:
     socket: str = "/tmp/tailscaled.sock"
     auth_once: bool = False
     serve_config: str = ""
+    tls_cert_secret: str = ""
+    tls_cert_dir: str = ""
+    tls_listen: str = "127.0.0.1:10443"
+    tls_upstream_port: str = "10080"
+    tls_backend: str = ""
+    tls_hosts: str = ""
     versioned_config_dir: str = ""
     tailscaled_config_path: str = ""
     healthcheck_addr_port: str = ""
@@ -904,6 +934,35 @@ def _check_addr_port(name: str, value: str, condition: str, why: str = "") -> No
                     "Write e.g. \"[::]:9002\" or \"0.0.0.0:9002\" (host names are not accepted)", name) from None
 
 
+def _validate_tls(s: Settings, env: Mapping[str, str]) -> None:
+    if not (s.tls_cert_secret or s.tls_cert_dir):
+        return
+    src = "TS_TLS_CERT_SECRET" if s.tls_cert_secret else "TS_TLS_CERT_DIR"
+    if s.tls_cert_secret and s.tls_cert_dir:
+        raise _fail(f"{_shown_all(env, 'TS_TLS_CERT_SECRET', 'TS_TLS_CERT_DIR')}: give the certificate one way; "
+                    "unset one", "TS_TLS_CERT_SECRET", "TS_TLS_CERT_DIR")
+    if not s.serve_config:
+        raise _fail(f"{_shown(src, env)} needs TS_SERVE_CONFIG: the serve config forwards port 443 to the TLS "
+                    "listener and serves the decrypted requests", src, "TS_SERVE_CONFIG")
+    if not s.userspace:
+        raise _fail(f"{_shown(src, env)} needs userspace networking ({_userspace(env)}): decrypted connections "
+                    "reach the serve config through tailscaled's netstack; set TS_USERSPACE=true", src,
+                    "TS_USERSPACE")
+    if s.tls_cert_secret:
+        ns, _, name = s.tls_cert_secret.partition("/")
+        if not ns or not name or "/" in name:
+            raise _fail(f"{_shown(src, env)} is not `<namespace>/<name>`: write e.g. default/site-tls", src)
+        if not s.in_kubernetes or not s.kube_secret:
+            raise _fail(f"{_shown(src, env)} needs the Kubernetes API and a state Secret (KUBERNETES_SERVICE_HOST "
+                        "and TS_KUBE_SECRET): use TS_TLS_CERT_DIR without them", src)
+    _check_addr_port("TS_TLS_LISTEN", s.tls_listen, "tls_listen")
+    if s.tls_backend:
+        _check_addr_port("TS_TLS_BACKEND", s.tls_backend, "tls_backend")
+    if not s.tls_upstream_port.isdigit() or not 0 < int(s.tls_upstream_port) < 65536:
+        raise _fail(f"{_shown('TS_TLS_UPSTREAM_PORT', env)} is not a port number: give 1-65535 (the serve "
+                    "config's plain-HTTP port)", "TS_TLS_UPSTREAM_PORT")
+
+
 def _validate(s: Settings, env: Mapping[str, str]) -> None:
     """Upstream's rules in upstream's order (spec 1.5), plus ours where they fit. The first failure wins."""
     userspace = _userspace(env)
@@ -1016,6 +1075,9 @@ def _validate(s: Settings, env: Mapping[str, str]) -> None:
                         "from the Pod's status.podIP", allow, "POD_IP")
     if s.forwarding_optimizations and s.userspace:
         raise needs_kernel("TS_EXPERIMENTAL_ENABLE_FORWARDING_OPTIMIZATIONS", "forwarding_optimizations_userspace")
+
+    # Ours: HTTPS with the user's certificate, in front of the serve config.
+    _validate_tls(s, env)
 
     # 19-22. Listener addresses. TS_LOCAL_ADDR_PORT is checked only when something listens on it, as upstream
     # does: the operator always sets it, and an unused bad value must not stop a proxy that worked before.

@@ -89,6 +89,9 @@ class AgentStatus:
     control_plane: Reachability | None = None           # reported, not gating (see the module docstring)
     kubernetes_api: Reachability | None = None          # with a state Secret; reported, not gating
     secret_pending_writes: tuple[str, ...] = ()         # the state Secret's keys whose write has not landed yet
+    # HTTPS with the user's certificate (tlsterm.CertWatcher.status()): None when not configured. Gates
+    # readiness until a first good certificate is served; a bad renewal (the last good one serving) does not.
+    tls: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Copy and freeze so that the agent mutating its own counters dict later cannot change a snapshot.
@@ -146,6 +149,9 @@ class AgentStatus:
                 reasons.append(f"serve config not applied{why}")
             if s.cert_required and not s.cert_ready:
                 reasons.append("serve config needs a TLS certificate that has not been issued yet")
+        if self.tls is not None and not self.tls.get("serial"):
+            why = f": {self.tls['last_error']}" if self.tls.get("last_error") else ""
+            reasons.append(f"HTTPS: no good certificate served yet{why}")
         return (not reasons, reasons)
 
     def to_json(self, now: float) -> dict[str, Any]:
@@ -165,6 +171,7 @@ class AgentStatus:
             "loop_heartbeat_at": _num(self.loop_heartbeat_at),
             "targets": [t.to_json() for t in self.targets],
             "serve": self.serve.to_json() if self.serve is not None else None,
+            "tls": dict(self.tls) if self.tls is not None else None,
             "counters": {k: _num(v) for k, v in sorted(self.counters.items())},
             "firewall": dict(self.firewall) if self.firewall is not None else None,
             "tailscaled_health": [{"code": c, "text": t} for c, t in self.health_warnings],

@@ -54,6 +54,7 @@ class SteadyState:
         self.serve_counters: dict[str, float] = {}
         self.serve_loop: "ServeLoop | None" = None
         self.serve_applier: "ServeApplier | None" = None
+        self.tls_watcher: Any = None          # tlsterm.CertWatcher when TS_TLS_CERT_* is set
         self.self_node_known = asyncio.Event()   # the bus has delivered the node's own identity
         self.tasks: list[asyncio.Task] = []
         self.control_probe, self.kube_probe = self._make_probes()
@@ -110,6 +111,8 @@ class SteadyState:
             self.tasks.append(asyncio.create_task(self.kube_probe.run(), name="kube-probe"))
         if s.serve_config:
             self.tasks.append(asyncio.create_task(self.run_serve(), name="serve-config"))
+        if s.tls_cert_secret or s.tls_cert_dir:
+            self.tasks.append(asyncio.create_task(self.run_tls(), name="tls"))
         if s.one_step:
             self.tasks.append(asyncio.create_task(self.watch_config_file(), name="tailscaled-config"))
         if s.egress_proxies_config_path:
@@ -208,6 +211,48 @@ class SteadyState:
             await self.serve_loop.run()
         finally:
             await certs.close()
+
+    async def run_tls(self) -> None:
+        """HTTPS with the user's certificate: the TLS listener, once a good certificate is loaded (tlsterm)."""
+        from .settings import parse_addr_port
+        from .tlsterm import (CertSource, CertWatcher, FileSource, KubeSecretSource, Terminator, localapi_dialer,
+                              tcp_dialer)
+        s = self.s
+
+        def own_ip() -> str:
+            ips = self.reconciler.node.tailnet_ips
+            ip = next((i for i in ips if i.version == 4), ips[0] if ips else None)
+            return str(ip) if ip is not None else ""
+
+        def names() -> tuple[str, ...]:
+            me = self.reconciler.node.self_node
+            own = (me.name.rstrip("."),) if me is not None and me.name else ()
+            return own + tuple(h.strip() for h in s.tls_hosts.split(",") if h.strip())
+
+        source: CertSource
+        if s.tls_cert_secret:
+            assert self.publisher.secret is not None      # settings: TS_TLS_CERT_SECRET needs the state Secret
+            ns, _, name = s.tls_cert_secret.partition("/")
+            source = KubeSecretSource(self.publisher.secret.client, ns, name)
+        else:
+            source = FileSource(s.tls_cert_dir)
+        if s.tls_backend:
+            bhost, bport = parse_addr_port(s.tls_backend)
+            term = Terminator(tcp_dialer(str(bhost), bport))
+        else:
+            term = Terminator(localapi_dialer(s.socket, own_ip, int(s.tls_upstream_port)))
+        watcher = CertWatcher(source, term, names)
+        self.tls_watcher = watcher
+        host, port = parse_addr_port(s.tls_listen)
+        await self.self_node_known.wait()           # the names to check the certificate against
+        while not await watcher.refresh():
+            await asyncio.sleep(watcher.interval)
+        await term.start(str(host), port)
+        log.info("tls: listening on %s for the serve config's port 443", s.tls_listen)
+        try:
+            await watcher.run()
+        finally:
+            term.close()
 
     def _poke_serve(self) -> None:
         if self.serve_loop is not None:

@@ -29,11 +29,13 @@ DNSCONFIG = dc.QUEUE_KEY[0]
 
 @dataclass(frozen=True)
 class DecideInputs:
-    """What a `decide` may need beyond the object: an Ingress's backend Services (name -> object) and its
-    proxy's MagicDNS name (read back from replica 0's state Secret)."""
+    """What a `decide` may need beyond the object: an Ingress's backend Services (name -> object), its
+    proxy's MagicDNS name (read back from replica 0's state Secret) and why the user's TLS Secret cannot be
+    served ("" when it can, or when none is named: `KindInfo.tls_secret`)."""
 
     services: Mapping[str, Mapping[str, Any]]
     fqdn: str = ""
+    tls_problem: str = ""
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,15 @@ class KindInfo:
     dns_records: bool = False
     #: status fields cleared, with its condition, from an object that stays but is no longer ours
     released_status: Mapping[str, Any] | None = None
+    #: the user's `kubernetes.io/tls` Secret its proxy serves (in the object's namespace) and the extra names a
+    #: client may use, ("", ()) when none: checked before `decide` (DecideInputs.tls_problem, docs/https.md)
+    tls_secret: Callable[[Mapping[str, Any]], tuple[str, tuple[str, ...]]] | None = None
+    #: where the user names that Secret, for the messages
+    tls_field: str = "spec.tls[].secretName"
+    #: its proxies run in another namespace than the object and its Secret: a Role and RoleBinding of their
+    #: own there let the proxy read it (proxyrbac.tls_secret_access), and the Secret, not watched, is checked
+    #: again every TLS_RECHECK
+    tls_role: bool = False
 
     def parent_namespace(self, obj: Mapping[str, Any]) -> str:
         return ((obj.get("metadata") or {}).get("namespace") or "") if self.namespaced else ""
@@ -112,16 +123,18 @@ KINDS: dict[str, KindInfo] = {k.key: k for k in (
              handled=_service_handled, decide=lambda o, c, _: service.decide(o, c), status_fields=_service_status,
              on_group=egress.handled, dns_records=True, released_status={"loadBalancer": {"ingress": None}}),
     KindInfo(INGRESS, INGRESSES, "networking.k8s.io/v1", "Ingress", PARENT, None, "ingress_resource",
-             handled=ingress.handled, decide=lambda o, c, i: ingress.decide(o, c, i.services, i.fqdn),
-             backends=ingress.backend_services, status_fields=_ingress_status, uses_certs=True, dns_records=True),
+             handled=ingress.handled, decide=lambda o, c, i: ingress.decide(o, c, i.services, i.fqdn, i.tls_problem),
+             backends=ingress.backend_services, status_fields=_ingress_status, uses_certs=True, dns_records=True,
+             tls_secret=ingress.tls_entry, tls_role=True),
     KindInfo(CONNECTOR, CONNECTORS, f"{connector.GROUP}/{connector.VERSION}", "Connector", PARENT,
              COND_CONNECTOR_READY, "connector", namespaced=False, handled=connector.handled,
              decide=lambda o, c, _: connector.decide(o, c), status_fields=_connector_status,
              invalid_reason="ConnectorInvalid", failed_reason="ConnectorCreationFailed",
              pending_reason="ConnectorCreating", class_in_spec=True),
     KindInfo(APISERVER, CONFIGMAPS, "v1", "ConfigMap", PARENT, None, "apiserver_proxy",
-             handled=apiserverproxy.handled, decide=lambda o, c, _: apiserverproxy.decide(o, c),
-             announces_url=True, cluster_binding=True, queued_by_class=False),
+             handled=apiserverproxy.handled, decide=lambda o, c, i: apiserverproxy.decide(o, c, i.tls_problem),
+             announces_url=True, cluster_binding=True, queued_by_class=False, tls_secret=apiserverproxy.tls_entry,
+             tls_field="apiServerProxy.tls.secretName"),
     KindInfo(PROXYGROUP, PROXYGROUPS, f"{proxygroup.GROUP}/{proxygroup.VERSION}", "ProxyGroup", GROUP,
              COND_PG_READY, "proxygroup", namespaced=False, handled=lambda o, c: True, class_in_spec=True),
     KindInfo(PROXYCLASS, PROXYCLASSES, f"{pcl.GROUP}/{pcl.VERSION}", pcl.KIND, CLASS, pcl.COND_READY,

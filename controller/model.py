@@ -106,6 +106,7 @@ class ProxySpec:
     ingress_http: bool = False                      # L7 Ingress served over plain HTTP on port 80 (ours)
     ingress_http_name: str = ""                     # ... the MagicDNS name its serve config answers to
     apiserver_proxy_mode: str = ""                  # API server proxy: auth | noauth (a second container)
+    tls_secret: str = ""                            # L7 Ingress: spec.tls[].secretName served by the agent (ours)
 
     def replica_hostname(self, i: int) -> str:
         return f"{self.hostname_prefix}-{i}" if self.hostname_prefix else self.hostname

@@ -18,6 +18,12 @@ What the Role allows is what the agents (ours and upstream containerboot v1.102.
 - Events, get/create/patch: tailscaled's store records "state loaded/updated" events on its Pod when a
   SelfSubjectAccessReview without a name says it may do all three (else it logs that it cannot and goes on).
   An Event carries no credential; RBAC cannot limit a create to a name either. Same rule as upstream's.
+- The API server proxy with `apiServerProxy.tls.secretName` (ours): `get` on that Secret, in the same Role.
+- An L7 Ingress with `spec.tls[].secretName` (ours, docs/https.md): a second Role and RoleBinding, in the
+  Ingress's namespace, named like the proxy, that allow `get` on exactly that Secret (the agent reads it every
+  20 s; no list, no watch, no write). They go when the Ingress stops naming a Secret or goes away. An Ingress
+  in the controller's own namespace gets that `get` in the proxy's Role instead (a second Role there would
+  have its name).
 Creating SelfSubjectAccessReviews needs no grant (every authenticated user has it).
 
 The objects carry the proxy's child labels (the controller's child lookup and cleanup find them by these)
@@ -34,11 +40,14 @@ from .render import hashed, base_name, child_labels, secret_name
 RBAC_API = "rbac.authorization.k8s.io/v1"
 SECRET_VERBS = ("get", "update", "patch")
 EVENT_VERBS = ("create", "get", "patch")
+TLS_SECRET_VERBS = ("get",)
 
 
-def identity(name: str, namespace: str, labels: dict[str, str], secrets: list[str]) -> tuple[dict, dict, dict]:
-    """ServiceAccount, Role and RoleBinding named `name`, the Role limited to the Secrets `secrets`: the
-    order they are created in (the binding names both). A proxy and a ProxyGroup share this shape."""
+def identity(name: str, namespace: str, labels: dict[str, str], secrets: list[str],
+             read_only: tuple[str, ...] = ()) -> tuple[dict, dict, dict]:
+    """ServiceAccount, Role and RoleBinding named `name`, the Role limited to the Secrets `secrets` (and `get`
+    on the Secrets `read_only`): the order they are created in (the binding names both). A proxy and a
+    ProxyGroup share this shape."""
     def meta() -> dict[str, Any]:
         return {"name": name, "namespace": namespace, "labels": dict(labels)}
     sa = hashed({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta()})
@@ -46,7 +55,9 @@ def identity(name: str, namespace: str, labels: dict[str, str], secrets: list[st
         "apiVersion": RBAC_API, "kind": "Role", "metadata": meta(),
         "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": list(secrets),
                    "verbs": list(SECRET_VERBS)},
-                  {"apiGroups": [""], "resources": ["events"], "verbs": list(EVENT_VERBS)}],
+                  {"apiGroups": [""], "resources": ["events"], "verbs": list(EVENT_VERBS)}]
+        + ([{"apiGroups": [""], "resources": ["secrets"], "resourceNames": list(read_only),
+             "verbs": list(TLS_SECRET_VERBS)}] if read_only else []),
     })
     binding = hashed({
         "apiVersion": RBAC_API, "kind": "RoleBinding", "metadata": meta(),
@@ -71,10 +82,40 @@ def impersonation_binding(spec: ProxySpec, cfg: ControllerConfig, cluster_role: 
     })
 
 
+def _own_namespace(spec: ProxySpec, cfg: ControllerConfig) -> bool:
+    return bool(spec.apiserver_proxy_mode) or spec.parent.namespace == cfg.namespace
+
+
+def tls_secret_access(spec: ProxySpec, cfg: ControllerConfig) -> tuple[dict, dict] | None:
+    """Role and RoleBinding in the Ingress's namespace: the proxy may read its one TLS Secret. None without one,
+    and when that namespace is the proxy's own (the API server proxy's, or an Ingress in the controller's
+    namespace): `objects`' Role covers it there, under the same name."""
+    if not spec.tls_secret or _own_namespace(spec, cfg):
+        return None
+    name, ns = base_name(spec.parent), spec.parent.namespace
+
+    def meta() -> dict[str, Any]:
+        return {"name": name, "namespace": ns, "labels": child_labels(spec.parent)}
+    role = hashed({
+        "apiVersion": RBAC_API, "kind": "Role", "metadata": meta(),
+        "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [spec.tls_secret],
+                   "verbs": list(TLS_SECRET_VERBS)}],
+    })
+    binding = hashed({
+        "apiVersion": RBAC_API, "kind": "RoleBinding", "metadata": meta(),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": cfg.namespace}],
+    })
+    return role, binding
+
+
 def objects(spec: ProxySpec, cfg: ControllerConfig) -> tuple[dict, dict, dict]:
     """ServiceAccount, Role, RoleBinding of one proxy: the order they are created in (the binding names both)."""
+    # A certificate in the proxy's own namespace (the API server proxy's; an Ingress of the controller's
+    # namespace): its Role reads it by name (a second Role there would have this one's name).
+    own_tls = (spec.tls_secret,) if spec.tls_secret and _own_namespace(spec, cfg) else ()
     return identity(base_name(spec.parent), cfg.namespace, child_labels(spec.parent),
-                    [secret_name(spec.parent, i) for i in range(spec.replicas)])
+                    [secret_name(spec.parent, i) for i in range(spec.replicas)], own_tls)
 
 
 def service_account(spec: ProxySpec, cfg: ControllerConfig) -> dict:

@@ -22,6 +22,7 @@ from .passes.parents import PENDING_RECHECK as PENDING_RECHECK
 from .passes.parents import POD_SECURITY_RECHECK as POD_SECURITY_RECHECK
 from .passes.parents import READY_RECHECK as READY_RECHECK
 from .passes.parents import REASON_POD_SECURITY as REASON_POD_SECURITY
+from .passes.parents import TLS_RECHECK as TLS_RECHECK
 from .passes.parents import ParentPass
 from .passes.proxyclass import ProxyClassPass
 from .passes.proxygroup import ProxyGroupPass

@@ -236,7 +236,8 @@ def statefulset(spec: ProxySpec, cfg: ControllerConfig) -> dict:
             "name": "apiserver-proxy", "image": cfg.proxy_image, "imagePullPolicy": cfg.image_pull_policy,
             "args": ["apiserver-proxy"],
             "env": [{"name": "TS_APISERVER_PROXY_MODE", "value": spec.apiserver_proxy_mode},
-                    {"name": "TS_SOCKET", "value": APISERVER_SOCKET}],
+                    {"name": "TS_SOCKET", "value": APISERVER_SOCKET}]
+            + ([{"name": "TS_APISERVER_PROXY_TLS_SECRET", "value": spec.tls_secret}] if spec.tls_secret else []),
             "resources": cfg.proxy_resources, "volumeMounts": [sock],
             # Binding the tailnet ports (80/443) needs this one capability, nothing else.
             "securityContext": {"capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}}})

@@ -161,8 +161,17 @@ def service_families(svc: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def ingress_load_balancer(devices: Sequence[DeviceInfo], spec: ProxySpec) -> dict:
-    """Upstream's: https_endpoint on 443 (+80 with the redirect). The HTTP scheme (ours): the device's MagicDNS
+    """Upstream's: https_endpoint on 443 (+80 with the redirect). The user's certificate (ours): the MagicDNS
+    name on 443 (+80). The HTTP scheme (ours): the device's MagicDNS
     name on port 80 once its serve config names that device and the proxy has applied a config."""
+    if spec.tls_secret:
+        # The user's certificate (ours): the MagicDNS name the serve config answers to, once it is applied.
+        ports = [{"port": 443, "protocol": "TCP"}]
+        if spec.serve_config and "80" in (spec.serve_config.get("TCP") or {}):
+            ports.append({"port": 80, "protocol": "TCP"})
+        ingress = [{"hostname": d.hostname, "ports": ports} for d in devices
+                   if d.hostname and d.hostname == spec.ingress_http_name and d.serve_applied]
+        return {"ingress": ingress} if ingress else {}
     if spec.ingress_http:
         ingress = [{"hostname": d.hostname, "ports": [{"port": 80, "protocol": "TCP"}]} for d in devices
                    if d.hostname and d.hostname == spec.ingress_http_name and d.serve_applied]

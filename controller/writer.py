@@ -277,7 +277,8 @@ class Writer:
     async def remove_proxy(self, kind: str, obj: Mapping[str, Any]) -> bool:
         """A parent's single proxy: StatefulSet (foreground), then each device, the Secrets, the headless
         Service, the proxy's ServiceAccount, Role and RoleBinding (its Pods are gone by then), and its
-        ClusterRoleBinding if its kind has one. True when done."""
+        ClusterRoleBinding if its kind has one, and the Role and RoleBinding for a TLS Secret in the parent's
+        namespace if its kind has them. True when done."""
         info, m = KINDS[kind], meta(obj)
         p = Parent(kind, m.get("name", ""), info.parent_namespace(obj), m.get("uid", ""))
         done = await self.remove_children(
@@ -285,6 +286,11 @@ class Writer:
             cluster=(CLUSTERROLEBINDINGS,) if info.cluster_binding else (),
             # a ProxyGroup egress Service's ClusterIP Service is the egress pass's (EgressPass.cleanup_service)
             keep=lambda o: bool((o["metadata"].get("labels") or {}).get(LABEL_PROXY_GROUP)))
+        if done and info.tls_role and p.namespace != self.cfg.namespace:
+            # the Role and RoleBinding that let the proxy read the user's TLS Secret (proxyrbac.tls_secret_access)
+            for res in (ROLEBINDINGS, ROLES):
+                for o in await self.kube.list(res, p.namespace, render.child_selector(p)):
+                    await self.kube.delete(res, o["metadata"]["name"], p.namespace)
         if done:
             log.info("%s %s: proxy removed", kind, ref(p))
         return done

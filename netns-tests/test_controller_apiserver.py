@@ -714,3 +714,42 @@ def test_the_api_server_down_costs_no_restart_and_the_controller_catches_up(runn
     assert len(outage_log) <= 30 + 15 * (OUTAGE // 60), "\n".join(outage_log)
     for name in ("pre-outage", "post-outage"):     # their clean-up is test_exposed_service_lifecycle's subject
         assert c.delete(f"/api/v1/namespaces/default/services/{name}").status_code == 200
+
+
+def test_an_ingress_certificate_is_readable_by_its_proxy_only(running):
+    """spec.tls[].secretName: the real API server's escalation check accepts the Role the controller writes in
+    the Ingress's namespace (it holds `get` on Secrets), and that Role allows exactly `get` on that Secret."""
+    kube, _, _ = running
+    c = client(kube)
+    r = c.post("/api/v1/namespaces/default/services", json={
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "tlsbe"},
+        "spec": {"ports": [{"port": 80}], "selector": {"app": "tlsbe"}}})
+    assert r.status_code == 201, r.text
+    r = c.post("/apis/networking.k8s.io/v1/namespaces/default/ingresses", json={
+        "apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": {"name": "tls"},
+        "spec": {"ingressClassName": "tailscale", "tls": [{"secretName": "site-tls"}],
+                 "defaultBackend": {"service": {"name": "tlsbe", "port": {"number": 80}}}}})
+    assert r.status_code == 201, r.text
+    sts, _ = wait(lambda: (lambda s: s if s[0] else None)(children(kube, "tls", "ingress")), 30, "the proxy")
+    name = sts[0]["metadata"]["name"]
+    role = wait(lambda: get(kube, f"/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/{name}"), 30,
+                "the Role in the Ingress's namespace")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["site-tls"],
+                              "verbs": ["get"]}]
+    assert get(kube, f"/apis/rbac.authorization.k8s.io/v1/namespaces/default/rolebindings/{name}")
+
+    def can_in(verb: str, secret: str = "") -> bool:
+        ra = {"namespace": "default", "verb": verb, "resource": "secrets", **({"name": secret} if secret else {})}
+        r = c.post("/apis/authorization.k8s.io/v1/subjectaccessreviews", json={
+            "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+            "spec": {"user": f"system:serviceaccount:tailscale:{name}",
+                     "groups": ["system:serviceaccounts", "system:serviceaccounts:tailscale", "system:authenticated"],
+                     "resourceAttributes": ra}})
+        assert r.status_code == 201, r.text
+        return bool(r.json()["status"].get("allowed"))
+    assert can_in("get", "site-tls")
+    assert not can_in("get", "other") and not can_in("list") and not can_in("update", "site-tls")
+    assert c.delete("/apis/networking.k8s.io/v1/namespaces/default/ingresses/tls").status_code == 200
+    wait(lambda: get(kube, f"/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/{name}") is None, 60,
+         "the Role to go with the Ingress")
+    c.delete("/api/v1/namespaces/default/services/tlsbe")

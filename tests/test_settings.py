@@ -1018,3 +1018,35 @@ def test_exit_node_needs_forwarding_in_both_families():
     off = load({"TS_USERSPACE": "false", "TS_EXTRA_ARGS": "--advertise-exit-node=false"})
     assert not off.advertises_exit_node and off.forwarding_families == (False, False)
     assert load({"TS_EXTRA_ARGS": "--advertise-exit-node"}).forwarding_families == (False, False)  # userspace
+
+
+# ---- HTTPS with the user's certificate (ours)
+
+@pytest.mark.parametrize("env,fragment,names", [
+    ({"TS_TLS_CERT_DIR": "/tls"}, "needs TS_SERVE_CONFIG", {"TS_TLS_CERT_DIR", "TS_SERVE_CONFIG"}),
+    ({"TS_TLS_CERT_DIR": "/tls", "TS_SERVE_CONFIG": "/s", "TS_TLS_CERT_SECRET": "ns/x"}, "give the certificate one",
+     {"TS_TLS_CERT_SECRET", "TS_TLS_CERT_DIR"}),
+    ({"TS_TLS_CERT_DIR": "/tls", "TS_SERVE_CONFIG": "/s", "TS_USERSPACE": "false"}, "needs userspace networking",
+     {"TS_TLS_CERT_DIR", "TS_USERSPACE"}),
+    ({"TS_TLS_CERT_SECRET": "site-tls", "TS_SERVE_CONFIG": "/s"}, "is not `<namespace>/<name>`",
+     {"TS_TLS_CERT_SECRET"}),
+    ({"TS_TLS_CERT_SECRET": "default/site-tls", "TS_SERVE_CONFIG": "/s"}, "needs the Kubernetes API",
+     {"TS_TLS_CERT_SECRET"}),
+    ({"TS_TLS_CERT_DIR": "/tls", "TS_SERVE_CONFIG": "/s", "TS_TLS_LISTEN": "localhost:1"},
+     'error parsing TS_TLS_LISTEN value "localhost:1"', {"TS_TLS_LISTEN"}),
+    ({"TS_TLS_CERT_DIR": "/tls", "TS_SERVE_CONFIG": "/s", "TS_TLS_BACKEND": "web:80"},
+     'error parsing TS_TLS_BACKEND value "web:80"', {"TS_TLS_BACKEND"}),
+    ({"TS_TLS_CERT_DIR": "/tls", "TS_SERVE_CONFIG": "/s", "TS_TLS_UPSTREAM_PORT": "http"},
+     "TS_TLS_UPSTREAM_PORT=\"http\" is not a port number", {"TS_TLS_UPSTREAM_PORT"}),
+])
+def test_tls_settings_refused_with_the_fix(env, fragment, names):
+    with pytest.raises(SettingsError) as e:
+        load(env)
+    assert fragment in str(e.value)
+    assert set(e.value.variables) == names
+
+
+def test_tls_settings_accepted():
+    s = load({"TS_TLS_CERT_DIR": "/tls", "TS_SERVE_CONFIG": "/s", "TS_TLS_HOSTS": "app.example.com"})
+    assert (s.tls_cert_dir, s.tls_listen, s.tls_upstream_port, s.tls_hosts) == (
+        "/tls", "127.0.0.1:10443", "10080", "app.example.com")

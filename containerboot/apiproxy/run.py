@@ -8,9 +8,14 @@ in noauth mode HTTPS on 443 with a self-signed certificate made at start, becaus
 kubeconfig's credentials over TLS only (client-go drops them for an http:// server). Requests go to the API
 server from the Pod's environment (KUBERNETES_SERVICE_HOST/PORT) over TLS verified with the cluster CA.
 
+With TS_APISERVER_PROXY_TLS_SECRET (a `kubernetes.io/tls` Secret of the Pod's namespace, read through the API
+server) it serves HTTPS on 443 with that certificate on any control plane, re-read every 20 s: a renewed
+certificate reaches new connections, open ones (`logs -f`, `exec`) keep theirs, and a bad one (another name,
+expired, a key that does not match) is logged and the last good one stays (containerboot.tlsterm).
+
 Environment: TS_APISERVER_PROXY_MODE (auth | noauth, required), TS_SOCKET (tailscaled's LocalAPI socket),
 TS_APISERVER_PROXY_PORT (listening port instead of 80/443), TS_APISERVER_PROXY_HTTP=true (plain HTTP even
-where a certificate could be issued).
+where a certificate could be issued), TS_APISERVER_PROXY_TLS_SECRET (the name of your certificate's Secret).
 """
 from __future__ import annotations
 
@@ -158,7 +163,21 @@ async def serve(env: Mapping[str, str], root: str = "/") -> int:
     dns_name = str((st.get("Self") or {}).get("DNSName") or "").removesuffix(".")
     tls: ssl.SSLContext | None = None
     cert = b""
-    if not force_http and (domains or mode == NOAUTH):
+    own: asyncio.Future = asyncio.ensure_future(asyncio.sleep(0))   # the user's certificate's watcher, if any
+    secret = env.get("TS_APISERVER_PROXY_TLS_SECRET", "").strip()
+    if secret:
+        if force_http:
+            log.error("invalid configuration: TS_APISERVER_PROXY_TLS_SECRET=%r and TS_APISERVER_PROXY_HTTP=true "
+                      "contradict each other; unset one", secret)
+            return 1
+        try:
+            tls, own = await _own_certificate(env, root, secret, dns_name, stop)
+        except ConfigError as e:
+            log.error("api-server-proxy: %s", e)
+            return 1
+        if tls is None:
+            return 0                                    # stopped while waiting for a good certificate
+    elif not force_http and (domains or mode == NOAUTH):
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.set_alpn_protocols(["http/1.1"])     # SPDY (exec, port-forward) does not survive HTTP/2
         if domains:
@@ -182,20 +201,50 @@ async def serve(env: Mapping[str, str], root: str = "/") -> int:
     port = port or (443 if tls else 80)
     servers = [await asyncio.start_server(proxy.handle, sock=_listener(ip, port), ssl=tls) for ip in ips]
     scheme = "https" if tls else "http"
-    name = domains[0] if domains else dns_name
+    name = domains[0] if domains and not secret else dns_name
     default_port = {"http": 80, "https": 443}[scheme]
     suffix = "" if port == default_port else f":{port}"
     log.info("API server proxy in %s mode is listening on %s (%s)", mode,
              f"{scheme}://{name or ips[0]}{suffix}",
              ", ".join(f"{scheme}://{'[' + ip + ']' if ':' in ip else ip}{suffix}" for ip in ips))
     # the control plane's certificate is renewed by tailscaled: re-read it now and then (a self-signed one lasts)
-    refresh = asyncio.ensure_future(_refresh_cert(lapi, domains[0], tls, cert)) if tls and domains else None
+    refresh = (asyncio.ensure_future(_refresh_cert(lapi, domains[0], tls, cert)) if tls and domains and not secret
+               else None)
     await stop.wait()
     if refresh:
         refresh.cancel()
+    own.cancel()
     for s in servers:
         s.close()
     return 0
+
+
+async def _own_certificate(env: Mapping[str, str], root: str, secret: str, dns_name: str, stop: asyncio.Event
+                           ) -> "tuple[ssl.SSLContext | None, asyncio.Future]":
+    """The listener's context for the user's certificate once a good one is read (None if stopped first), and
+    the task that keeps it current."""
+    from ..kube.client import KubeClient
+    from ..tlsterm import CertWatcher, ContextSwitch, KubeSecretSource
+    try:
+        client = KubeClient.from_environment(env, root=root)
+    except KubeError as e:
+        raise ConfigError(f"TS_APISERVER_PROXY_TLS_SECRET={secret!r} needs the Kubernetes API: {e}") from None
+    switch = ContextSwitch()
+    watcher = CertWatcher(KubeSecretSource(client, client.namespace, secret), switch,
+                          lambda: (dns_name,) if dns_name else ())
+    while not await watcher.refresh():
+        try:
+            await asyncio.wait_for(stop.wait(), watcher.interval)
+            return None, asyncio.ensure_future(client.aclose())
+        except asyncio.TimeoutError:
+            continue
+
+    async def keep() -> None:
+        try:
+            await watcher.run()
+        finally:
+            await client.aclose()
+    return switch.front, asyncio.ensure_future(keep())
 
 
 async def _refresh_cert(lapi: LocalAPI, domain: str, ctx: ssl.SSLContext, current: bytes) -> None:

@@ -180,6 +180,17 @@ class KubeClient:
             raise
         return _secret_from_json(name, obj)
 
+    async def get_secret_in(self, namespace: str, name: str) -> dict | None:
+        """A Secret of any namespace as the API returns it (the user's TLS Secret), or None if it does not exist."""
+        url = f"{self.url}/api/v1/namespaces/{namespace}/secrets/{name}"
+        try:
+            obj = await self._request("GET", url, verb="get", name=f"{namespace}/{name}")
+        except KubeError as e:
+            if e.status == 404:
+                return None
+            raise
+        return obj if isinstance(obj, dict) else None
+
     async def patch_secret(self, name: str, data: Mapping[str, bytes | None], *,
                            deadline: float | None = None) -> None:
         """Strategic-merge-patch data into the Secret; a None value deletes the key."""

@@ -11,6 +11,15 @@ a Web key by its Host header (port dropped, the tailnet's MagicDNS suffix append
 The name is the device's `device_fqdn` from its state Secret once the proxy has written it (level-triggered:
 a pass after that write), before that `<hostname>.<TS_MAGICDNS_SUFFIX>` when the suffix is configured, else
 nothing is served yet (an empty config).
+
+HTTPS with the user's certificate (ours, docs/https.md): a `spec.tls[]` entry with a `secretName` makes the
+proxy's agent serve that `kubernetes.io/tls` Secret (in the Ingress's namespace) on port 443 under either
+scheme. tailscaled cannot serve a certificate its control plane did not issue, so the serve config forwards
+TCP 443 to the agent's TLS listener (`TLS_LISTEN`), and the agent sends the decrypted connections to the same
+handlers on a plain-HTTP port of the proxy's own tailnet address (`TLS_INNER_PORT`), keyed by the MagicDNS name
+and by each `spec.tls[].hosts` name (as tailscaled sees a name outside the tailnet: with the tailnet's suffix
+appended). `tailscale.com/http-redirect` answers port 80 with a redirect to https. The certificate is checked
+by the controller (`controller.tlssecret`) and again by the agent, which keeps the last good one.
 """
 from __future__ import annotations
 
@@ -44,6 +53,67 @@ def backend_services(ing: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(sorted(set(names)))
 
 
+TLS_LISTEN = "127.0.0.1:10443"
+TLS_INNER_PORT = 10080
+REASON_TLS = "TLSCertificateInvalid"
+
+
+def tls_entry(ing: Mapping[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """(secretName, hosts) of the first spec.tls[] entry that names a Secret; ("", ()) when none does."""
+    for t in (ing.get("spec") or {}).get("tls") or []:
+        if isinstance(t, Mapping) and t.get("secretName"):
+            return str(t["secretName"]), tuple(str(h) for h in t.get("hosts") or [] if h)
+    return "", ()
+
+
+def tls_names(fqdn: str, hosts: tuple[str, ...]) -> tuple[str, ...]:
+    """The names a client may use: the proxy's MagicDNS name (when known) and the entry's hosts."""
+    return tuple(dict.fromkeys(([fqdn.rstrip(".")] if fqdn else []) + list(hosts)))
+
+
+def _inner_key(host: str, suffix: str) -> str:
+    """The Web key tailscaled matches a plain-HTTP request for `host` against (it appends the tailnet's suffix
+    to a Host outside it)."""
+    h = host.rstrip(".")
+    if suffix and not h.endswith("." + suffix):
+        h = f"{h}.{suffix}"
+    return f"{h}:{TLS_INNER_PORT}"
+
+
+def direct_backend(handlers: Mapping[str, Any]) -> str:
+    """`IP:port` when every path goes to one plain-HTTP backend unchanged (one handler, `/`, to `http://...:N/`):
+    the agent then sends decrypted connections straight to it (measured faster than through tailscaled's
+    serve, docs/https.md); "" otherwise."""
+    if list(handlers) != ["/"]:
+        return ""
+    url = str((handlers["/"] or {}).get("Proxy") or "")
+    if not url.startswith("http://") or not url.endswith("/") or url.count("/") != 3:
+        return ""
+    return url[len("http://"):-1]
+
+
+def tls_serve_config(name: str, hosts: tuple[str, ...], handlers: Mapping[str, Any], redirect: bool) -> dict:
+    """Port 443 to the agent's TLS listener, the handlers on the inner plain-HTTP port for the MagicDNS name and
+    each host (not needed when the agent goes straight to the one backend), and port 80's redirect when asked;
+    {} while the MagicDNS name is unknown."""
+    if not name:
+        return {}
+    suffix = name.partition(".")[2]
+    keys = list(dict.fromkeys([_inner_key(name, suffix)] + [_inner_key(h, suffix) for h in hosts]))
+    cfg: dict = {"TCP": {"443": {"TCPForward": TLS_LISTEN}}, "Web": {}}
+    if not direct_backend(handlers):
+        cfg["TCP"][str(TLS_INNER_PORT)] = {"HTTP": True}
+        cfg["Web"] = {k: {"Handlers": dict(handlers)} for k in keys}
+    if redirect:
+        cfg["TCP"]["80"] = {"HTTP": True}
+        for k in keys:
+            cfg["Web"][k.rsplit(":", 1)[0] + ":80"] = {
+                "Handlers": {m: {"Redirect": "301:https://${HOST}${REQUEST_URI}"} for m in handlers}}
+    if not cfg["Web"]:
+        del cfg["Web"]
+    return cfg
+
+
 def _tls_host(spec: Mapping[str, Any]) -> str:
     tls = spec.get("tls") or []
     hosts = (tls[0].get("hosts") or []) if tls else []
@@ -73,13 +143,36 @@ def _proxy_url(backend: Mapping[str, Any], path: str, services: Mapping[str, Map
     return f"{scheme}://{host}:{number}{path}"
 
 
-def serve_config(ing: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]], *, http_name: str | None = None
-                 ) -> tuple[dict, tuple[str, ...]]:
+def serve_config(ing: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]], *, http_name: str | None = None,
+                 tls_name: str | None = None) -> tuple[dict, tuple[str, ...]]:
     """The ServeConfig for the Ingress and warnings about what was skipped; Invalid if nothing is left.
 
     http_name None: upstream's HTTPS config. A string: the plain-HTTP config on port 80 for that MagicDNS name
     ("" = not known yet: an empty config)."""
-    spec, ann = ing.get("spec") or {}, annotations_of(ing)
+    ann = annotations_of(ing)
+    handlers, warnings = handlers_of(ing, services)
+    if tls_name is not None:
+        return (tls_serve_config(tls_name, tls_entry(ing)[1], handlers, ann.get(ANN_HTTP_REDIRECT) == "true"),
+                tuple(warnings))
+    if http_name is not None:
+        return http_serve_config(http_name, handlers), tuple(warnings)
+    cfg: dict = {"TCP": {"443": {"HTTPS": True}}, "Web": {CERT_443: {"Handlers": handlers}}}
+    funnel = ann.get(ANN_FUNNEL) == "true"
+    if funnel:
+        cfg["AllowFunnel"] = {CERT_443: True}
+    if ann.get(ANN_HTTP_REDIRECT) == "true":
+        cfg["TCP"]["80"] = {"HTTP": True}
+        cfg["Web"][CERT_80] = {"Handlers": {m: {"Redirect": "301:https://${HOST}${REQUEST_URI}"}
+                                            for m in handlers}}
+        if funnel:
+            cfg["AllowFunnel"][CERT_80] = True
+    return cfg, tuple(warnings)
+
+
+def handlers_of(ing: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]]
+                ) -> tuple[dict[str, dict], list[str]]:
+    """The serve handlers by path and warnings about what was skipped; Invalid if nothing is left."""
+    spec = ing.get("spec") or {}
     tls_host = _tls_host(spec)
     warnings: list[str] = []
     handlers: dict[str, dict] = {}
@@ -109,19 +202,7 @@ def serve_config(ing: Mapping[str, Any], services: Mapping[str, Mapping[str, Any
         raise Invalid("no valid backends: " + ("; ".join(warnings) if warnings else
                       "the Ingress has neither spec.defaultBackend nor rules with paths") +
                       "; point the Ingress at a Service with a ClusterIP in the same namespace")
-    if http_name is not None:
-        return http_serve_config(http_name, handlers), tuple(warnings)
-    cfg: dict = {"TCP": {"443": {"HTTPS": True}}, "Web": {CERT_443: {"Handlers": handlers}}}
-    funnel = ann.get(ANN_FUNNEL) == "true"
-    if funnel:
-        cfg["AllowFunnel"] = {CERT_443: True}
-    if ann.get(ANN_HTTP_REDIRECT) == "true":
-        cfg["TCP"]["80"] = {"HTTP": True}
-        cfg["Web"][CERT_80] = {"Handlers": {m: {"Redirect": "301:https://${HOST}${REQUEST_URI}"}
-                                            for m in handlers}}
-        if funnel:
-            cfg["AllowFunnel"][CERT_80] = True
-    return cfg, tuple(warnings)
+    return handlers, warnings
 
 
 def http_serve_config(name: str, handlers: Mapping[str, Any]) -> dict:
@@ -142,8 +223,10 @@ def http_name(hostname: str, cfg: ControllerConfig, device_fqdn: str) -> str:
 
 
 def decide(ing: Mapping[str, Any], cfg: ControllerConfig, services: Mapping[str, Mapping[str, Any]],
-           device_fqdn: str = "") -> Decision:
-    """device_fqdn: the proxy's MagicDNS name from its state Secret ("" when none yet), for the HTTP scheme."""
+           device_fqdn: str = "", tls_secret_problem: str = "") -> Decision:
+    """device_fqdn: the proxy's MagicDNS name from its state Secret ("" when none yet), for the HTTP scheme and
+    the user's certificate. tls_secret_problem: `controller.tlssecret.tls_problem`'s answer for the Ingress's
+    TLS Secret."""
     m, ann, spec = meta(ing), annotations_of(ing), ing.get("spec") or {}
     ns, name = m.get("namespace", ""), m.get("name", "")
     problems = []
@@ -157,9 +240,30 @@ def decide(ing: Mapping[str, Any], cfg: ControllerConfig, services: Mapping[str,
     if problems:
         raise Invalid("; ".join(problems))
     notices: list[tuple[str, str, str]] = []
-    name_http = http_name(hostname, cfg, device_fqdn) if cfg.ingress_http else None
-    sc, warnings = serve_config(ing, services, http_name=name_http)
-    if cfg.ingress_http:
+    secret, tls_hosts = tls_entry(ing)
+    forward = ann.get(ANN_FORWARD_CLUSTER_TRAFFIC) == "true"
+    if secret and forward:
+        raise Invalid(f"spec.tls[].secretName {secret!r} cannot be served with annotation "
+                      f"{ANN_FORWARD_CLUSTER_TRAFFIC}: the proxy then runs kernel networking, where its TLS listener "
+                      "cannot reach the serve config; remove one of them")
+    name_http = http_name(hostname, cfg, device_fqdn) if (cfg.ingress_http or secret) else None
+    if secret:
+        assert name_http is not None
+        sc, warnings = serve_config(ing, services, tls_name=name_http)
+        others = [str(t.get("secretName")) for t in spec.get("tls") or []
+                  if isinstance(t, Mapping) and t.get("secretName") and t.get("secretName") != secret]
+        if others:
+            warnings += (f"spec.tls[]: only Secret {secret!r} is served (one proxy serves one certificate); "
+                         f"{', '.join(others)} skipped",)
+        if ann.get(ANN_FUNNEL) == "true":
+            notices.append(("Warning", REASON_TLS, f"annotation {ANN_FUNNEL} ignored: Funnel needs the control "
+                            "plane's certificate, and this Ingress serves its own (spec.tls[].secretName)"))
+        if tls_secret_problem:
+            notices.append(("Warning", REASON_TLS, tls_secret_problem + "; the proxy keeps serving the last good "
+                            "certificate, if it had one"))
+    else:
+        sc, warnings = serve_config(ing, services, http_name=name_http)
+    if cfg.ingress_http and not secret:
         notices.append(("Normal", HTTP_ONLY, "served over plain HTTP on port 80 inside the tailnet (WireGuard "
                         "encrypts it), not HTTPS: the control plane issues no TLS certificates "
                         f"(INGRESS_SCHEME={cfg.ingress_scheme}, CONTROL_PLANE={cfg.provider}); use "
@@ -168,9 +272,16 @@ def decide(ing: Mapping[str, Any], cfg: ControllerConfig, services: Mapping[str,
             if ann.get(a) == "true":
                 notices.append(("Warning", HTTP_ONLY, f"annotation {a} ignored: the Ingress is served over plain "
                                 "HTTP (no TLS certificates from this control plane), and it needs HTTPS"))
-    forward = ann.get(ANN_FORWARD_CLUSTER_TRAFFIC) == "true"
-    return Decision(ProxySpec(Parent(INGRESS, name, ns, m.get("uid", "")), hostname, tags, APP,
-                              (("TS_SERVE_CONFIG", "/etc/tailscaled/$(POD_NAME)/serve-config"),),
+    env: tuple[tuple[str, str], ...] = (("TS_SERVE_CONFIG", "/etc/tailscaled/$(POD_NAME)/serve-config"),)
+    if secret:
+        env += (("TS_TLS_CERT_SECRET", f"{ns}/{secret}"), ("TS_TLS_LISTEN", TLS_LISTEN),
+                ("TS_TLS_UPSTREAM_PORT", str(TLS_INNER_PORT)))
+        if tls_hosts:
+            env += (("TS_TLS_HOSTS", ",".join(tls_hosts)),)
+        if backend := direct_backend(handlers_of(ing, services)[0]):
+            env += (("TS_TLS_BACKEND", backend),)
+    return Decision(ProxySpec(Parent(INGRESS, name, ns, m.get("uid", "")), hostname, tags, APP, env,
                               userspace=not forward, serve_config=sc, forward_cluster_traffic=forward,
-                              ingress_http=cfg.ingress_http, ingress_http_name=name_http or ""),
-                    warnings, tuple(notices))
+                              ingress_http=cfg.ingress_http and not secret, ingress_http_name=name_http or "",
+                              tls_secret=secret),
+                    tuple(warnings), tuple(notices))

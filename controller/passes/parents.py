@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
 from tscommon import secretcontract as sc
 
-from .. import podsecurity, proxyclass as pcl, proxyrbac, render, status as st
+from .. import podsecurity, proxyclass as pcl, proxyrbac, render, status as st, tlssecret
 from ..kindtable import KINDS, DecideInputs, class_of, handled, proxy_target
-from ..kinds import apiserverproxy, meta, service
-from ..kubeapi import CLUSTERROLEBINDINGS, NAMESPACES, SECRETS, SERVICES, STATEFULSETS, KubeError
+from ..kinds import apiserverproxy, ingress, meta, service
+from ..kubeapi import CLUSTERROLEBINDINGS, NAMESPACES, ROLEBINDINGS, ROLES, SECRETS, SERVICES, STATEFULSETS, KubeError
 from ..model import FINALIZER, Decision, Invalid, Parent, Pending, ProxySpec
 from ..providers import REASON_UNSUPPORTED, ProviderError, limitations
 from ..sameness import same
@@ -33,6 +34,8 @@ log = logging.getLogger("controller")
 #: Secrets and StatefulSets bring changes at once, so polling 500 parents must not cost much.
 PENDING_RECHECK = 60.0
 READY_RECHECK = 600.0
+#: an object serving the user's own certificate from another namespace: its Secret checked again (docs/https.md)
+TLS_RECHECK = 60.0
 #: a parent whose proxy's StatefulSet is still going (foreground deletion)
 CLEANUP_RECHECK = 2.0
 #: The Warning event's reason when the proxies' namespace refuses the proxy's Pod (controller/podsecurity.py).
@@ -131,23 +134,26 @@ class ParentPass:
     async def decide(self, kind: str, obj: Mapping[str, Any]) -> Decision:
         w, info = self.w, KINDS[kind]
         assert info.decide is not None, f"{kind} is not a parent of single proxies"
-        if info.backends is None:
-            return info.decide(obj, w.cfg, DecideInputs({}))
         m = meta(obj)
-        ns = m.get("namespace", "")
+        ns = info.parent_namespace(obj)
         services = {}
-        for n in info.backends(obj):
+        for n in info.backends(obj) if info.backends is not None else ():
             svc = await w.kube.get(SERVICES, n, ns)
             if svc is not None:
                 services[n] = svc
+        tls_secret, tls_hosts = info.tls_secret(obj) if info.tls_secret is not None else ("", ())
         fqdn = ""
-        if w.cfg.ingress_http:
-            # The plain-HTTP serve config names the proxy's MagicDNS name, which only the proxy knows: read it
-            # back from replica 0's state Secret (its write brings another pass).
+        if (info.backends is not None and w.cfg.ingress_http) or tls_secret:
+            # The plain-HTTP serve config and the user's certificate name the proxy's MagicDNS name, which only
+            # the proxy knows: read it back from replica 0's state Secret (its write brings another pass).
             p = Parent(kind, m.get("name", ""), ns, m.get("uid", ""))
             data = decode(await w.kube.get(SECRETS, render.secret_name(p, 0), w.cfg.namespace)) or {}
             fqdn = sc.parse_device_fqdn(data.get(sc.KEY_DEVICE_FQDN)) if data.get(sc.KEY_DEVICE_ID) else ""
-        return info.decide(obj, w.cfg, DecideInputs(services, fqdn))
+        problem = ""
+        if tls_secret:   # the user's certificate, checked as far as the controller can see (docs/https.md)
+            problem = tlssecret.tls_problem(await w.kube.get(SECRETS, tls_secret, ns), ns, tls_secret,
+                                            ingress.tls_names(fqdn, tls_hosts), time.time(), info.tls_field)
+        return info.decide(obj, w.cfg, DecideInputs(services, fqdn, problem))
 
     # ---- provisioning
 
@@ -197,6 +203,8 @@ class ParentPass:
             await w.apply(res, desired)
         if info.cluster_binding:
             await self.apply_impersonation(spec)
+        if info.tls_role:
+            await self.apply_tls_access(spec)
         sts = await w.apply(STATEFULSETS, rendered.statefulset)
         await w.metrics(kind, spec, rendered.statefulset, pc if pc is not None and target.endpoints else None)
         # Replicas scaled away: their devices and Secrets go too (as upstream).
@@ -220,6 +228,8 @@ class ParentPass:
         await self.write_status(kind, obj, spec, devices, r)
         if tags_error is not None:
             raise tags_error                # retried with backoff; the condition says what failed
+        if spec.tls_secret and info.tls_role:
+            return TLS_RECHECK              # the user's Secret is not watched: re-checked this often
         return READY_RECHECK if r.ok else PENDING_RECHECK
 
     async def apply_impersonation(self, spec: ProxySpec) -> None:
@@ -232,6 +242,21 @@ class ParentPass:
                 await w.kube.delete(CLUSTERROLEBINDINGS, o["metadata"]["name"])
         if want is not None:
             await w.apply(CLUSTERROLEBINDINGS, want)
+
+    async def apply_tls_access(self, spec: ProxySpec) -> None:
+        """The proxy's read access to the TLS Secret in its parent's namespace: there while the parent names one,
+        gone otherwise (controller/proxyrbac.py). In the controller's own namespace the proxy's Role has it."""
+        w = self.w
+        if spec.parent.namespace == w.cfg.namespace:
+            return
+        want = proxyrbac.tls_secret_access(spec, w.cfg)
+        ns, sel = spec.parent.namespace, render.child_selector(spec.parent)
+        for res, desired in zip((ROLEBINDINGS, ROLES), reversed(want) if want else (None, None)):
+            for o in await w.kube.list(res, ns, sel):
+                if desired is None or o["metadata"]["name"] != desired["metadata"]["name"]:
+                    await w.kube.delete(res, o["metadata"]["name"], ns)
+        for res, desired in zip((ROLES, ROLEBINDINGS), want or ()):
+            await w.apply(res, desired)
 
     async def pod_security(self, kind: str, spec: ProxySpec, pc: pcl.ProxyClass | None) -> str:
         """Why the proxies' namespace would refuse this proxy's Pod, as rendered with its ProxyClass ("" when it
@@ -296,7 +321,8 @@ class ParentPass:
         dev = devices[0] if devices else None
         # HTTPS where the control plane issues certificates, and in noauth mode anyway (a self-signed one: kubectl
         # sends credentials over TLS only); plain HTTP in auth mode without certificates
-        https = not w.cfg.ingress_http or spec.apiserver_proxy_mode == "noauth"
+        # or the user's own certificate (docs/https.md)
+        https = not w.cfg.ingress_http or spec.apiserver_proxy_mode == "noauth" or bool(spec.tls_secret)
         # the device's name, not the Pod's readiness: a restart (a mode change) keeps the same device and URL
         url = apiserverproxy.url(dev.hostname, dev.ips, https) if dev and dev.device_id and dev.hostname else ""
         if (m.get("annotations") or {}).get(apiserverproxy.ANN_URL, "") == url:

@@ -36,6 +36,7 @@ TOOLING = ("labtools", "bench", "tests")
 #: modules that compute without I/O (no network, files, processes, clock, logging)
 PURE: frozenset[str] = frozenset({
     "tscommon.dnsrecords", "tscommon.jsontext", "tscommon.pgcontract", "tscommon.redact", "tscommon.secretcontract",
+    "tscommon.tlscert",
     "netfilter.model", "netfilter.plan",
     "serveconfig.model", "serveconfig.status",
     "nameserver.answer", "nameserver.records",
