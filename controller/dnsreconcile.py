@@ -64,6 +64,9 @@ class DNSReconciler:
         slices = await self.kube.list(ENDPOINTSLICES, ns)
         ip4, ip6 = dc.records(headless, parents, slices)
         domain = dc.domain(self.cfg, [*ip4, *ip6])
+        if problem := dc.image_problem(obj, self.cfg, domain):
+            await self._refuse(obj, dc.REASON_FAILED, problem)
+            return None
         objs = dc.render(obj, self.cfg, domain)
         await self._apply(SERVICEACCOUNTS, objs.service_account)
         await self._apply_records(obj, dc.records_text(headless, parents, slices))

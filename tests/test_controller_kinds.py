@@ -34,7 +34,9 @@ def env(decision):
     (svc(type="LoadBalancer"), ControllerConfig(default_load_balancer=True), True),
     (svc({"tailscale.com/tailnet-ip": "100.64.0.5"}), CFG, True),
     (svc({"tailscale.com/tailnet-fqdn": "db.tail1.ts.net"}), CFG, True),
-    (svc({"tailscale.com/expose": "true", "tailscale.com/proxy-group": "pg"}), CFG, False),
+    # handled, to be refused by decide with its reason (a ProxyGroup serves only egress Services here)
+    (svc({"tailscale.com/expose": "true", "tailscale.com/proxy-group": "pg"}), CFG, True),
+    (svc({"tailscale.com/tailnet-ip": "100.64.0.5", "tailscale.com/proxy-group": "pg"}), CFG, False),
     (svc(), CFG, False),
 ])
 def test_service_selection(obj, cfg, want):
@@ -144,7 +146,7 @@ def ing(spec, ann=None):
 def test_ingress_selection():
     assert ingress.handled(ing({}), CFG)
     assert not ingress.handled({"spec": {"ingressClassName": "nginx"}}, CFG)
-    assert not ingress.handled(ing({}, {"tailscale.com/proxy-group": "pg"}), CFG)
+    assert ingress.handled(ing({}, {"tailscale.com/proxy-group": "pg"}), CFG)    # refused by decide
 
 
 def test_ingress_serve_config_paths_schemes_redirect_funnel():

@@ -1,8 +1,10 @@
 """Connectors (`tailscale.com/v1alpha1`, upstream's field names): subnet routers and exit nodes.
 
-A Connector that asks for both is refused (the CRD's validation and this module): upstream documents the
-combination as working, but one node that is both breaks in practice (its issue #18086: the exit node's
-default routes and the subnet routes conflict in the node's routing), so two Connectors are the answer.
+A Connector that asks for both is refused here (the CRD accepts it, as upstream's does, so the refusal is a
+condition and a Warning event, not an API error): upstream documents the combination as working, but one node
+that is both breaks in practice (its issue #18086: the exit node's default routes and the subnet routes
+conflict in the node's routing), so two Connectors are the answer. spec.tailnet (upstream's multi-tailnet) is
+refused the same way.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 
 from ..config import ControllerConfig
 from ..model import CONNECTOR, Decision, Invalid, Parent, ProxySpec
-from ..validation import hostname_problem, route_problem, tag_problems
+from ..validation import hostname_problem, route_problem, tag_problems, tailnet_field_problem
 from . import meta
 
 APP = "k8s-operator-connector-resource"
@@ -45,6 +47,8 @@ def decide(conn: Mapping[str, Any], cfg: ControllerConfig) -> Decision:
                         "spec.exitNode")
     if sr is not None and exit_node:
         raise Invalid(BOTH_MESSAGE)
+    if spec.get("tailnet"):
+        problems.append(tailnet_field_problem("Connector"))
     if sr is None and not exit_node and spec.get("appConnector") is None:
         problems.append("the Connector asks for nothing; set spec.subnetRouter.advertiseRoutes or "
                         "spec.exitNode: true")
