@@ -290,6 +290,8 @@ class GroupReconciler:
             for fam in egress.families(svc):
                 desired = egress.endpoint_slice(svc, fam, egress.addresses(replicas, entry, entries.get(entry), fam))
                 await self._apply_known(ENDPOINTSLICES, desired, slices.get(desired["metadata"]["name"]))
+            # the user's Service: its TailscaleEgressSvcReady follows the replicas
+            self.rec.poke((SVC, labels.get(LABEL_PARENT_NS, ""), labels.get(LABEL_PARENT_NAME, "")))
 
     async def _apply_known(self, res: Resource, desired: dict, cur: Mapping[str, Any] | None) -> dict:
         """Create, or merge-patch when the rendering's hash differs from `cur`'s (already read)."""
@@ -351,7 +353,8 @@ class GroupReconciler:
         await self._svc_status(svc, (True, "EgressSvcValid", "EgressSvcValid"),
                                (True, f"ConfiguredFor:ProxyGroup:{t.group}",
                                 f"forwarded by ProxyGroup {t.group} through Service {ns_ctl}/{svc_name}; "
-                                "each replica serves it once it reports the rules in place"))
+                                "each replica serves it once it reports the rules in place"),
+                               egress.ready_condition(pg, replicas, t.entry, want, egress.families(cip)))
         return None
 
     async def _point_at(self, svc: Mapping[str, Any], t: EgressTarget, svc_name: str) -> Mapping[str, Any]:
@@ -367,11 +370,13 @@ class GroupReconciler:
         await self._svc_status(svc, (False, "EgressSvcInvalid", f"invalid egress Service: {message}"), None)
 
     async def _svc_status(self, svc: Mapping[str, Any], valid: tuple[bool, str, str] | None,
-                          configured: tuple[bool, str, str] | None) -> None:
-        """The two upstream conditions on the user's Service; None removes one."""
+                          configured: tuple[bool, str, str] | None, ready: tuple[bool, str, str] | None = None
+                          ) -> None:
+        """The three upstream conditions on the user's Service; None removes one."""
         rec, m, cur = self.rec, meta(svc), svc.get("status") or {}
         conds: list[dict] = [dict(c) for c in cur.get("conditions") or []]
-        for ctype, val in ((COND_EGRESS_VALID, valid), (COND_EGRESS_CONFIGURED, configured)):
+        for ctype, val in ((COND_EGRESS_VALID, valid), (COND_EGRESS_CONFIGURED, configured),
+                           (egress.COND_READY, ready)):
             if val is None:
                 conds = [c for c in conds if c.get("type") != ctype]
             else:
@@ -387,7 +392,7 @@ class GroupReconciler:
     def has_conditions(svc: Mapping[str, Any]) -> bool:
         """The Service carries the egress conditions: it was (or was refused as) an egress Service on a group."""
         conds = (svc.get("status") or {}).get("conditions") or []
-        return any(c.get("type") in (COND_EGRESS_VALID, COND_EGRESS_CONFIGURED) for c in conds)
+        return any(c.get("type") in (COND_EGRESS_VALID, COND_EGRESS_CONFIGURED, egress.COND_READY) for c in conds)
 
     async def clear_conditions(self, svc: Mapping[str, Any]) -> Mapping[str, Any]:
         """The Service no longer asks for a group: its egress conditions go (the Service stays as it is)."""
@@ -395,7 +400,7 @@ class GroupReconciler:
         if not self.has_conditions(svc) or meta(svc).get("deletionTimestamp"):
             return svc
         m = meta(svc)
-        rest = [c for c in conds if c.get("type") not in (COND_EGRESS_VALID, COND_EGRESS_CONFIGURED)]
+        rest = [c for c in conds if c.get("type") not in (COND_EGRESS_VALID, COND_EGRESS_CONFIGURED, egress.COND_READY)]
         return await self.rec.kube.patch(SERVICES, m["name"], {"status": {"conditions": rest or None}},
                                          m.get("namespace", ""), subresource="status")
 

@@ -191,3 +191,39 @@ def test_log_levels_debug_and_dev(restore_levels):
     # the HTTP client's request lines stay out at every level
     assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)
     assert not logging.getLogger("httpcore").isEnabledFor(logging.INFO)
+
+
+# ---- TailscaleEgressSvcReady (upstream's condition on egress Services of a ProxyGroup)
+
+def _pg(replicas=None, available=True):
+    spec = {"type": "egress"} if replicas is None else {"type": "egress", "replicas": replicas}
+    return {"spec": spec, "status": {"conditions": [
+        {"type": "ProxyGroupAvailable", "status": "True" if available else "False"}]}}
+
+
+WANT = {"tailnetTarget": {"ip": "100.64.0.5"}, "ports": [{"protocol": "TCP", "matchPort": 3000, "targetPort": 80}]}
+
+
+def _replica(i, serving=True, ips=("10.0.0.{}", "fd00::{}")):
+    ips = tuple(ip.format(i + 1) for ip in ips)
+    status = {"podIPv4": ips[0], "services": {"apps-db": {"tailnetTarget": {"ip": "100.64.0.5"},
+                                                          "ports": WANT["ports"]}} if serving else {}}
+    return egress.Replica(f"pg-{i}", ips, status)
+
+
+@pytest.mark.parametrize("pg,replicas,fams,want", [
+    (None, [], ["IPv4"], (False, "ClusterResourcesNotReady", "ClusterResourcesNotReady")),
+    (_pg(available=False), [_replica(0)], ["IPv4"], (False, "ClusterResourcesNotReady", "ClusterResourcesNotReady")),
+    (_pg(0), [], ["IPv4"], (False, "NoProxiesConfigured", "NoProxiesConfigured")),
+    (_pg(), [_replica(0, False), _replica(1, False)], ["IPv4"],
+     (False, "NotReadyToRouteTraffic", "0 out of 2 replicas are ready to route traffic")),
+    (_pg(), [_replica(0), _replica(1, False)], ["IPv4"],
+     (True, "PartiallyReadyToRouteTraffic", "1 out of 2 replicas are ready to route traffic")),
+    (_pg(3), [_replica(0), _replica(1), _replica(2)], ["IPv4", "IPv6"],
+     (True, "ReadyToRouteTraffic", "3 out of 3 replicas are ready to route traffic")),
+    # a replica without an address of a family the Service's slices list routes none of that family
+    (_pg(1), [_replica(0, ips=("10.0.0.{}",))], ["IPv4", "IPv6"],
+     (False, "NotReadyToRouteTraffic", "0 out of 1 replicas are ready to route traffic")),
+])
+def test_egress_service_ready_condition(pg, replicas, fams, want):
+    assert egress.ready_condition(pg, replicas, "apps-db", WANT, fams) == want
