@@ -23,8 +23,8 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
    headscale unapproved, the test approves it as the headscale admin would (the controller never approves
    routes), and the client reaches each backend Pod by its Pod IP through the router Pod (SNATed to it).
    Deleting the Connector leaves nothing, in the cluster or in headscale.
-3. A Connector asking for subnet routes and an exit node is refused by the real API server (the CRD's CEL
-   rule), with the message saying to create two Connectors; nothing is created.
+3. A Connector asking for subnet routes and an exit node is stored (the CRD accepts what upstream's accepts)
+   and refused by the controller (ConnectorReady False, saying to create two Connectors); nothing is created.
 4. L3 egress: a Service annotated ``tailscale.com/tailnet-ip`` (the lab client's tailnet IP) is rewritten to an
    ExternalName for the proxy's headless Service; a Pod asks for it by its short name (the cluster's CoreDNS)
    and reaches the HTTP server on the tailnet node, which sees the proxy's tailnet address. Deleting the
@@ -279,15 +279,20 @@ def test_connector_subnet_router_route_approved_client_reaches_a_pod_ip(lab, kub
     assert _hs_nodes_named(lab, "pods-router") == []
 
 
-def test_connector_router_and_exit_node_is_refused_by_the_api_server(kube):
+def test_connector_router_and_exit_node_is_stored_and_refused_by_the_controller(kube):
+    """The CRD accepts it, as upstream's does; the controller refuses it on the object (condition and event)."""
     kc = kube
     doc = json.dumps(_connector("both", {"subnetRouter": {"advertiseRoutes": ["10.40.0.0/14"]}, "exitNode": True}))
-    cp = kc.kubectl("apply", "-f", "-", input=doc, check=False)
-    assert cp.returncode != 0
-    assert "create two Connectors" in cp.stderr, cp.stderr
-    print(f"kubectl apply (router + exit node): {cp.stderr.strip()}")
-    assert kc.get("connector", "both") is None
+    kc.kubectl("apply", "-f", "-", input=doc)
+
+    def refused():
+        conds = ((kc.get("connector", "both") or {}).get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "ConnectorReady" and c["status"] == "False"), None)
+    c = wait_until(refused, 60, 0.5, "ConnectorReady False")
+    assert c["reason"] == "ConnectorInvalid" and "create two Connectors" in c["message"], c
+    print(f"Connector both: {c['message']}")
     assert kubecontroller.children(kc, "", "both", "connector")["statefulsets"] == []
+    kc.kubectl("delete", "connector", "both", "--wait=true", timeout=60)
 
 
 def test_egress_pod_reaches_a_tailnet_node_through_the_rewritten_service(lab, kube):
