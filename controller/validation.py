@@ -117,15 +117,16 @@ def static_endpoints_problem() -> str:
 UPSTREAM_NAMESERVER = re.compile(r"(^|/)tailscale/k8s-nameserver$")
 
 
-def upstream_nameserver_problem(repo: str, domain: str, provider: str) -> str:
-    """A DNSConfig naming upstream's nameserver image where the tailnet's domain is not under ts.net."""
+def upstream_nameserver_problem(repo: str, domain: str, on_tailscale: bool) -> str:
+    """A DNSConfig naming upstream's nameserver image where the tailnet's domain is not under ts.net: `domain`
+    when known, else whether the control plane is Tailscale's (whose MagicDNS names are under ts.net)."""
     if not UPSTREAM_NAMESERVER.search(repo.strip()):
         return ""
     if domain and domain.rstrip(".").endswith(".ts.net"):
         return ""
-    if not domain and provider == "tailscale":
+    if not domain and on_tailscale:
         return ""
-    where = f"the tailnet's domain {domain!r}" if domain else "headscale's dns.base_domain"
+    where = f"the tailnet's domain {domain!r}" if domain else "this control plane's MagicDNS domain"
     return (f"spec.nameserver.image.repo={repo!r} is upstream's nameserver, which answers only names under "
             f"ts.net, so it would not answer for {where}; remove spec.nameserver.image to run this project's "
             "nameserver (the proxy image), which answers for the tailnet's own domain")

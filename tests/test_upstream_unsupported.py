@@ -110,6 +110,7 @@ def test_proxyclass_static_endpoints_make_the_class_not_ready():
 @pytest.mark.parametrize("repo,cfg,domain,refused", [
     ("tailscale/k8s-nameserver", HS, "tail.example", True),
     ("ghcr.io/tailscale/k8s-nameserver", HS, "", True),          # headscale: never ts.net
+    ("tailscale/k8s-nameserver", ControllerConfig(login_server="https://cp.example"), "", True),
     ("tailscale/k8s-nameserver", TS, "tailnet-1234.ts.net", False),
     ("tailscale/k8s-nameserver", TS, "", False),                 # Tailscale: ts.net, as upstream
     ("registry.example/containerboot-py", HS, "tail.example", False),
