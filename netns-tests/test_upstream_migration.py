@@ -166,6 +166,9 @@ def test_upstream_chart_release_switched_to_this_chart_keeps_every_object(lab, k
     spec = pg["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert "description" not in spec["properties"]["type"]            # this chart's schema, not upstream's
     assert kc.get("customresourcedefinition", "recorders.tailscale.com") is not None
+    # upstream's examples applied again, now against this chart's schemas: accepted, nothing new, nothing lost
+    kc.apply(examples)
+    assert objects(kc) == before
     # ... served by this controller
     try:
         wait_until(lambda: (condition(kc, "service", "web", "TailscaleProxyReady", "apps") or {}).get(

@@ -21,10 +21,9 @@
 {{- fail "provider headscale needs headscale.url, the headscale server's URL: --set headscale.url=https://headscale.example.com" -}}
 {{- end -}}
 {{- $opImg := .Values.operatorConfig.image -}}{{- $pxImg := .Values.proxyConfig.image -}}
-{{- if not (and .Values.imageRegistry (coalesce $opImg.repository $opImg.repo) (coalesce $pxImg.repository $pxImg.repo)) -}}
-{{- if not .Values.imageRegistry -}}
-{{- fail "imageRegistry is empty: set it to the registry you pushed both images to (make images REGISTRY=registry.example.com/tailscale TAG=<chart appVersion>), e.g. --set imageRegistry=registry.example.com/tailscale" -}}
-{{- end -}}
+{{- /* not needed when both images are named in full with upstream's keys */ -}}
+{{- if and (not .Values.imageRegistry) (not (and (coalesce $opImg.repository $opImg.repo) (coalesce $pxImg.repository $pxImg.repo))) -}}
+{{- fail "imageRegistry is empty: set it to the registry you pushed both images to (make images REGISTRY=registry.example.com/tailscale TAG=<chart appVersion>), e.g. --set imageRegistry=registry.example.com/tailscale (or name both images in full: operatorConfig.image.repository and proxyConfig.image.repository)" -}}
 {{- end -}}
 {{- include "tsc.validateUpstream" . -}}
 {{- if not (has .Values.ingressScheme (list "auto" "https" "http")) -}}
