@@ -249,7 +249,7 @@ MAPPED = {
     "operatorConfig.annotations": ({"operatorConfig": {"annotations": {"team": "net"}}}, _annotations),
     "operatorConfig.podAnnotations": ({"operatorConfig": {"podAnnotations": {"prometheus.io/scrape": "x"}}},
                                       _pod_annotations),
-    "operatorConfig.podLabels": ({"operatorConfig": {"podLabels": {"team": "net", "app": "operator"}}}, _pod_labels),
+    "operatorConfig.podLabels": ({"operatorConfig": {"podLabels": {"team": "net"}}}, _pod_labels),
     "operatorConfig.serviceAccountAnnotations": ({"operatorConfig": {"serviceAccountAnnotations": {
         "eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/ts"}}}, _sa_annotations),
     "operatorConfig.tolerations": ({"operatorConfig": {"tolerations": [
@@ -296,7 +296,7 @@ def test_every_upstream_value_is_covered():
 @pytest.mark.parametrize("name", sorted(MAPPED))
 def test_upstream_value_does_what_it_does_upstream(name):
     values, check = MAPPED[name]
-    check(render({**TS, **values}))
+    check(render(values))             # no provider named, as in upstream's values: Tailscale's
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -334,6 +334,8 @@ def test_upstream_value_refused_with_what_to_use_instead(name):
     ({"proxyConfig": {"firewallMode": "ipfw"}}, 'proxyConfig.firewallMode="ipfw" is not a firewall mode'),
     ({"operatorConfig": {"extraEnv": [{"name": "TS_EXPERIMENTAL_KUBE_API_EVENTS", "value": "true"}]}},
      "TS_EXPERIMENTAL_KUBE_API_EVENTS has been removed upstream"),
+    ({"operatorConfig": {"podLabels": {"app": "operator"}}},
+     "operatorConfig.podLabels.app: the controller's Pods are selected by app=tailscale-controller"),
 ])
 def test_upstream_values_that_cannot_work_stop_with_the_fix(values, message):
     with pytest.raises(helmchart.HelmError) as e:
@@ -437,7 +439,8 @@ def test_seed_setups_render_an_equivalent_install(seed):
     c = cfg(ours)
     assert c.provider == "tailscale"
     assert ",".join(c.proxy_tags) == up_env["PROXY_TAGS"]
-    assert c.firewall_mode == up_env["PROXY_FIREWALL_MODE"]
+    # "" (this chart's default) lets the proxy choose, which is what upstream's default "auto" asks for
+    assert (c.firewall_mode or "auto") == up_env["PROXY_FIREWALL_MODE"]
     assert c.default_proxy_class == (up_env.get("PROXY_DEFAULT_CLASS") or "")
     assert c.login_server == (up_env["OPERATOR_LOGIN_SERVER"] or "")
     assert c.ingress_class == up_env["OPERATOR_INGRESS_CLASS_NAME"]
