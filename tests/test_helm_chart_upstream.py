@@ -351,7 +351,7 @@ def test_upstream_values_that_cannot_work_stop_with_the_fix(values, message):
     ({"oauth": {"clientID": "k"}}, "clientID"),
     ({"ingressClass": {"enabled": "no"}}, "enabled"),
     ({"installCRDs": "true"}, "installCRDs"),
-    ({"provider": "tailnet"}, "provider"),
+    ({"replicas": "two"}, "replicas"),
 ])
 def test_unknown_keys_and_wrong_types_are_refused_by_the_schema(values, message):
     with pytest.raises(helmchart.HelmError) as e:

@@ -101,7 +101,7 @@
 {{- if and $v.oauth.clientId (ne (include "tsc.provider" .) "tailscale") -}}
 {{- fail (printf "oauth.clientId is a Tailscale OAuth client, but the provider is %s: remove oauth.*, or set provider=tailscale" (include "tsc.provider" .)) -}}
 {{- end -}}
-{{- $repo := coalesce $v.operatorConfig.image.repository $v.operatorConfig.image.repo -}}
+{{- $repo := (coalesce $v.operatorConfig.image.repository $v.operatorConfig.image.repo) | default "" -}}
 {{- if regexMatch "(^|/)tailscale/k8s-operator$" $repo -}}
 {{- fail (printf "operatorConfig.image.repository=%q is upstream's operator, not this controller: push this controller's image (make images REGISTRY=...) and set imageRegistry (or operatorConfig.image.repository to <registry>/containerboot-py-controller)" $repo) -}}
 {{- end -}}
