@@ -167,22 +167,22 @@ def can(kube, sa, verb, resource, name=""):
     return bool(r.json()["status"].get("allowed"))
 
 
-def test_connector_router_plus_exit_node_stored_as_upstream_and_refused_by_the_controller(running):
-    """The CRD accepts what upstream's accepts; the controller says on the object that it does not build it."""
+def test_connector_router_plus_exit_node_stored_as_upstream_and_built(running):
+    """The CRD accepts what upstream's accepts; the controller builds it (one device, both roles) and says in a
+    Normal event how to split them."""
     kube, _, _ = running
     r = client(kube).post("/apis/tailscale.com/v1alpha1/connectors", json={
         "apiVersion": "tailscale.com/v1alpha1", "kind": "Connector", "metadata": {"name": "both"},
         "spec": {"subnetRouter": {"advertiseRoutes": ["10.40.0.0/16"]}, "exitNode": True}})
     assert r.status_code == 201, r.text
 
-    def refused():
-        obj = client(kube).get("/apis/tailscale.com/v1alpha1/connectors/both").json()
-        conds = [c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == "ConnectorReady"]
-        return conds[0] if conds and conds[0]["status"] == "False" else None
-    c = wait(refused, 30, "ConnectorReady False on the Connector that is both")
-    assert c["reason"] == "ConnectorInvalid" and "create two Connectors" in c["message"]
-    assert children(kube, "both", "connector")[0] == []
+    sts = wait(lambda: children(kube, "both", "connector")[0], 30, "the Connector's StatefulSet")
+    assert len(sts) == 1
+    obj = client(kube).get("/apis/tailscale.com/v1alpha1/connectors/both").json()
+    conds = [c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == "ConnectorReady"]
+    assert not [c for c in conds if c["reason"] == "ConnectorInvalid"], conds
     client(kube).delete("/apis/tailscale.com/v1alpha1/connectors/both")
+    wait(lambda: not children(kube, "both", "connector")[0], 30, "the Connector's StatefulSet gone")
     r = client(kube).post("/apis/tailscale.com/v1alpha1/connectors", json={
         "apiVersion": "tailscale.com/v1alpha1", "kind": "Connector", "metadata": {"name": "badroute"},
         "spec": {"subnetRouter": {"advertiseRoutes": ["not-a-cidr"]}}})

@@ -24,7 +24,7 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
    routes), and the client reaches each backend Pod by its Pod IP through the router Pod (SNATed to it).
    Deleting the Connector leaves nothing, in the cluster or in headscale.
 3. A Connector asking for subnet routes and an exit node is stored (the CRD accepts what upstream's accepts)
-   and refused by the controller (ConnectorReady False, saying to create two Connectors); nothing is created.
+   and built: its device advertises both (netns-tests/test_connector_e2e.py measures that both work).
 4. L3 egress: a Service annotated ``tailscale.com/tailnet-ip`` (the lab client's tailnet IP) is rewritten to an
    ExternalName for the proxy's headless Service; a Pod asks for it by its short name (the cluster's CoreDNS)
    and reaches the HTTP server on the tailnet node, which sees the proxy's tailnet address. Deleting the
@@ -279,20 +279,21 @@ def test_connector_subnet_router_route_approved_client_reaches_a_pod_ip(lab, kub
     assert _hs_nodes_named(lab, "pods-router") == []
 
 
-def test_connector_router_and_exit_node_is_stored_and_refused_by_the_controller(kube):
-    """The CRD accepts it, as upstream's does; the controller refuses it on the object (condition and event)."""
+def test_connector_router_and_exit_node_is_stored_and_built(lab, kube):
+    """The CRD accepts it, as upstream's does; the controller builds one device advertising both."""
     kc = kube
     doc = json.dumps(_connector("both", {"subnetRouter": {"advertiseRoutes": ["10.40.0.0/14"]}, "exitNode": True}))
     kc.kubectl("apply", "-f", "-", input=doc)
-
-    def refused():
-        conds = ((kc.get("connector", "both") or {}).get("status") or {}).get("conditions") or []
-        return next((c for c in conds if c["type"] == "ConnectorReady" and c["status"] == "False"), None)
-    c = wait_until(refused, 60, 0.5, "ConnectorReady False")
-    assert c["reason"] == "ConnectorInvalid" and "create two Connectors" in c["message"], c
-    print(f"Connector both: {c['message']}")
-    assert kubecontroller.children(kc, "", "both", "connector")["statefulsets"] == []
-    kc.kubectl("delete", "connector", "both", "--wait=true", timeout=60)
+    wait_until(lambda: kubecontroller.children(kc, "", "both", "connector")["statefulsets"], 60, 0.5,
+               "the Connector's StatefulSet")
+    status = wait_until(lambda: (kc.get("connector", "both") or {}).get("status", {}).get("isExitNode") and
+                        kc.get("connector", "both")["status"], 60, 0.5, "the Connector's status")
+    assert status["subnetRoutes"] == "10.40.0.0/14", status
+    node = wait_until(lambda: (_hs_nodes_named(lab, "both-connector") or [None])[0], 120, 1.0,
+                      "the Connector's device in headscale")
+    print(f"Connector both: headscale node {node.get('name')} available routes {node.get('available_routes')}")
+    kc.kubectl("delete", "connector", "both", "--wait=true", timeout=120)
+    assert kubecontroller.children(kc, "", "both", "connector") == kubecontroller.NO_CHILDREN
 
 
 def test_egress_pod_reaches_a_tailnet_node_through_the_rewritten_service(lab, kube):

@@ -288,11 +288,13 @@ def test_connector_subnet_router_and_exit_node():
     assert d.spec.advertise_routes == ("0.0.0.0/0", "::/0") and d.spec.hostname == "gw" and d.spec.exit_node
 
 
-def test_connector_with_both_is_refused_with_the_fix():
-    with pytest.raises(Invalid) as e:
-        connector.decide(conn({"subnetRouter": {"advertiseRoutes": ["10.0.0.0/8"]}, "exitNode": True}), CFG)
-    assert "cannot be both a subnet router and an exit node" in str(e.value)
-    assert "create two Connectors" in str(e.value)
+def test_connector_that_is_both_advertises_both_with_a_note_on_splitting():
+    d = connector.decide(conn({"subnetRouter": {"advertiseRoutes": ["10.0.0.0/8"]}, "exitNode": True}), CFG)
+    assert d.spec.advertise_routes == ("0.0.0.0/0", "::/0", "10.0.0.0/8")
+    assert d.spec.subnet_routes == ("10.0.0.0/8",) and d.spec.exit_node
+    ((etype, reason, message),) = d.notices
+    assert (etype, reason) == ("Normal", "SubnetRouterAndExitNode") and "use two Connectors" in message
+    assert connector.decide(conn({"exitNode": True}), CFG).notices == ()
 
 
 @pytest.mark.parametrize("spec,needle", [

@@ -15,7 +15,6 @@ import yaml
 from controller import proxyclass as pcl
 from controller.config import ControllerConfig
 from controller.kinds import connector
-from controller.model import Invalid
 from labtools import helmchart, upstreamchart
 
 #: our rule text -> upstream's, for CEL rules that say the same with other words (checked by reading)
@@ -103,8 +102,7 @@ def test_objects_upstream_accepts_that_the_controller_refuses_or_takes():
     assert upstreamchart.object_problems(both, cn_schema) == []
     rules = upstreamchart._rules(cn_schema["properties"]["spec"])
     assert not [r for r in rules if "exitNode == true)" in r and r.startswith("!(has(self.subnetRouter)")]
-    with pytest.raises(Invalid, match="create two Connectors"):
-        connector.decide(both, ControllerConfig())
+    assert connector.decide(both, ControllerConfig()).spec.exit_node     # built (measured: both roles work)
     pg_schema = ours()["proxygroups.tailscale.com"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     pg = {"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyGroup", "metadata": {"name": "pg"},
           "spec": {"type": "egress", "tailnet": "other"}}
