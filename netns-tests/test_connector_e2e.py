@@ -8,6 +8,8 @@ headscale (route approval), real tailscaled and our agent.
   documentation addresses (198.51.100.10, 2001:db8:1::10, one hop behind the proxy's 192.0.2.0/24 and
   2001:db8::/64 link) that exist nowhere else; the client uses the proxy as its exit node and reaches it.
   (A server ON the link would not do: tailscaled never forwards exit traffic to its own attached subnets.)
+* Both on one device (what a Connector with spec.subnetRouter and spec.exitNode: true gets): the client uses
+  the proxy as its exit node and reaches the backend LAN and the outside server through it, both families.
 * TS_AUTH_ONCE: `--advertise-exit-node` added to TS_EXTRA_ARGS after the first login is applied on restart
   (through `tailscale set`; upstream passes no TS_EXTRA_ARGS to `set`), and stays applied over another restart.
 """
