@@ -204,6 +204,19 @@ async def run(cfg: ControllerConfig) -> int:
     return 1 if lost else 0
 
 
+def apply_log_level(level: str) -> None:
+    """OPERATOR_LOGGING: debug lowers the controller's own loggers to DEBUG; dev lowers kopf's too. The HTTP
+    client's loggers stay at WARNING at every level: their debug lines would carry request details."""
+    if level in ("debug", "dev"):
+        logging.getLogger("controller").setLevel(logging.DEBUG)
+    if level == "dev":
+        logging.getLogger().setLevel(logging.DEBUG)
+        logging.getLogger("kopf").setLevel(logging.DEBUG)
+        logging.getLogger("kopf.objects").setLevel(logging.DEBUG)
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # kopf logs every handler call at INFO; the reconciler logs what users need.
@@ -222,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tailscale-controller: {redact(str(e))}", file=sys.stderr)
         return 2
+    apply_log_level(cfg.logging)
     logging.getLogger("controller").info(
         "controller: provider %s, proxies in namespace %s, image %s, login server %s", cfg.provider,
         cfg.namespace, cfg.proxy_image, cfg.server_url)

@@ -1,7 +1,8 @@
 """The controller's own settings, from its Deployment's environment (pure: parse and validate).
 
 Names follow upstream's operator where it has one (OPERATOR_NAMESPACE, PROXY_IMAGE, PROXY_TAGS,
-PROXY_FIREWALL_MODE, OPERATOR_LOGIN_SERVER, OPERATOR_DEFAULT_LOAD_BALANCER, OPERATOR_INGRESS_CLASS_NAME);
+PROXY_FIREWALL_MODE, OPERATOR_LOGIN_SERVER, OPERATOR_DEFAULT_LOAD_BALANCER, OPERATOR_INGRESS_CLASS_NAME,
+OPERATOR_LOGGING);
 the control plane provider and the proxy settings under every ProxyClass (image, firewall mode, resources,
 env: what a proxy gets where its class says nothing) are ours; PROXY_DEFAULT_CLASS names the class of parents
 that name none, as upstream. A bad value is one error naming the variable, the value and the fix; secrets (API keys,
@@ -27,6 +28,8 @@ class ConfigError(Exception):
 PROVIDERS = ("headscale", "tailscale", "static")
 FIREWALL_MODES = ("", "auto", "iptables", "nftables")
 INGRESS_SCHEMES = ("auto", "https", "http")
+#: OPERATOR_LOGGING, upstream's levels: info; debug (the controller's own debug lines); dev (kopf's too)
+LOG_LEVELS = ("info", "debug", "dev")
 DEFAULT_RESOURCES = {"requests": {"cpu": "1m", "memory": "1Mi"}}
 TAILSCALE_LOGIN_SERVER = "https://controlplane.tailscale.com"
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -68,6 +71,7 @@ class ControllerConfig:
     # PROXY_CA_CONFIGMAP: a ConfigMap in `namespace` of PEM CA certificates every proxy trusts besides the public
     # ones (a control server with a certificate from a private CA); "" = none
     proxy_ca_configmap: str = ""
+    logging: str = "info"                          # OPERATOR_LOGGING: info | debug | dev
 
     @property
     def server_url(self) -> str:
@@ -247,4 +251,8 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
         raise ConfigError(f"PROXY_CA_CONFIGMAP={ca!r} is not a ConfigMap name; use the lower-case name of a ConfigMap "
                           f"in {kw['namespace']!r} holding the CA's PEM (e.g. headscale-ca), or leave it empty")
     kw["proxy_ca_configmap"] = ca
+    level = get("OPERATOR_LOGGING", "info").lower()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"OPERATOR_LOGGING={get('OPERATOR_LOGGING')!r} is not a log level; use info, debug or dev")
+    kw["logging"] = level
     return ControllerConfig(**kw)

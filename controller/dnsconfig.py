@@ -30,8 +30,9 @@ from typing import Any
 
 from tscommon.dnsrecords import CONFIGMAP as RECORDS_CONFIGMAP, KEY as RECORDS_KEY, render as render_records
 
-from .config import ControllerConfig
+from .config import TAILSCALE_LOGIN_SERVER, ControllerConfig
 from .kinds import labels, meta
+from .validation import upstream_nameserver_problem
 from .model import (ANN_TAILNET_FQDN, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE,
                     LABEL_SVC_TYPE, SVC)
 from .render import hashed
@@ -98,6 +99,13 @@ def validate(obj: Mapping[str, Any]) -> None:
         v = image.get(key) or ""
         if v and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@-]*", v):
             raise DNSConfigInvalid(f"spec.nameserver.image.{key} {v!r} is not an image {key}")
+
+
+def image_problem(obj: Mapping[str, Any], cfg: ControllerConfig, domain: str) -> str:
+    """"" or why the image the DNSConfig names cannot answer for the tailnet's domain (upstream's nameserver
+    answers only under ts.net: with headscale's base_domain it would answer nothing)."""
+    on_tailscale = cfg.server_url.rstrip("/") == TAILSCALE_LOGIN_SERVER
+    return upstream_nameserver_problem(str((_spec(obj).get("image") or {}).get("repo") or ""), domain, on_tailscale)
 
 
 def image(obj: Mapping[str, Any], cfg: ControllerConfig) -> tuple[str, bool]:

@@ -38,6 +38,8 @@ from typing import Any
 
 from tscommon.secretcontract import CONFIG_CAPVERS, config_key
 
+from .validation import static_endpoints_problem
+
 GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "proxyclasses", "ProxyClass"
 LABEL_PROXY_CLASS = "tailscale.com/proxy-class"
 COND_READY = "ProxyClassReady"
@@ -443,6 +445,8 @@ def validate(obj: Mapping[str, Any], *, service_monitor_crd: bool = True) -> Val
         _type("spec.tailscale.acceptRoutes", ts.get("acceptRoutes"), bool, "true or false", problems)
     _type("spec.useLetsEncryptStagingEnvironment", spec.get("useLetsEncryptStagingEnvironment"), bool,
           "true or false", problems)
+    if spec.get("staticEndpoints") is not None:
+        problems.append(static_endpoints_problem())
     return Validation(tuple(problems), tuple(dict.fromkeys(warnings)), crd_missing)
 
 

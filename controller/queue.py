@@ -103,6 +103,8 @@ class WorkQueue:
                 async with self._sem:
                     after = await self._work(key)
                 self.failures.pop(key, None)
+                # OPERATOR_LOGGING=debug: one line per pass, what upstream's debug level shows per reconcile
+                log.debug("reconciled %s; next check %s", key, "on change" if after is None else f"in {after:.0f}s")
             except asyncio.CancelledError:
                 raise
             except Exception as e:   # any failure: retried with backoff, the loop survives

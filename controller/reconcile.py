@@ -59,12 +59,14 @@ class Reconciler:
 
     @property
     def poke(self) -> Callable[[Hashable], None]:
-        """Queues another pass of a key (the work queue's poke): a ProxyClass's pass wakes the parents using it."""
+        """Queues another pass of a key (the work queue's poke): a ProxyClass's pass wakes the parents using it,
+        a ProxyGroup's pass the user Services it serves."""
         return self.classes.poke
 
     @poke.setter
     def poke(self, poke: Callable[[Hashable], None]) -> None:
         self.classes.poke = poke
+        self.groups.poke = poke
 
     async def reconcile(self, kind: str, namespace: str, name: str) -> float | None:
         """One pass; returns seconds until the next check (None: wait for an event). Raises on API or control

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from tscommon.secretcontract import (CONFIG_CAPVERS, KEY_DEVICE_FQDN, KEY_DEVICE_ID, KEY_DEVICE_IPS, config_key,
                                      parse_device_fqdn, parse_device_ips)
 
-from . import proxyrbac
+from . import proxyclass as pcl, proxyrbac
 from .config import ControllerConfig
 from .render import SPEC_HASH, hashed, dumps, rehash
 
@@ -147,9 +147,13 @@ def decide(obj: Mapping[str, Any], cfg: ControllerConfig) -> RecorderSpec:
         _strmap(pod.get("annotations"), "spec.statefulSet.pod.annotations")
         _strmap(pod.get("nodeSelector"), "spec.statefulSet.pod.nodeSelector")
         _strmap(_get(pod, "serviceAccount", "annotations"), "spec.statefulSet.pod.serviceAccount.annotations")
+        # the CRD stores what upstream's stores (label values, toleration operator ""): checked here, as for a class
+        pcl._check_labels("spec.statefulSet.labels", sts.get("labels"), problems)
+        pcl._check_labels("spec.statefulSet.pod.labels", pod.get("labels"), problems)
     except RecorderInvalid as e:
         problems.append(str(e))
         sts_labels, sts_annotations = {}, {}
+    pcl._check_tolerations("spec.statefulSet.pod.tolerations", pod.get("tolerations"), problems)
     env = _get(pod, "container", "env") or []
     if not isinstance(env, list) or not all(isinstance(e, Mapping) and isinstance(e.get("name"), str) for e in env):
         problems.append("spec.statefulSet.pod.container.env: want a list of {name, value}")

@@ -69,3 +69,64 @@ def route_problem(value: str) -> str:
 
 def parse_tags(raw: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in raw.split(",") if t.strip())
+
+
+# ---- upstream's fields and annotations this controller does not carry out --------------------------------------
+# Each is refused where it is written (a false condition and a Warning event: kinds/ raise model.Invalid with
+# these messages), never accepted and ignored: what is not supported, why, and what to do instead.
+
+def tailnet_field_problem(kind: str) -> str:
+    """spec.tailnet of a Connector or a ProxyGroup: upstream's multi-tailnet (a Tailnet object's credentials)."""
+    return (f"spec.tailnet is not supported: it names one of upstream's Tailnet objects (another tailnet's "
+            f"credentials), and this controller serves the one tailnet of its own control plane settings; "
+            f"recreate the {kind} without spec.tailnet (the field is immutable) to join the controller's tailnet, "
+            "or run a second controller for the other tailnet")
+
+
+def proxy_group_ingress_problem(what: str, provider: str) -> str:
+    """`tailscale.com/proxy-group` on an Ingress or an exposed (ingress) Service: a ProxyGroup of type ingress."""
+    why = ("a ProxyGroup serves Ingresses and exposed Services through the control plane's Tailscale Services "
+           "(virtual IPs) with its TLS certificates")
+    why += (", and headscale provides neither" if provider == "headscale"
+            else ", which this controller does not build yet")
+    return (f"annotation tailscale.com/proxy-group on {what} is not supported: {why}; remove the annotation to "
+            "get a proxy of its own (the ProxyGroup serves only egress Services: tailscale.com/tailnet-ip or "
+            "tailscale.com/tailnet-fqdn)")
+
+
+HTTP_ENDPOINT = "tailscale.com/http-endpoint"
+
+
+def http_endpoint_notice(ingress_http: bool) -> str:
+    """`tailscale.com/http-endpoint` on an Ingress of its own proxy: upstream reads it only on ProxyGroup
+    Ingresses, so it has no effect here (a Warning event, the Ingress is served)."""
+    how = ("this Ingress is served over plain HTTP on port 80 already" if ingress_http else
+           "this Ingress is served over HTTPS on port 443 (use tailscale.com/http-redirect for port 80)")
+    return (f"annotation {HTTP_ENDPOINT} has no effect: it applies to Ingresses on a ProxyGroup (as upstream), "
+            f"which this controller does not build; {how}; remove the annotation")
+
+
+def static_endpoints_problem() -> str:
+    """A ProxyClass's spec.staticEndpoints (upstream: NodePort Services as ProxyGroup replicas' endpoints)."""
+    return ("spec.staticEndpoints is not supported by this controller yet: the NodePort Services that would "
+            "give ProxyGroup replicas fixed WireGuard endpoints are not built; remove spec.staticEndpoints (the "
+            "proxies reach their peers through NAT traversal and DERP, as other devices do)")
+
+
+#: upstream's nameserver image: it answers only under ts.net
+UPSTREAM_NAMESERVER = re.compile(r"(^|/)tailscale/k8s-nameserver$")
+
+
+def upstream_nameserver_problem(repo: str, domain: str, on_tailscale: bool) -> str:
+    """A DNSConfig naming upstream's nameserver image where the tailnet's domain is not under ts.net: `domain`
+    when known, else whether the control plane is Tailscale's (whose MagicDNS names are under ts.net)."""
+    if not UPSTREAM_NAMESERVER.search(repo.strip()):
+        return ""
+    if domain and domain.rstrip(".").endswith(".ts.net"):
+        return ""
+    if not domain and on_tailscale:
+        return ""
+    where = f"the tailnet's domain {domain!r}" if domain else "this control plane's MagicDNS domain"
+    return (f"spec.nameserver.image.repo={repo!r} is upstream's nameserver, which answers only names under "
+            f"ts.net, so it would not answer for {where}; remove spec.nameserver.image to run this project's "
+            "nameserver (the proxy image), which answers for the tailnet's own domain")

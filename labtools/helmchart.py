@@ -1,6 +1,7 @@
 """The controller's Helm chart (charts/tailscale-controller) and deploy/, which is rendered from it.
 
-One source of truth: the chart's templates and crds/ are edited; deploy/ (what ``kubectl apply -R -f deploy/``
+One source of truth: the chart's templates (the CRDs under templates/crds/, as upstream's chart: `helm upgrade`
+updates them) are edited; deploy/ (what ``kubectl apply -R -f deploy/``
 installs) is ``helm template`` of the chart with its default values plus the one setting the chart requires
 (``headscale.url``, the placeholder deploy/ has always carried), written by ``make manifests``
 (``python -m labtools.helmchart write``). tests/test_helm_chart.py renders it again and fails when deploy/ is
@@ -37,11 +38,11 @@ RELEASE = "tailscale-controller"
 DEPLOY_REGISTRY = "registry.example.com/tailscale"
 DEPLOY_VALUES = {"headscale": {"url": "http://headscale.example:8080"}, "imageRegistry": DEPLOY_REGISTRY}
 #: chart file -> deploy/ file
-DEPLOY_FILES = {"crds/tailscale.com_connectors.yaml": "crds/tailscale.com_connectors.yaml",
-                "crds/tailscale.com_dnsconfigs.yaml": "crds/tailscale.com_dnsconfigs.yaml",
-                "crds/tailscale.com_proxygroups.yaml": "crds/tailscale.com_proxygroups.yaml",
-                "crds/tailscale.com_proxyclasses.yaml": "crds/tailscale.com_proxyclasses.yaml",
-                "crds/tailscale.com_recorders.yaml": "crds/tailscale.com_recorders.yaml",
+DEPLOY_FILES = {"templates/crds/tailscale.com_connectors.yaml": "crds/tailscale.com_connectors.yaml",
+                "templates/crds/tailscale.com_dnsconfigs.yaml": "crds/tailscale.com_dnsconfigs.yaml",
+                "templates/crds/tailscale.com_proxygroups.yaml": "crds/tailscale.com_proxygroups.yaml",
+                "templates/crds/tailscale.com_proxyclasses.yaml": "crds/tailscale.com_proxyclasses.yaml",
+                "templates/crds/tailscale.com_recorders.yaml": "crds/tailscale.com_recorders.yaml",
                 "templates/rbac.yaml": "10-rbac.yaml",
                 "templates/leader-election.yaml": "12-leader-election.yaml",
                 "templates/deployment.yaml": "20-controller.yaml",

@@ -8,6 +8,8 @@ headscale (route approval), real tailscaled and our agent.
   documentation addresses (198.51.100.10, 2001:db8:1::10, one hop behind the proxy's 192.0.2.0/24 and
   2001:db8::/64 link) that exist nowhere else; the client uses the proxy as its exit node and reaches it.
   (A server ON the link would not do: tailscaled never forwards exit traffic to its own attached subnets.)
+* Both on one device (what a Connector with spec.subnetRouter and spec.exitNode: true gets): the client uses
+  the proxy as its exit node and reaches the backend LAN and the outside server through it, both families.
 * TS_AUTH_ONCE: `--advertise-exit-node` added to TS_EXTRA_ARGS after the first login is applied on restart
   (through `tailscale set`; upstream passes no TS_EXTRA_ARGS to `set`), and stays applied over another restart.
 """
@@ -178,3 +180,37 @@ def test_exit_node_with_auth_once_survives_restarts(lab, outside, start_agent, c
     assert third.tailnet_ips() == ips
     assert set(EXIT_ROUTES) <= advertised(lab)
     check_outside(lab, o, srv, "exit-b", ips)
+
+
+# ------------------------------------------------------------------------------------ subnet router + exit node
+
+def test_subnet_router_that_is_also_an_exit_node(lab, lab_backend, outside, start_agent, client_exit_node):
+    """The measurement behind the Connector that is both (kinds/connector.py): one real tailscaled advertising
+    the backend LAN and the default routes (what the controller writes into a Connector proxy's config for
+    spec.subnetRouter plus spec.exitNode: true), a client that uses it as its exit node and accepts its routes:
+    does the client reach the subnet AND the outside through it? Printed either way, then asserted."""
+    o, srv = outside
+    routes = [ROUTES_V4] + ([ROUTES_V6] if lab.backend_ipv6 else [])
+    sd = state_dir(lab, "both")
+    agent = start_and_wait(start_agent, {"TS_ROUTES": ",".join([*routes, *EXIT_ROUTES]), "TS_STATE_DIR": sd})
+    assert set(routes) | set(EXIT_ROUTES) <= advertised(lab)
+    lab.approve_routes("proxy", [*routes, *EXIT_ROUTES])
+    wait_until(lambda: set(routes) <= client_routes(lab), 30, 0.3, "the client accepting the subnet routes")
+    ips = agent.tailnet_ips()
+    client_exit_node(ips[0])
+    targets = [(f"subnet v{v}", addr, f"/?both-subnet{v}", lab_backend.marker)
+               for v, addr in ((4, lab.backend_ipv4), (6, lab.backend_ipv6)) if addr]
+    targets += [(f"exit v{v}", addr, f"/?both-exit{v}", srv.marker) for v, addr in ((4, o.v4), (6, o.v6))]
+    results = {}
+    for what, addr, path, marker in targets:
+        try:
+            lab.wait_curl("client", lab.url(addr, PORT, path), marker, timeout=45)
+            results[what] = "reached"
+        except Exception as e:     # measured: every target is tried and reported before the assertion
+            results[what] = f"NOT reached: {str(e)[-200:]}"
+    print(f"subnet router + exit node on one tailscaled: {json.dumps(results, indent=1)}")
+    assert all(v == "reached" for v in results.values()), results
+    seen = {r["peer"] for r in lab.http_peer_log(srv) if r["path"].startswith("/?both-exit")}
+    assert seen and seen <= {o.link_v4[0], o.link_v6[0]}, seen       # left through the proxy
+    assert agent.stop() == 0
+    assert lab.wait_ns_empty("proxy", 15) == []

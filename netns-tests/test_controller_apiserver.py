@@ -167,13 +167,22 @@ def can(kube, sa, verb, resource, name=""):
     return bool(r.json()["status"].get("allowed"))
 
 
-def test_connector_crd_refuses_router_plus_exit_node(running):
+def test_connector_router_plus_exit_node_stored_as_upstream_and_built(running):
+    """The CRD accepts what upstream's accepts; the controller builds it (one device, both roles) and says in a
+    Normal event how to split them."""
     kube, _, _ = running
     r = client(kube).post("/apis/tailscale.com/v1alpha1/connectors", json={
         "apiVersion": "tailscale.com/v1alpha1", "kind": "Connector", "metadata": {"name": "both"},
         "spec": {"subnetRouter": {"advertiseRoutes": ["10.40.0.0/16"]}, "exitNode": True}})
-    assert r.status_code == 422, r.text
-    assert "create two Connectors" in r.json()["message"]
+    assert r.status_code == 201, r.text
+
+    sts = wait(lambda: children(kube, "both", "connector")[0], 30, "the Connector's StatefulSet")
+    assert len(sts) == 1
+    obj = client(kube).get("/apis/tailscale.com/v1alpha1/connectors/both").json()
+    conds = [c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == "ConnectorReady"]
+    assert not [c for c in conds if c["reason"] == "ConnectorInvalid"], conds
+    client(kube).delete("/apis/tailscale.com/v1alpha1/connectors/both")
+    wait(lambda: not children(kube, "both", "connector")[0], 30, "the Connector's StatefulSet gone")
     r = client(kube).post("/apis/tailscale.com/v1alpha1/connectors", json={
         "apiVersion": "tailscale.com/v1alpha1", "kind": "Connector", "metadata": {"name": "badroute"},
         "spec": {"subnetRouter": {"advertiseRoutes": ["not-a-cidr"]}}})
@@ -206,8 +215,8 @@ def test_exposed_service_lifecycle(running):
     assert not can(kube, sts_name, "get", "secrets", "headscale-api")
     assert not can(kube, sts_name, "list", "secrets") and not can(kube, sts_name, "delete", "secrets", own)
     conf = json.loads(secret_data(secrets[0])["cap-107.hujson"])
-    assert conf["AuthKey"] == api.keys[0]["key"]
-    assert api.keys[0]["capabilities"]["devices"]["create"]["tags"] == ["tag:k8s"]
+    (key,) = [k for k in api.keys if k["key"] == conf["AuthKey"]]      # the key minted for this proxy
+    assert key["capabilities"]["devices"]["create"]["tags"] == ["tag:k8s"]
     assert "tailscale.com/finalizer" in get(kube, "/api/v1/namespaces/default/services/web")["metadata"]["finalizers"]
     cond = wait(lambda: [x for x in (get(kube, "/api/v1/namespaces/default/services/web").get("status") or {})
                          .get("conditions") or [] if x["type"] == "TailscaleProxyReady"], 30, "a condition")[0]
@@ -407,9 +416,15 @@ def test_upstream_documentation_proxyclasses_apply_unchanged_and_get_their_condi
     kube, _, _ = running
     cp = kube.kubectl("apply", "-f", "-", input=UPSTREAM_DOC_CLASSES)
     assert cp.stdout.count("created") == 5, cp.stdout + cp.stderr
-    for name in ("doc-example", "doc-tolerations", "doc-tun-plugin", "doc-routes"):
+    for name in ("doc-example", "doc-tolerations", "doc-tun-plugin"):
         c = wait(lambda: pc_condition(kube, name), 30, f"{name}'s condition")
         assert (c["status"], c["reason"]) == ("True", "ProxyClassValid"), c
+    # stored whole, but staticEndpoints is not built here: the class says so instead of looking applied
+    c = wait(lambda: pc_condition(kube, "doc-routes"), 30, "doc-routes's condition")
+    assert (c["status"], c["reason"]) == ("False", "ProxyClassInvalid"), c
+    assert "spec.staticEndpoints is not supported by this controller yet" in c["message"]
+    spec = get(kube, "/apis/tailscale.com/v1alpha1/proxyclasses/doc-routes")["spec"]
+    assert spec["staticEndpoints"]["nodePort"]["ports"] == [{"port": 30001}, {"port": 30005, "endPort": 30007}]
     # no ServiceMonitor CRD in this cluster: the class says why none can be made (as upstream)
     c = wait(lambda: pc_condition(kube, "doc-metrics"), 30, "doc-metrics's condition")
     assert c["status"] == "False" and "servicemonitors.monitoring.coreos.com" in c["message"]

@@ -7,7 +7,7 @@ charts/tailscale-controller with provider headscale, the lab's headscale URL and
 value, through stdin): it runs as the Deployment's Pod with the ServiceAccount and RBAC the chart renders (the
 same as deploy/, which is rendered from it), and mints keys with headscale's REST API. helm's output (NOTES)
 and the controller's log never contain the API key; at the end ``helm uninstall`` leaves nothing of the
-release (the CRD stays, as helm keeps crds/). ``kubectl apply -R -f deploy/`` is the path of
+release (the CRDs stay: they carry helm's keep policy). ``kubectl apply -R -f deploy/`` is the path of
 netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller``.
 
 1. L3 ingress: a backend Deployment and a Service annotated ``tailscale.com/expose: "true"`` → the controller
@@ -23,8 +23,8 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
    headscale unapproved, the test approves it as the headscale admin would (the controller never approves
    routes), and the client reaches each backend Pod by its Pod IP through the router Pod (SNATed to it).
    Deleting the Connector leaves nothing, in the cluster or in headscale.
-3. A Connector asking for subnet routes and an exit node is refused by the real API server (the CRD's CEL
-   rule), with the message saying to create two Connectors; nothing is created.
+3. A Connector asking for subnet routes and an exit node is stored (the CRD accepts what upstream's accepts)
+   and built: its device advertises both (netns-tests/test_connector_e2e.py measures that both work).
 4. L3 egress: a Service annotated ``tailscale.com/tailnet-ip`` (the lab client's tailnet IP) is rewritten to an
    ExternalName for the proxy's headless Service; a Pod asks for it by its short name (the cluster's CoreDNS)
    and reaches the HTTP server on the tailnet node, which sees the proxy's tailnet address. Deleting the
@@ -282,15 +282,21 @@ def test_connector_subnet_router_route_approved_client_reaches_a_pod_ip(lab, kub
     assert _hs_nodes_named(lab, "pods-router") == []
 
 
-def test_connector_router_and_exit_node_is_refused_by_the_api_server(kube):
+def test_connector_router_and_exit_node_is_stored_and_built(lab, kube):
+    """The CRD accepts it, as upstream's does; the controller builds one device advertising both."""
     kc = kube
     doc = json.dumps(_connector("both", {"subnetRouter": {"advertiseRoutes": ["10.40.0.0/14"]}, "exitNode": True}))
-    cp = kc.kubectl("apply", "-f", "-", input=doc, check=False)
-    assert cp.returncode != 0
-    assert "create two Connectors" in cp.stderr, cp.stderr
-    print(f"kubectl apply (router + exit node): {cp.stderr.strip()}")
-    assert kc.get("connector", "both") is None
-    assert kubecontroller.children(kc, "", "both", "connector")["statefulsets"] == []
+    kc.kubectl("apply", "-f", "-", input=doc)
+    wait_until(lambda: kubecontroller.children(kc, "", "both", "connector")["statefulsets"], 60, 0.5,
+               "the Connector's StatefulSet")
+    status = wait_until(lambda: (kc.get("connector", "both") or {}).get("status", {}).get("isExitNode") and
+                        kc.get("connector", "both")["status"], 60, 0.5, "the Connector's status")
+    assert status["subnetRoutes"] == "10.40.0.0/14", status
+    node = wait_until(lambda: (_hs_nodes_named(lab, "both-connector") or [None])[0], 120, 1.0,
+                      "the Connector's device in headscale")
+    print(f"Connector both: headscale node {node.get('name')} available routes {node.get('available_routes')}")
+    kc.kubectl("delete", "connector", "both", "--wait=true", timeout=120)
+    assert kubecontroller.children(kc, "", "both", "connector") == kubecontroller.NO_CHILDREN
 
 
 def test_egress_pod_reaches_a_tailnet_node_through_the_rewritten_service(lab, kube):
@@ -1224,7 +1230,7 @@ def test_proxies_log_in_to_a_control_server_behind_a_private_ca(lab, kube):
 
 def test_helm_uninstall_leaves_nothing_of_the_release(kube):
     """Last: ``helm uninstall`` removes every object the chart made (the credentials Secret included); the
-    Connector CRD stays, as helm never deletes what a chart's crds/ installed."""
+    CRDs stay (their ``helm.sh/resource-policy: keep``), with every object of their kinds."""
     kc = kube
     kinds = "deployments,pods,serviceaccounts,roles,rolebindings,secrets"
     before = kc.kubectl("-n", kubecontroller.NS, "get", kinds, "-o", "name").stdout.split()
@@ -1248,9 +1254,11 @@ def test_helm_uninstall_leaves_nothing_of_the_release(kube):
 
 GUIDE_NS = "ts-guide"
 GUIDE_REGISTRY = "registry.example.com/tailscale"
-#: the chart's CRDs, deleted by hand at the end of the guide's uninstall (helm keeps them)
-GUIDE_CRDS = ("connectors.tailscale.com", "dnsconfigs.tailscale.com", "proxyclasses.tailscale.com",
-              "proxygroups.tailscale.com")
+#: the chart's CRDs, deleted by hand at the end of the guide's uninstall (they carry helm's keep policy)
+GUIDE_CRDS = ("connectors.tailscale.com", "proxyclasses.tailscale.com", "proxygroups.tailscale.com",
+              "dnsconfigs.tailscale.com", "recorders.tailscale.com")
+#: upstream's CRDs, protected by the guide's first step
+UPSTREAM_CRDS = (*GUIDE_CRDS, "tailnets.tailscale.com", "peerrelays.tailscale.com", "proxygrouppolicies.tailscale.com")
 
 
 def _guide_images(tag: str, out) -> None:
@@ -1353,20 +1361,26 @@ def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(upstrea
         "name": "ts-guide-up000-0", "namespace": "tailscale", "labels": {
             "tailscale.com/managed": "true", "tailscale.com/parent-resource": "guide",
             "tailscale.com/parent-resource-ns": "apps", "tailscale.com/parent-resource-type": "svc"}}})
-    # 1. upstream stopped, 2. its proxies deleted
+    # the guide's prepare: the CRDs protected; its cut-over: upstream stopped, its proxies deleted
+    kc.kubectl("annotate", "crd", *UPSTREAM_CRDS, "helm.sh/resource-policy=keep", "--overwrite")
     kc.kubectl("-n", "tailscale", "scale", "deployment/operator", "--replicas=0")
-    kc.kubectl("-n", "tailscale", "delete", "statefulset,secret,service", "-l", "tailscale.com/managed=true")
+    kc.kubectl("-n", "tailscale", "delete", "statefulset,secret,configmap,service,endpointslice", "-l",
+               "tailscale.com/managed=true,tailscale.com/parent-resource-type!=nameserver")
     assert kc.get("secret", "ts-guide-up000-0", "tailscale") is None
-    # 3. its IngressClass is what collides with the chart: helm refuses to take it over ...
-    bad = kubecontroller.helm(kc, "install", "tailscale-controller", str(tgz), "-n", "default",
+    # from the static manifest (no release): the release takes the CRDs over
+    kc.kubectl("label", "crd", *GUIDE_CRDS, "app.kubernetes.io/managed-by=Helm", "--overwrite")
+    kc.kubectl("annotate", "crd", *GUIDE_CRDS, "meta.helm.sh/release-name=tailscale-controller",
+               f"meta.helm.sh/release-namespace={GUIDE_NS}", "--overwrite")
+    kc.kubectl("create", "namespace", GUIDE_NS)
+    # its IngressClass is what then collides with the chart: helm refuses to take it over ...
+    bad = kubecontroller.helm(kc, "install", "tailscale-controller", str(tgz), "-n", GUIDE_NS,
                               "--set", f"imageRegistry={GUIDE_REGISTRY}",
                               "--set", f"headscale.url={labmod.LOGIN_SERVER}", check=False)
     assert bad.returncode != 0 and "IngressClass" in bad.stderr and '"tailscale"' in bad.stderr, bad.stderr
     kc.kubectl("delete", "ingressclass", "tailscale")
-    kubecontroller.helm(kc, "uninstall", "tailscale-controller", "-n", "default", check=False)
+    kubecontroller.helm(kc, "uninstall", "tailscale-controller", "-n", GUIDE_NS, check=False)
 
-    # 3. namespace, Pod Security label (first the wrong one: restricted), the API key
-    kc.kubectl("create", "namespace", GUIDE_NS)
+    # 3. the namespace's Pod Security label (first the wrong one: restricted), the API key
     kc.kubectl("label", "namespace", GUIDE_NS, "pod-security.kubernetes.io/enforce=restricted", "--overwrite")
     key = lab.hs("apikeys", "create", "--expiration", "2h")
     key = key if isinstance(key, str) else str((key or {}).get("key") or key)
@@ -1417,11 +1431,7 @@ def test_install_guide_step_by_step_packaged_chart_upgrade_and_uninstall(upstrea
         lab.wait_curl("client", lab.url(ips[0], 8080, "/guide"), kc.marker, timeout=60)
         t_ready = time.monotonic() - t1
 
-        # upgrade: CRDs first, then the chart (its appVersion is the new images' tag)
-        xd = tmp_path / "x"
-        xd.mkdir()
-        subprocess.run(["tar", "-xzf", str(tgz2), "-C", str(xd), "tailscale-controller/crds"], check=True)
-        kc.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(xd / "tailscale-controller" / "crds"))
+        # upgrade: the chart (its CRDs are templates; its appVersion is the new images' tag)
         kubecontroller.helm(kc, "upgrade", "tailscale-controller", str(tgz2), "-n", GUIDE_NS,
                             "--reset-then-reuse-values", timeout=180)
         kc.kubectl("-n", GUIDE_NS, "rollout", "status", "deployment/tailscale-controller", "--timeout=120s",

@@ -182,7 +182,7 @@ async def test_changed_cluster_ip_moves_the_service(env):
 
 async def test_placement_replicas_and_image(env):
     kube, rec, dns = env
-    dnsconfig(kube, replicas=2, image={"repo": "tailscale/k8s-nameserver", "tag": "v1.80"},
+    dnsconfig(kube, replicas=2, image={"repo": "registry.example/nameserver", "tag": "v1.80"},
               pod={"nodeSelector": {"kubernetes.io/os": "linux"}, "tolerations": [{"operator": "Exists"}]})
     await dns.reconcile()
     dep = kube.obj(DEPLOYMENTS, "nameserver", "tailscale")
@@ -190,7 +190,7 @@ async def test_placement_replicas_and_image(env):
     assert dep["spec"]["replicas"] == 2 and pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
     assert pod["tolerations"] == [{"operator": "Exists"}]
     c = pod["containers"][0]
-    assert c["image"] == "tailscale/k8s-nameserver:v1.80" and "command" not in c   # its own entrypoint
+    assert c["image"] == "registry.example/nameserver:v1.80" and "command" not in c   # its own entrypoint
     assert dc.image({"spec": {"nameserver": {"image": {"tag": "2"}}}}, CFG) == ("registry.local/proxy:2", True)
 
 
@@ -265,3 +265,17 @@ async def test_proxygroup_egress_service_resolves_to_its_clusterip_service(env):
     kube.objects[("services", "tailscale", "ts-pg-db-x")]["metadata"]["labels"]["tailscale.com/svc-type"] = "other"
     await dns.reconcile()
     assert records(kube)["ip4"] == {}
+
+
+async def test_upstreams_nameserver_image_off_ts_net_is_refused(env):
+    """Upstream's nameserver answers only under ts.net: with this tailnet's domain (tail.example) it would answer
+    nothing, so the DNSConfig is refused, saying so, and nothing is created."""
+    kube, rec, dns = env
+    dnsconfig(kube, image={"repo": "tailscale/k8s-nameserver", "tag": "v1.102.3"})
+    await dns.reconcile()
+    c = cond(kube.obj(DNSCONFIGS, "ts-dns"))
+    assert (c["status"], c["reason"]) == ("False", "NameserverCreationFailed")
+    assert "is upstream's nameserver, which answers only names under ts.net" in c["message"]
+    assert "'tail.example'" in c["message"] and "remove spec.nameserver.image" in c["message"]
+    assert kube.of(DEPLOYMENTS) == []
+    assert [e["type"] for e in kube.of(EVENTS)] == ["Warning"]

@@ -34,7 +34,9 @@ def env(decision):
     (svc(type="LoadBalancer"), ControllerConfig(default_load_balancer=True), True),
     (svc({"tailscale.com/tailnet-ip": "100.64.0.5"}), CFG, True),
     (svc({"tailscale.com/tailnet-fqdn": "db.tail1.ts.net"}), CFG, True),
-    (svc({"tailscale.com/expose": "true", "tailscale.com/proxy-group": "pg"}), CFG, False),
+    # handled, to be refused by decide with its reason (a ProxyGroup serves only egress Services here)
+    (svc({"tailscale.com/expose": "true", "tailscale.com/proxy-group": "pg"}), CFG, True),
+    (svc({"tailscale.com/tailnet-ip": "100.64.0.5", "tailscale.com/proxy-group": "pg"}), CFG, False),
     (svc(), CFG, False),
 ])
 def test_service_selection(obj, cfg, want):
@@ -144,7 +146,7 @@ def ing(spec, ann=None):
 def test_ingress_selection():
     assert ingress.handled(ing({}), CFG)
     assert not ingress.handled({"spec": {"ingressClassName": "nginx"}}, CFG)
-    assert not ingress.handled(ing({}, {"tailscale.com/proxy-group": "pg"}), CFG)
+    assert ingress.handled(ing({}, {"tailscale.com/proxy-group": "pg"}), CFG)    # refused by decide
 
 
 def test_ingress_serve_config_paths_schemes_redirect_funnel():
@@ -286,11 +288,13 @@ def test_connector_subnet_router_and_exit_node():
     assert d.spec.advertise_routes == ("0.0.0.0/0", "::/0") and d.spec.hostname == "gw" and d.spec.exit_node
 
 
-def test_connector_with_both_is_refused_with_the_fix():
-    with pytest.raises(Invalid) as e:
-        connector.decide(conn({"subnetRouter": {"advertiseRoutes": ["10.0.0.0/8"]}, "exitNode": True}), CFG)
-    assert "cannot be both a subnet router and an exit node" in str(e.value)
-    assert "create two Connectors" in str(e.value)
+def test_connector_that_is_both_advertises_both_with_a_note_on_splitting():
+    d = connector.decide(conn({"subnetRouter": {"advertiseRoutes": ["10.0.0.0/8"]}, "exitNode": True}), CFG)
+    assert d.spec.advertise_routes == ("0.0.0.0/0", "::/0", "10.0.0.0/8")
+    assert d.spec.subnet_routes == ("10.0.0.0/8",) and d.spec.exit_node
+    ((etype, reason, message),) = d.notices
+    assert (etype, reason) == ("Normal", "SubnetRouterAndExitNode") and "use two Connectors" in message
+    assert connector.decide(conn({"exitNode": True}), CFG).notices == ()
 
 
 @pytest.mark.parametrize("spec,needle", [

@@ -312,6 +312,12 @@ async def test_egress_service_on_a_group_end_to_end_with_membership(env):
     await rec.reconcile("proxygroup", "", "pg")
     _, _, eps = egress_objects(kube)
     assert [e["addresses"] for e in eps["endpoints"]] == [["10.0.0.1"]]
+    # the group's pass queues the user's Service, whose TailscaleEgressSvcReady follows (upstream's condition)
+    assert conds["TailscaleEgressSvcReady"]["status"] == "False"
+    await rec.reconcile("svc", "apps", "db")
+    ready = {c["type"]: c for c in kube.obj(SERVICES, "db", "apps")["status"]["conditions"]}["TailscaleEgressSvcReady"]
+    assert (ready["status"], ready["reason"], ready["message"]) == (
+        "True", "PartiallyReadyToRouteTraffic", "1 out of 2 replicas are ready to route traffic")
     # a second pass of either writes nothing
     before = len(kube.writes())
     await rec.reconcile("proxygroup", "", "pg")

@@ -239,16 +239,17 @@ async def test_egress_rewrites_the_user_service(env):
     assert kube.writes() == []
 
 
-async def test_connector_with_both_is_refused(env):
+async def test_connector_that_is_both_is_built_with_a_normal_event(env):
     kube, prov, rec, _ = env
     kube.put(CONNECTORS, {"metadata": {"name": "both"},
                           "spec": {"subnetRouter": {"advertiseRoutes": ["10.0.0.0/8"]}, "exitNode": True}})
     await rec.reconcile("connector", "", "both")
-    c = cond(kube.obj(CONNECTORS, "both"), "ConnectorReady")
-    assert (c["status"], c["reason"]) == ("False", "ConnectorInvalid") and "create two Connectors" in c["message"]
     (ev,) = kube.of(EVENTS)
     assert ev["metadata"]["namespace"] == "default" and ev["involvedObject"]["kind"] == "Connector"
-    assert not kube.of(STATEFULSETS)
+    assert (ev["type"], ev["reason"]) == ("Normal", "SubnetRouterAndExitNode")
+    assert len(kube.of(STATEFULSETS)) == 1
+    status = kube.obj(CONNECTORS, "both")["status"]
+    assert status["subnetRoutes"] == "10.0.0.0/8" and status["isExitNode"] is True
 
 
 async def test_connector_subnet_router_status(env):

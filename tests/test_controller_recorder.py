@@ -42,7 +42,7 @@ def fields(schema: dict, path: str = "") -> set[str]:
 
 
 def ours() -> dict:
-    return yaml.safe_load((REPO / "charts/tailscale-controller/crds/tailscale.com_recorders.yaml").read_text())
+    return yaml.safe_load((REPO / "deploy/crds/tailscale.com_recorders.yaml").read_text())
 
 
 def test_the_crd_has_upstreams_names_and_every_field_of_upstreams_schema():
@@ -64,8 +64,12 @@ def test_the_crd_has_upstreams_names_and_every_field_of_upstreams_schema():
     assert mine - theirs == set()
     assert [r["rule"] for r in v["schema"]["openAPIV3Schema"]["properties"]["spec"]["x-kubernetes-validations"]] == \
         [r["rule"] for r in uv["schema"]["openAPIV3Schema"]["properties"]["spec"]["x-kubernetes-validations"]]
-    assert (REPO / "deploy/crds/tailscale.com_recorders.yaml").read_text().split("\n", 1)[1] == \
-        (REPO / "charts/tailscale-controller/crds/tailscale.com_recorders.yaml").read_text()
+
+
+def test_toleration_operator_empty_is_equal_as_in_kubernetes():
+    obj = {**EXAMPLE, "spec": {"statefulSet": {"pod": {"tolerations": [
+        {"key": "dedicated", "operator": "", "value": "rec", "effect": ""}]}}}}
+    assert decide(obj, CFG).name == "recorder"
 
 
 def test_upstreams_example_renders_a_recorder_pod_beside_the_agent():
@@ -128,6 +132,11 @@ def test_statefulset_overrides_apply_as_upstream():
     ({"tailnet": "other"}, "spec.tailnet='other'"),
     ({"tags": ["k8s"]}, "spec.tags=['k8s']: want tags like tag:k8s-recorder"),
     ({"enableUI": "yes"}, "spec.enableUI='yes': want true or false"),
+    # stored by the CRD (upstream's accepts them), refused here before any StatefulSet is written
+    ({"statefulSet": {"labels": {"team": "a b"}}}, "spec.statefulSet.labels[team]: value 'a b' is not a valid label"),
+    ({"statefulSet": {"pod": {"labels": {"x": "-x"}}}}, "spec.statefulSet.pod.labels[x]: value '-x'"),
+    ({"statefulSet": {"pod": {"tolerations": [{"key": "k", "operator": "In"}]}}},
+     "spec.statefulSet.pod.tolerations[0].operator: 'In' is not an operator; use Exists or Equal"),
 ])
 def test_what_cannot_be_built_is_refused_naming_the_field(spec, words):
     with pytest.raises(RecorderInvalid) as e:

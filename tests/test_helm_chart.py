@@ -191,7 +191,7 @@ def test_rbac_in_another_namespace_equals_deploys():
 @pytest.mark.parametrize("values,message", [
     ({"headscale": {"url": "https://hs.example.com"}},
      "imageRegistry is empty: set it to the registry you pushed both images to (make images REGISTRY="),
-    ({"imageRegistry": REGISTRY},
+    ({"imageRegistry": REGISTRY, "provider": "headscale"},
      "provider headscale needs headscale.url, the headscale server's URL: --set headscale.url="),
     ({"imageRegistry": REGISTRY, "provider": "tailnet"},
      'provider="tailnet" is not a provider; use headscale, tailscale or static'),

@@ -1,8 +1,10 @@
 """Connectors (`tailscale.com/v1alpha1`, upstream's field names): subnet routers and exit nodes.
 
-A Connector that asks for both is refused (the CRD's validation and this module): upstream documents the
-combination as working, but one node that is both breaks in practice (its issue #18086: the exit node's
-default routes and the subnet routes conflict in the node's routing), so two Connectors are the answer.
+A Connector that asks for both is built, as upstream's: one device advertises the subnet routes and the default
+routes. That works, measured with tailscaled v1.102.3 (netns-tests/test_connector_e2e.py: a client using the
+device as its exit node reaches the subnet and the outside through it, both families); a Normal event says how
+to split the two roles when they should scale or fail apart. spec.appConnector and spec.tailnet (upstream's
+multi-tailnet) are refused: a false condition and a Warning event.
 """
 from __future__ import annotations
 
@@ -12,14 +14,16 @@ from typing import Any
 
 from ..config import ControllerConfig
 from ..model import CONNECTOR, Decision, Invalid, Parent, ProxySpec
-from ..validation import hostname_problem, route_problem, tag_problems
+from ..validation import hostname_problem, route_problem, tag_problems, tailnet_field_problem
 from . import meta
 
 APP = "k8s-operator-connector-resource"
 GROUP, VERSION, PLURAL = "tailscale.com", "v1alpha1", "connectors"
-BOTH_MESSAGE = ("a Connector cannot be both a subnet router and an exit node (spec.subnetRouter and "
-                "spec.exitNode: true): the exit node's default routes and the subnet routes conflict on one "
-                "node; create two Connectors, one with spec.subnetRouter and one with spec.exitNode: true")
+REASON_BOTH = "SubnetRouterAndExitNode"
+BOTH_MESSAGE = ("the Connector's devices are both a subnet router and an exit node (spec.subnetRouter and "
+                "spec.exitNode: true): clients that use them as exit node reach the subnet through them too. To "
+                "scale or restart the two roles apart, use two Connectors, one with spec.subnetRouter and one "
+                "with spec.exitNode: true")
 
 
 def handled(conn: Mapping[str, Any], cfg: ControllerConfig) -> bool:
@@ -43,8 +47,8 @@ def decide(conn: Mapping[str, Any], cfg: ControllerConfig) -> Decision:
     if spec.get("appConnector") is not None:
         problems.append("spec.appConnector is not supported by this controller; use spec.subnetRouter or "
                         "spec.exitNode")
-    if sr is not None and exit_node:
-        raise Invalid(BOTH_MESSAGE)
+    if spec.get("tailnet"):
+        problems.append(tailnet_field_problem("Connector"))
     if sr is None and not exit_node and spec.get("appConnector") is None:
         problems.append("the Connector asks for nothing; set spec.subnetRouter.advertiseRoutes or "
                         "spec.exitNode: true")
@@ -79,6 +83,7 @@ def decide(conn: Mapping[str, Any], cfg: ControllerConfig) -> Decision:
     if problems:
         raise Invalid("; ".join(problems))
     adv = advertise_routes(routes, exit_node)
+    notices = (("Normal", REASON_BOTH, BOTH_MESSAGE),) if sr is not None and exit_node else ()
     return Decision(ProxySpec(Parent(CONNECTOR, name, "", m.get("uid", "")), hostname or f"{name}-connector",
                               tags, APP, advertise_routes=adv, replicas=replicas, hostname_prefix=prefix,
-                              subnet_routes=routes, exit_node=exit_node))
+                              subnet_routes=routes, exit_node=exit_node), notices=notices)

@@ -302,3 +302,34 @@ def parse_status(raw: bytes | None) -> dict | None:
     except ValueError:
         return None
     return doc if isinstance(doc, dict) else None
+
+
+#: TailscaleEgressSvcReady, upstream's condition, reasons and message on an egress Service of a ProxyGroup
+COND_READY = "TailscaleEgressSvcReady"
+REASON_RESOURCES_NOT_READY = "ClusterResourcesNotReady"
+REASON_NO_PROXIES = "NoProxiesConfigured"
+REASON_NOT_READY = "NotReadyToRouteTraffic"
+REASON_PARTIALLY_READY = "PartiallyReadyToRouteTraffic"
+REASON_READY = "ReadyToRouteTraffic"
+
+
+def ready_condition(pg: Mapping[str, Any] | None, replicas: Iterable[Replica], name: str,
+                    want: Mapping[str, Any] | None, families: Iterable[str]) -> tuple[bool, str, str]:
+    """(status, reason, message) of TailscaleEgressSvcReady, as upstream: true once at least one of the group's
+    replicas routes the Service's traffic (it reports entry `name`'s rules and has a Pod IP of each family its
+    EndpointSlices list), false while the group is not available or has no replicas."""
+    conds = ((pg or {}).get("status") or {}).get("conditions") or []
+    available = any(c.get("type") == "ProxyGroupAvailable" and c.get("status") == "True" for c in conds)
+    if pg is None or want is None or not available:
+        return False, REASON_RESOURCES_NOT_READY, REASON_RESOURCES_NOT_READY
+    n = (pg.get("spec") or {}).get("replicas")
+    n = 2 if n is None else n
+    if n == 0:
+        return False, REASON_NO_PROXIES, REASON_NO_PROXIES
+    versions = {FAMILIES[f] for f in families}
+    ready = sum(1 for r in replicas if serves(r, name, want) and
+                versions <= {ipaddress.ip_address(ip).version for ip in r.pod_ips})
+    message = f"{ready} out of {n} replicas are ready to route traffic"
+    if ready == 0:
+        return False, REASON_NOT_READY, message
+    return True, (REASON_PARTIALLY_READY if ready < n else REASON_READY), message

@@ -29,7 +29,8 @@ from typing import Any
 from ..config import ControllerConfig
 from ..model import (ANN_FORWARD_CLUSTER_TRAFFIC, ANN_FUNNEL, ANN_HTTP_REDIRECT, ANN_PROXY_GROUP, ANN_TAGS, INGRESS,
                      Decision, Invalid, Parent, ProxySpec)
-from ..validation import hostname_problem, parse_tags, tag_problems
+from ..validation import (HTTP_ENDPOINT, hostname_problem, http_endpoint_notice, parse_tags,
+                          proxy_group_ingress_problem, tag_problems)
 from . import annotations_of, meta
 
 APP = "k8s-operator-ingress-resource"
@@ -39,7 +40,8 @@ CERT_80 = "${TS_CERT_DOMAIN}:80"
 
 def handled(ing: Mapping[str, Any], cfg: ControllerConfig) -> bool:
     spec = ing.get("spec") or {}
-    return spec.get("ingressClassName") == cfg.ingress_class and not annotations_of(ing).get(ANN_PROXY_GROUP)
+    # one naming a ProxyGroup too: `decide` refuses it, saying why
+    return spec.get("ingressClassName") == cfg.ingress_class
 
 
 def backend_services(ing: Mapping[str, Any]) -> tuple[str, ...]:
@@ -237,9 +239,13 @@ def decide(ing: Mapping[str, Any], cfg: ControllerConfig, services: Mapping[str,
     tags = parse_tags(ann[ANN_TAGS]) if ann.get(ANN_TAGS, "").strip() else cfg.proxy_tags
     if p := tag_problems(tags):
         problems.append(f"annotation {ANN_TAGS}: {p}")
+    if ann.get(ANN_PROXY_GROUP, "").strip():
+        problems.append(proxy_group_ingress_problem("an Ingress", cfg.provider))
     if problems:
         raise Invalid("; ".join(problems))
     notices: list[tuple[str, str, str]] = []
+    if ann.get(HTTP_ENDPOINT, "").strip():
+        notices.append(("Warning", "HTTPEndpointIgnored", http_endpoint_notice(cfg.ingress_http)))
     secret, tls_hosts = tls_entry(ing)
     forward = ann.get(ANN_FORWARD_CLUSTER_TRAFFIC) == "true"
     if secret and forward:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..config import ControllerConfig
 from ..model import PROXYGROUP, Invalid, Parent, ProxySpec
-from ..validation import hostname_problem, tag_problems
+from ..validation import hostname_problem, tag_problems, tailnet_field_problem
 from . import meta
 
 GROUP, VERSION, PLURAL = "tailscale.com", "v1alpha1", "proxygroups"
@@ -66,6 +66,8 @@ def decide(pg: Mapping[str, Any], cfg: ControllerConfig, provider: str = "") -> 
     if pg_type != TYPE_EGRESS:
         raise Invalid(unsupported_type_message(pg_type, provider))
     problems: list[str] = []
+    if spec.get("tailnet"):
+        problems.append(tailnet_field_problem("ProxyGroup"))
     replicas = spec.get("replicas", DEFAULT_REPLICAS)
     if replicas is None:
         replicas = DEFAULT_REPLICAS

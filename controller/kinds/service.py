@@ -13,7 +13,7 @@ from ..config import ControllerConfig
 from ..model import (ANN_EXPOSE, ANN_HOSTNAME, ANN_LAST_CLUSTER_IP, ANN_LAST_DNS_NAME, ANN_LAST_TAILNET_FQDN,
                      ANN_LAST_TAILNET_IP, ANN_PROXY_GROUP, ANN_TAGS, SVC, Decision, Invalid, Parent, Pending,
                      ProxySpec)
-from ..validation import hostname_problem, parse_tags, tag_problems
+from ..validation import hostname_problem, parse_tags, proxy_group_ingress_problem, tag_problems
 from . import annotations_of, meta, tailnet
 
 APP_INGRESS = "k8s-operator-ingress-proxy"
@@ -25,9 +25,10 @@ def is_egress(svc: Mapping[str, Any]) -> bool:
 
 
 def handled(svc: Mapping[str, Any], cfg: ControllerConfig) -> bool:
-    """Whether the Service asks for a proxy from this controller."""
+    """Whether the Service asks for a proxy from this controller. An exposed Service naming a ProxyGroup asks
+    for one too (refused by `decide`, saying why); an egress Service naming one is `kinds.egress`'s."""
     ann = annotations_of(svc)
-    if ann.get(ANN_PROXY_GROUP):
+    if ann.get(ANN_PROXY_GROUP) and is_egress(svc):
         return False
     if is_egress(svc) or ann.get(ANN_EXPOSE) == "true":     # opt.Bool: only the exact "true" counts
         return True
@@ -56,6 +57,8 @@ def decide(svc: Mapping[str, Any], cfg: ControllerConfig) -> Decision:
     if p := tag_problems(tags):
         problems.append(f"annotation {ANN_TAGS}: {p}")
     egress = bool(tip or tfqdn)
+    if not egress and ann.get(ANN_PROXY_GROUP, "").strip():
+        problems.append(proxy_group_ingress_problem("an exposed Service", cfg.provider))
     if not egress and spec.get("clusterIP") == "None":
         problems.append("headless Services are not supported: the proxy forwards to the Service's ClusterIP; "
                         "remove clusterIP: None or expose a Service that has a ClusterIP")

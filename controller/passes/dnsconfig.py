@@ -60,6 +60,9 @@ class DNSConfigPass:
         slices = await kube.list(ENDPOINTSLICES, ns)
         ip4, ip6 = dc.records(headless, parents, slices)
         domain = dc.domain(cfg, [*ip4, *ip6])
+        if problem := dc.image_problem(obj, cfg, domain):
+            await self.refuse(obj, dc.REASON_FAILED, problem)
+            return None
         objs = dc.render(obj, cfg, domain)
         await self.apply(SERVICEACCOUNTS, objs.service_account)
         await self.apply_records(obj, dc.records_text(headless, parents, slices))

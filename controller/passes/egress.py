@@ -87,7 +87,8 @@ class EgressPass:
         await self.status(svc, (True, "EgressSvcValid", "EgressSvcValid"),
                           (True, f"ConfiguredFor:ProxyGroup:{t.group}",
                            f"forwarded by ProxyGroup {t.group} through Service {ns_ctl}/{svc_name}; "
-                           "each replica serves it once it reports the rules in place"))
+                           "each replica serves it once it reports the rules in place"),
+                          egress.ready_condition(pg, reps, t.entry, want, egress.families(cip)))
         return None
 
     async def point_at(self, svc: Mapping[str, Any], t: EgressTarget, svc_name: str) -> Mapping[str, Any]:
@@ -103,11 +104,12 @@ class EgressPass:
         await self.status(svc, (False, "EgressSvcInvalid", f"invalid egress Service: {message}"), None)
 
     async def status(self, svc: Mapping[str, Any], valid: tuple[bool, str, str] | None,
-                     configured: tuple[bool, str, str] | None) -> None:
-        """The two upstream conditions on the user's Service; None removes one."""
+                     configured: tuple[bool, str, str] | None, ready: tuple[bool, str, str] | None = None) -> None:
+        """The three upstream conditions on the user's Service; None removes one."""
         cur = svc.get("status") or {}
         conds: list[dict] = [dict(c) for c in cur.get("conditions") or []]
-        for ctype, val in ((COND_EGRESS_VALID, valid), (COND_EGRESS_CONFIGURED, configured)):
+        for ctype, val in ((COND_EGRESS_VALID, valid), (COND_EGRESS_CONFIGURED, configured),
+                           (egress.COND_READY, ready)):
             if val is None:
                 conds = [c for c in conds if c.get("type") != ctype]
             else:
@@ -119,14 +121,14 @@ class EgressPass:
     def has_conditions(svc: Mapping[str, Any]) -> bool:
         """The Service carries the egress conditions: it was (or was refused as) an egress Service on a group."""
         conds = (svc.get("status") or {}).get("conditions") or []
-        return any(c.get("type") in (COND_EGRESS_VALID, COND_EGRESS_CONFIGURED) for c in conds)
+        return any(c.get("type") in (COND_EGRESS_VALID, COND_EGRESS_CONFIGURED, egress.COND_READY) for c in conds)
 
     async def clear_conditions(self, svc: Mapping[str, Any]) -> Mapping[str, Any]:
         """The Service no longer asks for a group: its egress conditions go (the Service stays as it is)."""
         conds = (svc.get("status") or {}).get("conditions") or []
         if not self.has_conditions(svc) or meta(svc).get("deletionTimestamp"):
             return svc
-        rest = [c for c in conds if c.get("type") not in (COND_EGRESS_VALID, COND_EGRESS_CONFIGURED)]
+        rest = [c for c in conds if c.get("type") not in (COND_EGRESS_VALID, COND_EGRESS_CONFIGURED, egress.COND_READY)]
         return await self.w.patch_status(SVC, svc, {"conditions": rest or None}) or svc
 
     async def cleanup_service(self, svc: Mapping[str, Any], *, keep_group: str = "") -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 from tscommon import pgcontract as pgc, secretcontract as sc
@@ -24,7 +24,7 @@ from ..kinds import egress, meta, proxygroup
 from ..kinds.egress import Replica
 from ..kubeapi import CONFIGMAPS, ENDPOINTSLICES, PODS, PROXYGROUPS, SECRETS, SERVICES, STATEFULSETS
 from ..model import COND_PG_AVAILABLE, COND_PG_READY, FINALIZER, LABEL_PARENT_NAME, LABEL_PARENT_NS, PROXYGROUP, \
-    Invalid, Parent
+    SVC, Invalid, Parent
 from ..providers import ProviderError
 from ..replicaprober import ReplicaProber, Target, target_of
 from ..sameness import same
@@ -92,6 +92,8 @@ class ProxyGroupPass:
         self.w = w
         #: the leader's health probes of the replicas (controller.replicaprober); None: Pod readiness alone
         self.prober = prober
+        #: queues another pass of a key (the work queue's poke): `sync_slices` wakes each user egress Service
+        self.poke: Callable[[Hashable], None] = lambda key: None
 
     async def run(self, kind: str, namespace: str, name: str) -> float | None:
         w, kube, cfg = self.w, self.w.kube, self.w.cfg
@@ -257,6 +259,8 @@ class ProxyGroupPass:
             for fam in egress.families(svc):
                 desired = egress.endpoint_slice(svc, fam, egress.addresses(reps, entry, entries.get(entry), fam))
                 await w.apply_known(ENDPOINTSLICES, desired, slices.get(desired["metadata"]["name"]))
+            # the user's Service: its TailscaleEgressSvcReady follows the replicas
+            self.poke((SVC, labels.get(LABEL_PARENT_NS, ""), labels.get(LABEL_PARENT_NAME, "")))
 
 
 def _index(group: str, secret: str) -> int | None:

@@ -16,7 +16,9 @@ from typing import Any
 
 import yaml
 
-CRD_DIR = Path(__file__).resolve().parents[2] / "charts" / "tailscale-controller" / "crds"
+#: the chart's CRDs as applied: rendered from its templates/crds/ into deploy/crds/ (tests/test_helm_chart.py
+#: keeps the two in step), so each file is plain YAML
+CRD_DIR = Path(__file__).resolve().parents[2] / "deploy" / "crds"
 
 
 @dataclass(frozen=True)
