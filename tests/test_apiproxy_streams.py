@@ -136,7 +136,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 
 def _split(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts})
-    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)])]
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
 
 
 @settings(max_examples=60, deadline=None)

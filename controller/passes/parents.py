@@ -193,7 +193,7 @@ class ParentPass:
             await w.apply_secret(s, existing.get(s["metadata"]["name"]))
         # Before the StatefulSet: a Pod never starts without the permissions its agent checks at boot (and a
         # scale-up's new Secret is in the Role before its Pod exists).
-        for res, desired in zip(RBAC_RESOURCES, proxyrbac.objects(spec, cfg)):
+        for res, desired in zip(RBAC_RESOURCES, proxyrbac.objects(spec, cfg), strict=True):
             await w.apply(res, desired)
         if info.cluster_binding:
             await self.apply_impersonation(spec)
