@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         srv = lab.start_http_server("backend", None, 8080, f"bench-{lab.prefix}")
         env = {"TS_DEST_IP": lab.backend_ipv4, "TS_DEBUG_FIREWALL_MODE": args.firewall}
         # One warm-up of each, not counted: the first start pays for page cache and Python imports.
-        for name, cmd in agents.items():
+        for _name, cmd in agents.items():
             boot_once(lab, cmd, env, srv.marker)
         for i in range(args.runs):
             for name, cmd in agents.items():  # interleaved, so drift affects both alike

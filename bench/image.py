@@ -105,7 +105,7 @@ def boot(image: str, runs: int, firewall: str) -> list[str]:
     with Lab.create(bin_dir=bin_dir) as lab:
         srv = lab.start_http_server("backend", None, 8080, f"bench-{lab.prefix}")
         env = {"TS_DEST_IP": lab.backend_ipv4, "TS_DEBUG_FIREWALL_MODE": firewall}
-        for name, im in kinds.items():
+        for _name, im in kinds.items():
             boot_once(lab, env, srv.marker, im)
         for i in range(runs):
             for name, im in kinds.items():

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                                                node_loss=None if a.node_loss == "default" else node_loss) as kc:
                 start_s = kc.timings["start_total"]
                 figures, results = pgfailover.run_all(lab, kc, images,
-                                                      say=lambda m: print(f"run {i + 1}: {m}", flush=True))
+                                                      say=lambda m, i=i: print(f"run {i + 1}: {m}", flush=True))
         runs.append({"cluster_start_s": start_s, **figures, "cases": [asdict(r) for r in results]})
         print(f"run {i + 1}: two-node cluster started in {start_s:.1f}s; ProxyGroup of 2 ready in "
               f"{figures['group_ready_s']:.1f}s; egress Service created -> first successful connection "

@@ -430,7 +430,12 @@ def run(a: argparse.Namespace) -> int:
                           + ("  [NULL CHECK: both arms 1 service]" if a.null_check else ""), flush=True)
                     host = f.proxy_cluster
 
-                    def measure(want: str, keep: bool = True) -> None:
+                    # The iteration's probes and lists bound as defaults, as apply() above binds its lab.
+                    def measure(want: str, keep: bool = True, traffic: _Traffic = traffic, host: str = host,
+                                tp_big: list[float] = tp_big, tp_small: list[float] = tp_small,
+                                cr_big: list[float] = cr_big, cr_small: list[float] = cr_small,
+                                tp_order: list[tuple[str, float]] = tp_order,
+                                cr_order: list[tuple[str, float]] = cr_order) -> None:
                         # Connections first: by the end of the bulk transfer their conntrack entries have expired.
                         c = traffic.conns_per_s(host, measured_port, a.conns) if a.conns else None
                         g = traffic.bulk_gbps(host, measured_port, a.seconds)

@@ -83,5 +83,5 @@ class _SslFinder:
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _SslLoader(spec.loader)
+        spec.loader = _SslLoader(spec.loader)   # type: ignore[assignment]   # duck-typed Loader, see below
         return spec

@@ -11,5 +11,6 @@ def same(cur: Any, want: Any) -> bool:
     if isinstance(want, dict):
         return isinstance(cur, dict) and all(same(cur.get(k), v) for k, v in want.items())
     if isinstance(want, list):
-        return isinstance(cur, list) and len(cur) == len(want) and all(same(c, w) for c, w in zip(cur, want))
+        return isinstance(cur, list) and len(cur) == len(want) and \
+            all(same(c, w) for c, w in zip(cur, want, strict=True))
     return cur == want

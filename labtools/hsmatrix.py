@@ -234,7 +234,7 @@ def _checks(run: Run) -> None:
     lab.hs("apikeys", "expire", "--prefix", prefix)
     errors += run.call("errors", {"op": "create", "tags": ["tag:k8s"], "user": run.user_id, "api_key": expired})
     fixes = ("headscale users list", "headscale apikeys create", "headscale apikeys create")
-    ok = all(fix in (e.get("error") or "") for e, fix in zip(errors, fixes))
+    ok = all(fix in (e.get("error") or "") for e, fix in zip(errors, fixes, strict=True))
     cells["errors"] = "each names its fix" if ok else "raw: " + _short("; ".join(str(e) for e in errors))
     # a real tailscaled with the provider's key
     key = tag_only.get("key") or user_key.get("key")

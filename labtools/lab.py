@@ -199,7 +199,7 @@ def ensure_binaries(timeout: float = 45 * 60, build: bool = True, upstream: bool
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise LabError("timed out waiting for another binary build (lock held)")
+                    raise LabError("timed out waiting for another binary build (lock held)") from None
                 time.sleep(2)
         if binaries_present(bdir, names):
             return bdir

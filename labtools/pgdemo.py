@@ -50,7 +50,7 @@ def parse_client_log(text: str) -> list[tuple[float, bool, str]]:
 def longest_gap(results: list[tuple[float, bool, str]]) -> float:
     """The longest time between two consecutive successful connections."""
     oks = [t for t, ok, _ in results if ok]
-    return max((b - a for a, b in zip(oks, oks[1:])), default=0.0)
+    return max((b - a for a, b in zip(oks, oks[1:], strict=False)), default=0.0)
 
 
 def run(firewall: str, once: bool, timeout: float = 240.0) -> int:

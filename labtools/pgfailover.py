@@ -143,7 +143,7 @@ def longest_gap(attempts: list[Attempt], start: float, end: float) -> float:
     after = [t for t in oks if t >= end]
     inside = [t for t in oks if start < t < end]
     pts = before[-1:] + inside + after[:1]
-    return max((b - a for a, b in zip(pts, pts[1:])), default=float("inf"))
+    return max((b - a for a, b in zip(pts, pts[1:], strict=False)), default=float("inf"))
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,8 @@ def conntrack_class():
         if spec is None or spec.loader is None:
             raise ImportError("pyroute2 is not installed")
         pkg = importlib.util.module_from_spec(spec)
-        loaded = []
+        loader = spec.loader   # bound here: mypy does not carry the None check above into the closure
+        loaded: list[bool] = []
 
         def complete(name: str):   # PEP 562: called only for names the bare package lacks
             if not loaded and importlib.util.find_spec(f"pyroute2.{name}") is not None:
@@ -154,10 +155,10 @@ def conntrack_class():
             if not loaded:
                 loaded.append(True)
                 del pkg.__getattr__
-                spec.loader.exec_module(pkg)
+                loader.exec_module(pkg)
             return pkg.__dict__[name] if name in pkg.__dict__ else getattr(pkg, name)
 
-        pkg.__getattr__ = complete
+        pkg.__dict__["__getattr__"] = complete   # PEP 562 looks it up in the module's namespace
         sys.modules["pyroute2"] = pkg
     from pyroute2.conntrack import Conntrack
     return Conntrack

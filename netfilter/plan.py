@@ -347,7 +347,7 @@ def plan_nft_delta(old: NftState, new: NftState) -> str | None:
     if old.shape != new.shape:
         return None
     out: list[str] = []
-    for ((v, name), before), (_, after) in zip(old.elements, new.elements):
+    for ((v, name), before), (_, after) in zip(old.elements, new.elements, strict=True):
         where = f"{NFT_FAMILY[v]} {TABLE} {name}"
         after_data = dict(after)
         gone = sorted({k for k, d in before if after_data.get(k) != d}, key=_natural_key)

@@ -406,7 +406,7 @@ class HeldConnection:
     def longest_gap(self, start: float, end: float) -> float:
         """Longest time between two echoes within [start, end] (0.25 s when every echo came in time)."""
         oks = [t for t, ok in self.results() if ok and start - 1 <= t <= end + 1]
-        return max((b - a for a, b in zip(oks, oks[1:])), default=end - start)
+        return max((b - a for a, b in zip(oks, oks[1:], strict=False)), default=end - start)
 
     def stop(self) -> None:
         for p in (self.client, self.server):

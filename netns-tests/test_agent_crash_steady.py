@@ -245,7 +245,7 @@ class Scenario:
         self.steps[0].points = _points(log)
         self.record(a, self.steps[0])
         self.check_data_path(self.steps[0], "clean-boot")
-        for step, only in zip(self.steps[1:], ("serve", "egress", "ingress")):
+        for step, only in zip(self.steps[1:], ("serve", "egress", "ingress"), strict=True):
             seen = len(_points(log))
             self.write_files(step, only)
             self.wait_converged(a, step)
@@ -275,7 +275,7 @@ class Scenario:
         # (The boot's writes run concurrently, so their order varies; how many of each kind does not.)
         assert sorted(_points(log)) == sorted(self.steps[0].points), \
             f"{point}: this boot's writes differ from the clean one's: {_points(log)} {self.steps[0].points}"
-        for step, only in zip(self.steps[1:i], ("serve", "egress", "ingress")):
+        for step, only in zip(self.steps[1:i], ("serve", "egress", "ingress"), strict=False):
             self.write_files(step, only)
             self.wait_converged(a, step)
         self.write_files(self.steps[i], ("serve", "egress", "ingress")[i - 1])

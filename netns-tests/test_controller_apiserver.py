@@ -417,7 +417,7 @@ def test_upstream_documentation_proxyclasses_apply_unchanged_and_get_their_condi
     cp = kube.kubectl("apply", "-f", "-", input=UPSTREAM_DOC_CLASSES)
     assert cp.stdout.count("created") == 5, cp.stdout + cp.stderr
     for name in ("doc-example", "doc-tolerations", "doc-tun-plugin"):
-        c = wait(lambda: pc_condition(kube, name), 30, f"{name}'s condition")
+        c = wait(lambda name=name: pc_condition(kube, name), 30, f"{name}'s condition")
         assert (c["status"], c["reason"]) == ("True", "ProxyClassValid"), c
     # stored whole, but staticEndpoints is not built here: the class says so instead of looking applied
     c = wait(lambda: pc_condition(kube, "doc-routes"), 30, "doc-routes's condition")
@@ -600,7 +600,7 @@ def test_two_replicas_one_leads_the_other_takes_over_when_it_is_killed(running):
     for name in ("ha-one", "ha-two"):
         assert c.delete(f"/api/v1/namespaces/default/services/{name}").status_code == 200
     for name in ("ha-one", "ha-two"):
-        wait(lambda: get(kube, f"/api/v1/namespaces/default/services/{name}") is None, 60, f"{name} to go")
+        wait(lambda name=name: get(kube, f"/api/v1/namespaces/default/services/{name}") is None, 60, f"{name} to go")
         assert children(kube, name) == ([], [])
 
 

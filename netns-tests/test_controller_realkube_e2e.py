@@ -627,7 +627,7 @@ def test_proxyclass_applied_to_service_ingress_and_connector_tags_metrics_and_a_
         assert tags == {"tag:edge"}, (name, node)
         # /metrics on the Pod IP, and the metrics Service in front of it
         ip = pod["status"]["podIP"]
-        body = wait_until(lambda: (lambda cp: cp.stdout if cp.returncode == 0 else None)(
+        body = wait_until(lambda ip=ip: (lambda cp: cp.stdout if cp.returncode == 0 else None)(
             kc.run(["curl", "-sS", "--noproxy", "*", "-m", "5", "-f", f"http://{ip}:9002/metrics"], check=False)),
             60, 1, f"{name}'s /metrics")
         assert "# TYPE" in body, body[:500]
@@ -644,7 +644,8 @@ def test_proxyclass_applied_to_service_ingress_and_connector_tags_metrics_and_a_
     pcls["spec"]["statefulSet"]["pod"]["labels"]["rev"] = "2"
     kc.apply(pcls)
     for name, (ns, kind) in users.items():
-        wait_until(lambda: (lambda p: p if len(p) == 1 and p[0]["metadata"]["labels"].get("rev") == "2" and
+        wait_until(lambda name=name, ns=ns, kind=kind: (lambda p: p if len(p) == 1 and
+                            p[0]["metadata"]["labels"].get("rev") == "2" and
                             p[0]["metadata"]["uid"] != before[name] else None)(_proxy_pods(kc, ns, name, kind)),
                    180, 1, f"{name}'s proxy rolled")
     assert kc.get("statefulset", guide_sts, kubecontroller.NS)["metadata"]["generation"] == guide_gen
@@ -654,7 +655,8 @@ def test_proxyclass_applied_to_service_ingress_and_connector_tags_metrics_and_a_
                  ("delete", "connector", "pc-conn")):
         kc.kubectl(*args, "--wait=false")
     for name, (ns, kind) in {**users, "pc-guide": ("apps", "svc")}.items():
-        wait_until(lambda: kubecontroller.children(kc, ns, name, kind) == kubecontroller.NO_CHILDREN, 120, 0.5,
+        wait_until(lambda name=name, ns=ns, kind=kind: kubecontroller.children(kc, ns, name, kind) ==
+                   kubecontroller.NO_CHILDREN, 120, 0.5,
                    f"{name}'s proxy gone")
     kc.kubectl("delete", "proxyclass", "edge")
 
@@ -944,7 +946,8 @@ def test_apiserver_proxy_records_kubectl_exec_and_refuses_it_without_the_recorde
                     ex = tty("-n", "apps", "exec", "-it", "rec-target", "--", "sh", "-c", "echo rec-spdy-$((6*7))",
                              spdy=True)
                     assert ex.returncode == 0 and "rec-spdy-42" in ex.stdout, ex
-                cast = wait_until(lambda: next((c for c in rec.casts() if marker_text in json.dumps(c[1:])), None),
+                cast = wait_until(lambda marker_text=marker_text: next(
+                                  (c for c in rec.casts() if marker_text in json.dumps(c[1:])), None),
                                   30, 0.5, f"the cast of {marker_text}")
                 head = cast[0]
                 assert head["srcNodeUser"] == "e2e" and head["srcNode"].startswith("client"), head

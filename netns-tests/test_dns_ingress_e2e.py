@@ -89,8 +89,9 @@ def test_dns_name_ingress_spreads_and_follows_records(lab, dns_lab, start_agent,
     for version, url in urls.items():
         lab.wait_curl("client", url, "backend-", timeout=45)
         seen: dict[str, int] = {}
-        wait_until(lambda: (seen.update({k: seen.get(k, 0) + v for k, v in spread(lab, url, markers, 10).items()})
-                            or all(seen.get(m) for m in markers)), 40, 0.1,
+        wait_until(lambda seen=seen, url=url: (
+                       seen.update({k: seen.get(k, 0) + v for k, v in spread(lab, url, markers, 10).items()})
+                       or all(seen.get(m) for m in markers)), 40, 0.1,
                    f"IPv{version} connections reaching both backends")
         assert "<fail>" not in seen and "<other>" not in seen, seen
 

@@ -87,7 +87,7 @@ class Probe:
         fails = [t for t, ok in results if not ok and start <= t <= end]
         if not fails:
             return 0.0
-        return max((b - a for a, b in zip(oks, oks[1:])), default=end - start)
+        return max((b - a for a, b in zip(oks, oks[1:], strict=False)), default=end - start)
 
 
 def _status(lab) -> dict:

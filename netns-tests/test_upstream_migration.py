@@ -178,7 +178,8 @@ def test_upstream_chart_release_switched_to_this_chart_keeps_every_object(lab, k
         for kind, name, ctype in (("connector", "prod", "ConnectorReady"),
                                   ("proxygroup", "egress-proxies", "ProxyGroupReady"),
                                   ("dnsconfig", "ts-dns", "NameserverReady")):
-            wait_until(lambda: condition(kc, kind, name, ctype), 120, 1.0, f"{kind} {name}'s {ctype}")
+            wait_until(lambda kind=kind, name=name, ctype=ctype: condition(kc, kind, name, ctype), 120, 1.0,
+                       f"{kind} {name}'s {ctype}")
     except TimeoutError:
         print(kubecontroller.controller_log(kc, 200))
         raise

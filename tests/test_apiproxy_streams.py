@@ -131,12 +131,13 @@ def test_a_terminal_session_that_never_sends_a_size_still_gets_its_header_at_the
     assert out[0]["version"] == 2 and out[1] == [1.0, "o", "hi"]
 
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 
 def _split(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts})
-    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)])]
+    return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
 
 
 @settings(max_examples=60, deadline=None)

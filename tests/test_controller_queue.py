@@ -49,7 +49,7 @@ async def test_failures_retry_with_growing_delay_then_recover():
         await asyncio.sleep(0.02)
         if len(times) >= 4:
             break
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert len(times) == 4 and gaps[0] >= 0.02 and gaps[1] >= 0.04 and gaps[2] >= 0.08
     await _until(lambda: not q._tasks)
     assert q.failures == {}

@@ -105,7 +105,7 @@ async def test_errors_and_throttles_are_the_api_servers_statuses() -> None:
     assert set(kinds) == {"500", "500-after-write", "429", ""}, kinds
     # a lost answer: the write was done upstream, the client got a 500
     assert len(writes) == kinds["500-after-write"] + kinds[""]
-    for (status, reason, retry_after), r in zip(got, records):
+    for (status, reason, retry_after), r in zip(got, records, strict=True):
         assert status == r.status
         if r.fault in ("500", "500-after-write"):
             assert (status, reason) == (500, "InternalError")

@@ -178,7 +178,7 @@ def test_egress_services_accept_or_refuse(text: str | None) -> None:
         assert "egress-services" in str(e)
         return
     event(f"{len(cfg.services)} accepted, {len(cfg.problems)} refused")
-    for name, problem in cfg.problems:
+    for _name, problem in cfg.problems:
         assert problem.startswith("egress-services: service "), problem
     # Accepted services, written back in the file's format, parse to the same services and no problems.
     again = proxyservices.parse_egress_services(json.dumps(_egress_doc(cfg)))
@@ -194,7 +194,7 @@ def test_ingress_config_accept_or_refuse(text: str | None) -> None:
         assert "ingress config" in str(e)
         return
     event(f"{len(cfg.services)} accepted, {len(cfg.problems)} refused")
-    for name, problem in cfg.problems:
+    for _name, problem in cfg.problems:
         assert problem.startswith("ingress config: service "), problem
     again = proxyservices.parse_ingress_config(json.dumps({s.name: s.to_json() for s in cfg.services}))
     assert again.services == cfg.services and not again.problems

@@ -153,7 +153,7 @@ def _proxy_starts(spec: ProxySpec, cfg: ControllerConfig, base: Path) -> None:
     branch("accepted")
     rendered = render.render(spec, cfg, ("tskey-auth-QXZ",) * spec.replicas)
     json.dumps(rendered.statefulset)  # the manifests are JSON
-    for i, secret in enumerate(rendered.secrets):
+    for _i, secret in enumerate(rendered.secrets):
         confdir = base / f"conf{next(_counter)}"
         confdir.mkdir()
         data = secret["stringData"]
@@ -349,7 +349,7 @@ _ENTRY = {"svc-a": {"tailnetTarget": {"ip": "100.64.0.7"},
 def test_group_egress_entries_read_back_never_fail(text: str | None) -> None:
     from controller.kinds import egress
     entries = egress.parse_entries(text)
-    for name, entry in entries.items():
+    for _name, entry in entries.items():
         ports = egress.entry_ports(entry)
         assert all(isinstance(mp, int) for mp in ports.values())
     egress.used_ports(entries, but="x")

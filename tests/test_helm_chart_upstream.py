@@ -449,7 +449,7 @@ def test_seed_setups_render_an_equivalent_install(seed):
     up_sec = [o for o in up if o["kind"] == "Secret"]
     our_sec = [o for o in ours if o["kind"] == "Secret"]
     assert [s["metadata"]["name"] for s in up_sec] == [s["metadata"]["name"] for s in our_sec]
-    for u, o in zip(up_sec, our_sec):
+    for u, o in zip(up_sec, our_sec, strict=True):
         assert {k: base64.b64decode(v).decode() for k, v in o["data"].items()} == u["stringData"]
     # the IngressClass
     assert [(o["metadata"]["name"], o["spec"]) for o in up if o["kind"] == "IngressClass"] == \

@@ -1,6 +1,7 @@
 """netfilter.model: validation, normalisation, family split and JSON round trip (pure, no root)."""
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 
 import pytest
@@ -147,6 +148,6 @@ def test_json_errors(text, needle):
 
 def test_objects_are_frozen_and_hashable():
     r = full()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         r.tun = "x"  # type: ignore[misc]
     assert len({r, full()}) == 1

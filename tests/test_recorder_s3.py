@@ -132,7 +132,7 @@ async def test_every_acknowledged_byte_is_in_the_bucket_when_the_recorder_is_kil
             c.conn.send_data(1, chunk)
             sent += chunk
             await c.send()
-            await c.pump(lambda: {"ack": len(sent)} in c.frames)
+            await c.pump(lambda sent=sent: {"ack": len(sent)} in c.frames)
             (key, _), = await asyncio.to_thread(bucket.keys)
             assert await asyncio.to_thread(bucket.get, key) == sent     # acknowledged: in the bucket
         c.conn.send_data(1, b'[9,"o","never acknowledged"]\n')

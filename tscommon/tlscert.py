@@ -141,7 +141,7 @@ def parse_leaf(der: bytes) -> CertInfo:
     not_after = _time(der, *validity[1])
     cn = _common_name(der, fields[4][1], fields[4][2])
     dns: tuple[str, ...] = ()
-    for tag, s, e in fields[6:]:
+    for tag, s, _e in fields[6:]:
         if tag == 0xA3:                                       # [3] extensions
             _, xs, xe = _tlv(der, s)
             dns = _dns_names(der, xs, xe)

@@ -58,7 +58,7 @@ def boot_reset_patch(existing: Mapping[str, bytes] | None, *, capver: int | str 
 def _stable_id(node: Any) -> str:
     if isinstance(node, str):
         return node
-    return str(getattr(node, "stable_id"))
+    return str(node.stable_id)
 
 
 def device_id_patch(node: Any) -> Patch:

@@ -199,7 +199,7 @@ class ParentPass:
             await w.apply_secret(s, existing.get(s["metadata"]["name"]))
         # Before the StatefulSet: a Pod never starts without the permissions its agent checks at boot (and a
         # scale-up's new Secret is in the Role before its Pod exists).
-        for res, desired in zip(RBAC_RESOURCES, proxyrbac.objects(spec, cfg)):
+        for res, desired in zip(RBAC_RESOURCES, proxyrbac.objects(spec, cfg), strict=True):
             await w.apply(res, desired)
         if info.cluster_binding:
             await self.apply_impersonation(spec)
@@ -251,11 +251,11 @@ class ParentPass:
             return
         want = proxyrbac.tls_secret_access(spec, w.cfg)
         ns, sel = spec.parent.namespace, render.child_selector(spec.parent)
-        for res, desired in zip((ROLEBINDINGS, ROLES), reversed(want) if want else (None, None)):
+        for res, desired in zip((ROLEBINDINGS, ROLES), reversed(want) if want else (None, None), strict=True):
             for o in await w.kube.list(res, ns, sel):
                 if desired is None or o["metadata"]["name"] != desired["metadata"]["name"]:
                     await w.kube.delete(res, o["metadata"]["name"], ns)
-        for res, desired in zip((ROLES, ROLEBINDINGS), want or ()):
+        for res, desired in zip((ROLES, ROLEBINDINGS), want or (), strict=False):
             await w.apply(res, desired)
 
     async def pod_security(self, kind: str, spec: ProxySpec, pc: pcl.ProxyClass | None) -> str:

@@ -176,7 +176,7 @@ class ProxyGroupPass:
         # A replica scaled away keeps its Secret in the Role until its Pod is gone (its pre-stop drain and
         # shutdown still write its state), and the new replicas' Secrets are in it before their Pods exist.
         allowed = [pgrender.state_secret_name(g.name, i) for i in [*range(g.replicas), *running]]
-        for res, desired in zip(RBAC_RESOURCES, pgrender.rbac(g, cfg, allowed)):
+        for res, desired in zip(RBAC_RESOURCES, pgrender.rbac(g, cfg, allowed), strict=True):
             await w.apply(res, desired)
         desired_sts = pgrender.statefulset(g, cfg, pc)
         sts = await w.apply(STATEFULSETS, desired_sts)

@@ -103,7 +103,7 @@ def read_secret_file(path: str, what: str) -> str:
         with open(path, encoding="utf-8") as f:
             v = f.read().strip()
     except OSError as e:
-        raise ProviderError(f"cannot read {what} from {path}: {e.strerror or e}; mount it there", transient=True)
+        raise ProviderError(f"cannot read {what} from {path}: {e.strerror or e}; mount it there", transient=True) from e
     if not v:
         raise ProviderError(f"{what} file {path} is empty", transient=True)
     register(v)

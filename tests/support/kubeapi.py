@@ -270,7 +270,7 @@ def _json_equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b, strict=True))
     if a is None or b is None:
         return a is b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
@@ -750,7 +750,7 @@ class KubeAPIServer:
         try:
             patch = json.loads(body or b"null")
         except ValueError as e:
-            raise ApiError(400, "BadRequest", f"error decoding patch: {e}")
+            raise ApiError(400, "BadRequest", f"error decoding patch: {e}") from e
         try:
             if ctype == "application/json-patch+json":
                 if not isinstance(patch, list):
@@ -763,7 +763,7 @@ class KubeAPIServer:
                     raise ApiError(400, "BadRequest", "the patch is not a JSON object")
                 new = merge_patch(old, patch, strategic=ctype.startswith("application/strategic"))
         except PatchError as e:
-            raise ApiError(422, "Invalid", str(e), {})
+            raise ApiError(422, "Invalid", str(e), {}) from e
         if not isinstance(new, dict):
             raise ApiError(422, "Invalid", "the patched object is not a JSON object", {})
         return 200, self._write_over(resource, ns, name, old, new), {}
@@ -882,7 +882,7 @@ class KubeAPIServer:
                     400,
                     "BadRequest",
                     f'Secret in version "v1" cannot be handled as a Secret: illegal base64 data in data[{k}]',
-                )
+                ) from None
             out[k] = base64.b64encode(raw).decode()
             total += len(raw)
         for k, v in (obj.pop("stringData", None) or {}).items():
@@ -917,7 +917,7 @@ class KubeAPIServer:
             review = json.loads(body)
             attrs = review["spec"]["resourceAttributes"]
         except (ValueError, KeyError, TypeError):
-            raise ApiError(400, "BadRequest", "SelfSubjectAccessReview must have spec.resourceAttributes")
+            raise ApiError(400, "BadRequest", "SelfSubjectAccessReview must have spec.resourceAttributes") from None
         verb, resource = attrs.get("verb", ""), attrs.get("resource", "")
         name, ns = attrs.get("name", "") or "", attrs.get("namespace", "") or ""
         with self._lock:
@@ -960,7 +960,7 @@ def _decode_body(body: bytes, kind: str) -> Any:
     try:
         return json.loads(body or b"null")
     except ValueError as e:
-        raise ApiError(400, "BadRequest", f'{kind} in version "v1" cannot be handled as a {kind}: {e}')
+        raise ApiError(400, "BadRequest", f'{kind} in version "v1" cannot be handled as a {kind}: {e}') from e
 
 
 def _record_json(r: RequestRecord) -> dict:
