@@ -48,8 +48,8 @@ PURE: frozenset[str] = frozenset({
     "controller.kinds.apiserverproxy",
     "controller.kinds.connector", "controller.kinds.egress", "controller.kinds.ingress",
     "controller.kinds.proxygroup", "controller.kinds.service", "controller.kinds.tailnet", "controller.model",
+    "controller.kinds.recorder",
     "controller.pgrender", "controller.podsecurity", "controller.proxyclass", "controller.proxyrbac",
-    "controller.recorder",
     "controller.render", "controller.sameness", "controller.status", "controller.validation",
 })
 
