@@ -25,7 +25,7 @@ from tscommon.kubeconn import tls_context
 
 from . import dnsconfig, proxyclass
 from .config import ControllerConfig
-from .kinds import apiserverproxy, connector, egress, proxygroup
+from .kinds import apiserverproxy, connector, egress, proxygroup, recorder
 from .kubeapi import USER_AGENT
 from .model import (APISERVER, CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS,
                     LABEL_PARENT_TYPE, PROXYCLASS, PROXYGROUP, SVC)
@@ -66,6 +66,9 @@ def parent_key(kind: str, body: Any, cfg: ControllerConfig) -> tuple[str, str, s
 def child_key(body: Any) -> tuple[str, str, str] | None:
     """The parent's key from a child's labels (upstream's managedResourceHandlerForType)."""
     labels = (body.get("metadata") or {}).get("labels") or {}
+    if labels.get(LABEL_MANAGED) == "true" and labels.get(recorder.LABEL_RECORDER):
+        # a Recorder's objects carry upstream's recorder label instead of the parent labels
+        return (recorder.QUEUE_KIND, "", labels[recorder.LABEL_RECORDER])
     kind = labels.get(LABEL_PARENT_TYPE)
     if labels.get(LABEL_MANAGED) != "true" or kind not in PARENT_KINDS:
         return None
@@ -124,6 +127,9 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
     kopf.on.event(connector.GROUP, connector.VERSION, connector.PLURAL, registry=parents)(on_parent(CONNECTOR))
     kopf.on.event(dnsconfig.GROUP, dnsconfig.VERSION, dnsconfig.PLURAL, registry=parents)(on_dns)
     kopf.on.event(proxygroup.GROUP, proxygroup.VERSION, proxygroup.PLURAL, registry=parents)(on_parent(PROXYGROUP))
+    # Recorders (cluster-scoped); their Secrets and StatefulSet lead back to them through child_key
+    kopf.on.event(recorder.GROUP, recorder.VERSION, recorder.PLURAL,
+                  registry=parents)(on_parent(recorder.QUEUE_KIND))
 
     async def on_class(body: Any, **_: Any) -> None:
         # The class's own pass writes its status and then queues every parent that uses it.

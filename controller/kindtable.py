@@ -17,13 +17,17 @@ from typing import Any
 from . import dnsconfig as dc, proxyclass as pcl, status as st
 from .config import ControllerConfig
 from .kinds import apiserverproxy, connector, egress, ingress, proxygroup, service
+from .kinds import recorder as rec
 from .resources import CONFIGMAPS, CONNECTORS, DNSCONFIGS, INGRESSES, PROXYCLASSES, PROXYGROUPS, SERVICES, Resource
+from .resources import RECORDERS
 from .model import (APISERVER, COND_CONNECTOR_READY, COND_PG_READY, COND_PROXY_READY, CONNECTOR, INGRESS, PROXYCLASS,
                     PROXYGROUP, SVC, Decision, ProxySpec)
 from .sameness import same
 
 #: the passes a queue key can go to (KindInfo.runs)
 PARENT, GROUP, CLASS, DNS = "parent", "group", "class", "dns"
+#: the Recorders' pass (controller/passes/recorder.py)
+RECORDER = "recorder"
 DNSCONFIG = dc.QUEUE_KEY[0]
 
 
@@ -141,6 +145,9 @@ KINDS: dict[str, KindInfo] = {k.key: k for k in (
              namespaced=False),
     KindInfo(DNSCONFIG, DNSCONFIGS, f"{dc.GROUP}/{dc.VERSION}", dc.KIND, DNS, dc.COND_NAMESERVER_READY,
              namespaced=False),
+    KindInfo(rec.QUEUE_KIND, RECORDERS, f"{rec.GROUP}/{rec.VERSION}", rec.KIND, RECORDER, rec.COND_READY,
+             namespaced=False, handled=lambda o, c: True, invalid_reason=rec.REASON_INVALID,
+             failed_reason=rec.REASON_FAILED, pending_reason=rec.REASON_CREATING),
 )}
 
 #: the kinds whose objects own proxies (the children's LABEL_PARENT_TYPE values)

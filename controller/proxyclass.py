@@ -247,7 +247,7 @@ def _label_key_problem(k: str) -> str:
     return ""
 
 
-def _check_labels(path: str, v: Any, problems: list[str], *, values: bool = True) -> None:
+def check_labels(path: str, v: Any, problems: list[str], *, values: bool = True) -> None:
     if v is None:
         return
     if not isinstance(v, Mapping):
@@ -278,7 +278,7 @@ def _type(path: str, v: Any, want: type | tuple[type, ...], what: str, problems:
     return True
 
 
-def _check_tolerations(path: str, v: Any, problems: list[str]) -> None:
+def check_tolerations(path: str, v: Any, problems: list[str]) -> None:
     if not _type(path, v, list, "a list of tolerations", problems):
         return
     for i, t in enumerate(v):
@@ -389,20 +389,20 @@ def validate(obj: Mapping[str, Any], *, service_monitor_crd: bool = True) -> Val
         return Validation((f"spec: {_show(spec)} is not an object",))
     sts: Any = spec.get("statefulSet")
     if _type("spec.statefulSet", sts, Mapping, "an object", problems):
-        _check_labels("spec.statefulSet.labels", sts.get("labels"), problems)
-        _check_labels("spec.statefulSet.annotations", sts.get("annotations"), problems, values=False)
+        check_labels("spec.statefulSet.labels", sts.get("labels"), problems)
+        check_labels("spec.statefulSet.annotations", sts.get("annotations"), problems, values=False)
         pod: Any = sts.get("pod")
         if _type("spec.statefulSet.pod", pod, Mapping, "an object", problems):
             pp = "spec.statefulSet.pod"
-            _check_labels(f"{pp}.labels", pod.get("labels"), problems)
-            _check_labels(f"{pp}.annotations", pod.get("annotations"), problems, values=False)
-            _check_labels(f"{pp}.nodeSelector", pod.get("nodeSelector"), problems)
+            check_labels(f"{pp}.labels", pod.get("labels"), problems)
+            check_labels(f"{pp}.annotations", pod.get("annotations"), problems, values=False)
+            check_labels(f"{pp}.nodeSelector", pod.get("nodeSelector"), problems)
             for f in ("affinity", "securityContext", "dnsConfig"):
                 _type(f"{pp}.{f}", pod.get(f), Mapping, "an object", problems)
             for f in ("nodeName", "priorityClassName"):
                 _type(f"{pp}.{f}", pod.get(f), str, "a string", problems)
             if pod.get("tolerations") is not None:
-                _check_tolerations(f"{pp}.tolerations", pod.get("tolerations"), problems)
+                check_tolerations(f"{pp}.tolerations", pod.get("tolerations"), problems)
             if _type(f"{pp}.topologySpreadConstraints", pod.get("topologySpreadConstraints"), list, "a list",
                      problems):
                 for i, t in enumerate(pod["topologySpreadConstraints"]):
@@ -430,7 +430,7 @@ def validate(obj: Mapping[str, Any], *, service_monitor_crd: bool = True) -> Val
         sm: Any = metrics.get("serviceMonitor")
         if _type("spec.metrics.serviceMonitor", sm, Mapping, "an object", problems):
             _type("spec.metrics.serviceMonitor.enable", sm.get("enable"), bool, "true or false", problems)
-            _check_labels("spec.metrics.serviceMonitor.labels", sm.get("labels"), problems)
+            check_labels("spec.metrics.serviceMonitor.labels", sm.get("labels"), problems)
             if sm.get("enable") is True and metrics.get("enable") is not True:
                 problems.append("spec.metrics.serviceMonitor.enable: a ServiceMonitor needs metrics; set "
                                 "spec.metrics.enable: true")

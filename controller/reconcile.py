@@ -2,9 +2,9 @@
 
 `Reconciler` builds the one `writer.Writer` (the verbs every pass shares, with the one warned-once memory) and
 the passes (controller/passes/), and sends each key to the pass its kind's row names (`kindtable.KINDS`): the
-parents of single proxies, the ProxyGroups, the ProxyClasses and the DNSConfig. Every pass is level-triggered:
-it starts from what is in the API server now, so a pass after a crash, a missed event or a restart converges
-the same way, and a pass that finds everything as rendered sends no write at all.
+parents of single proxies, the ProxyGroups, the ProxyClasses, the DNSConfig and the Recorders. Every pass is
+level-triggered: it starts from what is in the API server now, so a pass after a crash, a missed event or a
+restart converges the same way, and a pass that finds everything as rendered sends no write at all.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, Hashable
 
 from .config import ControllerConfig
-from .kindtable import CLASS, DNS, GROUP, KINDS, PARENT
+from .kindtable import CLASS, DNS, GROUP, KINDS, PARENT, RECORDER
 from .kindtable import handled as handled
 from .kindtable import proxy_target as proxy_target
 from .kubeapi import KubeClient
@@ -26,6 +26,7 @@ from .passes.parents import TLS_RECHECK as TLS_RECHECK
 from .passes.parents import ParentPass
 from .passes.proxyclass import ProxyClassPass
 from .passes.proxygroup import ProxyGroupPass
+from .passes.recorder import RecorderPass
 from .providers import Provider
 from .replicaprober import ReplicaProber
 from .writer import Writer, now_utc
@@ -42,8 +43,10 @@ class Reconciler:
         self.parents = ParentPass(self.writer, self.egress)
         self.classes = ProxyClassPass(self.writer)
         self.dns = DNSConfigPass(self.writer)
+        self.recorders = RecorderPass(self.writer)
         self.passes: dict[str, Callable[[str, str, str], Awaitable[float | None]]] = {
-            PARENT: self.parents.run, GROUP: self.groups.run, CLASS: self.classes.run, DNS: self.dns.run}
+            PARENT: self.parents.run, GROUP: self.groups.run, CLASS: self.classes.run, DNS: self.dns.run,
+            RECORDER: self.recorders.run}
 
     @property
     def kube(self) -> KubeClient:

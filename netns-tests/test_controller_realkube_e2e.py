@@ -977,6 +977,69 @@ def test_apiserver_proxy_records_kubectl_exec_and_refuses_it_without_the_recorde
         if recorder is not None:
             recorder.remove()
         ap.set_mode(kc, "off")
+
+
+def test_a_recorder_object_runs_its_recorder_on_the_tailnet_and_its_deletion_removes_the_device(lab, kube):
+    """A `Recorder` created in the cluster (docs/recording.md "How the controller runs a Recorder"): the
+    controller runs its StatefulSet (tailscaled and our tsrecorder in one Pod, device `recorder-0` tagged
+    `tag:k8s-recorder`), the recorder listens on the device's tailnet addresses, and the status lists the
+    device with them. The API server proxy, whose grant enforces a recorder with that tag, records a real
+    `kubectl exec` to it (the cast read from the recorder's volume). Deleting the Recorder deletes its device
+    from headscale before the finalizer lets the object go."""
+    kc = kube
+    from labtools import apiproxylab as ap
+    lab.delete_node("kube-apiserver")
+    kc.apply([*ap.reader_rbac("apps"), {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "rec-target2", "namespace": "apps"},
+        "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
+            "name": "target", "image": kubecontroller.PROXY_IMAGE, "imagePullPolicy": "Never",
+            "command": ["/bin/sh", "-c", "sleep 100000"]}]}}])
+    rec_obj = {"apiVersion": "tailscale.com/v1alpha1", "kind": "Recorder", "metadata": {"name": "recorder"},
+               "spec": {"tags": [ap.RECORDER_TAG]}}
+
+    def status() -> dict:
+        cp = kc.kubectl("get", "recorder", "recorder", "-o", "json", check=False)
+        return json.loads(cp.stdout).get("status") or {} if cp.returncode == 0 else {}
+    try:
+        with lab.hs_policy(ap.recorder_policy("e2e", "tag:k8s", enforce=True)):
+            kc.apply([rec_obj])
+            st = wait_until(lambda: (s := status()) and any(c["type"] == "RecorderReady" and c["status"] == "True"
+                                                            for c in s.get("conditions") or []) and s,
+                            240, 3, "the Recorder's recorder on the tailnet (RecorderReady True)")
+            (dev,) = st["devices"]
+            assert dev["hostname"] == "recorder-0" and dev["tailnetIPs"], st
+            (node,) = _hs_nodes_named(lab, "recorder-0")
+            assert ap.RECORDER_TAG in json.dumps(node), node
+            logs = wait_until(lambda: (cp := kc.kubectl("-n", "tailscale", "logs", "recorder-0", "-c", "recorder",
+                                                        check=False)).returncode == 0
+                              and "recorder listening on" in cp.stdout and cp.stdout, 60, 2, "the recorder listening")
+            assert dev["tailnetIPs"][0] in logs, logs
+            # the API server proxy, whose grant enforces a recorder tagged tag:k8s-recorder, records an exec to it
+            ap.set_mode(kc, "auth")
+            ap.wait_url(kc)
+            client = ap.TailnetKubectl(lab, "client", kc.cfg.bin_dir / "kubectl", f"http://{ap.proxy_ip(kc)}",
+                                       lab.run_dir / "recording-cr", token="unused")
+            kc.kubectl("-n", "apps", "wait", "pod/rec-target2", "--for=condition=Ready", "--timeout=120s",
+                       timeout=130)
+            wait_until(lambda: (ex := client.run("-n", "apps", "exec", "rec-target2", "--", "sh", "-c",
+                                                 "echo rec-cr-$((6*7))")).returncode == 0 and "rec-cr-42" in ex.stdout,
+                       120, 3, "kubectl exec through the proxy, recorded by the Recorder's recorder")
+
+            def cast_text() -> str | None:
+                cp = kc.kubectl("-n", "tailscale", "exec", "recorder-0", "-c", "recorder", "--", "sh", "-c",
+                                "cat /data/recordings/*.cast", check=False)
+                return cp.stdout if cp.returncode == 0 and "rec-cr-42" in cp.stdout else None
+            head = json.loads(wait_until(cast_text, 30, 1, "the cast on the Recorder's volume").splitlines()[0])
+            assert head["srcNodeUser"] == "e2e" and head["kubernetes"]["PodName"] == "rec-target2", head
+            kc.kubectl("delete", "recorder", "recorder", "--timeout=180s", timeout=190)
+            assert _hs_nodes_named(lab, "recorder-0") == [], lab.hs_nodes()
+            assert kc.kubectl("-n", "tailscale", "get", "statefulset", "recorder", check=False).returncode != 0
+    except BaseException:
+        print(kubecontroller.controller_log(kc))
+        raise
+    finally:
+        kc.kubectl("delete", "recorder", "recorder", "--ignore-not-found", "--wait=false", check=False)
+        ap.set_mode(kc, "off")
         kc.kubectl("-n", "apps", "delete", "pod", "rec-target", "--wait=false", check=False)
 
 

@@ -141,6 +141,12 @@ def test_rbac_covers_the_controllers_calls():
     for res in (kubeapi.CONFIGMAPS, kubeapi.DEPLOYMENTS):
         for verb in ("get", "list", "watch", "create", "patch", "delete"):
             assert _covered(role["rules"], group(res), res.plural, verb), (res.plural, verb)
+    # Recorders: watched cluster-wide, their finalizer and status written; their Pods listed (a scale-down)
+    for verb in ("get", "list", "watch", "patch"):
+        assert _covered(cr["rules"], "tailscale.com", kubeapi.RECORDERS.plural, verb), verb
+    assert _covered(cr["rules"], "tailscale.com", "recorders/status", "patch")
+    assert _covered(cr["rules"], "tailscale.com", "recorders/finalizers", "update")
+    assert _covered(role["rules"], "", kubeapi.PODS.plural, "list")
 
 
 def test_no_shared_proxy_identity_and_the_controller_holds_what_it_grants():

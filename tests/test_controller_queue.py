@@ -157,7 +157,7 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
     assert {r: (reg is parents, labels) for r, (reg, labels, _) in watched.items()} == {
         "services": (True, None), "ingresses": (True, None), "connectors": (True, None),
         "proxygroups": (True, None), "proxyclasses": (True, None), "dnsconfigs": (True, None),
-        "endpointslices": (False, None),
+        "recorders": (True, None), "endpointslices": (False, None),
         "secrets": (False, {"tailscale.com/managed": "true"}),
         "statefulsets": (False, {"tailscale.com/managed": "true"}),
         "pods": (False, {"tailscale.com/managed": "true", "tailscale.com/parent-resource-type": "proxygroup"}),
@@ -169,9 +169,14 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
                                      "tailscale.com/parent-resource-ns": "apps",
                                      "tailscale.com/parent-resource-type": "svc"}}}
     await watched["statefulsets"][2](body=child)
+    await watched["recorders"][2](body={"metadata": {"name": "rec"}})
+    # a Recorder's Secret (upstream's recorder label, no parent labels) brings a pass of its Recorder
+    await watched["secrets"][2](body={"metadata": {"labels": {"tailscale.com/managed": "true",
+                                                              "tailscale.com/recorder": "rec"}}})
     # every Service event also queues the DNSConfig pass (an egress Service's tailnet name may have changed)
     dns = ("dnsconfig", "", "")
-    assert queue.keys == [("svc", "apps", "web"), dns, dns, ("svc", "apps", "web")]
+    assert queue.keys == [("svc", "apps", "web"), dns, dns, ("svc", "apps", "web"), ("recorder", "", "rec"),
+                          ("recorder", "", "rec")]
     s = settings(True)
     assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/apiserver-proxy=true"] + [
         "tailscale.com/managed=true"] * 2 + ["tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]

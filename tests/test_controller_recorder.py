@@ -1,4 +1,5 @@
-"""The Recorder: its CRD against upstream's, the decision, the rendered objects, the status and one pass."""
+"""The Recorder: its CRD against upstream's, the decision, the rendered objects, the status, and whole passes
+against the in-memory API server (create, a second pass, scale-down, deletion, bad input)."""
 from __future__ import annotations
 
 import base64
@@ -10,8 +11,12 @@ import pytest
 import yaml
 
 from controller.config import ControllerConfig
-from controller.recorder import (RecorderInvalid, RecorderPass, decide, render, status)
+from controller.kinds.recorder import RecorderInvalid, decide, render, status
+from controller.handlers import child_key
+from controller.kubeapi import EVENTS, PODS, RECORDERS, ROLES, SECRETS, STATEFULSETS
+from controller.reconcile import Reconciler
 from controller.render import SPEC_HASH
+from tests.support.fakekube import FakeKube, FakeProvider, agent_writes, secret_data
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CFG = ControllerConfig(namespace="tailscale", proxy_image="registry.example/proxy:1", proxy_tags=("tag:k8s",))
@@ -177,63 +182,141 @@ def test_status_lists_devices_with_the_ui_url_and_keeps_the_transition_time():
         "conditions"][0]["lastTransitionTime"] == "t2"
 
 
-class FakeWriter:
-    def __init__(self, secrets: dict | None = None) -> None:
-        self.secrets: dict[str, dict] = dict(secrets or {})
-        self.applied: list[dict] = []
-        self.deleted: list[str] = []
-        self.minted = 0
-        self.statuses: list[dict] = []
-        self.events: list[tuple] = []
-
-    async def get_secret(self, name):
-        return self.secrets.get(name)
-
-    async def apply(self, obj):
-        self.applied.append(obj)
-        if obj["kind"] == "Secret":
-            self.secrets[obj["metadata"]["name"]] = {"data": {k: base64.b64encode(v.encode()).decode()
-                                                              for k, v in obj["stringData"].items()}}
-
-    async def delete_secret(self, name):
-        self.deleted.append(name)
-        self.secrets.pop(name, None)
-
-    async def mint_authkey(self, tags):
-        self.minted += 1
-        return f"tskey-{self.minted}"
-
-    async def patch_status(self, obj, st):
-        self.statuses.append(st)
-
-    async def event(self, obj, kind, reason, message):
-        self.events.append((kind, reason, message))
+# ---- whole passes against the in-memory API server
 
 
-async def test_a_pass_mints_a_key_once_keeps_it_until_login_and_never_overwrites_the_agents_state():
-    w = FakeWriter()
-    p = RecorderPass(w, CFG, now=lambda: "t")
-    await p.reconcile(EXAMPLE)
-    assert w.minted == 1 and w.statuses[-1]["conditions"][0]["reason"] == "RecorderCreating"
-    await p.reconcile(EXAMPLE)                 # not logged in yet: the same key, no new one
-    assert w.minted == 1
-    conf = [o for o in w.applied if o["metadata"]["name"] == "recorder-0-config"][-1]
-    assert json.loads(conf["stringData"]["cap-95.hujson"])["AuthKey"] == "tskey-1"
-    w.secrets["recorder-0"] = state("recorder-0.tailnet.example.", ["100.64.0.9"])
-    w.applied.clear()
-    await p.reconcile(EXAMPLE)
-    assert "recorder-0" not in [o["metadata"]["name"] for o in w.applied]      # the agent's, left alone
-    conf = [o for o in w.applied if o["metadata"]["name"] == "recorder-0-config"][-1]
-    assert "AuthKey" not in json.loads(conf["stringData"]["cap-95.hujson"])
-    assert w.statuses[-1]["conditions"][0]["reason"] == "RecorderCreated"
+NS = "tailscale"
 
 
-async def test_a_pass_removes_scaled_down_replicas_secrets_and_reports_an_invalid_spec():
-    w = FakeWriter({"recorder-1": state("r1.", ["100.64.0.10"]), "recorder-1-config": {"data": {}}})
-    await RecorderPass(w, CFG, now=lambda: "t").reconcile(EXAMPLE)
-    assert w.deleted == ["recorder-1", "recorder-1-config"]
-    w = FakeWriter()
-    await RecorderPass(w, CFG, now=lambda: "t").reconcile({**EXAMPLE, "spec": {"replicas": 3}})
-    assert w.applied == [] and w.events[0][:2] == ("Warning", "RecorderInvalid")
-    assert w.statuses[0]["conditions"][0]["reason"] == "RecorderInvalid"
-    assert "multiple replicas" in w.statuses[0]["conditions"][0]["message"]
+@pytest.fixture
+def env():
+    kube, prov = FakeKube(), FakeProvider()
+    clock = iter(f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}Z" for i in range(3600))
+    return kube, prov, Reconciler(kube, prov, CFG, now=lambda: next(clock))
+
+
+def recorder_obj(**spec) -> dict:
+    return {"apiVersion": "tailscale.com/v1alpha1", "kind": "Recorder",
+            "metadata": {"name": "recorder", "generation": 1}, "spec": {"enableUI": True, **spec}}
+
+
+def register(kube, prov, i: int, dev: str) -> None:
+    """Replica i's agent logs in and writes its device into its state Secret."""
+    agent_writes(kube, f"recorder-{i}", {"device_id": dev.encode(),
+                                         "device_fqdn": f"recorder-{i}.tail.example.".encode(),
+                                         "device_ips": json.dumps([f"100.64.0.{10 + i}"]).encode()})
+    prov.tags[dev] = ("tag:k8s",)
+
+
+def ready(kube) -> dict:
+    (cond,) = [c for c in kube.obj(RECORDERS, "recorder")["status"]["conditions"] if c["type"] == "RecorderReady"]
+    return cond
+
+
+async def test_a_recorder_object_gets_its_recorder_a_key_once_and_its_devices_in_the_status(env):
+    kube, prov, rec = env
+    kube.put(RECORDERS, recorder_obj())
+    await rec.reconcile("recorder", "", "recorder")
+    assert kube.obj(RECORDERS, "recorder")["metadata"]["finalizers"] == ["tailscale.com/finalizer"]
+    assert [(k[0], k[2]) for k in kube.objects if k[1] == NS] == [
+        ("secrets", "recorder-0"), ("secrets", "recorder-0-config"), ("serviceaccounts", "recorder"),
+        ("roles", "recorder"), ("rolebindings", "recorder"), ("statefulsets", "recorder")]
+    (key, tags), = prov.keys
+    assert tags == ("tag:k8s",)
+    assert json.loads(secret_data(kube, "recorder-0-config")["cap-95.hujson"])["AuthKey"] == key
+    containers = kube.obj(STATEFULSETS, "recorder", NS)["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["tailscale", "recorder"]
+    assert ready(kube)["status"] == "False" and ready(kube)["reason"] == "RecorderCreating"
+    # a second pass before the replica has logged in: the same key, no write at all
+    before = len(kube.writes())
+    await rec.reconcile("recorder", "", "recorder")
+    assert len(prov.keys) == 1 and kube.writes()[before:] == []
+    # the replica logs in: the key leaves its config, the status lists its device with the UI's URL
+    register(kube, prov, 0, "21")
+    await rec.reconcile("recorder", "", "recorder")
+    assert "AuthKey" not in json.loads(secret_data(kube, "recorder-0-config")["cap-95.hujson"])
+    assert secret_data(kube, "recorder-0")["device_id"] == b"21"          # the agent's state, left alone
+    st = kube.obj(RECORDERS, "recorder")["status"]
+    assert st["devices"] == [{"hostname": "recorder-0", "tailnetIPs": ["100.64.0.10"],
+                              "url": "http://recorder-0.tail.example"}]
+    assert ready(kube)["status"] == "True" and ready(kube)["reason"] == "RecorderCreated"
+    assert len(prov.keys) == 1 and kube.of(EVENTS) == []
+
+
+S3 = {"storage": {"s3": {"endpoint": "s3.example", "bucket": "recordings",
+                         "credentials": {"secret": {"name": "s3-creds"}}}}}
+
+
+async def test_scaling_2_to_1_deletes_the_device_and_secrets_once_the_pod_is_gone(env):
+    kube, prov, rec = env
+    kube.put(SECRETS, {"metadata": {"name": "s3-creds", "namespace": NS}, "data": {}})
+    kube.put(RECORDERS, recorder_obj(replicas=2, **S3))
+    await rec.reconcile("recorder", "", "recorder")
+    register(kube, prov, 0, "21")
+    register(kube, prov, 1, "22")
+    await rec.reconcile("recorder", "", "recorder")
+    assert [d["hostname"] for d in kube.obj(RECORDERS, "recorder")["status"]["devices"]] == ["recorder-0",
+                                                                                           "recorder-1"]
+    kube.put(PODS, {"metadata": {"name": "recorder-1", "namespace": NS,
+                                 "labels": {"tailscale.com/managed": "true", "tailscale.com/recorder": "recorder"}}})
+    kube.objects[("recorders", "", "recorder")]["spec"]["replicas"] = 1
+    assert await rec.reconcile("recorder", "", "recorder") == 2.0       # its Pod is still shutting down
+    assert kube.obj(STATEFULSETS, "recorder", NS)["spec"]["replicas"] == 1
+    assert kube.obj(SECRETS, "recorder-1", NS) is not None and prov.deleted == []
+    assert kube.obj(ROLES, "recorder", NS)["rules"][0]["resourceNames"] == ["recorder-0", "recorder-1"]
+    del kube.objects[("pods", NS, "recorder-1")]
+    await rec.reconcile("recorder", "", "recorder")
+    assert prov.deleted == ["22"]
+    assert kube.obj(SECRETS, "recorder-1", NS) is None and kube.obj(SECRETS, "recorder-1-config", NS) is None
+    assert kube.obj(ROLES, "recorder", NS)["rules"][0]["resourceNames"] == ["recorder-0"]
+    assert [d["hostname"] for d in kube.obj(RECORDERS, "recorder")["status"]["devices"]] == ["recorder-0"]
+    assert len(prov.keys) == 2
+
+
+async def test_deleting_a_recorder_deletes_its_devices_objects_and_then_the_finalizer(env):
+    kube, prov, rec = env
+    kube.put(RECORDERS, recorder_obj())
+    await rec.reconcile("recorder", "", "recorder")
+    register(kube, prov, 0, "21")
+    await rec.reconcile("recorder", "", "recorder")
+    await kube.delete(RECORDERS, "recorder")
+    assert await rec.reconcile("recorder", "", "recorder") == 2.0      # the StatefulSet's Pods go first
+    assert prov.deleted == [] and kube.obj(RECORDERS, "recorder") is not None
+    kube.finish_deletions()
+    assert await rec.reconcile("recorder", "", "recorder") is None
+    assert prov.deleted == ["21"] and kube.obj(RECORDERS, "recorder") is None
+    assert [k for k in kube.objects if k[1] == NS] == []
+
+
+@pytest.mark.parametrize("spec, words", [
+    (S3, "spec.storage.s3.credentials.secret.name='s3-creds': no Secret 's3-creds' in namespace 'tailscale'; "
+         "create it there with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"),
+    ({"tailnet": "other"}, "spec.tailnet='other'"),
+])
+async def test_bad_input_gets_a_false_condition_and_one_warning_event_and_nothing_made(env, spec, words):
+    kube, prov, rec = env
+    kube.put(RECORDERS, recorder_obj(**spec))
+    await rec.reconcile("recorder", "", "recorder")
+    await rec.reconcile("recorder", "", "recorder")
+    cond = ready(kube)
+    assert cond["status"] == "False" and cond["reason"] == "RecorderInvalid" and words in cond["message"]
+    (ev,) = kube.of(EVENTS)
+    assert (ev["type"], ev["reason"]) == ("Warning", "RecorderInvalid") and words in ev["message"]
+    assert ev["involvedObject"]["kind"] == "Recorder" and ev["involvedObject"]["apiVersion"] == "tailscale.com/v1alpha1"
+    assert prov.keys == [] and [k for k in kube.objects if k[1] == NS] == []
+
+
+async def test_the_missing_credentials_secret_once_created_lets_the_recorder_start(env):
+    kube, prov, rec = env
+    kube.put(RECORDERS, recorder_obj(**S3))
+    assert await rec.reconcile("recorder", "", "recorder") == 60.0      # the user's Secret is not watched
+    kube.put(SECRETS, {"metadata": {"name": "s3-creds", "namespace": NS}, "data": {}})
+    await rec.reconcile("recorder", "", "recorder")
+    assert ready(kube)["reason"] == "RecorderCreating" and len(prov.keys) == 1
+    env_from = kube.obj(STATEFULSETS, "recorder", NS)["spec"]["template"]["spec"]["containers"][1]["envFrom"]
+    assert env_from == [{"secretRef": {"name": "s3-creds"}}]
+
+
+def test_a_recorders_children_lead_back_to_it():
+    labels = {"tailscale.com/managed": "true", "tailscale.com/recorder": "recorder"}
+    assert child_key({"metadata": {"labels": labels}}) == ("recorder", "", "recorder")

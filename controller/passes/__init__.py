@@ -6,5 +6,5 @@ queue retries with backoff). `controller.reconcile.Reconciler` builds them and d
 `kindtable.KINDS[kind].runs`.
 A pass reads the API server, computes with the pure modules (`kinds/`, `render`, `pgrender`, `proxyclass`,
 `dnsconfig`, `status`) and writes what differs through the writer. Passes call each other's public methods
-only, in one direction: parents → egress → proxygroup; proxyclass and dnsconfig stand alone.
+only, in one direction: parents → egress → proxygroup; proxyclass, dnsconfig and recorder stand alone.
 """

@@ -49,9 +49,9 @@ PURE: frozenset[str] = frozenset({
     "controller.kinds.apiserverproxy",
     "controller.kinds.connector", "controller.kinds.egress", "controller.kinds.ingress",
     "controller.kinds.proxygroup", "controller.kinds.service", "controller.kinds.tailnet", "controller.model",
+    "controller.kinds.recorder",
     "controller.pgrender", "controller.podsecurity", "controller.providers.hscompat",
-    "controller.proxyclass", "controller.proxyrbac",
-    "controller.recorder", "controller.replicahealth",
+    "controller.proxyclass", "controller.proxyrbac", "controller.replicahealth",
     "controller.render", "controller.sameness", "controller.status", "controller.validation",
 })
 

@@ -1,5 +1,5 @@
 """Recorder: a recorder on the tailnet for the API server proxy's session recordings (pure: objects in, objects
-out).
+out). The controller's pass for it is controller/passes/recorder.py.
 
 Upstream's resource (`tailscale.com/v1alpha1`, kind `Recorder`, cluster-scoped) and upstream's object names,
 in the controller's namespace: a StatefulSet `<rec>`, per replica a state Secret `<rec>-<i>` and a config
@@ -33,20 +33,21 @@ RecorderCreating before, RecorderInvalid for a refused spec).
 from __future__ import annotations
 
 import base64
-import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from tscommon.secretcontract import (CONFIG_CAPVERS, KEY_DEVICE_FQDN, KEY_DEVICE_ID, KEY_DEVICE_IPS, config_key,
-                                     parse_device_fqdn, parse_device_ips)
+from tscommon.secretcontract import (CONFIG_CAPVERS, KEY_DEVICE_FQDN, KEY_DEVICE_IPS, config_key, parse_device_fqdn,
+                                     parse_device_ips)
 
-from . import proxyclass as pcl, proxyrbac
-from .config import ControllerConfig
-from .render import SPEC_HASH, hashed, dumps, rehash
+from .. import proxyclass as pcl, proxyrbac
+from ..config import ControllerConfig
+from ..render import SPEC_HASH, dumps, hashed, rehash
 
 GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "recorders", "Recorder"
+#: the work-queue kind of a Recorder (not a parent of proxies: its pass is controller/passes/recorder.py)
+QUEUE_KIND = "recorder"
 COND_READY = "RecorderReady"
 REASON_CREATED = "RecorderCreated"
 REASON_CREATING = "RecorderCreating"
@@ -60,8 +61,7 @@ DATA_DIR = "/data"
 RECORDINGS_DIR = DATA_DIR + "/recordings"
 _TAG = re.compile(r"^tag:[a-zA-Z][a-zA-Z0-9-]*$")
 
-__all__ = ["RecorderInvalid", "RecorderSpec", "decide", "render", "status", "Rendered", "RecorderPass",
-           "RecorderWriter", "SPEC_HASH"]
+__all__ = ["RecorderInvalid", "RecorderSpec", "decide", "render", "status", "Rendered", "SPEC_HASH"]
 
 
 class RecorderInvalid(ValueError):
@@ -148,12 +148,12 @@ def decide(obj: Mapping[str, Any], cfg: ControllerConfig) -> RecorderSpec:
         _strmap(pod.get("nodeSelector"), "spec.statefulSet.pod.nodeSelector")
         _strmap(_get(pod, "serviceAccount", "annotations"), "spec.statefulSet.pod.serviceAccount.annotations")
         # the CRD stores what upstream's stores (label values, toleration operator ""): checked here, as for a class
-        pcl._check_labels("spec.statefulSet.labels", sts.get("labels"), problems)
-        pcl._check_labels("spec.statefulSet.pod.labels", pod.get("labels"), problems)
+        pcl.check_labels("spec.statefulSet.labels", sts.get("labels"), problems)
+        pcl.check_labels("spec.statefulSet.pod.labels", pod.get("labels"), problems)
     except RecorderInvalid as e:
         problems.append(str(e))
         sts_labels, sts_annotations = {}, {}
-    pcl._check_tolerations("spec.statefulSet.pod.tolerations", pod.get("tolerations"), problems)
+    pcl.check_tolerations("spec.statefulSet.pod.tolerations", pod.get("tolerations"), problems)
     env = _get(pod, "container", "env") or []
     if not isinstance(env, list) or not all(isinstance(e, Mapping) and isinstance(e.get("name"), str) for e in env):
         problems.append("spec.statefulSet.pod.container.env: want a list of {name, value}")
@@ -171,6 +171,26 @@ def decide(obj: Mapping[str, Any], cfg: ControllerConfig) -> RecorderSpec:
 def labels(r: RecorderSpec) -> dict[str, str]:
     """On every object of the Recorder: the controller's and upstream's recorder label."""
     return {"tailscale.com/managed": "true", LABEL_RECORDER: r.name}
+
+
+def selector(name: str) -> str:
+    """The label selector of a Recorder's objects (by the Recorder's name: also when its spec is refused)."""
+    return f"tailscale.com/managed=true,{LABEL_RECORDER}={name}"
+
+
+def replica_index(r: RecorderSpec, secret: str) -> int | None:
+    """The replica a state or config Secret of the Recorder belongs to (None: not one of its replicas')."""
+    n = secret.removesuffix("-config").removeprefix(f"{r.name}-")
+    return int(n) if secret.startswith(f"{r.name}-") and n.isdigit() else None
+
+
+def credentials_problem(r: RecorderSpec, cfg: ControllerConfig, secret: Mapping[str, Any] | None) -> str:
+    """Why the S3 credentials Secret cannot be used ("" when it can, or when there is no S3 storage)."""
+    if not r.s3_secret or secret is not None:
+        return ""
+    return (f"spec.storage.s3.credentials.secret.name={r.s3_secret!r}: no Secret {r.s3_secret!r} in namespace "
+            f"{cfg.namespace!r}; create it there with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+            "name the Secret that has them")
 
 
 def state_secret_name(r: RecorderSpec, i: int) -> str:
@@ -214,11 +234,12 @@ def state_secret(r: RecorderSpec, cfg: ControllerConfig, i: int) -> dict:
             "stringData": {}}
 
 
-def rbac(r: RecorderSpec, cfg: ControllerConfig) -> tuple[dict | None, dict, dict]:
+def rbac(r: RecorderSpec, cfg: ControllerConfig, retiring: Sequence[int] = ()) -> tuple[dict | None, dict, dict]:
     """ServiceAccount (None when spec.statefulSet.pod.serviceAccount names one to use), Role and RoleBinding
-    `<rec>`; the Role allows the replicas' state Secrets only."""
+    `<rec>`; the Role allows the replicas' state Secrets only (and, while their Pods shut down, those of the
+    replicas scaled away: `retiring`)."""
     sa, role, binding = proxyrbac.identity(r.name, cfg.namespace, labels(r),
-                                           [state_secret_name(r, i) for i in range(r.replicas)])
+                                           [state_secret_name(r, i) for i in [*range(r.replicas), *retiring]])
     for o in (sa, role, binding):
         o["metadata"]["ownerReferences"] = _owner(r)
     sa_ann = _get(r.pod, "serviceAccount", "annotations") or {}
@@ -313,14 +334,15 @@ class Rendered:
                 self.role_binding, self.statefulset]
 
 
-def render(r: RecorderSpec, cfg: ControllerConfig, authkeys: Sequence[str]) -> Rendered:
-    """Every object of the Recorder; `authkeys[i]` is replica i's (empty once it has logged in)."""
+def render(r: RecorderSpec, cfg: ControllerConfig, authkeys: Sequence[str], retiring: Sequence[int] = ()) -> Rendered:
+    """Every object of the Recorder; `authkeys[i]` is replica i's (empty once it has logged in); `retiring`: the
+    replicas scaled away whose Pods still run (their state Secrets stay in the Role)."""
     if len(authkeys) != r.replicas:
         raise ValueError(f"{len(authkeys)} auth keys for {r.replicas} replicas")
     secrets: list[dict] = []
     for i in range(r.replicas):
         secrets += [state_secret(r, cfg, i), config_secret(r, cfg, i, authkeys[i])]
-    sa, role, binding = rbac(r, cfg)
+    sa, role, binding = rbac(r, cfg, retiring)
     return Rendered(tuple(secrets), sa, role, binding, statefulset(r, cfg))
 
 
@@ -368,84 +390,3 @@ def status(r: RecorderSpec | None, state_secrets: Mapping[str, Mapping[str, Any]
     cond = {"type": COND_READY, "status": st, "reason": reason, "message": msg, "lastTransitionTime": when,
             "observedGeneration": generation}
     return {"conditions": [cond], "devices": devs}
-
-
-# ---- the pass: what the controller does for one Recorder, through a writer it is given -------------------------
-
-class RecorderWriter(Protocol):
-    """The I/O a Recorder pass needs, each verb one Kubernetes or control-plane call (the controller shell's
-    writer object provides them)."""
-
-    async def get_secret(self, name: str) -> Mapping[str, Any] | None:
-        """A Secret of the controller's namespace, or None."""
-
-    async def apply(self, obj: dict) -> None:
-        """Create or update the object (unchanged SPEC_HASH: no write)."""
-
-    async def delete_secret(self, name: str) -> None:
-        """Delete a Secret of the controller's namespace if it exists."""
-
-    async def mint_authkey(self, tags: tuple[str, ...]) -> str:
-        """A single-use, pre-authorized auth key for a device with these tags."""
-
-    async def patch_status(self, obj: Mapping[str, Any], status: dict) -> None:
-        """Write the Recorder's status subresource."""
-
-    async def event(self, obj: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
-        """An event on the Recorder (kind Normal or Warning)."""
-
-
-def _logged_in(state: Mapping[str, Any] | None) -> bool:
-    return bool(state and (state.get("data") or {}).get(KEY_DEVICE_ID))
-
-
-def _config_authkey(config: Mapping[str, Any] | None) -> str:
-    """The auth key already in a replica's config Secret (kept until the replica has logged in)."""
-    raw = _b64((config or {}).get("data") or {}, config_key(CONFIG_CAPVERS[0]))
-    if not raw:
-        return ""
-    try:
-        return str(json.loads(raw).get("AuthKey") or "")
-    except ValueError:
-        return ""
-
-
-class RecorderPass:
-    """One reconcile of one Recorder: decide, render, apply, status. Deletion needs nothing here: every object
-    is owned by the Recorder, so the garbage collector removes them with it (devices are removed by the
-    controller's provider as for any proxy, from the state Secrets, before they go)."""
-
-    def __init__(self, writer: RecorderWriter, cfg: ControllerConfig, now: Callable[[], str]) -> None:
-        self.writer, self.cfg, self.now = writer, cfg, now
-
-    async def reconcile(self, obj: Mapping[str, Any]) -> None:
-        try:
-            r = decide(obj, self.cfg)
-        except RecorderInvalid as e:
-            await self.writer.event(obj, "Warning", REASON_INVALID, str(e))
-            await self.writer.patch_status(obj, status(None, {}, invalid=str(e), now=self.now(),
-                                                       previous=obj.get("status"),
-                                                       generation=int((obj.get("metadata") or {}).get("generation")
-                                                                      or 0)))
-            return
-        states = {state_secret_name(r, i): await self.writer.get_secret(state_secret_name(r, i))
-                  for i in range(r.replicas)}
-        keys = []
-        for i in range(r.replicas):
-            if _logged_in(states[state_secret_name(r, i)]):
-                keys.append("")
-                continue
-            key = _config_authkey(await self.writer.get_secret(config_secret_name(r, i)))
-            keys.append(key or await self.writer.mint_authkey(r.tags))
-        for o in render(r, self.cfg, keys).objects():
-            if o["kind"] == "Secret" and o["metadata"]["name"] in states and states[o["metadata"]["name"]]:
-                continue     # a state Secret the agent already fills: never overwritten
-            await self.writer.apply(o)
-        # replicas beyond spec.replicas (a scale-down): their Secrets go once the StatefulSet has shrunk
-        i = r.replicas
-        while await self.writer.get_secret(state_secret_name(r, i)) is not None:
-            await self.writer.delete_secret(state_secret_name(r, i))
-            await self.writer.delete_secret(config_secret_name(r, i))
-            i += 1
-        await self.writer.patch_status(obj, status(r, {k: v for k, v in states.items() if v}, now=self.now(),
-                                                   previous=obj.get("status")))
