@@ -59,13 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         log.error("invalid configuration: %s", e)
         return 1
     from tscommon import ownenv
+
     from .settings import SETTINGS
     # The credentials are in `settings` now; /proc/<agent>/environ, and a child's before its exec, keep no copy.
     ownenv.scrub(setting.name for setting in SETTINGS if setting.secret)
     early = _early_tailscaled(settings)   # first: its start-up overlaps everything below
     from . import memtrim
     memtrim.limit_arenas()   # before the first thread: one malloc arena for all of them
-    from .agent import Agent   # the bulk of the agent's imports, while tailscaled starts
+    from .agent import Agent  # the bulk of the agent's imports, while tailscaled starts
     return asyncio.run(Agent(settings, os.environ, early=early).run())
 
 

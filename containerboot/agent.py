@@ -17,6 +17,8 @@ import time
 from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tscommon.redact import redact, register
+
 from . import boot
 from . import tailscaled as ts
 from .desired import Desired
@@ -27,7 +29,6 @@ from .login import LoginConfig
 from .loginloop import LoginResult, NeedsReissue, close_watch, fold_notify, run_login
 from .publish import NullPublisher
 from .reconcile import Reconciler
-from tscommon.redact import redact, register
 from .settings import Settings
 from .state import NodeState
 

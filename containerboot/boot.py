@@ -12,8 +12,8 @@ from .settings import Settings
 
 if TYPE_CHECKING:
     from .endpoints import EndpointServer
-    from .publish import NullPublisher
     from .localapi import LocalAPI
+    from .publish import NullPublisher
     from .status import AgentStatus
 
 log = logging.getLogger("containerboot")
@@ -57,9 +57,10 @@ async def start_endpoints(s: Settings, status: Callable[[], "AgentStatus"],
         enable_metrics=s.enable_metrics, enable_health=s.enable_health_check,
         pod_ipv4=s.pod_ipv4, pod_ipv6=s.pod_ipv6)   # type: ignore[arg-type]
     if s.egress_proxies_config_path:
+        from tscommon.pgcontract import PRESHUTDOWN_PATH
+
         from .egressdrain import PreShutdown
         from .endpoints import Response
-        from tscommon.pgcontract import PRESHUTDOWN_PATH
 
         hook = PreShutdown(s.egress_proxies_config_path, str(s.pod_ipv4 or ""), str(s.pod_ipv6 or ""))
 

@@ -30,8 +30,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-from tscommon.redact import redact
 from containerboot.status import AgentStatus, escape_label_value
+from tscommon.redact import redact
 
 __all__ = ["EndpointServer", "render_agent_metrics", "parse_addr_port", "Response"]
 

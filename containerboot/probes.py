@@ -27,7 +27,7 @@ from tscommon.redact import redact
 from .reachability import FIRST_CHECK_AFTER, Reachability, next_check_in, public_url
 
 if TYPE_CHECKING:
-    import ssl   # loaded at the first https check only (a control server over http never needs it)
+    import ssl  # loaded at the first https check only (a control server over http never needs it)
 
 log = logging.getLogger("containerboot")
 

@@ -215,8 +215,15 @@ class SteadyState:
     async def run_tls(self) -> None:
         """HTTPS with the user's certificate: the TLS listener, once a good certificate is loaded (tlsterm)."""
         from .settings import parse_addr_port
-        from .tlsterm import (CertSource, CertWatcher, FileSource, KubeSecretSource, Terminator, localapi_dialer,
-                              tcp_dialer)
+        from .tlsterm import (
+            CertSource,
+            CertWatcher,
+            FileSource,
+            KubeSecretSource,
+            Terminator,
+            localapi_dialer,
+            tcp_dialer,
+        )
         s = self.s
 
         def own_ip() -> str:

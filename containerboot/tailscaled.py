@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import subprocess
 
 from tscommon.redact import redact
+
 from .settings import SETTINGS, Settings
 
 log = logging.getLogger("containerboot")

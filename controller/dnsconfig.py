@@ -28,14 +28,24 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tscommon.dnsrecords import CONFIGMAP as RECORDS_CONFIGMAP, KEY as RECORDS_KEY, render as render_records
+from tscommon.dnsrecords import CONFIGMAP as RECORDS_CONFIGMAP
+from tscommon.dnsrecords import KEY as RECORDS_KEY
+from tscommon.dnsrecords import render as render_records
 
 from .config import TAILSCALE_LOGIN_SERVER, ControllerConfig
 from .kinds import labels, meta
-from .validation import upstream_nameserver_problem
-from .model import (ANN_TAILNET_FQDN, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE,
-                    LABEL_SVC_TYPE, SVC)
+from .model import (
+    ANN_TAILNET_FQDN,
+    INGRESS,
+    LABEL_MANAGED,
+    LABEL_PARENT_NAME,
+    LABEL_PARENT_NS,
+    LABEL_PARENT_TYPE,
+    LABEL_SVC_TYPE,
+    SVC,
+)
 from .render import hashed
+from .validation import upstream_nameserver_problem
 
 GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "dnsconfigs", "DNSConfig"
 COND_NAMESERVER_READY = "NameserverReady"

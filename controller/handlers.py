@@ -26,11 +26,22 @@ from tscommon.kubeconn import tls_context
 from . import dnsconfig, proxyclass
 from .config import ControllerConfig
 from .kinds import apiserverproxy, connector, egress, proxygroup, recorder
-from .kubeapi import USER_AGENT
-from .model import (APISERVER, CONNECTOR, FINALIZER, INGRESS, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS,
-                    LABEL_PARENT_TYPE, PROXYCLASS, PROXYGROUP, SVC)
-from .queue import WorkQueue
 from .kindtable import GROUP, KINDS, PARENT_KINDS, handled
+from .kubeapi import USER_AGENT
+from .model import (
+    APISERVER,
+    CONNECTOR,
+    FINALIZER,
+    INGRESS,
+    LABEL_MANAGED,
+    LABEL_PARENT_NAME,
+    LABEL_PARENT_NS,
+    LABEL_PARENT_TYPE,
+    PROXYCLASS,
+    PROXYGROUP,
+    SVC,
+)
+from .queue import WorkQueue
 from .reconcile import Reconciler
 
 log = logging.getLogger("controller")

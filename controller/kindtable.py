@@ -14,14 +14,36 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import dnsconfig as dc, proxyclass as pcl, status as st
+from . import dnsconfig as dc
+from . import proxyclass as pcl
+from . import status as st
 from .config import ControllerConfig
 from .kinds import apiserverproxy, connector, egress, ingress, proxygroup, service
 from .kinds import recorder as rec
-from .resources import CONFIGMAPS, CONNECTORS, DNSCONFIGS, INGRESSES, PROXYCLASSES, PROXYGROUPS, SERVICES, Resource
-from .resources import RECORDERS
-from .model import (APISERVER, COND_CONNECTOR_READY, COND_PG_READY, COND_PROXY_READY, CONNECTOR, INGRESS, PROXYCLASS,
-                    PROXYGROUP, SVC, Decision, ProxySpec)
+from .model import (
+    APISERVER,
+    COND_CONNECTOR_READY,
+    COND_PG_READY,
+    COND_PROXY_READY,
+    CONNECTOR,
+    INGRESS,
+    PROXYCLASS,
+    PROXYGROUP,
+    SVC,
+    Decision,
+    ProxySpec,
+)
+from .resources import (
+    CONFIGMAPS,
+    CONNECTORS,
+    DNSCONFIGS,
+    INGRESSES,
+    PROXYCLASSES,
+    PROXYGROUPS,
+    RECORDERS,
+    SERVICES,
+    Resource,
+)
 from .sameness import same
 
 #: the passes a queue key can go to (KindInfo.runs)

@@ -14,15 +14,35 @@ from typing import Any, Callable, Mapping, Protocol
 import httpx
 
 from tscommon import crashpoint
-from tscommon.kubeconn import TokenFile, https_url, sa_path, service_host_port, tls_context
 from tscommon.jsontext import response_json
+from tscommon.kubeconn import TokenFile, https_url, sa_path, service_host_port, tls_context
 from tscommon.kubehttp import api_status, retry_after_seconds, send
 from tscommon.redact import redact, register
 
 from .resources import (  # noqa: F401  (re-exported: callers name resources through the client)
-    Resource, SERVICES, SECRETS, EVENTS, PODS, STATEFULSETS, INGRESSES, CONNECTORS, SERVICEACCOUNTS, ROLES,
-    ROLEBINDINGS, NAMESPACES, PROXYGROUPS, CONFIGMAPS, ENDPOINTSLICES, PROXYCLASSES, CRDS, SERVICEMONITORS,
-    CLUSTERROLEBINDINGS, DEPLOYMENTS, DNSCONFIGS, RECORDERS)
+    CLUSTERROLEBINDINGS,
+    CONFIGMAPS,
+    CONNECTORS,
+    CRDS,
+    DEPLOYMENTS,
+    DNSCONFIGS,
+    ENDPOINTSLICES,
+    EVENTS,
+    INGRESSES,
+    NAMESPACES,
+    PODS,
+    PROXYCLASSES,
+    PROXYGROUPS,
+    RECORDERS,
+    ROLEBINDINGS,
+    ROLES,
+    SECRETS,
+    SERVICEACCOUNTS,
+    SERVICEMONITORS,
+    SERVICES,
+    STATEFULSETS,
+    Resource,
+)
 
 
 class KubeClient(Protocol):

@@ -23,10 +23,11 @@ from typing import Any
 from tscommon import pgcontract as pgc
 from tscommon.secretcontract import CONFIG_CAPVERS, config_key
 
-from . import proxyclass as pcl, proxyrbac
+from . import proxyclass as pcl
+from . import proxyrbac
 from .config import ControllerConfig
 from .kinds.proxygroup import GroupSpec
-from .render import SYSCTL_SCRIPT, hashed, ca_trust, child_labels, dumps, rehash, tailscaled_config
+from .render import SYSCTL_SCRIPT, ca_trust, child_labels, dumps, hashed, rehash, tailscaled_config
 
 #: the hook waits up to 300 s for the Pod to leave every EndpointSlice, then 10 s for connections in flight
 GRACE_SECONDS = 360

@@ -35,7 +35,7 @@ from typing import Any
 
 from .config import ControllerConfig
 from .model import ProxySpec
-from .render import hashed, base_name, child_labels, secret_name
+from .render import base_name, child_labels, hashed, secret_name
 
 RBAC_API = "rbac.authorization.k8s.io/v1"
 SECRET_VERBS = ("get", "update", "patch")

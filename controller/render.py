@@ -20,16 +20,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tscommon.secretcontract import CONFIG_CAPVERS, KEY_SERVE_CONFIG, config_key
 
 from . import proxyclass as pcl
 from .config import ControllerConfig
-from .model import (CONNECTOR, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, Parent,
-                    ProxySpec)
+from .model import CONNECTOR, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, Parent, ProxySpec
 
 SPEC_HASH = "tailscale.com/controller-spec-hash"
 SYSCTL_SCRIPT = ("echo 1 > /proc/sys/net/ipv4/ip_forward && if [ -e /proc/sys/net/ipv6/conf/all/forwarding ]; "

@@ -19,12 +19,28 @@ from typing import Any
 
 from tscommon.redact import redact
 
-from . import proxyclass as pcl, render, status as st
+from . import proxyclass as pcl
+from . import render
+from . import status as st
 from .config import ControllerConfig
-from .kindtable import KINDS
 from .kinds import meta
-from .kubeapi import (CLUSTERROLEBINDINGS, CONFIGMAPS, CRDS, EVENTS, ROLEBINDINGS, ROLES, SECRETS, SERVICEACCOUNTS,
-                      SERVICEMONITORS, SERVICES, STATEFULSETS, KubeClient, KubeError, Resource)
+from .kindtable import KINDS
+from .kubeapi import (
+    CLUSTERROLEBINDINGS,
+    CONFIGMAPS,
+    CRDS,
+    EVENTS,
+    ROLEBINDINGS,
+    ROLES,
+    SECRETS,
+    SERVICEACCOUNTS,
+    SERVICEMONITORS,
+    SERVICES,
+    STATEFULSETS,
+    KubeClient,
+    KubeError,
+    Resource,
+)
 from .model import FINALIZER, LABEL_PROXY_GROUP, Parent, ProxySpec
 from .providers import Provider, ProviderError
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from labtools import helmchart, kubecluster
-from labtools import lab as labmod
 from labtools import image as labimage
+from labtools import lab as labmod
 from labtools.lab import wait_until
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import dns.exception
 import dns.name
 
-from tscommon.dnsrecords import VERSION, render as render_records
+from tscommon.dnsrecords import VERSION
+from tscommon.dnsrecords import render as render_records
 
 __all__ = ["VERSION", "Records", "RecordsError", "parse_records", "render_records", "zones_of"]
 

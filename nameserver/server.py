@@ -164,7 +164,7 @@ async def watch_records(ns: NameServer, path: str = RECORDS_FILE, *, poll_interv
 
     The watcher yields only when the content differs from the last yield, so a bad file is reported once
     until it changes again."""
-    from tscommon.watch import watch_file   # the kubelet-aware watch the agent's serve config uses too
+    from tscommon.watch import watch_file  # the kubelet-aware watch the agent's serve config uses too
 
     async for text in watch_file(path, poll_interval, label="nameserver records"):
         load(ns, text)

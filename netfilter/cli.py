@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.command == "detect":
-            from .detect import detect_firewall_mode
             import os
+
+            from .detect import detect_firewall_mode
             print(detect_firewall_mode(args.mode or os.environ.get("TS_DEBUG_FIREWALL_MODE", "")))
             return 0
         if args.command in ("show", "render", "diff", "apply") and not args.file:

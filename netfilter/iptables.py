@@ -22,8 +22,17 @@ from .detect import which
 from .errors import FirewallError
 from .generation import RulesetGeneration, advanced_by
 from .model import RuleSet
-from .plan import (IPT_CHAINS, IPT_TABLES, IptState, canonical_iptables, filter_iptables_save, ipt_chain_rules,
-                   plan_iptables, plan_iptables_delta, render_iptables)
+from .plan import (
+    IPT_CHAINS,
+    IPT_TABLES,
+    IptState,
+    canonical_iptables,
+    filter_iptables_save,
+    ipt_chain_rules,
+    plan_iptables,
+    plan_iptables_delta,
+    render_iptables,
+)
 
 log = logging.getLogger("containerboot")
 

@@ -29,8 +29,17 @@ from ipaddress import ip_address
 from .errors import FirewallError
 from .generation import RulesetGeneration, advanced_by
 from .model import Dnat, EgressForward, PortMatch, RuleSet
-from .plan import (NFT_FAMILY, TABLE, NftState, nft_state, normalize_nft_text, plan_nft, plan_nft_delta,
-                   plan_nft_script, render_nft)
+from .plan import (
+    NFT_FAMILY,
+    TABLE,
+    NftState,
+    nft_state,
+    normalize_nft_text,
+    plan_nft,
+    plan_nft_delta,
+    plan_nft_script,
+    render_nft,
+)
 
 log = logging.getLogger("containerboot")
 

@@ -17,7 +17,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nettopo
 from needs import unavailable
 
-
 # `make test` runs this directory on two pytest-xdist workers with `--dist loadfile --no-loadscope-reorder`:
 # each module runs whole on one worker (its module-scoped lab or cluster is made once), and a free worker takes
 # the next module in collection order. The longest modules go first, so that the other worker works through

@@ -16,7 +16,6 @@ from typing import Sequence
 from labtools import lab as labmod
 from labtools.lab import Lab, LabError, NsInfo, stop_process, wait_until
 
-
 # --------------------------------------------------------------------------------------------------------
 # tailnet nodes
 # --------------------------------------------------------------------------------------------------------

@@ -16,11 +16,11 @@ import json
 import re
 import time
 
-import pytest
-
 import kubelab
-from containerboot.kube import secretstate
+import pytest
 from labextras import own_rules
+
+from containerboot.kube import secretstate
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
 

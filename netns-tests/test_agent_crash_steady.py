@@ -39,15 +39,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 import kubelab
 import labextras as lx
+import pytest
+from test_proxygroup_e2e import (
+    EGRESS_KEY,
+    INGRESS_KEY,
+    INGRESS_SVC,
+    POD_V4,
+    POD_V6,
+    VIP4,
+    VIP6,
+    ConfigMapDir,
+    normalized,
+    proxy_peer_routes,
+)
+
 from containerboot.kube import secretstate
-from tests.support import seed
 from labtools.lab import BACKEND_V4, BACKEND_V6, Lab, wait_until
-from test_proxygroup_e2e import (EGRESS_KEY, INGRESS_KEY, INGRESS_SVC, POD_V4, POD_V6, VIP4, VIP6, ConfigMapDir,
-                                 normalized, proxy_peer_routes)
+from tests.support import seed
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(3600)]
 

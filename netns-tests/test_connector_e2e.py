@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import labextras as lx
 import pytest
 
-import labextras as lx
 from labtools.lab import wait_until
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(300)]

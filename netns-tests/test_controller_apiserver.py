@@ -31,11 +31,12 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir
+from needs import unavailable
+
 from containerboot.kube import secretstate as agent_ss
 from controller import proxyclass
+from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir
 from tests.support.fake_tailscale_api import FakeTailscaleAPI
-from needs import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 REPO = str(pathlib.Path(__file__).resolve().parents[1])

@@ -38,9 +38,9 @@ import sys
 import time
 import uuid
 
+import kubelab
 import pytest
 
-import kubelab
 from controller.model import ANN_TAGS, Parent
 from controller.render import base_name
 from labtools.lab import stop_process, wait_until

@@ -50,13 +50,14 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from needs import unavailable
+
 from containerboot.kube import secretstate as agent_ss
 from controller import logfold
 from controller.kubeapi import USER_AGENT
 from labtools import conflictwebhook as cw
 from labtools.faultproxy import FaultProxy, Faults, Record, early_after_429, faults_by_kind
 from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir
-from needs import unavailable
 
 N = int(os.environ.get("HOSTILE_SERVICES", "30"))
 QUIET = float(os.environ.get("HOSTILE_QUIET", "10"))

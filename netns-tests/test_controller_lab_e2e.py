@@ -19,12 +19,12 @@ import pathlib
 import sys
 import uuid
 
+import kubelab
 import pytest
 
-import kubelab
+from controller.model import Parent
 from controller.reconcile import PENDING_RECHECK, READY_RECHECK
 from controller.render import base_name
-from controller.model import Parent
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -61,11 +61,11 @@ import subprocess
 import time
 
 import pytest
+from needs import unavailable
 
 from labtools import helmchart, kubecluster, kubecontroller, kubedns, kubemanifests
 from labtools import lab as labmod
 from labtools.lab import wait_until
-from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
 

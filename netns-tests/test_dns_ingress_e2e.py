@@ -8,9 +8,9 @@ name stops resolving, the last good backends keep working.
 """
 from __future__ import annotations
 
+import labextras as lx
 import pytest
 
-import labextras as lx
 from labtools.lab import wait_until
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -22,9 +22,9 @@ import re
 import sys
 import time
 
+import labextras as lx
 import pytest
 
-import labextras as lx
 from labtools.lab import BACKEND_LINK_PROXY_V4, BACKEND_LINK_PROXY_V6, Lab, wait_until
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(300)]

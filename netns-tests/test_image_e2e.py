@@ -19,12 +19,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 import labextras as lx
+import pytest
+from needs import unavailable
+
 from labtools import image as img
 from labtools.lab import BACKEND_LINK_PROXY_V4, Lab
-from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(420)]
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import re
 
+import kubelab
 import pytest
 
-import kubelab
 from containerboot.kube import secretstate
 from controller.config import ControllerConfig
 from controller.kinds import service

@@ -15,8 +15,8 @@ import sys
 import time
 
 import pytest
-
 from needs import unavailable
+
 from netfilter.model import Dnat, EgressForward, PortMatch, RuleSet, ServiceDnat, ServicePortMap
 
 pytestmark = pytest.mark.netns

@@ -26,9 +26,9 @@ import subprocess
 import sys
 
 import pytest
+from nettopo import ProxyLab
 
 from netfilter.model import Dnat, EgressForward, PortMatch, RuleSet, ServiceDnat, ServicePortMap
-from nettopo import ProxyLab
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

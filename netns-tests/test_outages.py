@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import pytest
-
 import kubelab
 import labextras as lx
+import pytest
+from needs import unavailable
+
 from containerboot.dns import MAX_BACKOFF
 from labtools.lab import wait_until
-from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(1800)]
 

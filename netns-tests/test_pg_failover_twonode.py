@@ -21,9 +21,9 @@ The figures are printed.
 from __future__ import annotations
 
 import pytest
+from needs import unavailable
 
 from labtools import kubecluster, kubecontroller, pgfailover
-from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
 

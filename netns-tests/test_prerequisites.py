@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from needs import unavailable
 
 REPO = Path(__file__).resolve().parents[1]

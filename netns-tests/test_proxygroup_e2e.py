@@ -47,10 +47,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 import kubelab
 import labextras as lx
+import pytest
+
 from labtools.lab import BACKEND_LINK_PROXY_V4, BACKEND_LINK_PROXY_V6, BACKEND_V4, BACKEND_V6, Lab, wait_until
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 
 import pytest
+from needs import unavailable
 
 from labtools import image as labimage
 from labtools import kubecluster, kubemanifests
 from labtools import lab as labmod
 from labtools.lab import wait_until
-from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -339,6 +339,7 @@ def test_conflicts_on_secret_writes_are_retried(lab, kube, tmp_path):
     failed Secret write, so Kubernetes restarts it). The 409 path does not depend on the firewall backend: this
     runs in the iptables cluster only."""
     import sys
+
     from labtools import conflictwebhook as cw
     kc, ns, name = kube, "tsconflict", "co"
     if kc.firewall != "iptables":

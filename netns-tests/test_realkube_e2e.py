@@ -11,16 +11,16 @@ The agent's own scenarios in this cluster are in test_realkube_agent_e2e.py.
 """
 from __future__ import annotations
 
-import os
 import json
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+from needs import unavailable
 
 from labtools import kubecluster, kubemanifests
 from labtools.lab import wait_until
-from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(600)]
 

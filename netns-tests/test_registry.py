@@ -13,10 +13,9 @@ import shutil
 import tarfile
 
 import pytest
-
-from labtools import helmchart, ociimage, registry
 from needs import unavailable
 
+from labtools import helmchart, ociimage, registry
 
 ACCEPT = "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json"
 

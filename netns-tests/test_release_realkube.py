@@ -28,11 +28,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from needs import unavailable
 
 from labtools import helmchart, kubecluster, kubecontroller, kubemanifests, registry
 from labtools import lab as labmod
 from labtools.lab import wait_until
-from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(7200)]
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from needs import unavailable
 
 from labtools import helmchart, registry
-from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(7200)]
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from needs import unavailable
 
 from labtools import helmchart, kubecluster, kubecontroller, kubemanifests, upstreamchart
 from labtools import lab as labmod
 from labtools.lab import wait_until
-from needs import unavailable
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(1200)]
 

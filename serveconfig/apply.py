@@ -39,14 +39,20 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from serveconfig.model import (
+    NO_HTTPS,
+    ServeConfig,
+    ServeConfigError,
+    cert_domains_needed,
+    needs_https,
+    parse,
+    service_cert_domains,
+    service_names,
+)
+from serveconfig.status import ServeStatus
 from tscommon import crashpoint
 from tscommon.aio import wait_event
 from tscommon.redact import redact
-from serveconfig.status import ServeStatus
-from serveconfig.model import (
-    NO_HTTPS, ServeConfig, ServeConfigError, cert_domains_needed, needs_https, parse, service_cert_domains,
-    service_names,
-)
 
 log = logging.getLogger("containerboot")
 
@@ -515,7 +521,7 @@ class ServeLoop:
         self._wake.set()
 
     async def _follow_file(self) -> None:
-        from tscommon.watch import watch_file   # local import: keeps this module importable without watchdog
+        from tscommon.watch import watch_file  # local import: keeps this module importable without watchdog
 
         async for text in watch_file(self.path, self._poll_interval):
             self._text = text

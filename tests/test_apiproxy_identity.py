@@ -3,9 +3,18 @@ from __future__ import annotations
 
 import pytest
 
-from containerboot.apiproxy.identity import (CAP_KUBERNETES, CAP_KUBERNETES_OLD, GrantError, Impersonation,
-                                             NoIdentity, forwarded_request_headers, forwarded_response_headers,
-                                             grant_groups, impersonation, is_upgrade)
+from containerboot.apiproxy.identity import (
+    CAP_KUBERNETES,
+    CAP_KUBERNETES_OLD,
+    GrantError,
+    Impersonation,
+    NoIdentity,
+    forwarded_request_headers,
+    forwarded_response_headers,
+    grant_groups,
+    impersonation,
+    is_upgrade,
+)
 
 
 def whois(login="alice@example.com", *, tags=(), name="laptop.tail.example.", caps=None):

@@ -4,8 +4,16 @@ from __future__ import annotations
 import pytest
 
 from containerboot.apiproxy.identity import CAP_KUBERNETES, GrantError
-from containerboot.apiproxy.recording import (SPDY, WEBSOCKET, RecorderPolicy, Session, plan, recorder_addrs,
-                                              recorder_policy, session_of)
+from containerboot.apiproxy.recording import (
+    SPDY,
+    WEBSOCKET,
+    RecorderPolicy,
+    Session,
+    plan,
+    recorder_addrs,
+    recorder_policy,
+    session_of,
+)
 
 
 def caps(*rules):

@@ -15,7 +15,6 @@ from containerboot.apiproxy.identity import CAP_KUBERNETES
 from containerboot.apiproxy.server import AUTH, NOAUTH, ApiServerProxy, Upstream, status_body
 from tests.support.kubeapi import CertFiles, cached_certs, make_certs
 
-
 FLOOD_CAP = 256 << 20     # far above what sockets and the proxy hold in flight (about 20 MiB here)
 
 

@@ -6,8 +6,7 @@ import json
 import pytest
 
 from containerboot.apiproxy.cast import Cast, header, session_info
-from containerboot.apiproxy.streams import (Output, Resize, SpdySession, StreamError, WebSocketSession,
-                                            _spdy3_dictionary)
+from containerboot.apiproxy.streams import Output, Resize, SpdySession, StreamError, WebSocketSession, _spdy3_dictionary
 from tests.support.spdyws import SpdyClient, data, ping, resize, ws_frame
 
 

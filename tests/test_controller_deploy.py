@@ -7,7 +7,8 @@ import pathlib
 
 import yaml
 
-from controller import config as cconfig, kubeapi, leader, proxyrbac
+from controller import config as cconfig
+from controller import kubeapi, leader, proxyrbac
 from controller.kinds import service
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[1] / "deploy"

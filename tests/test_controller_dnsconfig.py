@@ -9,10 +9,19 @@ import types
 import pytest
 
 from controller import dnsconfig as dc
-from controller.dnsconfig import QUEUE_KEY
 from controller.config import ConfigError, ControllerConfig, load
-from controller.kubeapi import (CONFIGMAPS, DEPLOYMENTS, DNSCONFIGS, ENDPOINTSLICES, EVENTS, INGRESSES,
-                                SERVICEACCOUNTS, SERVICES, KubeError)
+from controller.dnsconfig import QUEUE_KEY
+from controller.kubeapi import (
+    CONFIGMAPS,
+    DEPLOYMENTS,
+    DNSCONFIGS,
+    ENDPOINTSLICES,
+    EVENTS,
+    INGRESSES,
+    SERVICEACCOUNTS,
+    SERVICES,
+    KubeError,
+)
 from controller.model import Parent
 from controller.reconcile import Reconciler
 from controller.render import base_name

@@ -16,8 +16,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from controller import proxyclass as pcl
 from controller import render
 from controller.config import ControllerConfig
-from controller.kubeapi import (CONNECTORS, CRDS, EVENTS, PROXYCLASSES, SECRETS, SERVICEMONITORS,
-                                SERVICES, STATEFULSETS)
+from controller.kubeapi import CONNECTORS, CRDS, EVENTS, PROXYCLASSES, SECRETS, SERVICEMONITORS, SERVICES, STATEFULSETS
 from controller.model import SVC, Parent, ProxySpec
 from controller.reconcile import Reconciler, proxy_target
 from tests.support.fakekube import FakeKube, FakeProvider

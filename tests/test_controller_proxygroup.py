@@ -13,8 +13,17 @@ from controller import pgrender
 from controller.config import ControllerConfig
 from controller.kinds import egress, proxygroup
 from controller.kinds.egress import Port, Replica
-from controller.kubeapi import (CONFIGMAPS, ENDPOINTSLICES, EVENTS, PODS, PROXYGROUPS, ROLES, SECRETS, SERVICES,
-                                STATEFULSETS)
+from controller.kubeapi import (
+    CONFIGMAPS,
+    ENDPOINTSLICES,
+    EVENTS,
+    PODS,
+    PROXYGROUPS,
+    ROLES,
+    SECRETS,
+    SERVICES,
+    STATEFULSETS,
+)
 from controller.model import Invalid
 from controller.reconcile import Reconciler
 from tests.support.fakekube import FakeKube, FakeProvider
@@ -549,6 +558,7 @@ async def test_a_class_change_rolls_the_groups_using_it_only(cenv):
 
 async def test_the_default_class_applies_to_groups_unless_they_name_one_tags_metrics_and_cleanup(cenv):
     from dataclasses import replace
+
     from controller.kubeapi import PROXYCLASSES
     kube, prov, rec, poked = cenv
     rec.cfg = replace(rec.cfg, default_proxy_class="base")

@@ -15,12 +15,21 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from containerboot.kube import secretstate as agent_ss
 from controller.config import ControllerConfig
-from controller.kubeapi import (CONNECTORS, EVENTS, INGRESSES, ROLEBINDINGS, ROLES, SECRETS,
-                                SERVICEACCOUNTS, SERVICES, STATEFULSETS)
+from controller.kubeapi import (
+    CONNECTORS,
+    EVENTS,
+    INGRESSES,
+    ROLEBINDINGS,
+    ROLES,
+    SECRETS,
+    SERVICEACCOUNTS,
+    SERVICES,
+    STATEFULSETS,
+)
+from controller.model import Parent
 from controller.providers import ProviderError
 from controller.reconcile import PENDING_RECHECK, READY_RECHECK, Reconciler
 from controller.render import base_name
-from controller.model import Parent
 from tests.support.fakekube import FakeKube, FakeProvider, agent_writes, secret_data
 
 CFG = ControllerConfig(namespace="tailscale", proxy_image="registry.local/proxy:1",

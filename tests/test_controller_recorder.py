@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from controller.config import ControllerConfig
-from controller.kinds.recorder import RecorderInvalid, decide, render, status
 from controller.handlers import child_key
+from controller.kinds.recorder import RecorderInvalid, decide, render, status
 from controller.kubeapi import EVENTS, PODS, RECORDERS, ROLES, SECRETS, STATEFULSETS
 from controller.reconcile import Reconciler
 from controller.render import SPEC_HASH

@@ -5,8 +5,8 @@ import json
 
 from containerboot.kube import secretstate as agent_ss
 from controller import status as st
-from controller.kinds import ingress
 from controller.config import ControllerConfig
+from controller.kinds import ingress
 
 
 def agent_written(*, fqdn="web.tail1.ts.net", ips=("100.64.0.7", "fd7a:115c:a1e0::7"), https=None,

@@ -8,8 +8,8 @@ import. The rules must still be visible, in `containerboot rules` and in `/statu
 from __future__ import annotations
 
 import json
-import signal
 import os
+import signal
 import subprocess
 import sys
 import textwrap

@@ -27,8 +27,18 @@ from controller import status as cstatus
 from controller.config import ControllerConfig
 from controller.kinds import connector, ingress, service
 from controller.kubeapi import SERVICES, Kube, KubeError
-from controller.model import (ANN_EXPOSE, ANN_FORWARD_CLUSTER_TRAFFIC, ANN_HOSTNAME, ANN_TAGS, ANN_TAILNET_FQDN,
-                              ANN_TAILNET_IP, Decision, Invalid, Pending, ProxySpec)
+from controller.model import (
+    ANN_EXPOSE,
+    ANN_FORWARD_CLUSTER_TRAFFIC,
+    ANN_HOSTNAME,
+    ANN_TAGS,
+    ANN_TAILNET_FQDN,
+    ANN_TAILNET_IP,
+    Decision,
+    Invalid,
+    Pending,
+    ProxySpec,
+)
 from controller.providers import ProviderError
 from controller.providers.headscale import HeadscaleProvider
 from controller.providers.hscompat import Capabilities

@@ -13,7 +13,8 @@ from containerboot import conffile, proxyservices
 from containerboot.kube import secretstate
 from containerboot.kube.client import KubeClient, KubeError
 from controller import config as controller_config
-from controller.kubeapi import SERVICES, Kube, KubeError as ControllerKubeError
+from controller.kubeapi import SERVICES, Kube
+from controller.kubeapi import KubeError as ControllerKubeError
 from controller.providers import ProviderError
 from controller.providers.headscale import HeadscaleProvider
 from controller.providers.tailscale import TailscaleProvider

@@ -21,8 +21,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.support without pythonpath
 
 from containerboot.kube import secretstate  # noqa: E402
-from tests.support.kubeapi import (KubeAPIServer, apply_json_patch, merge_patch,  # noqa: E402
-                                   PatchError, pod_mount_namespace_argv)
+from tests.support.kubeapi import KubeAPIServer, PatchError, apply_json_patch, merge_patch, pod_mount_namespace_argv  # noqa: E402
 
 NS = "tailscale"
 SECRETS = f"/api/v1/namespaces/{NS}/secrets"

@@ -10,7 +10,8 @@ import os
 import httpx
 import pytest
 
-from containerboot.kube.client import KubeClient, KubeError as AgentKubeError
+from containerboot.kube.client import KubeClient
+from containerboot.kube.client import KubeError as AgentKubeError
 from controller.kubeapi import SECRETS, Kube, KubeError
 from tscommon.kubeconn import TokenFile, https_url, service_host_port
 from tscommon.kubehttp import retry_after_seconds

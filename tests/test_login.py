@@ -7,8 +7,23 @@ from typing import Any
 import pytest
 
 from containerboot import login
-from containerboot.login import (ArmTimer, Done, Fail, InstallRules, Log, LoginConfig, Notified, Reissue, ShowState,
-                                 StartFirewall, StartUp, StreamEnded, TimedOut, TimerFired, UpExited)
+from containerboot.login import (
+    ArmTimer,
+    Done,
+    Fail,
+    InstallRules,
+    Log,
+    LoginConfig,
+    Notified,
+    Reissue,
+    ShowState,
+    StartFirewall,
+    StartUp,
+    StreamEnded,
+    TimedOut,
+    TimerFired,
+    UpExited,
+)
 from containerboot.state import apply_notify
 
 STATE = {"NoState": 0, "NeedsLogin": 2, "NeedsMachineAuth": 3, "Stopped": 4, "Starting": 5, "Running": 6}

@@ -6,8 +6,7 @@ import ipaddress
 
 import pytest
 
-from netfilter.model import (Dnat, EgressForward, PodToTailnet, PortMatch, RuleSet, ServiceDnat,
-                             ServicePortMap)
+from netfilter.model import Dnat, EgressForward, PodToTailnet, PortMatch, RuleSet, ServiceDnat, ServicePortMap
 
 ip = ipaddress.ip_address
 

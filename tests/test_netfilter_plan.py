@@ -11,8 +11,17 @@ import json
 import pytest
 
 from netfilter.model import Dnat, EgressForward, PortMatch, RuleSet, ServiceDnat, ServicePortMap
-from netfilter.plan import (IptState, canonical_iptables, filter_iptables_save, normalize_nft_text,
-                            plan_iptables, plan_nft, plan_nft_script, render_iptables, render_nft)
+from netfilter.plan import (
+    IptState,
+    canonical_iptables,
+    filter_iptables_save,
+    normalize_nft_text,
+    plan_iptables,
+    plan_nft,
+    plan_nft_script,
+    render_iptables,
+    render_nft,
+)
 
 TS4, TS6 = "100.64.0.5", "fd7a:115c:a1e0::5"
 EXEMPT = (PortMatch("udp", 41641), PortMatch("tcp", 9002))
@@ -503,6 +512,7 @@ def test_cli_render_without_root(tmp_path, capsys):
 
 def test_nat_oracle_decides_staleness_like_the_chains():
     import ipaddress
+
     from netfilter.plan import NatOracle
     a = ipaddress.ip_address
     r = RuleSet(dnats=(Dnat(TS4, ("10.0.0.1", "10.0.0.2")), Dnat("10.1.2.3", (TS4,))),

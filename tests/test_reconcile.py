@@ -4,11 +4,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 
-
 from containerboot.reconcile import Reconciler
-from netfilter.fake import FakeBackend
 from containerboot.settings import load
 from containerboot.state import NodeState, apply_notify
+from netfilter.fake import FakeBackend
 
 ip = ipaddress.ip_address
 

@@ -7,13 +7,22 @@ from __future__ import annotations
 import asyncio
 import json
 
-from controller import pgrender, replicahealth as rh
+from controller import pgrender
+from controller import replicahealth as rh
 from controller.kinds import proxygroup
 from controller.kubeapi import CONFIGMAPS, PODS, PROXYGROUPS, STATEFULSETS
 from controller.reconcile import Reconciler
 from controller.replicaprober import ReplicaProber, Target, target_of
-from tests.test_controller_proxygroup import (CFG, NS, agent_reports, egress_objects, egress_svc, env,  # noqa: F401
-                                              pg_obj, ready_group)
+from tests.test_controller_proxygroup import (  # noqa: F401
+    CFG,
+    NS,
+    agent_reports,
+    egress_objects,
+    egress_svc,
+    env,
+    pg_obj,
+    ready_group,
+)
 
 FAST = rh.HealthRule(down_after=0.4, up_after=0.3, up_silence=0.2)
 

@@ -14,7 +14,8 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # for tests.support without pythonpath
 
-from containerboot.kube import secretstate as ss, setup as kubesetup
+from containerboot.kube import secretstate as ss
+from containerboot.kube import setup as kubesetup
 from containerboot.kube.client import KubeClient, KubeError
 
 SECRET = "ts-state"

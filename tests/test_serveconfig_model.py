@@ -6,8 +6,16 @@ import json
 import pytest
 
 from serveconfig.model import (
-    NO_HTTPS, HTTPHandler, ServeConfig, ServeConfigError, TCPPortHandler, cert_domains_needed, needs_https,
-    parse, service_cert_domains, service_names,
+    NO_HTTPS,
+    HTTPHandler,
+    ServeConfig,
+    ServeConfigError,
+    TCPPortHandler,
+    cert_domains_needed,
+    needs_https,
+    parse,
+    service_cert_domains,
+    service_names,
 )
 
 # What the operator renders for an L7 Ingress (spec B.5), with HTTP redirect and Funnel.

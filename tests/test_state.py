@@ -5,8 +5,16 @@ import ipaddress
 
 import pytest
 
-from containerboot.state import (NodeState, ResolveError, apply_notify, carries_netmap, notify_backend_state,
-                                 resolve_tailnet_fqdn, via_4via6, with_dns_config)
+from containerboot.state import (
+    NodeState,
+    ResolveError,
+    apply_notify,
+    carries_netmap,
+    notify_backend_state,
+    resolve_tailnet_fqdn,
+    via_4via6,
+    with_dns_config,
+)
 
 ip = ipaddress.ip_address
 

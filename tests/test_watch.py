@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.kubelet import Kubelet
 from tscommon import watch as watchmod
 from tscommon.watch import watch_file
-from tests.support.kubelet import Kubelet
 
 # With inotify working, only events may wake the watcher within a test (the safety resync is far away).
 NO_RESYNC = 3600.0

@@ -23,8 +23,8 @@ from __future__ import annotations
 import base64
 import binascii
 import calendar
-import re
 import datetime
+import re
 from dataclasses import dataclass
 
 __all__ = ["CertProblem", "CertInfo", "check", "parse_leaf", "covers", "pem_blocks"]

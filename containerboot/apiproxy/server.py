@@ -34,12 +34,18 @@ import h11
 
 from tscommon.redact import redact
 
-from .identity import (GrantError, Impersonation, NoIdentity, forwarded_request_headers,
-                       forwarded_response_headers, impersonation, is_upgrade)
+from .identity import (
+    GrantError,
+    Impersonation,
+    NoIdentity,
+    forwarded_request_headers,
+    forwarded_response_headers,
+    impersonation,
+    is_upgrade,
+)
 from .recclient import RecorderError
 from .record import Recording, start_recording
-from .recording import (RecorderPolicy, Session, connect_failed, plan, recorder_addrs, recorder_policy,
-                        session_of)
+from .recording import RecorderPolicy, Session, connect_failed, plan, recorder_addrs, recorder_policy, session_of
 
 log = logging.getLogger("containerboot")
 

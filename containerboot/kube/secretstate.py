@@ -14,11 +14,27 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from tscommon.secretcontract import (   # re-exported too: the agent's callers use ss.KEY_*
-    KEY_AUTHKEY, KEY_CAPVER, KEY_CURRENT_PROFILE, KEY_DEVICE_FQDN, KEY_DEVICE_ID, KEY_DEVICE_IPS,
-    KEY_EGRESS_SERVICES, KEY_HTTPS_ENDPOINT, KEY_INGRESS_CONFIG, KEY_MACHINE_KEY, KEY_POD_UID, KEY_PROFILES,
-    KEY_REISSUE_ATTEMPTS, KEY_REISSUE_AUTHKEY, KEY_REISSUE_REQUESTED_AT, NO_HTTPS, PROFILE_PREFIX,
-    format_device_fqdn, format_device_ips)
+from tscommon.secretcontract import (  # re-exported too: the agent's callers use ss.KEY_*
+    KEY_AUTHKEY,
+    KEY_CAPVER,
+    KEY_CURRENT_PROFILE,
+    KEY_DEVICE_FQDN,
+    KEY_DEVICE_ID,
+    KEY_DEVICE_IPS,
+    KEY_EGRESS_SERVICES,
+    KEY_HTTPS_ENDPOINT,
+    KEY_INGRESS_CONFIG,
+    KEY_MACHINE_KEY,
+    KEY_POD_UID,
+    KEY_PROFILES,
+    KEY_REISSUE_ATTEMPTS,
+    KEY_REISSUE_AUTHKEY,
+    KEY_REISSUE_REQUESTED_AT,
+    NO_HTTPS,
+    PROFILE_PREFIX,
+    format_device_fqdn,
+    format_device_ips,
+)
 
 #: The wait before the second request in a row; it doubles with each further one, up to REISSUE_MAX_DELAY.
 REISSUE_BASE_DELAY = 30.0

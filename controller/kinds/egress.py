@@ -21,11 +21,22 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tscommon import jsontext, pgcontract as pgc
+from tscommon import jsontext
+from tscommon import pgcontract as pgc
 
 from ..config import ControllerConfig
-from ..model import (ANN_PROXY_GROUP, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE,
-                     LABEL_PROXY_GROUP, LABEL_SVC_TYPE, SVC, Invalid, Parent)
+from ..model import (
+    ANN_PROXY_GROUP,
+    LABEL_MANAGED,
+    LABEL_PARENT_NAME,
+    LABEL_PARENT_NS,
+    LABEL_PARENT_TYPE,
+    LABEL_PROXY_GROUP,
+    LABEL_SVC_TYPE,
+    SVC,
+    Invalid,
+    Parent,
+)
 from . import annotations_of, meta, tailnet
 from .proxygroup import TYPE_EGRESS
 

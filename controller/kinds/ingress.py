@@ -27,10 +27,26 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import ControllerConfig
-from ..model import (ANN_FORWARD_CLUSTER_TRAFFIC, ANN_FUNNEL, ANN_HTTP_REDIRECT, ANN_PROXY_GROUP, ANN_TAGS, INGRESS,
-                     Decision, Invalid, Parent, ProxySpec)
-from ..validation import (HTTP_ENDPOINT, hostname_problem, http_endpoint_notice, parse_tags,
-                          proxy_group_ingress_problem, tag_problems)
+from ..model import (
+    ANN_FORWARD_CLUSTER_TRAFFIC,
+    ANN_FUNNEL,
+    ANN_HTTP_REDIRECT,
+    ANN_PROXY_GROUP,
+    ANN_TAGS,
+    INGRESS,
+    Decision,
+    Invalid,
+    Parent,
+    ProxySpec,
+)
+from ..validation import (
+    HTTP_ENDPOINT,
+    hostname_problem,
+    http_endpoint_notice,
+    parse_tags,
+    proxy_group_ingress_problem,
+    tag_problems,
+)
 from . import annotations_of, meta
 
 APP = "k8s-operator-ingress-resource"

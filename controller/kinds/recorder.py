@@ -38,10 +38,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tscommon.secretcontract import (CONFIG_CAPVERS, KEY_DEVICE_FQDN, KEY_DEVICE_IPS, config_key, parse_device_fqdn,
-                                     parse_device_ips)
+from tscommon.secretcontract import (
+    CONFIG_CAPVERS,
+    KEY_DEVICE_FQDN,
+    KEY_DEVICE_IPS,
+    config_key,
+    parse_device_fqdn,
+    parse_device_ips,
+)
 
-from .. import proxyclass as pcl, proxyrbac
+from .. import proxyclass as pcl
+from .. import proxyrbac
 from ..config import ControllerConfig
 from ..render import SPEC_HASH, dumps, hashed, rehash
 

@@ -10,9 +10,22 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import ControllerConfig
-from ..model import (ANN_EXPOSE, ANN_HOSTNAME, ANN_LAST_CLUSTER_IP, ANN_LAST_DNS_NAME, ANN_LAST_TAILNET_FQDN,
-                     ANN_LAST_TAILNET_IP, ANN_PROXY_GROUP, ANN_TAGS, SVC, Decision, Invalid, Parent, Pending,
-                     ProxySpec)
+from ..model import (
+    ANN_EXPOSE,
+    ANN_HOSTNAME,
+    ANN_LAST_CLUSTER_IP,
+    ANN_LAST_DNS_NAME,
+    ANN_LAST_TAILNET_FQDN,
+    ANN_LAST_TAILNET_IP,
+    ANN_PROXY_GROUP,
+    ANN_TAGS,
+    SVC,
+    Decision,
+    Invalid,
+    Parent,
+    Pending,
+    ProxySpec,
+)
 from ..validation import hostname_problem, parse_tags, proxy_group_ingress_problem, tag_problems
 from . import annotations_of, meta, tailnet
 

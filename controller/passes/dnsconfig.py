@@ -14,10 +14,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import dnsconfig as dc
-from ..kindtable import DNSCONFIG, KINDS
 from ..kinds import meta
-from ..kubeapi import (CONFIGMAPS, DEPLOYMENTS, DNSCONFIGS, ENDPOINTSLICES, SERVICEACCOUNTS, SERVICES, KubeError,
-                       Resource)
+from ..kindtable import DNSCONFIG, KINDS
+from ..kubeapi import (
+    CONFIGMAPS,
+    DEPLOYMENTS,
+    DNSCONFIGS,
+    ENDPOINTSLICES,
+    SERVICEACCOUNTS,
+    SERVICES,
+    KubeError,
+    Resource,
+)
 from ..model import LABEL_MANAGED
 from ..writer import Writer
 

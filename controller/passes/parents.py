@@ -17,9 +17,11 @@ from typing import Any
 
 from tscommon import secretcontract as sc
 
-from .. import podsecurity, proxyclass as pcl, proxyrbac, render, status as st, tlssecret
-from ..kindtable import KINDS, DecideInputs, class_of, handled, proxy_target
+from .. import podsecurity, proxyrbac, render, tlssecret
+from .. import proxyclass as pcl
+from .. import status as st
 from ..kinds import apiserverproxy, ingress, meta, service
+from ..kindtable import KINDS, DecideInputs, class_of, handled, proxy_target
 from ..kubeapi import CLUSTERROLEBINDINGS, NAMESPACES, ROLEBINDINGS, ROLES, SECRETS, SERVICES, STATEFULSETS, KubeError
 from ..model import FINALIZER, Decision, Invalid, Parent, Pending, ProxySpec
 from ..providers import REASON_UNSUPPORTED, ProviderError, limitations

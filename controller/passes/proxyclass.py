@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 from .. import proxyclass as pcl
-from ..kindtable import KINDS, PARENT, class_of, handled
 from ..kinds import meta
+from ..kindtable import KINDS, PARENT, class_of, handled
 from ..kubeapi import CRDS, PROXYCLASSES, PROXYGROUPS
 from ..model import PROXYCLASS, PROXYGROUP
 from ..sameness import same

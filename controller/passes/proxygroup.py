@@ -17,14 +17,26 @@ import logging
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from tscommon import pgcontract as pgc, secretcontract as sc
+from tscommon import pgcontract as pgc
+from tscommon import secretcontract as sc
 
-from .. import pgrender, proxyclass as pcl, render, status as st
+from .. import pgrender, render
+from .. import proxyclass as pcl
+from .. import status as st
 from ..kinds import egress, meta, proxygroup
 from ..kinds.egress import Replica
 from ..kubeapi import CONFIGMAPS, ENDPOINTSLICES, PODS, PROXYGROUPS, SECRETS, SERVICES, STATEFULSETS
-from ..model import COND_PG_AVAILABLE, COND_PG_READY, FINALIZER, LABEL_PARENT_NAME, LABEL_PARENT_NS, PROXYGROUP, \
-    SVC, Invalid, Parent
+from ..model import (
+    COND_PG_AVAILABLE,
+    COND_PG_READY,
+    FINALIZER,
+    LABEL_PARENT_NAME,
+    LABEL_PARENT_NS,
+    PROXYGROUP,
+    SVC,
+    Invalid,
+    Parent,
+)
 from ..providers import ProviderError
 from ..replicaprober import ReplicaProber, Target, target_of
 from ..sameness import same

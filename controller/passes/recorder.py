@@ -14,7 +14,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from ..kinds import meta, recorder as rec
+from ..kinds import meta
+from ..kinds import recorder as rec
 from ..kubeapi import PODS, RECORDERS, SECRETS, STATEFULSETS
 from ..model import FINALIZER, Parent
 from ..providers import ProviderError
@@ -78,7 +79,7 @@ class RecorderPass:
         for s in out.secrets:
             await w.apply_secret(s, secrets.get(s["metadata"]["name"]))
         identity = (out.service_account, out.role, out.role_binding)
-        for res, desired in zip(RBAC_RESOURCES, identity):
+        for res, desired in zip(RBAC_RESOURCES, identity, strict=True):
             if desired is not None:        # None: spec.statefulSet.pod.serviceAccount names the user's own
                 await w.apply(res, desired)
         await w.apply(STATEFULSETS, out.statefulset)

@@ -15,7 +15,6 @@ import httpx
 
 from tscommon.redact import redact
 
-
 #: The Warning event's reason when the control plane's version lacks what a parent needs.
 REASON_UNSUPPORTED = "ControlPlaneUnsupported"
 

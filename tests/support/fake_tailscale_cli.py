@@ -15,7 +15,6 @@ import socket
 import sys
 import time
 
-
 _FILE_FLAGS = ("--authkey=", "--auth-key=", "--client-secret=", "--id-token=")
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 import re
 
-
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _LABEL = r"[a-zA-Z_][a-zA-Z0-9_]*"
 _TYPES = {"counter", "gauge", "summary", "histogram", "untyped"}
