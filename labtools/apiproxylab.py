@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import subprocess
 import threading
 from collections.abc import Sequence
@@ -292,3 +293,6 @@ class TailnetRecorder:
         self.stop()
         stop_process(self.node.proc)
         self.lab.delete_node(self.hostname)
+        # forgotten by the lab too (its state with it), so a later module on the same lab can start it again
+        self.lab.nodes.pop(self.hostname, None)
+        shutil.rmtree(self.node.dir, ignore_errors=True)
