@@ -23,9 +23,8 @@ import kopf
 
 from tscommon.kubeconn import tls_context
 
-from . import dnsconfig, proxyclass
 from .config import ControllerConfig
-from .kinds import apiserverproxy, connector, egress, proxygroup, recorder
+from .kinds import apiserverproxy, connector, dnsconfig, egress, proxyclass, proxygroup, recorder
 from .kindtable import GROUP, KINDS, PARENT_KINDS, handled
 from .kubeapi import USER_AGENT
 from .model import (

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import dnsconfig as dc
-from . import proxyclass as pcl
 from . import status as st
 from .config import ControllerConfig
 from .kinds import apiserverproxy, connector, egress, ingress, proxygroup, service
+from .kinds import dnsconfig as dc
+from .kinds import proxyclass as pcl
 from .kinds import recorder as rec
 from .model import (
     APISERVER,

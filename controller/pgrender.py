@@ -12,7 +12,7 @@ As for single proxies (controller/proxyrbac.py), the group runs as its own Servi
 names only its replicas' state Secrets; the config Secrets, which carry the auth keys, reach the Pods only as
 volumes.
 
-A ProxyClass applies to the group as to any proxy, through controller/proxyclass.py's merge (`statefulset(...,
+A ProxyClass applies to the group as to any proxy, through controller/kinds/proxyclass.py's merge (`statefulset(...,
 pc)`, `config_secret(..., pc)`); as upstream, a class that sets `TS_LOCAL_ADDR_PORT` moves the replicas' health
 check away from where the pre-stop hook asks, so the group then has no hook (and the default grace period).
 """
@@ -23,9 +23,9 @@ from typing import Any
 from tscommon import pgcontract as pgc
 from tscommon.secretcontract import CONFIG_CAPVERS, config_key
 
-from . import proxyclass as pcl
 from . import proxyrbac
 from .config import ControllerConfig
+from .kinds import proxyclass as pcl
 from .kinds.proxygroup import GroupSpec
 from .render import SYSCTL_SCRIPT, ca_trust, child_labels, dumps, hashed, rehash, tailscaled_config
 

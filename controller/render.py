@@ -12,7 +12,7 @@ leave a second orphan set; each proxy runs as its own ServiceAccount named like 
 its own Secrets (controller/proxyrbac.py), not upstream's shared `proxies` one; each rendered object carries a
 hash of itself (`SPEC_HASH`) so that a pass that changes nothing writes nothing, whatever defaults the API server added.
 
-The proxy's ProxyClass is merged in here too (`render(..., pc, target)`, controller/proxyclass.py's merge), so
+The proxy's ProxyClass is merged in here too (`render(..., pc, target)`, controller/kinds/proxyclass.py's merge), so
 what a pass applies is the whole rendering.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 
 from tscommon.secretcontract import CONFIG_CAPVERS, KEY_SERVE_CONFIG, config_key
 
-from . import proxyclass as pcl
 from .config import ControllerConfig
+from .kinds import proxyclass as pcl
 from .model import CONNECTOR, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, Parent, ProxySpec
 
 SPEC_HASH = "tailscale.com/controller-spec-hash"

@@ -19,11 +19,11 @@ from typing import Any
 
 from tscommon.redact import redact
 
-from . import proxyclass as pcl
 from . import render
 from . import status as st
 from .config import ControllerConfig
 from .kinds import meta
+from .kinds import proxyclass as pcl
 from .kindtable import KINDS
 from .kubeapi import (
     CLUSTERROLEBINDINGS,

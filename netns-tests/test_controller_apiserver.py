@@ -34,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from needs import unavailable
 
 from containerboot.kube import secretstate as agent_ss
-from controller import proxyclass
+from controller.kinds import proxyclass
 from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir
 from tests.support.fake_tailscale_api import FakeTailscaleAPI
 

@@ -8,9 +8,9 @@ import types
 
 import pytest
 
-from controller import dnsconfig as dc
 from controller.config import ConfigError, ControllerConfig, load
-from controller.dnsconfig import QUEUE_KEY
+from controller.kinds import dnsconfig as dc
+from controller.kinds.dnsconfig import QUEUE_KEY
 from controller.kubeapi import (
     CONFIGMAPS,
     DEPLOYMENTS,

@@ -13,9 +13,9 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from controller import proxyclass as pcl
 from controller import render
 from controller.config import ControllerConfig
+from controller.kinds import proxyclass as pcl
 from controller.kubeapi import CONNECTORS, CRDS, EVENTS, PROXYCLASSES, SECRETS, SERVICEMONITORS, SERVICES, STATEFULSETS
 from controller.model import SVC, Parent, ProxySpec
 from controller.reconcile import Reconciler, proxy_target

@@ -422,7 +422,7 @@ PG_CLASS = {"statefulSet": {"labels": {"team": "net"}, "pod": {
 
 
 def test_a_class_on_a_group_is_the_same_merge_exactly_and_keeps_the_selector_labels():
-    from controller import proxyclass as pcl
+    from controller.kinds import proxyclass as pcl
     from controller.render import SPEC_HASH
     g = proxygroup.decide(pg_obj(replicas=2), CFG)
     base = pgrender.statefulset(g, CFG)
@@ -454,7 +454,7 @@ def test_a_class_on_a_group_is_the_same_merge_exactly_and_keeps_the_selector_lab
 
 
 def test_a_class_setting_ts_local_addr_port_removes_the_pre_stop_hook_its_grace_and_the_probe_only():
-    from controller import proxyclass as pcl
+    from controller.kinds import proxyclass as pcl
     from controller.render import SPEC_HASH
     g = proxygroup.decide(pg_obj(replicas=2), CFG)
     spec = {"statefulSet": {"pod": {"tailscaleContainer": {"env": [

@@ -13,7 +13,7 @@ import dns.name
 import dns.resolver
 import pytest
 
-from controller import dnsconfig as dc
+from controller.kinds import dnsconfig as dc
 from labtools import coredns
 from nameserver.records import parse_records
 from nameserver.server import NameServer, listen

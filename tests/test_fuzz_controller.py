@@ -382,7 +382,7 @@ _PC_SPEC = {"statefulSet": {"labels": {"team": "net"}, "annotations": {"a": "b"}
 @reaches("accepted", "refused")
 @given(spec=shaped(_PC_SPEC), svc=services())
 def test_proxyclass_validates_then_applies_without_failing(spec: Any, svc: dict[str, Any]) -> None:
-    from controller import proxyclass as pcl
+    from controller.kinds import proxyclass as pcl
     obj = {"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass", "metadata": {"name": "c"}, "spec": spec}
     v = pcl.validate(obj)
     for problem in v.problems:

@@ -19,8 +19,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from containerboot.apiproxy import identity
-from controller import dnsconfig as dc
 from controller.config import ControllerConfig
+from controller.kinds import dnsconfig as dc
 from nameserver import answer as ns_answer
 from nameserver.records import RecordsError, parse_records, zones_of
 from tests.support.crdschema import problems, project_crds, prune

@@ -12,9 +12,9 @@ import os
 import pytest
 import yaml
 
-from controller import proxyclass as pcl
 from controller.config import ControllerConfig
 from controller.kinds import connector
+from controller.kinds import proxyclass as pcl
 from labtools import helmchart, upstreamchart
 
 #: our rule text -> upstream's, for CEL rules that say the same with other words (checked by reading)

@@ -12,10 +12,10 @@ import pytest
 
 from controller import __main__ as cmain
 from controller import config as cconfig
-from controller import dnsconfig as dc
-from controller import proxyclass as pcl
 from controller.config import ControllerConfig
 from controller.kinds import connector, egress, ingress, proxygroup, service
+from controller.kinds import dnsconfig as dc
+from controller.kinds import proxyclass as pcl
 from controller.kubeapi import EVENTS, INGRESSES, SECRETS, SERVICES, STATEFULSETS
 from controller.model import Invalid
 from controller.reconcile import Reconciler

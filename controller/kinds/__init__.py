@@ -1,8 +1,10 @@
-"""One pure module per parent kind: is the object ours, and which proxy does it ask for.
+"""One pure module per kind the controller acts on: is the object ours, and what does it ask for.
 
 Each `decide(obj, cfg, ...)` returns a `model.Decision`, raises `model.Invalid` (condition false, a Warning event,
 nothing created) or `model.Pending` (not yet: retried); each `handled(obj, cfg)` says whether the controller
 should run a proxy for the object at all (False on an object that still carries the finalizer means cleanup).
+The kinds that own no proxy of their own have their module here too: `proxyclass` (a class: validation and its
+merge into a rendering), `dnsconfig` (the nameserver and its records) and `recorder` (a Recorder's objects).
 """
 from __future__ import annotations
 

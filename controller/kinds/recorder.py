@@ -47,10 +47,10 @@ from tscommon.secretcontract import (
     parse_device_ips,
 )
 
-from .. import proxyclass as pcl
 from .. import proxyrbac
 from ..config import ControllerConfig
 from ..render import SPEC_HASH, dumps, hashed, rehash
+from . import proxyclass as pcl
 
 GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "recorders", "Recorder"
 #: the work-queue kind of a Recorder (not a parent of proxies: its pass is controller/passes/recorder.py)

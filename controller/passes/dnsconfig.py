@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from .. import dnsconfig as dc
+from ..kinds import dnsconfig as dc
 from ..kinds import meta
 from ..kindtable import DNSCONFIG, KINDS
 from ..kubeapi import (

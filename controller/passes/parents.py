@@ -18,9 +18,9 @@ from typing import Any
 from tscommon import secretcontract as sc
 
 from .. import podsecurity, proxyrbac, render, tlssecret
-from .. import proxyclass as pcl
 from .. import status as st
 from ..kinds import apiserverproxy, ingress, meta, service
+from ..kinds import proxyclass as pcl
 from ..kindtable import KINDS, DecideInputs, class_of, handled, proxy_target
 from ..kubeapi import CLUSTERROLEBINDINGS, NAMESPACES, ROLEBINDINGS, ROLES, SECRETS, SERVICES, STATEFULSETS, KubeError
 from ..model import FINALIZER, Decision, Invalid, Parent, Pending, ProxySpec

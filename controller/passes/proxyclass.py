@@ -1,4 +1,4 @@
-"""The ProxyClass pass (shell around the pure controller/proxyclass.py): a class's condition and events,
+"""The ProxyClass pass (shell around the pure controller/kinds/proxyclass.py): a class's condition and events,
 then a pass of every parent that uses it (a changed class rolls its proxies, and only those).
 
 `class_state` is also how the parents' and the ProxyGroups' passes read the class their proxies use: a class
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
-from .. import proxyclass as pcl
 from ..kinds import meta
+from ..kinds import proxyclass as pcl
 from ..kindtable import KINDS, PARENT, class_of, handled
 from ..kubeapi import CRDS, PROXYCLASSES, PROXYGROUPS
 from ..model import PROXYCLASS, PROXYGROUP

@@ -21,9 +21,9 @@ from tscommon import pgcontract as pgc
 from tscommon import secretcontract as sc
 
 from .. import pgrender, render
-from .. import proxyclass as pcl
 from .. import status as st
 from ..kinds import egress, meta, proxygroup
+from ..kinds import proxyclass as pcl
 from ..kinds.egress import Replica
 from ..kubeapi import CONFIGMAPS, ENDPOINTSLICES, PODS, PROXYGROUPS, SECRETS, SERVICES, STATEFULSETS
 from ..model import (

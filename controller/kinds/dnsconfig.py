@@ -32,9 +32,8 @@ from tscommon.dnsrecords import CONFIGMAP as RECORDS_CONFIGMAP
 from tscommon.dnsrecords import KEY as RECORDS_KEY
 from tscommon.dnsrecords import render as render_records
 
-from .config import TAILSCALE_LOGIN_SERVER, ControllerConfig
-from .kinds import labels, meta
-from .model import (
+from ..config import TAILSCALE_LOGIN_SERVER, ControllerConfig
+from ..model import (
     ANN_TAILNET_FQDN,
     INGRESS,
     LABEL_MANAGED,
@@ -44,8 +43,9 @@ from .model import (
     LABEL_SVC_TYPE,
     SVC,
 )
-from .render import hashed
-from .validation import upstream_nameserver_problem
+from ..render import hashed
+from ..validation import upstream_nameserver_problem
+from . import labels, meta
 
 GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "dnsconfigs", "DNSConfig"
 COND_NAMESERVER_READY = "NameserverReady"

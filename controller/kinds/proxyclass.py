@@ -38,7 +38,7 @@ from typing import Any
 
 from tscommon.secretcontract import CONFIG_CAPVERS, config_key
 
-from .validation import static_endpoints_problem
+from ..validation import static_endpoints_problem
 
 GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "proxyclasses", "ProxyClass"
 LABEL_PROXY_CLASS = "tailscale.com/proxy-class"
