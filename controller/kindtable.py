@@ -1,56 +1,32 @@
 """The kinds the controller acts on, as one table (pure): what each is in the API, and which pass runs it.
 
-A row says everything the shell needs to know about a kind: its API resource, apiVersion and Kubernetes kind
-(events name the object with them), the pass that runs its queue keys, and for a parent of single proxies its
-condition type, the `ts_proxy_type` label of its metrics, whether its key carries a namespace, how to tell
+A row is the kind's facts (controller/kindfacts.py: its API resource, apiVersion and Kubernetes kind, which
+events name the object with, its condition type and reasons, the `ts_proxy_type` label of its metrics, whether
+its key carries a namespace) extended with what the shell needs: the pass that runs its queue keys, how to tell
 that it is ours (`handled`), how to decide what it asks for (`decide`), which status fields its proxies'
-state gives it, and the few facts that make it different (the reasons it reports, whether its proxies use
-certificates, whether the default ProxyClass applies without a label). The passes (controller/passes/) read
+state gives it, and the few facts that make it different (whether its proxies use certificates, whether the
+default ProxyClass applies without a label). The passes (controller/passes/) read
 the row; none of them switches on a kind's name. Adding a kind is adding a row (docs/controller-internals.md).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from . import status as st
 from .config import ControllerConfig
-from .kinds import apiserverproxy, connector, egress, ingress, proxygroup, service
-from .kinds import dnsconfig as dc
+from .kindfacts import FACTS, KindFacts
+from .kinds import apiserverproxy, connector, egress, ingress, service
 from .kinds import proxyclass as pcl
-from .kinds import recorder as rec
-from .model import (
-    APISERVER,
-    COND_CONNECTOR_READY,
-    COND_PG_READY,
-    COND_PROXY_READY,
-    CONNECTOR,
-    INGRESS,
-    PROXYCLASS,
-    PROXYGROUP,
-    SVC,
-    Decision,
-    ProxySpec,
-)
-from .resources import (
-    CONFIGMAPS,
-    CONNECTORS,
-    DNSCONFIGS,
-    INGRESSES,
-    PROXYCLASSES,
-    PROXYGROUPS,
-    RECORDERS,
-    SERVICES,
-    Resource,
-)
+from .model import APISERVER, CONNECTOR, DNSCONFIG, INGRESS, PROXYCLASS, PROXYGROUP, SVC, Decision, ProxySpec
+from .model import RECORDER as RECORDER_KIND
 from .sameness import same
 
 #: the passes a queue key can go to (KindInfo.runs)
 PARENT, GROUP, CLASS, DNS = "parent", "group", "class", "dns"
 #: the Recorders' pass (controller/passes/recorder.py)
 RECORDER = "recorder"
-DNSCONFIG = dc.QUEUE_KEY[0]
 
 
 @dataclass(frozen=True)
@@ -64,16 +40,11 @@ class DecideInputs:
     tls_problem: str = ""
 
 
-@dataclass(frozen=True)
-class KindInfo:
-    key: str                        # the queue key's kind, and the children's LABEL_PARENT_TYPE
-    resource: Resource
-    api_version: str
-    kind: str                       # the Kubernetes kind
+@dataclass(frozen=True, kw_only=True)
+class KindInfo(KindFacts):
+    """A row of controller/kindfacts.py (what the kind is) with what the shell does with it."""
+
     runs: str                       # the pass for its keys: PARENT, GROUP, CLASS or DNS
-    condition_type: str | None = None
-    proxy_type: str = ""            # the `ts_proxy_type` label of its proxies' metrics (upstream's values)
-    namespaced: bool = True         # the parent's key (and its children's labels) carry its namespace
     handled: Callable[[Mapping[str, Any], ControllerConfig], bool] | None = None
     decide: Callable[[Mapping[str, Any], ControllerConfig, DecideInputs], Decision] | None = None
     #: the backend Services `decide` needs (DecideInputs; with them the proxy's MagicDNS name under INGRESS_HTTP)
@@ -81,9 +52,6 @@ class KindInfo:
     #: the status fields its proxies' state gives it, as a patch of what differs from `status` now
     status_fields: Callable[[Mapping[str, Any], ProxySpec | None, Sequence[st.DeviceInfo]],
                             dict[str, Any]] | None = None
-    invalid_reason: str = "ProxyInvalid"
-    failed_reason: str = "ProxyFailed"
-    pending_reason: str = "ProxyPending"
     #: PROXY_DEFAULT_CLASS applies without the class label (spec.proxyClass instead: proxyclass.select)
     class_in_spec: bool = False
     #: its proxies serve HTTPS with the control plane's certificates (the ACME staging directory)
@@ -97,8 +65,6 @@ class KindInfo:
     queued_by_class: bool = True
     #: an object of this kind that a ProxyGroup serves instead of a proxy of its own (egress Services)
     on_group: Callable[[Mapping[str, Any]], bool] | None = None
-    #: its objects' names can change the DNSConfig's records (an egress name, an Ingress's MagicDNS name)
-    dns_records: bool = False
     #: status fields cleared, with its condition, from an object that stays but is no longer ours
     released_status: Mapping[str, Any] | None = None
     #: the user's `kubernetes.io/tls` Secret its proxy serves (in the object's namespace) and the extra names a
@@ -110,6 +76,11 @@ class KindInfo:
     #: own there let the proxy read it (proxyrbac.tls_secret_access), and the Secret, not watched, is checked
     #: again every TLS_RECHECK
     tls_role: bool = False
+
+    @property
+    def dns_records(self) -> bool:
+        """Its objects' names can change the DNSConfig's records (an egress name, an Ingress's MagicDNS name)."""
+        return bool(self.dns_name)
 
     def parent_namespace(self, obj: Mapping[str, Any]) -> str:
         return ((obj.get("metadata") or {}).get("namespace") or "") if self.namespaced else ""
@@ -144,34 +115,29 @@ def _service_handled(obj: Mapping[str, Any], cfg: ControllerConfig) -> bool:
     return egress.handled(obj) or service.handled(obj, cfg)
 
 
-KINDS: dict[str, KindInfo] = {k.key: k for k in (
-    KindInfo(SVC, SERVICES, "v1", "Service", PARENT, COND_PROXY_READY, "ingress_service",
-             handled=_service_handled, decide=lambda o, c, _: service.decide(o, c), status_fields=_service_status,
-             on_group=egress.handled, dns_records=True, released_status={"loadBalancer": {"ingress": None}}),
-    KindInfo(INGRESS, INGRESSES, "networking.k8s.io/v1", "Ingress", PARENT, None, "ingress_resource",
-             handled=ingress.handled, decide=lambda o, c, i: ingress.decide(o, c, i.services, i.fqdn, i.tls_problem),
-             backends=ingress.backend_services, status_fields=_ingress_status, uses_certs=True, dns_records=True,
-             tls_secret=ingress.tls_entry, tls_role=True),
-    KindInfo(CONNECTOR, CONNECTORS, f"{connector.GROUP}/{connector.VERSION}", "Connector", PARENT,
-             COND_CONNECTOR_READY, "connector", namespaced=False, handled=connector.handled,
-             decide=lambda o, c, _: connector.decide(o, c), status_fields=_connector_status,
-             invalid_reason="ConnectorInvalid", failed_reason="ConnectorCreationFailed",
-             pending_reason="ConnectorCreating", class_in_spec=True),
-    KindInfo(APISERVER, CONFIGMAPS, "v1", "ConfigMap", PARENT, None, "apiserver_proxy",
-             handled=apiserverproxy.handled, decide=lambda o, c, i: apiserverproxy.decide(o, c, i.tls_problem),
-             announces_url=True, cluster_binding=True, queued_by_class=False, tls_secret=apiserverproxy.tls_entry,
-             tls_field="apiServerProxy.tls.secretName"),
-    KindInfo(PROXYGROUP, PROXYGROUPS, f"{proxygroup.GROUP}/{proxygroup.VERSION}", "ProxyGroup", GROUP,
-             COND_PG_READY, "proxygroup", namespaced=False, handled=lambda o, c: True, class_in_spec=True),
-    KindInfo(PROXYCLASS, PROXYCLASSES, f"{pcl.GROUP}/{pcl.VERSION}", pcl.KIND, CLASS, pcl.COND_READY,
-             namespaced=False),
-    KindInfo(DNSCONFIG, DNSCONFIGS, f"{dc.GROUP}/{dc.VERSION}", dc.KIND, DNS, dc.COND_NAMESERVER_READY,
-             namespaced=False),
-    KindInfo(rec.QUEUE_KIND, RECORDERS, f"{rec.GROUP}/{rec.VERSION}", rec.KIND, RECORDER, rec.COND_READY,
-             namespaced=False, handled=lambda o, c: True, invalid_reason=rec.REASON_INVALID,
-             failed_reason=rec.REASON_FAILED, pending_reason=rec.REASON_CREATING),
-)}
+def _row(key: str, runs: str, **shell: Any) -> KindInfo:
+    facts = FACTS[key]
+    return KindInfo(**{f.name: getattr(facts, f.name) for f in fields(facts)}, runs=runs, **shell)
 
+
+KINDS: dict[str, KindInfo] = {k.key: k for k in (
+    _row(SVC, PARENT, handled=_service_handled, decide=lambda o, c, _: service.decide(o, c),
+         status_fields=_service_status, on_group=egress.handled, released_status={"loadBalancer": {"ingress": None}}),
+    _row(INGRESS, PARENT, handled=ingress.handled,
+         decide=lambda o, c, i: ingress.decide(o, c, i.services, i.fqdn, i.tls_problem),
+         backends=ingress.backend_services, status_fields=_ingress_status, uses_certs=True,
+         tls_secret=ingress.tls_entry, tls_role=True),
+    _row(CONNECTOR, PARENT, handled=connector.handled, decide=lambda o, c, _: connector.decide(o, c),
+         status_fields=_connector_status, class_in_spec=True),
+    _row(APISERVER, PARENT, handled=apiserverproxy.handled,
+         decide=lambda o, c, i: apiserverproxy.decide(o, c, i.tls_problem), announces_url=True,
+         cluster_binding=True, queued_by_class=False, tls_secret=apiserverproxy.tls_entry,
+         tls_field="apiServerProxy.tls.secretName"),
+    _row(PROXYGROUP, GROUP, handled=lambda o, c: True, class_in_spec=True),
+    _row(PROXYCLASS, CLASS),
+    _row(DNSCONFIG, DNS),
+    _row(RECORDER_KIND, RECORDER, handled=lambda o, c: True),
+)}
 #: the kinds whose objects own proxies (the children's LABEL_PARENT_TYPE values)
 PARENT_KINDS = tuple(k.key for k in KINDS.values() if k.proxy_type)
 

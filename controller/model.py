@@ -43,12 +43,17 @@ LABEL_SVC_TYPE = "tailscale.com/svc-type"
 PROXYCLASS = "proxyclass"
 #: The API server proxy's parent: the chart's ConfigMap in the controller's namespace (kinds/apiserverproxy.py).
 APISERVER = "apiserverproxy"
+#: The work-queue kinds of a DNSConfig (one key for every event that can change its records) and of a Recorder.
+DNSCONFIG, RECORDER = "dnsconfig", "recorder"
 
 # Conditions and reasons (upstream's names).
 COND_PROXY_READY = "TailscaleProxyReady"
 COND_CONNECTOR_READY = "ConnectorReady"
 COND_PG_READY = "ProxyGroupReady"
 COND_PG_AVAILABLE = "ProxyGroupAvailable"
+COND_PROXYCLASS_READY = "ProxyClassReady"
+COND_NAMESERVER_READY = "NameserverReady"
+COND_RECORDER_READY = "RecorderReady"
 COND_EGRESS_VALID = "TailscaleEgressSvcValid"
 COND_EGRESS_CONFIGURED = "TailscaleEgressSvcConfigured"
 

@@ -27,8 +27,9 @@ from typing import Any
 from tscommon.secretcontract import CONFIG_CAPVERS, KEY_SERVE_CONFIG, config_key
 
 from .config import ControllerConfig
+from .kindfacts import FACTS
 from .kinds import proxyclass as pcl
-from .model import CONNECTOR, LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, Parent, ProxySpec
+from .model import LABEL_MANAGED, LABEL_PARENT_NAME, LABEL_PARENT_NS, LABEL_PARENT_TYPE, Parent, ProxySpec
 
 SPEC_HASH = "tailscale.com/controller-spec-hash"
 SYSCTL_SCRIPT = ("echo 1 > /proc/sys/net/ipv4/ip_forward && if [ -e /proc/sys/net/ipv6/conf/all/forwarding ]; "
@@ -69,7 +70,7 @@ def tailscaled_config(spec: ProxySpec, cfg: ControllerConfig, i: int, authkey: s
                             "NoStatefulFiltering": True}
     if authkey:
         conf["AuthKey"] = authkey
-    if spec.parent.kind == CONNECTOR:
+    if FACTS[spec.parent.kind].advertises_routes:
         conf["AdvertiseRoutes"] = list(spec.advertise_routes)
     if capver >= 107:
         conf["AppConnector"] = {"Advertise": False}

@@ -12,6 +12,19 @@ class Resource:
     plural: str
     namespaced: bool = True
 
+    @property
+    def api_version(self) -> str:
+        """"v1" or "<group>/<version>", as an object's apiVersion names it."""
+        return self.prefix.removeprefix("/apis/").removeprefix("/api/")
+
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def version(self) -> str:
+        return self.api_version.rpartition("/")[2]
+
 
 SERVICES = Resource("/api/v1", "services")
 SECRETS = Resource("/api/v1", "secrets")

@@ -18,7 +18,8 @@ from typing import Any
 from tscommon import jsontext
 from tscommon import secretcontract as sc
 
-from .model import CONNECTOR, ProxySpec
+from .kindfacts import FACTS
+from .model import ProxySpec
 
 
 @dataclass(frozen=True)
@@ -112,14 +113,14 @@ class Readiness:
 def readiness(kind: str, devices: Sequence[DeviceInfo], *, replicas: int, ready_replicas: int,
               failure: str = "", invalid: str = "") -> Readiness:
     """Ready, or the first thing that is missing, in the order a user would fix it."""
-    connector = kind == CONNECTOR
+    facts = FACTS[kind]
     if invalid:
-        return Readiness(False, "ConnectorInvalid" if connector else "ProxyInvalid", invalid)
+        return Readiness(False, facts.invalid_reason, invalid)
     if failure:
-        return Readiness(False, "ConnectorCreationFailed" if connector else "ProxyFailed", failure)
-    pending = "ConnectorCreating" if connector else "ProxyPending"
+        return Readiness(False, facts.failed_reason, failure)
+    pending = facts.pending_reason
     if replicas == 0:
-        return Readiness(True, "ConnectorCreated" if connector else "ProxyCreated", "scaled to 0 replicas")
+        return Readiness(True, facts.ready_reason, "scaled to 0 replicas")
     registered = [d for d in devices if d.device_id]
     if len(registered) < replicas:
         pods = f"{ready_replicas}/{replicas} proxy Pods ready"
@@ -131,7 +132,7 @@ def readiness(kind: str, devices: Sequence[DeviceInfo], *, replicas: int, ready_
     if ready_replicas < replicas:
         return Readiness(False, pending, f"proxy Pod not ready ({ready_replicas}/{replicas} ready)")
     names = ", ".join(d.hostname for d in named)
-    return Readiness(True, "ConnectorCreated" if connector else "ProxyCreated", f"proxy ready: {names}")
+    return Readiness(True, facts.ready_reason, f"proxy ready: {names}")
 
 
 # ---- per kind status bodies

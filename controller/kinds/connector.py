@@ -14,11 +14,12 @@ from typing import Any
 
 from ..config import ControllerConfig
 from ..model import CONNECTOR, Decision, Invalid, Parent, ProxySpec
+from ..resources import CONNECTORS
 from ..validation import hostname_problem, route_problem, tag_problems, tailnet_field_problem
 from . import meta
 
 APP = "k8s-operator-connector-resource"
-GROUP, VERSION, PLURAL = "tailscale.com", "v1alpha1", "connectors"
+GROUP, VERSION, PLURAL = CONNECTORS.group, CONNECTORS.version, CONNECTORS.plural
 REASON_BOTH = "SubnetRouterAndExitNode"
 BOTH_MESSAGE = ("the Connector's devices are both a subnet router and an exit node (spec.subnetRouter and "
                 "spec.exitNode: true): clients that use them as exit node reach the subnet through them too. To "

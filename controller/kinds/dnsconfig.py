@@ -33,24 +33,25 @@ from tscommon.dnsrecords import KEY as RECORDS_KEY
 from tscommon.dnsrecords import render as render_records
 
 from ..config import TAILSCALE_LOGIN_SERVER, ControllerConfig
+from ..kindfacts import DNS_NAME_ANNOTATION, DNS_NAME_STATUS, FACTS
 from ..model import (
     ANN_TAILNET_FQDN,
-    INGRESS,
+    DNSCONFIG,
     LABEL_MANAGED,
     LABEL_PARENT_NAME,
     LABEL_PARENT_NS,
     LABEL_PARENT_TYPE,
     LABEL_SVC_TYPE,
-    SVC,
 )
+from ..model import COND_NAMESERVER_READY as COND_NAMESERVER_READY
 from ..render import hashed
 from ..validation import upstream_nameserver_problem
 from . import labels, meta
 
-GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "dnsconfigs", "DNSConfig"
-COND_NAMESERVER_READY = "NameserverReady"
-REASON_CREATED = "NameserverCreated"
-REASON_FAILED = "NameserverCreationFailed"
+_FACTS = FACTS[DNSCONFIG]
+GROUP, VERSION, PLURAL, KIND = _FACTS.resource.group, _FACTS.resource.version, _FACTS.resource.plural, _FACTS.kind
+REASON_CREATED = _FACTS.ready_reason
+REASON_FAILED = _FACTS.failed_reason
 REASON_MULTIPLE = "MultipleDNSConfigsPresent"
 MESSAGE_MULTIPLE = ("Multiple DNSConfig resources found in cluster. Please ensure no more than one is present.")
 
@@ -59,7 +60,7 @@ PORT = 1053
 APP_LABEL = {"app": NAME}
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 #: The queue key of the single pass that keeps the nameserver and its records.
-QUEUE_KEY = ("dnsconfig", "", "")
+QUEUE_KEY = (DNSCONFIG, "", "")
 
 STUB_BEGIN = "# BEGIN tailscale-controller stub zone (managed by the controller; edits here are overwritten)"
 STUB_END = "# END tailscale-controller stub zone"
@@ -235,9 +236,11 @@ def record_name(headless: Mapping[str, Any], parents: Mapping[tuple[str, str, st
     parent = parents.get((kind or "", lb.get(LABEL_PARENT_NS, ""), lb.get(LABEL_PARENT_NAME, "")))
     if parent is None or meta(parent).get("deletionTimestamp"):
         return ""
-    if kind == SVC:
+    facts = FACTS.get(kind or "")
+    where = facts.dns_name if facts else ""
+    if where == DNS_NAME_ANNOTATION:
         return (meta(parent).get("annotations") or {}).get(ANN_TAILNET_FQDN, "").strip().rstrip(".").lower()
-    if kind == INGRESS:
+    if where == DNS_NAME_STATUS:
         ing = ((parent.get("status") or {}).get("loadBalancer") or {}).get("ingress") or []
         return (ing[0].get("hostname") or "").strip().rstrip(".").lower() if ing else ""
     return ""
@@ -279,12 +282,13 @@ def records_text(headless: Sequence[Mapping[str, Any]], parents: Mapping[tuple[s
 
 
 def parent_keys(headless: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
-    """The parents to read for these headless Services: egress Services and Ingresses."""
+    """The parents to read for these headless Services: those whose kind's proxies have a MagicDNS name for the
+    records (egress Services and Ingresses: kindfacts.KindFacts.dns_name)."""
     out = []
     for h in headless:
         lb = labels(h)
         key = (lb.get(LABEL_PARENT_TYPE, ""), lb.get(LABEL_PARENT_NS, ""), lb.get(LABEL_PARENT_NAME, ""))
-        if key[0] in (SVC, INGRESS) and key not in out:
+        if key[0] in FACTS and FACTS[key[0]].dns_name and key not in out:
             out.append(key)
     return out
 

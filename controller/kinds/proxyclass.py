@@ -38,12 +38,15 @@ from typing import Any
 
 from tscommon.secretcontract import CONFIG_CAPVERS, config_key
 
+from ..kindfacts import FACTS
+from ..model import COND_PROXYCLASS_READY, PROXYCLASS
 from ..validation import static_endpoints_problem
 
-GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "proxyclasses", "ProxyClass"
+_FACTS = FACTS[PROXYCLASS]
+GROUP, VERSION, PLURAL, KIND = _FACTS.resource.group, _FACTS.resource.version, _FACTS.resource.plural, _FACTS.kind
 LABEL_PROXY_CLASS = "tailscale.com/proxy-class"
-COND_READY = "ProxyClassReady"
-REASON_VALID, REASON_INVALID = "ProxyClassValid", "ProxyClassInvalid"
+COND_READY = COND_PROXYCLASS_READY
+REASON_VALID, REASON_INVALID = _FACTS.ready_reason, _FACTS.invalid_reason
 REASON_CUSTOM_TS_ENV = "CustomTSEnvVar"
 REASON_INIT_ENV = "EnvOnInitContainer"
 REASON_NOT_READY = "ProxyClassNotReady"

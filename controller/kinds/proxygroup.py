@@ -13,10 +13,11 @@ from typing import Any
 
 from ..config import ControllerConfig
 from ..model import PROXYGROUP, Invalid, Parent, ProxySpec
+from ..resources import PROXYGROUPS
 from ..validation import hostname_problem, tag_problems, tailnet_field_problem
 from . import meta
 
-GROUP, VERSION, PLURAL = "tailscale.com", "v1alpha1", "proxygroups"
+GROUP, VERSION, PLURAL = PROXYGROUPS.group, PROXYGROUPS.version, PROXYGROUPS.plural
 APP_EGRESS = "k8s-operator-proxygroup-egress"
 TYPE_EGRESS = "egress"
 TYPES = (TYPE_EGRESS, "ingress", "kube-apiserver")

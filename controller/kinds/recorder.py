@@ -49,17 +49,20 @@ from tscommon.secretcontract import (
 
 from .. import proxyrbac
 from ..config import ControllerConfig
+from ..kindfacts import FACTS
+from ..model import COND_RECORDER_READY, RECORDER
 from ..render import SPEC_HASH, dumps, hashed, rehash
 from . import proxyclass as pcl
 
-GROUP, VERSION, PLURAL, KIND = "tailscale.com", "v1alpha1", "recorders", "Recorder"
+_FACTS = FACTS[RECORDER]
+GROUP, VERSION, PLURAL, KIND = _FACTS.resource.group, _FACTS.resource.version, _FACTS.resource.plural, _FACTS.kind
 #: the work-queue kind of a Recorder (not a parent of proxies: its pass is controller/passes/recorder.py)
-QUEUE_KIND = "recorder"
-COND_READY = "RecorderReady"
-REASON_CREATED = "RecorderCreated"
-REASON_CREATING = "RecorderCreating"
-REASON_INVALID = "RecorderInvalid"
-REASON_FAILED = "RecorderCreationFailed"
+QUEUE_KIND = RECORDER
+COND_READY = COND_RECORDER_READY
+REASON_CREATED = _FACTS.ready_reason
+REASON_CREATING = _FACTS.pending_reason
+REASON_INVALID = _FACTS.invalid_reason
+REASON_FAILED = _FACTS.failed_reason
 APP = "k8s-operator-recorder"
 LABEL_RECORDER = "tailscale.com/recorder"
 SOCKET_DIR = "/var/run/tailscale"

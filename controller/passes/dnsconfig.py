@@ -15,7 +15,7 @@ from typing import Any
 
 from ..kinds import dnsconfig as dc
 from ..kinds import meta
-from ..kindtable import DNSCONFIG, KINDS
+from ..kindtable import KINDS
 from ..kubeapi import (
     CONFIGMAPS,
     DEPLOYMENTS,
@@ -26,7 +26,7 @@ from ..kubeapi import (
     KubeError,
     Resource,
 )
-from ..model import LABEL_MANAGED
+from ..model import DNSCONFIG, LABEL_MANAGED
 from ..writer import Writer
 
 log = logging.getLogger("controller")

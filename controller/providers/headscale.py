@@ -105,8 +105,8 @@ class HeadscaleProvider:
         found = []
         if not self.user and not caps.has(TAG_ONLY_KEYS):
             found.append(self._no_tag_only_keys(caps))
-        from ..model import APISERVER
-        if kind == APISERVER and auth_mode and not caps.has(GRANTS):
+        from ..kindfacts import FACTS
+        if auth_mode and kind in FACTS and FACTS[kind].grants_in_auth_mode and not caps.has(GRANTS):
             found.append(f"headscale: {GRANTS.refusal(caps.version)}")
         return tuple(found)
 
