@@ -68,6 +68,11 @@ class KindFacts:
     def api_version(self) -> str:
         return self.resource.api_version
 
+    @property
+    def api_names(self) -> tuple[str, str, str, str]:
+        """(group, version, plural, kind): what a watch and an ownerReference name the kind by."""
+        return self.resource.group, self.resource.version, self.resource.plural, self.kind
+
 
 FACTS: dict[str, KindFacts] = {k.key: k for k in (
     KindFacts(SVC, SERVICES, "Service", COND_PROXY_READY, "ingress_service", dns_name=DNS_NAME_ANNOTATION),

@@ -14,7 +14,8 @@ import base64
 import datetime
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tscommon.redact import redact
@@ -51,6 +52,15 @@ log = logging.getLogger("controller")
 TAGS_RECHECK = 3600.0
 #: A proxy's own identity (controller/proxyrbac.py), in creation order.
 RBAC_RESOURCES = (SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What `Writer.open` found: the object to reconcile, or None when there is nothing to do for it (it is
+    gone, or its deletion was handled); `waiting`: its cleanup waits for something, the pass checks again."""
+
+    obj: Mapping[str, Any] | None
+    waiting: bool = False
 
 
 def now_utc() -> str:
@@ -125,6 +135,23 @@ class Writer:
         return st.with_condition(prev, cond)
 
     # ---- finalizers
+
+    async def open(self, kind: str, name: str, namespace: str,
+                   cleanup: Callable[[Mapping[str, Any]], Awaitable[bool]]) -> Opened:
+        """The opening of a pass of an object that carries our finalizer: read it; when it is being deleted,
+        clean up (`cleanup` returns True when done, False while it waits for something, e.g. Pods to go) and
+        then drop the finalizer, which lets the deletion complete."""
+        obj = await self.kube.get(KINDS[kind].resource, name, namespace)
+        if obj is None:
+            return Opened(None)
+        m = meta(obj)
+        if not m.get("deletionTimestamp"):
+            return Opened(obj)
+        if FINALIZER in (m.get("finalizers") or []):
+            if not await cleanup(obj):
+                return Opened(None, waiting=True)
+            await self.remove_finalizer(kind, obj)
+        return Opened(None)
 
     async def add_finalizer(self, kind: str, obj: Mapping[str, Any]) -> None:
         m = meta(obj)

@@ -49,7 +49,7 @@ from ..validation import upstream_nameserver_problem
 from . import labels, meta
 
 _FACTS = FACTS[DNSCONFIG]
-GROUP, VERSION, PLURAL, KIND = _FACTS.resource.group, _FACTS.resource.version, _FACTS.resource.plural, _FACTS.kind
+GROUP, VERSION, PLURAL, KIND = _FACTS.api_names
 REASON_CREATED = _FACTS.ready_reason
 REASON_FAILED = _FACTS.failed_reason
 REASON_MULTIPLE = "MultipleDNSConfigsPresent"

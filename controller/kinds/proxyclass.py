@@ -43,7 +43,7 @@ from ..model import COND_PROXYCLASS_READY, PROXYCLASS
 from ..validation import static_endpoints_problem
 
 _FACTS = FACTS[PROXYCLASS]
-GROUP, VERSION, PLURAL, KIND = _FACTS.resource.group, _FACTS.resource.version, _FACTS.resource.plural, _FACTS.kind
+GROUP, VERSION, PLURAL, KIND = _FACTS.api_names
 LABEL_PROXY_CLASS = "tailscale.com/proxy-class"
 COND_READY = COND_PROXYCLASS_READY
 REASON_VALID, REASON_INVALID = _FACTS.ready_reason, _FACTS.invalid_reason

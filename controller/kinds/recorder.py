@@ -55,7 +55,7 @@ from ..render import SPEC_HASH, dumps, hashed, rehash
 from . import proxyclass as pcl
 
 _FACTS = FACTS[RECORDER]
-GROUP, VERSION, PLURAL, KIND = _FACTS.resource.group, _FACTS.resource.version, _FACTS.resource.plural, _FACTS.kind
+GROUP, VERSION, PLURAL, KIND = _FACTS.api_names
 #: the work-queue kind of a Recorder (not a parent of proxies: its pass is controller/passes/recorder.py)
 QUEUE_KIND = RECORDER
 COND_READY = COND_RECORDER_READY

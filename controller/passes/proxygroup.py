@@ -25,11 +25,10 @@ from .. import status as st
 from ..kinds import egress, meta, proxygroup
 from ..kinds import proxyclass as pcl
 from ..kinds.egress import Replica
-from ..kubeapi import CONFIGMAPS, ENDPOINTSLICES, PODS, PROXYGROUPS, SECRETS, SERVICES, STATEFULSETS
+from ..kubeapi import CONFIGMAPS, ENDPOINTSLICES, PODS, SECRETS, SERVICES, STATEFULSETS
 from ..model import (
     COND_PG_AVAILABLE,
     COND_PG_READY,
-    FINALIZER,
     LABEL_PARENT_NAME,
     LABEL_PARENT_NS,
     PROXYGROUP,
@@ -109,16 +108,9 @@ class ProxyGroupPass:
 
     async def run(self, kind: str, namespace: str, name: str) -> float | None:
         w, kube, cfg = self.w, self.w.kube, self.w.cfg
-        obj = await kube.get(PROXYGROUPS, name)
-        if obj is None:
-            return None
-        m = meta(obj)
-        if m.get("deletionTimestamp"):
-            if FINALIZER in (m.get("finalizers") or []):
-                if not await self.cleanup(obj):
-                    return RETIRING_RECHECK
-                await w.remove_finalizer(PROXYGROUP, obj)
-            return None
+        if (opened := await w.open(PROXYGROUP, name, "", self.cleanup)).obj is None:
+            return RETIRING_RECHECK if opened.waiting else None
+        obj = opened.obj
         try:
             g = proxygroup.decide(obj, cfg, getattr(w.provider, "name", ""))
         except Invalid as e:

@@ -16,8 +16,8 @@ from typing import Any
 
 from ..kinds import meta
 from ..kinds import recorder as rec
-from ..kubeapi import PODS, RECORDERS, SECRETS, STATEFULSETS
-from ..model import FINALIZER, Parent
+from ..kubeapi import PODS, SECRETS, STATEFULSETS
+from ..model import Parent
 from ..providers import ProviderError
 from ..sameness import same
 from ..writer import RBAC_RESOURCES, Writer, decode
@@ -38,16 +38,9 @@ class RecorderPass:
 
     async def run(self, kind: str, namespace: str, name: str) -> float | None:
         w, kube, cfg = self.w, self.w.kube, self.w.cfg
-        obj = await kube.get(RECORDERS, name)
-        if obj is None:
-            return None
-        m = meta(obj)
-        if m.get("deletionTimestamp"):
-            if FINALIZER in (m.get("finalizers") or []):
-                if not await self.cleanup(obj):
-                    return RETIRING_RECHECK
-                await w.remove_finalizer(KIND, obj)
-            return None
+        if (opened := await w.open(KIND, name, "", self.cleanup)).obj is None:
+            return RETIRING_RECHECK if opened.waiting else None
+        obj = opened.obj
         try:
             r = rec.decide(obj, cfg)
         except rec.RecorderInvalid as e:
