@@ -10,6 +10,7 @@ from controller.kubeapi import Kube
 from tests.support.fakekube import FakeKube
 from tests.support.kube_contract import AGENT_CHECKS, CRD_CHECKS, KUBE_CHECKS, install_contract_crd
 from tests.support.kubeapi import running
+from tests.support.planted_kube import PLANTED, failing_checks
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +44,12 @@ async def test_the_in_memory_fake_keeps_the_custom_resource_contract(check):
     kube = FakeKube()
     await install_contract_crd(kube)
     await CRD_CHECKS[check](kube)
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+async def test_a_planted_status_bug_in_the_fake_fails_the_contract(bug):
+    """The checks can fail: the fake with one bug in its status subresource fails the status check (and the real
+    server passes the same checks: netns-tests/test_controller_apiserver.py)."""
+    assert await failing_checks(FakeKube()) == []
+    failed = await failing_checks(PLANTED[bug]())
+    assert "status_is_a_subresource" in [f.partition(":")[0] for f in failed], failed
