@@ -129,15 +129,16 @@ fuzz: setup
 		tests/test_fuzz_dns_and_grants.py
 
 ## outages: the outage tests (netns-tests/test_outages.py, and the controller's API-server outage in
-## netns-tests/test_controller_apiserver.py) with five-minute outages instead of the suite's 20 s;
-## the figures (data path gap, recovery) go to outages.jsonl (root).
+## netns-tests/test_controller_apiserver.py) with five-minute outages instead of the suite's 20 s, each starting
+## at a time drawn from the run's seed (CB_SEED); the figures (data path gap, recovery) go to outages.jsonl and,
+## as their rows, to bench/results/outages.json (then `make figures`) (root).
 outages: setup-bin
-	OUTAGE_SECONDS=300 CB_OUTAGE_REPORT=outages.jsonl $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_outages.py \
+	BENCH_RECORD=1 OUTAGE_SECONDS=300 CB_OUTAGE_REPORT=outages.jsonl $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_outages.py \
 		netns-tests/test_controller_apiserver.py -k "outage or down"
 
 ## crash: every crash point of the agent after boot (both firewall backends) and of the controller against a
 ## real headscale (netns-tests/test_agent_crash_steady.py, test_controller_crash_headscale.py); `make test` tries
-## a sample of them (the agent's drawn from the run's seed, CB_SEED). The boot's points (test_agent_crash.py) are all in `make test` (root).
+## a sample of them (drawn from the run's seed, CB_SEED). The boot's points (test_agent_crash.py) are all in `make test` (root).
 crash: setup-bin
 	CB_CRASH_ALL=1 $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_agent_crash_steady.py \
 		netns-tests/test_controller_crash_headscale.py
@@ -145,10 +146,11 @@ crash: setup-bin
 ## hostile: the controller under a hostile API server with 500 Services instead of the suite's 60 and 30: the
 ## in-memory one (tests/test_controller_hostile_api.py), then the real kube-apiserver behind labtools.faultproxy
 ## with the conflict webhook (netns-tests/test_controller_hostile_apiserver.py, root, a 30 s quiet window); prints
-## convergence time, requests per Service, faults and warning lines.
+## convergence time, requests per Service, faults and warning lines, and records them as the 500-Service
+## columns of bench/results/hostile.json (then `make figures`). The faults are drawn from the run's seed (CB_SEED).
 hostile: setup-bin
-	HOSTILE_SERVICES=500 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_controller_hostile_api.py
-	HOSTILE_SERVICES=500 HOSTILE_QUIET=30 $(PY) -m pytest -q -s -p no:cacheprovider \
+	BENCH_RECORD=1 HOSTILE_SERVICES=500 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_controller_hostile_api.py
+	BENCH_RECORD=1 HOSTILE_SERVICES=500 HOSTILE_QUIET=30 $(PY) -m pytest -q -s -p no:cacheprovider \
 		netns-tests/test_controller_hostile_apiserver.py
 
 ## bench: boot time, rule programming and footprint against upstream containerboot, measured in the same run (root).

@@ -7,14 +7,21 @@ tests/test_figures.py fails when a block differs from its JSON. So a figure is t
 
 `record()` writes bench/results/<bench>.json only when asked (`--record`, or the environment variable
 `BENCH_RECORD=1`), so a trial run on a busy machine does not replace the committed figures by accident.
+A test run whose figures share one table with other runs (the 20 s and the five-minute outages, the suite's
+two workers and one process) replaces only its own row or column (`record_row`, `record_column`,
+bench/runs.py); every write is atomic (a new file renamed over the old, under a lock, so two pytest workers
+recording at once lose neither's figures).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import pathlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -118,8 +125,96 @@ def record(res: Results, flag: bool = False, root: pathlib.Path = RESULTS) -> pa
     if not wanted(flag):
         print(f"figures not recorded (--record or BENCH_RECORD=1 writes bench/results/{res.bench}.json)")
         return None
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / f"{res.bench}.json"
-    path.write_text(res.to_json())
+    with _locked(root, res.bench):
+        path = _write(res, root)
     print(f"figures recorded in {path}; `make figures` renders them into docs/")
     return path
+
+
+@contextlib.contextmanager
+def _locked(root: pathlib.Path, bench: str) -> Iterator[None]:
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{bench}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _write(res: Results, root: pathlib.Path) -> pathlib.Path:
+    """The file replaced whole or not at all: a reader (or a crash) never sees half of it."""
+    path = root / f"{res.bench}.json"
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=f".{res.bench}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(res.to_json())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+def _update(bench: str, root: pathlib.Path, change: Callable[[Results | None], Results]) -> pathlib.Path:
+    with _locked(root, bench):
+        current = load(bench, root) if (root / f"{bench}.json").exists() else None
+        return _write(change(current), root)
+
+
+def record_table(bench: str, table: str, columns: Sequence[str], rows: Sequence[Sequence[object]], *,
+                 command: str, recorded: str, root: pathlib.Path = RESULTS) -> pathlib.Path:
+    """Replace `table` whole (a table one run measures all of); the other tables stay."""
+
+    def change(cur: Results | None) -> Results:
+        tables = {**(cur.tables if cur else {}), table: Table.of(columns, rows)}
+        return Results(bench, command, recorded, tables) if cur is None else \
+            replace(cur, command=command, recorded=recorded, tables=tables)
+
+    return _update(bench, root, change)
+
+
+def record_row(bench: str, table: str, columns: Sequence[str], row: Sequence[object], *, key: int, command: str,
+               recorded: str, root: pathlib.Path = RESULTS) -> pathlib.Path:
+    """Replace the row of `table` whose first `key` cells are this row's (added at the end when there is none);
+    the other rows and tables stay. A table whose columns changed starts over with this row."""
+    new = tuple(str(c) for c in row)
+    if len(new) != len(columns):
+        raise ResultsError(f"{bench}.json: tables.{table}: a row of {len(new)} cells for {len(columns)} columns")
+
+    def change(cur: Results | None) -> Results:
+        tables = dict(cur.tables) if cur else {}
+        old = tables.get(table)
+        rows = list(old.rows) if old is not None and old.columns == tuple(columns) else []
+        at = next((i for i, r in enumerate(rows) if r[:key] == new[:key]), None)
+        if at is None:
+            rows.append(new)
+        else:
+            rows[at] = new
+        tables[table] = Table.of(columns, rows)
+        return Results(bench, command, recorded, tables) if cur is None else \
+            replace(cur, command=command, recorded=recorded, tables=tables)
+
+    return _update(bench, root, change)
+
+
+def record_column(bench: str, table: str, corner: str, column: str, cells: Mapping[str, object], *, command: str,
+                  recorded: str, root: pathlib.Path = RESULTS) -> pathlib.Path:
+    """Replace (or add, at the right) the column `column` of `table`, whose first column (headed `corner`)
+    names the rows: each of `cells` goes in the row of its name (rows added as needed, "" where another run
+    has no figure)."""
+
+    def change(cur: Results | None) -> Results:
+        tables = dict(cur.tables) if cur else {}
+        old = tables.get(table)
+        if old is None or old.columns[0] != corner:
+            old = Table((corner,), ())
+        cols = list(old.columns)
+        if column not in cols:
+            cols.append(column)
+        at = cols.index(column)
+        rows = {r[0]: list(r) + [""] * (len(cols) - len(r)) for r in old.rows}
+        for name, value in cells.items():
+            rows.setdefault(name, [name] + [""] * (len(cols) - 1))[at] = str(value)
+        tables[table] = Table.of(cols, list(rows.values()))
+        return Results(bench, command, recorded, tables) if cur is None else \
+            replace(cur, command=command, recorded=recorded, tables=tables)
+
+    return _update(bench, root, change)

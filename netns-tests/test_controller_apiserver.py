@@ -33,9 +33,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from needs import unavailable
 
+from bench import runs
 from containerboot.kube import secretstate as agent_ss
 from controller.kinds import proxyclass
 from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir
+from tests.support import seed
 from tests.support.fake_tailscale_api import FakeTailscaleAPI
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -608,7 +610,9 @@ def test_two_replicas_one_leads_the_other_takes_over_when_it_is_killed(running):
 # ---- the Kubernetes contract: the same checks the in-memory fake and the test API server pass
 # (tests/support/kube_contract.py, tests/test_kube_contract.py), here on the real kube-apiserver of this module.
 
+from tests.support.fakekube import FakeKube  # noqa: E402
 from tests.support.kube_contract import AGENT_CHECKS, CRD_CHECKS, KUBE_CHECKS, install_contract_crd  # noqa: E402
+from tests.support.planted_kube import PLANTED, failing_checks  # noqa: E402
 
 CONTRACT_NS = "contract"
 
@@ -642,6 +646,23 @@ async def test_the_real_api_server_keeps_the_custom_resource_contract(kube, chec
         await CRD_CHECKS[check](client)
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+async def test_a_planted_status_bug_in_the_fake_fails_the_checks_the_real_api_server_passes(kube, bug):
+    """The contract's checks tell the fake from the real server when the fake is wrong: with one bug planted in
+    its status subresource (tests/support/planted_kube.py) the fake fails the status check, which the real
+    kube-apiserver and the fake as it is both pass."""
+    from controller.kubeapi import Kube
+    failed = await failing_checks(PLANTED[bug]())
+    names = [f.partition(":")[0] for f in failed]
+    assert "status_is_a_subresource" in names, failed
+    client = Kube(kube.server, token=kube.token, ca_file=str(kube.ca_cert))
+    try:
+        assert await failing_checks(client, names) == []
+    finally:
+        await client.aclose()
+    assert await failing_checks(FakeKube(), names) == []
 
 
 @pytest.mark.parametrize("check", sorted(AGENT_CHECKS))
@@ -695,6 +716,11 @@ def test_the_api_server_down_costs_no_restart_and_the_controller_catches_up(runn
                 headers={"Content-Type": "application/merge-patch+json"},
                 content=json.dumps({"metadata": {"annotations": {"tailscale.com/hostname": "pre-b"}}}))
     assert r.status_code == 200, r.text
+    # when, after the change, the API server goes: drawn from the run's seed (CB_SEED replays it), so that from
+    # run to run the outage catches the controller at another point of its pass (or after it)
+    onset = round(seed.rng("controller-apiserver-outage-onset").uniform(0.0, 3.0), 2)
+    print(f"the API server goes {onset} s after the change (CB_SEED={seed.run_seed()})")
+    time.sleep(onset)
     t_down = time.monotonic()
     # gone at once (SIGKILL): on SIGTERM kube-apiserver drains its watches for about 20 s, still answering
     kube.procs["kube-apiserver"].proc.kill()
@@ -714,12 +740,12 @@ def test_the_api_server_down_costs_no_restart_and_the_controller_catches_up(runn
     wait(lambda: config_hostname("pre-outage") == "pre-b", 120, "the change made before the outage")
     changed = time.monotonic() - t_back
     wait(lambda: role(health) == "leader", 30, "the controller to lead again")
-    line = json.dumps({"outage": "apiserver-controller", "seconds": OUTAGE,
-                       "apiserver_start_s": round(apiserver_start, 2),
-                       "created_after_return_reconciled_s": round(created, 2),
-                       "changed_before_outage_converged_s": round(changed, 2),
-                       "log_lines_during_outage": len(outage_log)})
+    report = {"outage": "apiserver-controller", "seconds": OUTAGE, "seed": seed.run_seed(), "onset_s": onset,
+              "apiserver_start_s": round(apiserver_start, 2), "created_after_return_reconciled_s": round(created, 2),
+              "changed_before_outage_converged_s": round(changed, 2), "log_lines_during_outage": len(outage_log)}
+    line = json.dumps(report)
     print(line)
+    runs.record_outage(report)      # with BENCH_RECORD=1 (make outages): its row of bench/results/outages.json
     if report := os.environ.get("CB_OUTAGE_REPORT"):
         with open(report, "a") as f:
             f.write(line + "\n")

@@ -23,8 +23,9 @@ from headscale itself, whatever the point:
   given to a proxy, it expires within the hour);
 * nothing left in Kubernetes: the Service released and gone, no child object, no Secret.
 
-`make test` tries one point (the device deletion of the reissue pass); `make crash` (CB_CRASH_ALL=1) tries
-every point of a clean life's enumeration.
+`make test` tries one point of the clean life's enumeration (`LIFE_POINTS`), drawn from the run's seed (CB_SEED,
+printed: each run tries another, `CB_SEED=<n>` replays one); `make crash` (CB_CRASH_ALL=1) runs the clean life,
+checks that its enumeration is still `LIFE_POINTS`, and tries every point.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ import pytest
 from controller.model import ANN_TAGS, Parent
 from controller.render import base_name
 from labtools.lab import stop_process, wait_until
+from tests.support import seed
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(3600)]
 
@@ -262,12 +264,22 @@ class Life:
             self.lab.hs("nodes", "delete", "--identifier", str(n["id"]), "--force")
 
 
-#: The suite's point: the reissue pass (the life's third) killed before it deletes the old device.
-SAMPLE = (2, "device-delete:1")
+#: The crash points of the clean life, per pass (what `make crash` enumerates; it fails when they change, so that
+#: the suite's sample is drawn from the life as it is).
+LIFE_POINTS = (
+    ("kube-write:1", "key-mint:1", *(f"kube-write:{n}" for n in range(2, 9))),
+    ("kube-write:1", "kube-write:2"),
+    ("device-delete:1", "key-mint:1", "kube-write:1"),
+    ("kube-write:1",),
+    ("device-tags:1",),
+    ("kube-write:1",),
+    ("device-delete:1", *(f"kube-write:{n}" for n in range(1, 7))),
+)
 
 
 def test_controller_killed_at_each_write_converges_at_headscale(lab, api_key) -> None:
     timings = {}
+    cases = [(i, p) for i, pts in enumerate(LIFE_POINTS) for p in pts]
     if CRASH_ALL:
         t0 = time.monotonic()
         clean = Life(lab, api_key, "clean", log_points=True)
@@ -276,20 +288,22 @@ def test_controller_killed_at_each_write_converges_at_headscale(lab, api_key) ->
             clean.check()
         finally:
             clean.close()
-        names = {p.split(":")[0] for pts in clean.points for p in pts}
-        assert {"kube-write", "key-mint", "device-delete", "device-tags"} <= names, clean.points
-        assert SAMPLE[1] in clean.points[SAMPLE[0]], clean.points
-        cases = [(i, p) for i, pts in enumerate(clean.points) for p in pts]
-        timings["clean"] = round(time.monotonic() - t0, 1)
         print(f"controller crash points: {len(cases)} in {len(clean.points)} passes: {clean.points}")
+        assert tuple(tuple(pts) for pts in clean.points) == LIFE_POINTS, \
+            f"the clean life's crash points changed: set LIFE_POINTS to {clean.points}"
+        timings["clean"] = round(time.monotonic() - t0, 1)
     else:
-        cases = [SAMPLE]     # (make crash checks that the clean life has it)
+        # one point of the life, drawn from the run's seed: each run tries another
+        cases = [seed.rng("controller-crash-headscale").choice(cases)]
+        print(f"controller crash point tried: pass {cases[0][0]} at {cases[0][1]} (CB_SEED={seed.run_seed()} "
+              f"replays it; make crash tries them all)")
     for n, (i, point) in enumerate(cases):
         t1 = time.monotonic()
         life = Life(lab, api_key, f"c{n}", crash=(i, point))
         try:
             life.run()
-            assert life.killed == [f"{i}/{point}"], life.killed
+            assert life.killed == [f"{i}/{point}"], \
+                f"{life.killed}: the life did not reach {i}/{point}; `make crash` says whether LIFE_POINTS changed"
             life.check()
         finally:
             life.close()

@@ -22,7 +22,9 @@ Asserted, from the proxy's record of every request and the controller's log:
 * each kind of fault was met, and the log folds them: at most two warning lines per kind per minute.
 
 HOSTILE_SERVICES (default 30) sets N; `make hostile` runs 500 (HOSTILE_QUIET: the quiet window, seconds). The
-figures are printed as one JSON line ("hostile-apiserver: {...}").
+faults are drawn from the run's seed (CB_SEED; HOSTILE_SEED overrides it). The figures are printed as one JSON
+line ("hostile-apiserver: {...}") and, with BENCH_RECORD=1 (`make hostile` sets it), written as this run's column
+of bench/results/hostile.json.
 """
 from __future__ import annotations
 
@@ -52,16 +54,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from needs import unavailable
 
+from bench import runs
 from containerboot.kube import secretstate as agent_ss
 from controller import logfold
 from controller.kubeapi import USER_AGENT
 from labtools import conflictwebhook as cw
 from labtools.faultproxy import FaultProxy, Faults, Record, early_after_429, faults_by_kind
 from labtools.kubecluster import KubeCluster, binaries_present, default_bin_dir
+from tests.support import seed
 
 N = int(os.environ.get("HOSTILE_SERVICES", "30"))
 QUIET = float(os.environ.get("HOSTILE_QUIET", "10"))
-SEED = int(os.environ.get("HOSTILE_SEED", "7"))
+#: the faults' and the webhook's seed: the run's (CB_SEED, printed at the start: each run draws other faults, and
+#: setting it replays a run's), unless HOSTILE_SEED names one
+SEED = int(os.environ.get("HOSTILE_SEED") or seed.rng("hostile-apiserver").randrange(2**31))
 CONFLICT_RATE = 0.02
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300 + 3 * N)]
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -382,6 +388,9 @@ def figures(run: Run) -> dict[str, Any]:
         "warning_lines": warning_lines_by_kind(run.log),
     }
     print("hostile-apiserver: " + json.dumps(run.figures))
+    # with BENCH_RECORD=1 (make hostile): this run's column of bench/results/hostile.json
+    runs.record_hostile("apiserver", f"{N} Services", runs.hostile_apiserver_cells(
+        run.figures, runs.run_label(SEED, "the faults drawn from it")))
     return run.figures
 
 

@@ -20,8 +20,12 @@ broken.
 
 Measured: the data path's longest gap, the time until /status shows the outage, the times to recover.
 
-OUTAGE_SECONDS (default 20) sets the outage length; `make outages` runs them with 300 (five minutes). The figures
-are printed (pytest -s shows them) and written to $CB_OUTAGE_REPORT when set; nothing asserts on how fast.
+OUTAGE_SECONDS (default 20) sets the outage length; `make outages` runs them with 300 (five minutes). When each
+outage starts is drawn from the run's seed (CB_SEED, printed with the figures): up to 5 s more of traffic before
+it, so that from run to run it falls at another point of the agent's 5-second checks; `CB_SEED=<n>` replays a
+run's timing. The figures are printed (pytest -s shows them), written to $CB_OUTAGE_REPORT when set and, with
+BENCH_RECORD=1 (`make outages` sets it), as their rows of bench/results/outages.json (bench/runs.py); nothing
+asserts on how fast.
 """
 from __future__ import annotations
 
@@ -39,8 +43,10 @@ import labextras as lx
 import pytest
 from needs import unavailable
 
+from bench import runs
 from containerboot.dns import MAX_BACKOFF
 from labtools.lab import wait_until
+from tests.support import seed
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -50,9 +56,22 @@ DNS_NAME = "web.outage.test"
 DNS_V4 = "10.98.0.54"
 
 
+_ONSETS: dict[str, float] = {}
+
+
+def onset(name: str) -> float:
+    """The extra seconds of traffic before this outage starts, drawn from the run's seed (printed, so that a
+    failure's timing can be replayed with CB_SEED)."""
+    extra = _ONSETS[name] = round(seed.rng(f"outage-onset-{name}").uniform(0.0, 5.0), 2)
+    print(f"outage {name}: starts {extra} s later than the earliest (CB_SEED={seed.run_seed()})")
+    return extra
+
+
 def _report(name: str, figures: dict) -> None:
-    line = json.dumps({"outage": name, "seconds": OUTAGE, **figures})
+    report = {"outage": name, "seconds": OUTAGE, "seed": seed.run_seed(), "onset_s": _ONSETS.get(name), **figures}
+    line = json.dumps(report)
     print(line)
+    runs.record_outage(report)      # with BENCH_RECORD=1 (make outages): its row of bench/results/outages.json
     if path := os.environ.get("CB_OUTAGE_REPORT"):
         with open(path, "a") as f:
             f.write(line + "\n")
@@ -131,6 +150,7 @@ def test_headscale_down(lab, lab_backend, start_agent) -> None:
     probe = Probe(lab, url, lab_backend.marker)
     try:
         time.sleep(2)
+        time.sleep(onset("headscale"))
         hs = _headscale(lab)
         t_down = time.monotonic()
         hs.proc.terminate()
@@ -231,6 +251,7 @@ def test_dns_down_for_a_dns_name_target(lab, lab_backend, start_agent, dns) -> N
     held = _held(lab, proxy_v4, "held-dns")
     probe = Probe(lab, url, lab_backend.marker)
     try:
+        time.sleep(onset("dns"))
         t_down = time.monotonic()
         dns.stop()                                    # nothing answers on port 53 any more
         errors: list[str] = []
@@ -352,6 +373,7 @@ def test_apiserver_down(lab, lab_backend, realkube) -> None:
         held = _held(lab, proxy_v4, "held-apiserver")
         probe = Probe(lab, url, lab_backend.marker)
         time.sleep(2)
+        time.sleep(onset("apiserver"))
 
         lines_before = len(agent.log_text().splitlines())
         t_down = time.monotonic()

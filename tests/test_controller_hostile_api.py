@@ -8,7 +8,8 @@ stay within a small multiple of a fault-free run's, and a full re-run after conv
 respects Retry-After (no request for a parent before the time a 429 named), and it logs each kind of fault
 without flooding (one line per kind per window, with a count of those folded in).
 
-HOSTILE_SERVICES (default 60) sets the number of Services; `make hostile` runs 500. The figures are printed.
+HOSTILE_SERVICES (default 60) sets the number of Services; `make hostile` runs 500. The figures are printed and,
+with BENCH_RECORD=1 (`make hostile` sets it), written as this run's column of bench/results/hostile.json.
 Dropped watch streams, kopf, and 409s from a real admission webhook are in the same story against the real API
 server: netns-tests/test_controller_hostile_apiserver.py.
 """
@@ -25,6 +26,7 @@ from typing import Any, cast
 
 import pytest
 
+from bench import runs
 from controller import logfold
 from controller.config import ControllerConfig
 from controller.kubeapi import SERVICES, STATEFULSETS, KubeError
@@ -132,10 +134,10 @@ async def test_converges_with_bounded_writes_respecting_retry_after(caplog: pyte
     caplog.set_level(logging.WARNING, logger="controller")
     hostile, q, took = await _run(FAULT_RATE)
     writes = _writes_per_service(hostile)
-    reads = [hostile.calls[(("svc", "apps", f"s{i}"), "read")] for i in range(N)]
+    reads0 = [hostile.calls[(("svc", "apps", f"s{i}"), "read")] for i in range(N)]
     print(f"hostile API: {N} Services, faults {dict(hostile.faults)}, converged in {took:.1f}s "
           f"(fault-free {clean_took:.1f}s); writes per Service: max {max(writes)}, mean {sum(writes) / N:.1f} "
-          f"(fault-free {clean_max}); reads per Service: max {max(reads)}, mean {sum(reads) / N:.1f}")
+          f"(fault-free {clean_max}); reads per Service: max {max(reads0)}, mean {sum(reads0) / N:.1f}")
     assert set(hostile.faults) >= {"500", "429", "409", "slow"}
     # Bounded: a failed write is retried, nothing is written again and again.
     assert max(writes) <= 4 * clean_max, writes
@@ -160,6 +162,12 @@ async def test_converges_with_bounded_writes_respecting_retry_after(caplog: pyte
     assert kinds == {"HTTP 500", "HTTP 429", "HTTP 409"}, lines
     windows = int(took // 60.0) + 1
     assert len(lines) <= 3 * windows, lines
+    runs.record_hostile("memory", f"{N} Services", runs.hostile_memory_cells({
+        "faults": dict(hostile.faults), "converged_s": took, "clean_converged_s": clean_took,
+        "writes_max": max(writes), "writes_mean": sum(writes) / N, "clean_writes_max": clean_max,
+        "reads_max": max(reads0), "reads_mean": sum(reads0) / N, "early_after_429": len(hostile.early),
+        "rerun_writes": sum(_writes_per_service(hostile)) - before, "warning_lines": len(lines)},
+        runs.run_label(seed.run_seed(), "the faults drawn from it")))
 
 
 def fault_log(caplog: pytest.LogCaptureFixture) -> tuple[FaultLog, list[float], KubeError]:
