@@ -172,3 +172,43 @@ def record_longest(durations: Mapping[str, float], seed: int | None,
     return record_table("suite", "longest", ("netns module", "its own duration", "run"),
                         [[*row, run] for row in longest_rows(durations)], command=SUITE_COMMAND, recorded=RECORDED,
                         root=root)
+
+
+#: the lab cluster's table (docs/lab-and-tests.md), written by `make demo DEMO_ARGS="--kube --once"`
+LABCLUSTER_COLUMNS = ("what", "figure", "run")
+LABCLUSTER_COMMAND = "BENCH_RECORD=1 make demo DEMO_ARGS=\"--kube --once\"; bash scripts/install-kubernetes.sh"
+CONTROL_PLANE = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd")
+NODE = ("kubelet", "kube-proxy", "containerd")
+
+
+def labcluster_rows(f: Mapping[str, Any], run: str) -> list[list[str]]:
+    """The kube demo's figures (labtools/kubedemo.py `run`: the cluster's timings, its components' memory, the
+    demo's steps) as the rows it measures (the binaries' cold build is not one of them)."""
+    rss: Mapping[str, float] = f["rss_mb"]
+
+    def mem(names: tuple[str, ...]) -> str:
+        have = [(n, rss[n]) for n in names if n in rss]
+        return ", ".join(f"{n} {v:.0f} MiB" for n, v in have) + f": about {sum(v for _, v in have):.0f} MiB"
+
+    return [
+        ["cluster start (empty directory) → control plane ready", f"{f['control_plane_s']:.1f} s", run],
+        ["cluster start → Node Ready", f"{f['node_ready_s']:.1f} s (kubelet start → Ready "
+                                       f"{f['kubelet_to_ready_s']:.1f} s)", run],
+        ["control plane memory (RSS)", mem(CONTROL_PLANE), run],
+        ["node memory (RSS)", mem(NODE), run],
+        ["`make demo DEMO_ARGS=\"--kube --once\"`, the command to everything torn down",
+         f"{f['total_s']:.1f} s (image build check {f['image_s']:.1f} s, cluster start to Node Ready "
+         f"{f['node_ready_s']:.1f} s, image import {f['import_s']:.1f} s, the agent's device keys in its Secret "
+         f"{f['device_keys_s']:.1f} s after the StatefulSet was applied)", run],
+    ]
+
+
+def record_labcluster(figures: Mapping[str, Any], root: pathlib.Path = RESULTS) -> pathlib.Path | None:
+    """The demo's rows of labcluster.json (each replacing its own), when asked."""
+    if not wanted(False):
+        return None
+    path = None
+    for row in labcluster_rows(figures, run_label(None)):
+        path = record_row("labcluster", "main", LABCLUSTER_COLUMNS, row, key=1, command=LABCLUSTER_COMMAND,
+                          recorded=RECORDED, root=root)
+    return path

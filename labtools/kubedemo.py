@@ -131,7 +131,9 @@ def run(firewall: str, once: bool, timeout: float = 120.0) -> int:
     t0 = time.monotonic()
     k8s_bin = kubecluster.ensure_binaries()
     _say(f"Kubernetes {kubecluster.K8S_VER} binaries: {k8s_bin} ({time.monotonic() - t0:.1f}s)")
+    t0 = time.monotonic()
     archive = _image_archive()
+    figures: dict = {"image_s": time.monotonic() - t0}     # with BENCH_RECORD=1: labcluster.json (bench/runs.py)
     ok = False
     with Lab.create(bin_dir=bin_dir, firewall_mode=firewall) as lab:
         _say(f"lab {lab.prefix} up; client tailnet IPs: {' '.join(i for i in lab.tailnet_ips('client') if i)}")
@@ -140,8 +142,11 @@ def run(firewall: str, once: bool, timeout: float = 120.0) -> int:
             _say(f"cluster up: API {kc.server}, node {kubecluster.NODE_NAME} Ready {t['node_ready']:.1f}s after "
                  f"start (control plane {t['control_plane']:.1f}s, kubelet to Ready {t['kubelet_to_ready']:.1f}s); "
                  f"kubeconfig {kc.kubeconfig}")
+            figures.update(control_plane_s=t["control_plane"], node_ready_s=t["node_ready"],
+                           kubelet_to_ready_s=t["kubelet_to_ready"])
             t0 = time.monotonic()
             kc.import_image(archive)
+            figures["import_s"] = time.monotonic() - t0
             _say(f"imported {IMAGE} into the node's containerd ({time.monotonic() - t0:.1f}s)")
             marker = deploy_backend(kc, lab)
             cip = kc.get("service", "backend", "demo")["spec"]["clusterIP"]
@@ -166,6 +171,7 @@ def run(firewall: str, once: bool, timeout: float = 120.0) -> int:
                     d = {k: base64.b64decode(v).decode(errors="replace") for k, v in (s.get("data") or {}).items()}
                     return d if d.get("device_ips") else None
                 d = wait_until(device, timeout, 0.5, "device keys in Secret demo/proxy-0")
+                figures["device_keys_s"] = time.monotonic() - t0
                 _say(f"agent Pod {pod['metadata']['name']} (IP {pod['status']['podIP']}) wrote its device keys "
                      f"{time.monotonic() - t0:.1f}s after the StatefulSet was applied; Secret demo/proxy-0 has "
                      f"{sorted(d)}:")
@@ -178,8 +184,13 @@ def run(firewall: str, once: bool, timeout: float = 120.0) -> int:
                 ok = True
             except (TimeoutError, LabError, kubecluster.ClusterError) as e:
                 report_failure(kc, e, kc.kubectl("-n", "demo", "logs", "proxy-0", "--tail=80", check=False).stdout)
-            rss = kc.rss_mb()
+            rss = figures["rss_mb"] = kc.rss_mb()
             _say("memory (RSS MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(rss.items())))
             hold_open(kc, k8s_bin, once)
-    _say(f"done in {time.monotonic() - t_all:.1f}s; everything torn down")
+    figures["total_s"] = time.monotonic() - t_all
+    _say(f"done in {figures['total_s']:.1f}s; everything torn down")
+    if ok and once:
+        from bench import runs
+        if path := runs.record_labcluster(figures):
+            _say(f"figures recorded in {path}; `make figures` renders them into docs/")
     return 0 if ok else 1

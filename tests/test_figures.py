@@ -150,3 +150,19 @@ def test_a_whole_suites_run_writes_its_row(tmp_path, monkeypatch):
     assert "| netns tests, 2 workers | 13.3 minutes | 297 passed, 1 failed, 2 skipped |" in block
     longest = _block("suite/longest", tmp_path)
     assert "| `test_a.py` | 6.7 minutes |" in longest and "| the other 1 | under 0.5 minutes each |" in longest
+
+
+def test_the_kube_demos_rows_are_what_the_docs_render(tmp_path, monkeypatch):
+    from bench import runs
+    monkeypatch.setenv("BENCH_RECORD", "1")
+    figures = {"image_s": 6.7, "control_plane_s": 3.4, "node_ready_s": 9.3, "kubelet_to_ready_s": 4.2,
+               "import_s": 6.8, "device_keys_s": 3.2, "total_s": 38.5,
+               "rss_mb": {"kube-apiserver": 280.4, "etcd": 42.0, "kubelet": 78.0, "containerd": 45.0, "holder": 1.0}}
+    runs.record_labcluster(figures, tmp_path)
+    runs.record_labcluster({**figures, "control_plane_s": 3.9}, tmp_path)
+    table = results.load("labcluster", tmp_path).tables["main"]
+    assert len(table.rows) == 5, table.rows
+    block = _block("labcluster/main", tmp_path)
+    assert "| cluster start (empty directory) → control plane ready | 3.9 s |" in block
+    assert "| control plane memory (RSS) | kube-apiserver 280 MiB, etcd 42 MiB: about 322 MiB |" in block
+    assert "| node memory (RSS) | kubelet 78 MiB, containerd 45 MiB: about 123 MiB |" in block
