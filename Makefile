@@ -131,7 +131,7 @@ fuzz: setup
 ## outages: the outage tests (netns-tests/test_outages.py, and the controller's API-server outage in
 ## netns-tests/test_controller_apiserver.py) with five-minute outages instead of the suite's 20 s, each starting
 ## at a time drawn from the run's seed (CB_SEED); the figures (data path gap, recovery) go to outages.jsonl and,
-## as their rows, to bench/results/outages.json (then `make figures`) (root).
+## as their rows, to bench/results/outages.json and the docs (root).
 outages: setup-bin
 	BENCH_RECORD=1 OUTAGE_SECONDS=300 CB_OUTAGE_REPORT=outages.jsonl $(PY) -m pytest -q -s -p no:cacheprovider netns-tests/test_outages.py \
 		netns-tests/test_controller_apiserver.py -k "outage or down"
@@ -147,7 +147,7 @@ crash: setup-bin
 ## in-memory one (tests/test_controller_hostile_api.py), then the real kube-apiserver behind labtools.faultproxy
 ## with the conflict webhook (netns-tests/test_controller_hostile_apiserver.py, root, a 30 s quiet window); prints
 ## convergence time, requests per Service, faults and warning lines, and records them as the 500-Service
-## columns of bench/results/hostile.json (then `make figures`). The faults are drawn from the run's seed (CB_SEED).
+## columns of bench/results/hostile.json and the docs. The faults are drawn from the run's seed (CB_SEED).
 hostile: setup-bin
 	BENCH_RECORD=1 HOSTILE_SERVICES=500 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_controller_hostile_api.py
 	BENCH_RECORD=1 HOSTILE_SERVICES=500 HOSTILE_QUIET=30 $(PY) -m pytest -q -s -p no:cacheprovider \

@@ -192,5 +192,5 @@ def run(firewall: str, once: bool, timeout: float = 120.0) -> int:
     if ok and once:
         from bench import runs
         if path := runs.record_labcluster(figures):
-            _say(f"figures recorded in {path}; `make figures` renders them into docs/")
+            _say(f"figures recorded in {path}; the docs are rendered")
     return 0 if ok else 1

@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rel = doc.relative_to(ROOT).as_posix()
         if args.write:
-            doc.write_text(new)
+            tmp = doc.with_name(f".{doc.name}.tmp")     # replaced whole: a test reading it never sees half
+            tmp.write_text(new)
+            os.replace(tmp, doc)
             print(f"render_figures: {rel} rewritten")
         else:
             stale += 1

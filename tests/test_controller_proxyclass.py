@@ -1,4 +1,4 @@
-"""controller.proxyclass and its place in a pass: a class + a rendering → the objects a user finds, exactly; bad
+"""controller.kinds.proxyclass and its place in a pass: a class + a rendering → the objects a user finds, exactly; bad
 classes refused with the field and the value; selection by label, spec.proxyClass and the default; a parent
 waiting for its class; a class change rolling only its users; the two user mistakes reported."""
 from __future__ import annotations
