@@ -92,13 +92,17 @@ class Writer:
             return dict(cur)
         return await self.kube.patch(res, md["name"], desired, ns)
 
-    async def apply_secret(self, desired: dict, cur: Mapping[str, Any] | None) -> None:
-        """A rendered Secret (stringData): created, or the keys that differ and our labels patched."""
+    async def apply_secret(self, desired: dict, cur: Mapping[str, Any] | None, *,
+                           state: Mapping[str, bytes] | None = None) -> None:
+        """A rendered Secret (stringData): created, or the keys that differ and our labels patched. `state`: a
+        device's state taken over from upstream's proxy (controller/adoption.py), written by the same create, so
+        the Secret never exists without it."""
         md = desired["metadata"]
         data = {k: base64.b64encode(v.encode()).decode() for k, v in desired["stringData"].items()}
         if cur is None:
             body = {k: v for k, v in desired.items() if k != "stringData"}
-            await self.kube.create(SECRETS, {**body, "data": data}, md["namespace"])
+            kept = {k: base64.b64encode(v).decode() for k, v in (state or {}).items()}
+            await self.kube.create(SECRETS, {**body, "data": {**kept, **data}}, md["namespace"])
             return
         have = cur.get("data") or {}
         changed = {k: v for k, v in data.items() if have.get(k) != v}
