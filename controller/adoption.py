@@ -110,15 +110,15 @@ def current_profile(data: Mapping[str, bytes]) -> dict[str, Any] | None:
 
 
 def logged_in(data: Mapping[str, bytes]) -> bool:
-    """A device to keep: tailscaled's machine key, a current profile holding a node key, and containerboot's
-    `device_id` (upstream's own test of a logged-in proxy, `deviceAuthed`)."""
+    """A device to keep: tailscaled's machine key and a current profile holding a node key. containerboot's
+    `device_id` is not required: upstream's containerboot clears it each time it starts, until it is logged in
+    again, so a Pod that stopped while starting leaves a device without it."""
     prefs = current_profile(data)
     if not data.get(sc.KEY_MACHINE_KEY) or prefs is None:
         return False
     persist = prefs.get("Config")
     key = persist.get("PrivateNodeKey") if isinstance(persist, dict) else None
-    return (isinstance(key, str) and key.startswith("privkey:") and key.rstrip("0") != "privkey:"
-            and bool(_text(data, sc.KEY_DEVICE_ID)))
+    return isinstance(key, str) and key.startswith("privkey:") and key.rstrip("0") != "privkey:"
 
 
 def latest_config(data: Mapping[str, bytes]) -> dict[str, Any]:

@@ -185,13 +185,14 @@ class Writer:
     # ---- devices
 
     async def auth_keys(self, datas: Sequence[Mapping[str, bytes] | None], tags: tuple[str, ...], who: str,
-                        description: str) -> list[str]:
+                        description: str, *, logged_in: Iterable[int] = ()) -> list[str]:
         """Replica i's auth key for its config: a new one where it has none and no device, or where its proxy
-        asked for one (its old device deleted first); else the key it has (or "" once it is used). Raises
-        ProviderError."""
+        asked for one (its old device deleted first); else the key it has (or "" once it is used). Replicas
+        `logged_in` (a device's state taken over: controller/adoption.py) get none. Raises ProviderError."""
         keys: list[str] = []
+        skip = set(logged_in)
         for i, data in enumerate(datas):
-            action = st.authkey_action(data)
+            action = "omit" if i in skip else st.authkey_action(data)
             if action in ("new", "reissue"):
                 if action == "reissue":
                     await self.delete_device_of(data)

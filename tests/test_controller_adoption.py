@@ -102,7 +102,8 @@ def test_a_logged_in_upstream_proxy_is_adopted_once_its_pods_are_gone():
 
 
 def test_children_of_this_controller_are_not_upstreams():
-    ours = adoption.Found((("ts-web-abcde", False),), (("ts-web-abcde-0", {}),), ("ts-web-abcde", "ts-web-abcde-metrics"))
+    ours = adoption.Found((("ts-web-abcde", False),), (("ts-web-abcde-0", {}),),
+                          ("ts-web-abcde", "ts-web-abcde-metrics"))
     assert decide(ours) == adoption.Plan()
 
 
@@ -122,7 +123,7 @@ def test_a_device_that_cannot_be_kept_is_replaced_and_the_event_says_why(change,
         assert (p.forget_secrets, p.retire_secrets) == ((), ("ts-web-x7k2p-0",))
 
 
-@pytest.mark.parametrize("drop", ["_machinekey", "_current-profile", "profile-1a2b", "device_id"])
+@pytest.mark.parametrize("drop", ["_machinekey", "_current-profile", "profile-1a2b"])
 def test_a_secret_without_a_logged_in_profile_has_nothing_to_keep(drop):
     data = {k: v for k, v in upstream_state().items() if k != drop}
     assert not adoption.logged_in(data)
@@ -223,6 +224,19 @@ async def test_an_exposed_service_keeps_upstreams_device(env):
     await rec.reconcile("svc", "apps", "web")
     lists = [c for c in kube.calls if c[1] in ("statefulsets", "services") and c[3] == ""]
     assert lists == [], "a steady pass lists no StatefulSets or Services to look for upstream's"
+
+
+async def test_a_device_whose_id_upstreams_containerboot_cleared_is_kept_without_a_key(env):
+    kube, prov, rec, log = env
+    uid = expose(kube)["metadata"]["uid"]
+    put_upstream(kube, uid=uid, data={k: v for k, v in upstream_state().items()
+                                      if k not in ("device_id", "device_fqdn", "device_ips")})
+    await rec.reconcile("svc", "apps", "web")
+    kube.finish_deletions()
+    await rec.reconcile("svc", "apps", "web")
+    data = secret_data(kube, f"{base_name(Parent('svc', 'web', 'apps', uid))}-0")
+    assert data["profile-1a2b"] == upstream_state()["profile-1a2b"]
+    assert prov.keys == [] and "AuthKey" not in json.loads(data["cap-107.hujson"])
 
 
 async def test_a_connector_of_another_control_plane_gets_a_new_device_and_the_old_one_is_left(env):

@@ -205,7 +205,7 @@ class ParentPass:
                 datas[i] = dict(copied)
         try:
             keys = await w.auth_keys(datas, spec.tags, f"{kind} {p.namespace}/{p.name}",
-                                     f"{kind} {p.namespace}/{p.name}".strip())
+                                     f"{kind} {p.namespace}/{p.name}".strip(), logged_in=plan.copies)
         except ProviderError as e:
             msg = f"no auth key: {e}" if "no auth key" not in str(e) else str(e)
             if e.reason:        # the control plane's version cannot do it: said once as an event too
