@@ -34,11 +34,11 @@ def labels(name: str, ns: str = "apps", typ: str = "svc") -> dict:
 
 def upstream_state(*, hostname: str = "apps-web", server: str = SERVER, device: str = "7",
                    node_key: str = NODE_KEY) -> dict[str, bytes]:
-    """A state Secret's data as upstream's operator (cap-*.hujson, json.Marshal of ipn.ConfigVAlpha), its Go
-    containerboot (device_*, pod_uid, tailscale_capver) and tailscaled's kube store (_machinekey, profiles)
-    leave it once its proxy is logged in."""
-    conf = {"Version": "alpha0", "Locked": "false", "ServerURL": server, "Hostname": hostname,
-            "AcceptDNS": "false", "AcceptRoutes": "false", "NoStatefulFiltering": "true"}
+    """A state Secret's data as upstream's operator (cap-*.hujson: json.Marshal of ipn.ConfigVAlpha, opt.Bool as
+    JSON booleans), its Go containerboot (device_*, pod_uid, tailscale_capver) and tailscaled's kube store
+    (_machinekey, profiles) leave it once its proxy is logged in."""
+    conf = {"Version": "alpha0", "Locked": False, "ServerURL": server, "Hostname": hostname,
+            "AcceptDNS": False, "AcceptRoutes": False, "NoStatefulFiltering": True}
     prefs = {"ControlURL": server, "RouteAll": False, "WantRunning": True, "Hostname": hostname,
              "Config": {"PrivateNodeKey": node_key, "OldPrivateNodeKey": "privkey:" + "0" * 64,
                         "UserProfile": {"ID": 1, "LoginName": "tagged-devices"}, "NodeID": "n" + device}}
