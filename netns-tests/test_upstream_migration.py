@@ -4,15 +4,21 @@ object before and after.
 
 Upstream's release is made as its users make it: its chart (tailscale.com v1.102.3 from the Go module cache)
 with the CRD templates its own generator writes (``go run ./cmd/k8s-operator/generate helmcrd``, in a throwaway
-copy: labtools.upstreamchart), installed with upstream's values (an OAuth client, operatorConfig, proxyConfig).
-Its operator's image cannot be pulled in the lab (no registry) and it could not mint keys from headscale anyway:
-what moves is the objects, and they are upstream's own examples (Connector, DNSConfig, ProxyClass, ProxyGroup,
-Recorder) plus an exposed Service and an Ingress. The lab runs headscale, so the values switch the provider to
-headscale (the guide's note for that) and name the lab's images with upstream's own keys
-(``operatorConfig.image``, ``proxyConfig.image``). Then: the CRDs protected, upstream's operator stopped and its
-proxies deleted, ``helm upgrade`` of the same release to this chart; every object is still there with its UID,
-the four kinds this chart has are served by this controller (their conditions), the Recorder is kept unserved,
-and ``helm uninstall`` of the release leaves every CRD and object.
+copy: labtools.upstreamchart), installed with upstream's values (an OAuth client, operatorConfig, proxyConfig, and
+``loginServer``: the lab's headscale). Its operator's image cannot be pulled in the lab (no registry) and it could
+not mint keys from headscale anyway: what moves is the objects, and they are upstream's own examples (Connector,
+DNSConfig, ProxyClass, ProxyGroup, Recorder) plus an exposed Service and an Ingress. The exposed Service's proxy
+is made as upstream's operator makes it (headless Service, state Secret with its config files and a minted key,
+StatefulSet in its ``proxy.yaml`` shape under its chart's ``proxies`` ServiceAccount) and run by upstream's Go
+containerboot, which logs in to the lab's headscale; a client holds an HTTP connection through it. The lab runs
+headscale, so the values switch the provider to headscale (the guide's note for that) and name the lab's images
+with upstream's own keys (``operatorConfig.image``, ``proxyConfig.image``). Then: the CRDs protected, upstream's
+operator stopped and the proxies this controller does not take over deleted, ``helm upgrade`` of the same release
+to this chart; every object is still there with its UID, the four kinds this chart has are served by this
+controller (their conditions), the exposed Service's device is taken over (the same headscale node: id, node and
+machine keys, addresses; upstream's StatefulSet, Secret and headless Service gone; an ``UpstreamProxyAdopted``
+event) and the held connection, broken at the cut-over, is made again to the same address; the Recorder is kept
+unserved, and ``helm uninstall`` of the release leaves every CRD and object.
 """
 from __future__ import annotations
 
@@ -273,10 +279,12 @@ def test_upstream_chart_release_switched_to_this_chart_keeps_every_object(lab, l
     # Prepare 3: the CRDs protected
     kc.kubectl("annotate", "crd", *CRDS, "helm.sh/resource-policy=keep", "--overwrite")
 
-    # Cut-over 1: upstream's operator stopped; 2: its proxies deleted
+    # Cut-over 1: upstream's operator stopped; 2: its proxies deleted but the single proxies this controller takes over
     kc.kubectl("-n", NS, "scale", "deployment/operator", "--replicas=0")
     kc.kubectl("-n", NS, "delete", "statefulset,secret,configmap,service,endpointslice", "-l",
                "tailscale.com/managed=true,tailscale.com/parent-resource-type notin (nameserver,svc,ingress,connector)")
+    kc.kubectl("-n", NS, "delete", "secret,configmap,service,endpointslice", "-l",
+               "tailscale.com/managed=true,tailscale.com/proxy-group")
     kc.kubectl("-n", NS, "delete", "deployment", "nameserver", "--ignore-not-found")
     assert kc.get("statefulset", UP_BASE, NS) is not None         # the Service's proxy stays, to be taken over
     # 3: the same release, this chart
