@@ -255,3 +255,25 @@ async def test_a_connector_of_another_control_plane_gets_a_new_device_and_the_ol
     assert kube.obj(SECRETS, "ts-prod-q9w8e-0", "tailscale") is None
     ((etype, reason, msg),) = [e for e in events(kube) if e[1].startswith("Upstream")]
     assert (etype, reason) == ("Warning", "UpstreamProxyNotAdopted") and TAILSCALE_LOGIN_SERVER in msg
+
+
+async def test_a_connectors_two_replicas_keep_their_devices(env):
+    kube, prov, rec, log = env
+    conn = kube.put(CONNECTORS, {"apiVersion": "tailscale.com/v1alpha1", "kind": "Connector",
+                                 "metadata": {"name": "prod"},
+                                 "spec": {"replicas": 2, "hostnamePrefix": "prod",
+                                          "subnetRouter": {"advertiseRoutes": ["10.40.0.0/16"]}}})
+    uid = conn["metadata"]["uid"]
+    put_upstream(kube, "ts-prod-q9w8e", parent="prod", ns="", typ="connector", uid=uid, replicas=0)
+    for i in range(2):
+        d = upstream_state(hostname=f"prod-{i}", device=str(20 + i))
+        kube.put(SECRETS, {"metadata": {"name": f"ts-prod-q9w8e-{i}", "namespace": "tailscale",
+                                        "labels": labels("prod", "", "connector")},
+                           "data": {k: base64.b64encode(v).decode() for k, v in d.items()}})
+    await rec.reconcile("connector", "", "prod")
+    kube.finish_deletions()
+    await rec.reconcile("connector", "", "prod")
+    ours = base_name(Parent("connector", "prod", "", uid))
+    assert prov.keys == []
+    assert [secret_data(kube, f"{ours}-{i}")["device_id"] for i in range(2)] == [b"20", b"21"]
+    assert [e[1] for e in events(kube) if e[1].startswith("Upstream")] == ["UpstreamProxyAdopted"] * 2
