@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 from needs import unavailable
@@ -166,7 +167,7 @@ while True:
         body = conn.getresponse().read().decode(errors="replace")
         print("ok" if marker in body else "wrong", n, flush=True)
     except OSError as e:
-        print("broken", n, type(e).__name__, flush=True)
+        print("broken", n, type(e).__name__, "%.1f" % time.monotonic(), flush=True)
         if conn is not None:
             conn.close()
         conn = None
@@ -249,6 +250,7 @@ def test_upstream_chart_release_switched_to_this_chart_keeps_every_object(lab, l
     # the exposed Service's proxy as upstream's operator makes it, run by upstream's Go containerboot, logged in
     web_uid = kc.get("service", "web", "apps")["metadata"]["uid"]
     kc.apply(upstream_proxy(lab, lab_bin_dir, web_uid, kc.get("service", "web", "apps")["spec"]["clusterIP"]))
+    t0 = time.monotonic()
     try:
         wait_until(lambda: (kubecontroller.secret_data(kc, NS, UP_BASE + "-0") or {}).get("device_id"), 120, 1.0,
                    "upstream's proxy logged in")
@@ -258,6 +260,7 @@ def test_upstream_chart_release_switched_to_this_chart_keeps_every_object(lab, l
     print("upstream's state Secret holds:", sorted(kubecontroller.secret_data(kc, NS, UP_BASE + "-0") or {}))
     node = hs_node_of(lab, "apps-web")
     held = held_http(lab, node["ip_addresses"][0], kc.marker)
+    print(f"upstream's proxy up and answering in {time.monotonic() - t0:.1f}s")
     before = objects(kc)
     assert len(before) == len(examples), before
 
@@ -333,7 +336,9 @@ def test_upstream_chart_release_switched_to_this_chart_keeps_every_object(lab, l
     # the held connection broke at the cut-over and was made again to the same tailnet address
     wait_until(lambda: held.reconnected(), 60, 0.5, "the held connection made again through the adopted proxy")
     held.stop()
-    print("held connection:", [" ".join(ln) for ln in held.lines(()) if ln[0] != "ok"])
+    down = [float(ln[3]) for ln in held.lines(("broken",))]
+    print(f"held connection: broken for {max(down, default=0) - min(down, default=0):.1f}s, then",
+          [" ".join(ln) for ln in held.lines(("connected",))])
     sts = kc.kubectl("-n", NS, "get", "statefulsets", "-l", "tailscale.com/managed=true", "-o", "json").stdout
     parents = {(s["metadata"]["labels"].get("tailscale.com/parent-resource-type"),
                 s["metadata"]["labels"].get("tailscale.com/parent-resource")) for s in json.loads(sts)["items"]}
