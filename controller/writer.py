@@ -102,13 +102,17 @@ class Writer:
             return dict(cur)
         return await self.kube.patch(res, md["name"], desired, ns)
 
-    async def apply_secret(self, desired: dict, cur: Mapping[str, Any] | None) -> None:
-        """A rendered Secret (stringData): created, or the keys that differ and our labels patched."""
+    async def apply_secret(self, desired: dict, cur: Mapping[str, Any] | None, *,
+                           state: Mapping[str, bytes] | None = None) -> None:
+        """A rendered Secret (stringData): created, or the keys that differ and our labels patched. `state`: a
+        device's state taken over from upstream's proxy (controller/adoption.py), written by the same create, so
+        the Secret never exists without it."""
         md = desired["metadata"]
         data = {k: base64.b64encode(v.encode()).decode() for k, v in desired["stringData"].items()}
         if cur is None:
             body = {k: v for k, v in desired.items() if k != "stringData"}
-            await self.kube.create(SECRETS, {**body, "data": data}, md["namespace"])
+            kept = {k: base64.b64encode(v).decode() for k, v in (state or {}).items()}
+            await self.kube.create(SECRETS, {**body, "data": {**kept, **data}}, md["namespace"])
             return
         have = cur.get("data") or {}
         changed = {k: v for k, v in data.items() if have.get(k) != v}
@@ -208,13 +212,14 @@ class Writer:
     # ---- devices
 
     async def auth_keys(self, datas: Sequence[Mapping[str, bytes] | None], tags: tuple[str, ...], who: str,
-                        description: str) -> list[str]:
+                        description: str, *, logged_in: Iterable[int] = ()) -> list[str]:
         """Replica i's auth key for its config: a new one where it has none and no device, or where its proxy
-        asked for one (its old device deleted first); else the key it has (or "" once it is used). Raises
-        ProviderError."""
+        asked for one (its old device deleted first); else the key it has (or "" once it is used). Replicas
+        `logged_in` (a device's state taken over: controller/adoption.py) get none. Raises ProviderError."""
         keys: list[str] = []
+        skip = set(logged_in)
         for i, data in enumerate(datas):
-            action = st.authkey_action(data)
+            action = "omit" if i in skip else st.authkey_action(data)
             if action in ("new", "reissue"):
                 if action == "reissue":
                     await self.delete_device_of(data)

@@ -17,8 +17,9 @@ from typing import Any
 
 from tscommon import secretcontract as sc
 
-from .. import podsecurity, proxyrbac, render, tlssecret
+from .. import adoption, podsecurity, proxyrbac, render, tlssecret
 from .. import status as st
+from ..config import TAILSCALE_LOGIN_SERVER
 from ..kinds import apiserverproxy, ingress, meta, service
 from ..kinds import proxyclass as pcl
 from ..kindtable import KINDS, DecideInputs, class_of, handled, proxy_target
@@ -26,7 +27,7 @@ from ..kubeapi import CLUSTERROLEBINDINGS, NAMESPACES, ROLEBINDINGS, ROLES, SECR
 from ..model import FINALIZER, Decision, Invalid, Parent, Pending, ProxySpec
 from ..providers import REASON_UNSUPPORTED, ProviderError, limitations
 from ..sameness import same
-from ..writer import RBAC_RESOURCES, Writer, decode
+from ..writer import RBAC_RESOURCES, Writer, decode, ref
 from .egress import EgressPass
 from .proxyclass import class_state
 
@@ -164,8 +165,11 @@ class ParentPass:
         """Mint, render, apply, report."""
         w, cfg, info, p = self.w, self.w.cfg, KINDS[kind], spec.parent
         refused, ca_problem = blocked.refused, blocked.ca_problem
-        existing = {s["metadata"]["name"]: s for s in
-                    await w.kube.list(SECRETS, cfg.namespace, render.child_selector(p))}
+        base = render.base_name(p)
+        listed = await w.kube.list(SECRETS, cfg.namespace, render.child_selector(p))
+        existing = {s["metadata"]["name"]: s for s in listed if adoption.is_ours(s["metadata"]["name"], base)}
+        # Children with the parent's labels and another name are upstream's operator's (controller/adoption.py)
+        theirs = [s for s in listed if not adoption.is_ours(s["metadata"]["name"], base)]
         for i in range(spec.replicas):
             # A Secret of the expected name without our labels (made by hand, or its labels lost) holds the
             # proxy's state: adopt it (the apply below restores the labels) rather than fail on create.
@@ -185,9 +189,23 @@ class ParentPass:
             if not existing:        # the same for a CA the proxy could not be given: nothing minted or created
                 await self.write_status(kind, obj, spec, [], st.Readiness(False, info.failed_reason, ca_problem))
                 return POD_SECURITY_RECHECK
+        plan = adoption.Plan()
+        if theirs or not existing:
+            plan = await self.upstream_plan(spec, theirs, datas)
+        if plan.wait:
+            for n in plan.stop:
+                log.info("%s %s: stopping upstream's proxy %s before taking it over", kind, ref(p), n)
+                await w.kube.delete(STATEFULSETS, n, cfg.namespace, propagation="Foreground")
+            await self.write_status(kind, obj, spec, [], st.Readiness(
+                False, "ProxyPending", "waiting for the Pods of upstream's operator's proxy to stop before this "
+                "controller's proxy starts"))
+            return CLEANUP_RECHECK
+        for i, copied in plan.copies.items():
+            if datas[i] is None:         # the Secret of ours is created with the device's state in it, below
+                datas[i] = dict(copied)
         try:
             keys = await w.auth_keys(datas, spec.tags, f"{kind} {p.namespace}/{p.name}",
-                                     f"{kind} {p.namespace}/{p.name}".strip())
+                                     f"{kind} {p.namespace}/{p.name}".strip(), logged_in=plan.copies)
         except ProviderError as e:
             msg = f"no auth key: {e}" if "no auth key" not in str(e) else str(e)
             if e.reason:        # the control plane's version cannot do it: said once as an event too
@@ -197,8 +215,9 @@ class ParentPass:
         target = proxy_target(kind, spec, cfg)
         rendered = render.render(spec, cfg, tuple(keys), pc, target)
         await w.apply(SERVICES, rendered.service)
-        for s in rendered.secrets:
-            await w.apply_secret(s, existing.get(s["metadata"]["name"]))
+        for i, s in enumerate(rendered.secrets):
+            await w.apply_secret(s, existing.get(s["metadata"]["name"]), state=plan.copies.get(i))
+        await self.upstream_leftovers(kind, obj, plan, theirs)
         # Before the StatefulSet: a Pod never starts without the permissions its agent checks at boot (and a
         # scale-up's new Secret is in the Role before its Pod exists).
         for res, desired in zip(RBAC_RESOURCES, proxyrbac.objects(spec, cfg), strict=True):
@@ -233,6 +252,36 @@ class ParentPass:
         if spec.tls_secret and info.tls_role:
             return TLS_RECHECK              # the user's Secret is not watched: re-checked this often
         return READY_RECHECK if r.ok else PENDING_RECHECK
+
+    async def upstream_plan(self, spec: ProxySpec, theirs: list[dict],
+                            datas: list[dict[str, bytes] | None]) -> adoption.Plan:
+        """What to do about the proxy upstream's operator made for this parent (controller/adoption.py). Its
+        StatefulSets and headless Services are looked for only when a Secret of upstream's is there or this
+        controller has none yet: a steady pass sends no extra request."""
+        w, cfg, p = self.w, self.w.cfg, spec.parent
+        sel, base = render.child_selector(p), render.base_name(p)
+        stss = await w.kube.list(STATEFULSETS, cfg.namespace, sel)
+        svcs = await w.kube.list(SERVICES, cfg.namespace, sel)
+        found = adoption.Found(
+            tuple((o["metadata"]["name"], bool(o["metadata"].get("deletionTimestamp"))) for o in stss),
+            tuple((o["metadata"]["name"], decode(o) or {}) for o in theirs),
+            tuple(o["metadata"]["name"] for o in svcs))
+        return adoption.plan(found, base=base, hostnames=[spec.replica_hostname(i) for i in range(spec.replicas)],
+                             server_url=cfg.server_url, default_server=TAILSCALE_LOGIN_SERVER,
+                             ours=dict(enumerate(datas)))
+
+    async def upstream_leftovers(self, kind: str, obj: Mapping[str, Any], plan: adoption.Plan,
+                                 theirs: list[dict]) -> None:
+        """Upstream's Secrets and headless Service once this controller's Secrets are written: the events, then
+        each Secret deleted keeping its device (adopted, or another control plane's), or retired with it."""
+        w, ns = self.w, self.w.cfg.namespace
+        for etype, reason, message in plan.events:
+            await w.warn(obj, kind, reason, message, etype=etype)
+        for n in (*plan.drop_secrets, *plan.forget_secrets):
+            await w.kube.delete(SECRETS, n, ns)
+        await w.retire_secrets(s for s in theirs if s["metadata"]["name"] in plan.retire_secrets)
+        for n in plan.delete_services:
+            await w.kube.delete(SERVICES, n, ns)
 
     async def apply_impersonation(self, spec: ProxySpec) -> None:
         """The API server proxy's ClusterRoleBinding to `impersonate`: there in auth mode, gone otherwise."""

@@ -45,7 +45,7 @@ PURE: frozenset[str] = frozenset({
     "containerboot.desired", "containerboot.kube.secretstate",
     "containerboot.login", "containerboot.proxyservices", "containerboot.reachability", "containerboot.settings",
     "containerboot.state", "containerboot.status",
-    "controller.config", "controller.kindfacts", "controller.kindtable", "controller.kinds", "controller.resources",
+    "controller.adoption", "controller.config", "controller.kindfacts", "controller.kindtable", "controller.kinds", "controller.resources",
     "controller.kinds.apiserverproxy", "controller.kinds.connector", "controller.kinds.dnsconfig",
     "controller.kinds.egress", "controller.kinds.ingress", "controller.kinds.proxyclass",
     "controller.kinds.proxygroup", "controller.kinds.recorder", "controller.kinds.service", "controller.kinds.tailnet",
