@@ -35,3 +35,16 @@ async def until_async(pred: Callable[[], Any | Awaitable[Any]], timeout: float =
         if time.monotonic() >= end:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or pred}")
         await asyncio.sleep(interval)   # poll: lets the code under test run between the checks of `pred`
+
+
+class WatchedEvent(asyncio.Event):
+    """An asyncio.Event that counts the waits begun on it. A "nothing happens before the event" check waits
+    for `waits` first: the code under test has then run up to its wait point (it had its chance to go too far)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+
+    async def wait(self) -> bool:   # type: ignore[override]
+        self.waits += 1
+        return await super().wait()
