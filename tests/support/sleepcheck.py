@@ -16,9 +16,8 @@ What stays is a sleep that is no wait, marked on its line or on the comment line
   wait; the sleep only spaces the checks).
 
 The scan reads the source lines of tests/ and netns-tests/, programs embedded in strings included (the fake
-binaries and the lab's helper programs are test code too). It counts `time.sleep(`, `asyncio.sleep(` and a
-bare `sleep(`; a method of a fake clock (`clock.sleep(`) and the definition of one (`def sleep(`) are not
-sleeps. `python -m tests.support.sleepcheck` lists them all with their reasons.
+binaries and the lab's helper programs are test code too). It counts the calls of time's and asyncio's sleep
+and of a bare `sleep`; a fake clock's method (`clock.sleep`) and the definition of one are not sleeps. `python -m tests.support.sleepcheck` lists them all with their reasons.
 """
 from __future__ import annotations
 
@@ -31,7 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 #: the directories whose Python files are test code
 TEST_DIRS = ("tests", "netns-tests")
 
-_SLEEP = re.compile(r"(?<![\w.])(?:time\.|asyncio\.)?sleep\(")
+#: a call, also one in a program written as a one-line string ("...\ntime.sleep(1)\n")
+_SLEEP = re.compile(r"(?:(?<![\w.])|(?<=\\n))(?:time\.|asyncio\.)?sleep\(")
 _DEF = re.compile(r"\bdef\s+sleep\(")
 _MARK = re.compile(r"#\s*(not a wait|poll):\s*(\S.{4,})")
 #: a justification may also sit on the comment lines just above the sleep
