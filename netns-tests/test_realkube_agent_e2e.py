@@ -196,7 +196,7 @@ def test_agent_pod_state_ingress_and_faults(lab, kube):
     kc.kubectl("-n", ns, "delete", "secret", f"{name}-0")
     for i in range(3):
         assert kc.marker in _curl(lab, v4, kc.marker, f"secret-gone-{i}", 20)
-        time.sleep(1)
+        time.sleep(1)   # not a wait: spreads the requests over the seconds after the deletion
     # ... a change the agent must record meanwhile fails (reported, retried), and once the operator re-creates
     # the Secret the agent writes it there, without restarting
     lab.hs("nodes", "rename", "--identifier", str(nodes[0]["id"]), f"{hostname}-again")
@@ -277,7 +277,7 @@ while time.monotonic() < end:
                                        "Content-Type": "application/strategic-merge-patch+json"})
     r = conn.getresponse(); r.read()
     codes[r.status] = codes.get(r.status, 0) + 1
-    time.sleep(0.005)
+    time.sleep(0.005)   # not a wait: paces the other writer
 print(json.dumps({"writes": n, "codes": codes}))
 """
 
