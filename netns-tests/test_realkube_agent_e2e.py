@@ -167,6 +167,7 @@ def test_agent_pod_state_ingress_and_faults(lab, kube):
         for i in range(3):
             assert kc.marker in _curl(lab, v4, kc.marker, f"api-down-{i}", 20)
         lab.hs("nodes", "rename", "--identifier", str(nodes[0]["id"]), f"{hostname}-renamed")
+        # not a wait: the outage outlasts the rename; the write it owes lands after the return whenever seen
         time.sleep(5)
     finally:
         ready_after = kc.restart_apiserver(0)
