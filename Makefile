@@ -191,9 +191,9 @@ manifests: setup-bin
 	$(PY) -m labtools.helmchart write
 
 ## check: the static gate: ruff (lint, the whole tree), mypy (types, the product's packages), as configured in
-## pyproject.toml, and the import structure's rules (tests/test_layers.py: layers, pure modules, no circle).
-## CI runs it before the tests.
+## pyproject.toml, the import structure's rules (tests/test_layers.py: layers, pure modules, no circle) and
+## the test code's sleeps (tests/test_sleepcheck.py: each one says why it is not a wait). CI runs it before the tests.
 check: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_sleepcheck.py

@@ -94,6 +94,8 @@ class Reconciler:
         self.applied = Applied()
         self.stats = ReconcileStats()
         self.heartbeat = clock()
+        #: the beat's completed ticks, a stuck pass's included: proof that the beat had its turn (tests wait on it)
+        self.beats = 0
         self.last_reconcile_at: float | None = None
         self._dirty = asyncio.Event()
         self._force = False
@@ -166,6 +168,7 @@ class Reconciler:
             await asyncio.sleep(HEARTBEAT_INTERVAL)
             if not self._in_pass:   # a pass beats when it starts and ends; one stuck in between must show
                 self.heartbeat = self.clock()
+            self.beats += 1
 
     async def reconcile_once(self, *, force: bool = False, defer_cleanup: bool = False) -> Desired:
         """One pass. The reconciler decides when the UDP conntrack clean-up of a rule change runs: at the end of the

@@ -73,6 +73,9 @@ class ReplicaProber:
         self._states: dict[Target, rh.Health] = {}
         self._tasks: dict[Target, list[asyncio.Task]] = {}
         self._serving: dict[str, frozenset[Target]] = {}
+        #: the clock's reading when the rule was last applied to every target (None before the first tick):
+        #: a verdict that has not come by a tick after its deadline will not come (the tests wait on it)
+        self.last_tick_at: float | None = None
 
     # ---- what the group's pass calls
 
@@ -112,6 +115,7 @@ class ReplicaProber:
                 for t, h in list(self._states.items()):
                     self._states[t] = rh.tick(self.rule, h, now)
                 self._report()
+                self.last_tick_at = now
         finally:
             await self.aclose()
 

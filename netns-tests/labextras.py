@@ -351,7 +351,7 @@ while True:
         print("%.3f fail %s" % (t, "closed" if not line else "wrong echo"), flush=True)
         break
     print("%.3f ok" % t, flush=True)
-    time.sleep(max(0.0, 0.25 - (time.monotonic() - t)))
+    time.sleep(max(0.0, 0.25 - (time.monotonic() - t)))   # not a wait: paces the echoes, one every 0.25 s
 """
 
 

@@ -246,7 +246,7 @@ class Topology:
                          f"http://[::1]:{port}/", check=False)
             if r.returncode == 0:
                 return proc
-            time.sleep(0.1)
+            time.sleep(0.1)   # poll: until the server answers
         raise TopologyError(f"http.server on port {port} in {ns} did not come up")
 
     def connect(self, ns: str, host: str, port: int, *, proto: str = "tcp", count: int = 1,
@@ -474,7 +474,7 @@ def _serve(node: str, tcp: list[int], udp: list[int], sink: list[int]) -> None:
         t.start()
     print("READY", flush=True)
     # Bounded lifetime even if teardown were skipped somehow (one hour).
-    time.sleep(3600)
+    time.sleep(3600)   # not a wait: the helper program's bounded lifetime
 
 
 def _connect_once(host: str, port: int, proto: str, timeout: float, src: str | None,

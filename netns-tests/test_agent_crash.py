@@ -21,6 +21,7 @@ import pytest
 from labextras import own_rules
 
 from containerboot.kube import secretstate
+from labtools.lab import wait_until
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -63,7 +64,9 @@ def test_kill_at_each_write_then_restart(lab, lab_backend, kube, mode) -> None:
     (node,) = kubelab.hs_nodes_named(lab, "proxy")
     rules = _normalized(own_rules(lab, mode))
     assert rules, "the clean boot installed no rules"
-    time.sleep(1)   # the Secret writes that follow Running (device_ips after routing) are done
+    # the Secret writes that follow Running are done (device_ips, once traffic is routed, the last of them)
+    wait_until(lambda: json.loads((api.secret_data(secret) or {}).get("device_ips") or b"null")
+               == st["Self"]["TailscaleIPs"], 30, 0.2, "device_ips in the Secret")
     assert agent.stop(timeout=40) == 0
     assert lab.wait_ns_empty("proxy", 15) == []
     points = _crash_points(points_log)

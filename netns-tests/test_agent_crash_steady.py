@@ -139,6 +139,9 @@ class Scenario:
         self.snapshot: dict[str, bytes] = {}
         self.node_id = ""
         self.agents: list = []
+        #: when the agent's inputs last changed (its files written, or the agent started): wall clock, as /status;
+        #: and whether that change runs a reconcile pass (the serve config's is applied by the serve loop alone)
+        self.changed_at, self.change_reconciled = 0.0, True
 
     def _egress_svc(self, match: int) -> dict:
         return {"tailnetTarget": {"ip": self.client_v4, "fqdn": ""},
@@ -147,6 +150,7 @@ class Scenario:
 
     # ---- files and expectations
     def write_files(self, step: Step, only: str = "") -> None:
+        self.changed_at, self.change_reconciled = time.time(), only != "serve"
         if only in ("", "serve"):
             write_atomically(self.serve_path, step.serve)
         if only in ("", "egress"):
@@ -193,7 +197,15 @@ class Scenario:
             raise AssertionError(f"not converged after the {step.name}: (egress record, ingress record, serve "
                                  f"proxy) are\n{last[0]}\nexpected\n{want}\nlog:\n{agent.log_text()[-3000:]}"
                                  ) from None
-        time.sleep(1.0)        # the writes that follow (a record, device keys) are done
+        # The writes that follow (a record, device keys) are done: a pass has finished since the change (the
+        # one that wrote what `ok` saw, or a later one; a serve edit runs none, its apply is what `ok` saw) and
+        # /status owes the Secret nothing.
+        def settled() -> bool:
+            cp = self.lab.curl("proxy", f"http://{POD_V4}:{LOCAL_PORT}/status", 3)
+            st = json.loads(cp.stdout) if cp.returncode == 0 else {}
+            passed = not self.change_reconciled or (st.get("last_reconcile_at") or 0) >= self.changed_at
+            return passed and (st.get("kubernetes_api") or {}).get("pending_writes") == []
+        wait_until(settled, timeout, 0.2, f"the agent's writes after the {step.name}")
 
     def record(self, agent, step: Step) -> None:
         step.rules = _normalized_rules(lx.own_rules(self.lab, self.mode))
@@ -203,6 +215,7 @@ class Scenario:
 
     # ---- the agent
     def start(self, **extra: str):
+        self.changed_at, self.change_reconciled = time.time(), True
         a = kubelab.start_pod_agent(self.lab, self.api, {**self.env, **extra})
         self.agents.append(a)
         return a

@@ -76,7 +76,7 @@ def wait(pred, timeout=30.0, what=""):
             return v
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
+        time.sleep(0.2)   # poll: spaces the checks of `pred` until its deadline
 
 
 def free_port() -> int:
@@ -103,7 +103,9 @@ def running(kube, tmp_path_factory):
                "OPERATOR_NAMESPACE": "tailscale",
                "CONTROL_PLANE": "tailscale", "TAILSCALE_API_URL": api.url, "CLIENT_ID_FILE": str(d / "id"),
                "CLIENT_SECRET_FILE": str(d / "secret"), "PROXY_IMAGE": "localhost/containerboot-py:latest",
-               "CLUSTER_DOMAIN": "cluster.local"}
+               "CLUSTER_DOMAIN": "cluster.local",
+               # one line per finished pass ("reconciled <key>"): the tests' proof that a pass had its chance
+               "OPERATOR_LOGGING": "debug"}
         SETTINGS.update(env=env, dir=d)
         start_controller(env, d / "controller.log")
         try:
@@ -132,6 +134,11 @@ def start_controller(env: dict[str, str], log_path) -> tuple[subprocess.Popen, s
                          stdout=open(log_path, "w"), stderr=subprocess.STDOUT, cwd=REPO)
     CONTROLLERS.append((p, health))
     return p, health
+
+
+def passes(log_path, kind: str, ns: str, name: str) -> int:
+    """How many passes of one parent the controller has finished (its debug line per pass, OPERATOR_LOGGING)."""
+    return log_path.read_text(errors="replace").count(f"reconciled ({kind!r}, {ns!r}, {name!r})")
 
 
 def get(kube, path):
@@ -247,15 +254,23 @@ def test_exposed_service_lifecycle(running):
     wait(lambda: "AuthKey" not in json.loads(secret_data(get(
         kube, f"/api/v1/namespaces/tailscale/secrets/{name}"))["cap-107.hujson"]), 30, "the key to leave the config")
 
-    # Settled: nothing changes any more.
-    time.sleep(1.5)
-    rvs = [get(kube, p)["metadata"]["resourceVersion"] for p in (
-        "/api/v1/namespaces/default/services/web", f"/api/v1/namespaces/tailscale/secrets/{name}",
-        f"/apis/apps/v1/namespaces/tailscale/statefulsets/{sts[0]['metadata']['name']}")]
-    time.sleep(3)
-    assert rvs == [get(kube, p)["metadata"]["resourceVersion"] for p in (
-        "/api/v1/namespaces/default/services/web", f"/api/v1/namespaces/tailscale/secrets/{name}",
-        f"/apis/apps/v1/namespaces/tailscale/statefulsets/{sts[0]['metadata']['name']}")]
+    # Settled: nothing changes any more. A pass after a change the controller has no use for (someone else's
+    # annotation) has had its chance to write, and writes nothing.
+    paths = ("/api/v1/namespaces/default/services/web", f"/api/v1/namespaces/tailscale/secrets/{name}",
+             f"/apis/apps/v1/namespaces/tailscale/statefulsets/{sts[0]['metadata']['name']}")
+
+    def a_pass_after_a_change(value: str) -> str:
+        """The Service's resourceVersion after the change, once a pass has finished after it."""
+        n = passes(log, "svc", "default", "web")
+        r = c.patch(paths[0], headers={"Content-Type": "application/merge-patch+json"},
+                    content=json.dumps({"metadata": {"annotations": {"example.com/owner": value}}}))
+        assert r.status_code == 200, r.text
+        wait(lambda: passes(log, "svc", "default", "web") > n, 30, "a pass after the annotation")
+        return r.json()["metadata"]["resourceVersion"]
+    a_pass_after_a_change("team-a")     # the pass in flight (the key taken out) has finished too
+    rvs = [get(kube, p)["metadata"]["resourceVersion"] for p in paths[1:]]
+    rvs.insert(0, a_pass_after_a_change("team-b"))
+    assert rvs == [get(kube, p)["metadata"]["resourceVersion"] for p in paths]
 
     # Delete: StatefulSet (foreground), the device, the Secrets and Service, then the finalizer.
     assert c.delete("/api/v1/namespaces/default/services/web").status_code == 200
@@ -585,8 +600,11 @@ def test_two_replicas_one_leads_the_other_takes_over_when_it_is_killed(running):
     keys = len(api.keys)
     expose("ha-one")
     wait(lambda: all(children(kube, "ha-one")), 30, "ha-one's proxy")
-    time.sleep(3)
+    # The leader's pass has finished; a standby that watched would have run passes too (for every Service there
+    # is, as soon as it watched), each one a line in its log.
+    wait(lambda: passes(SETTINGS["dir"] / "controller.log", "svc", "default", "ha-one"), 30, "the leader's pass")
     assert len(api.keys) == keys + 1 and role(second_health) == "standby" and lease(kube)["holderIdentity"] == holder
+    assert "reconciled (" not in (SETTINGS["dir"] / "controller-2.log").read_text(errors="replace")
 
     # The leader dies without a word (SIGKILL: no release); a new annotated Service gets its proxy from the other
     first.kill()
@@ -720,7 +738,7 @@ def test_the_api_server_down_costs_no_restart_and_the_controller_catches_up(runn
     # run to run the outage catches the controller at another point of its pass (or after it)
     onset = round(seed.rng("controller-apiserver-outage-onset").uniform(0.0, 3.0), 2)
     print(f"the API server goes {onset} s after the change (CB_SEED={seed.run_seed()})")
-    time.sleep(onset)
+    time.sleep(onset)   # not a wait: when the outage starts after the change, drawn from CB_SEED
     t_down = time.monotonic()
     # gone at once (SIGKILL): on SIGTERM kube-apiserver drains its watches for about 20 s, still answering
     kube.procs["kube-apiserver"].proc.kill()
@@ -729,8 +747,9 @@ def test_the_api_server_down_costs_no_restart_and_the_controller_catches_up(runn
     try:
         while time.monotonic() < t_down + OUTAGE:
             alive.append(ctl.poll() is None)
-            time.sleep(1)
-        outage_log = log_path.read_text().splitlines()[lines_before:]
+            time.sleep(1)   # not a wait: the controller checked once a second for as long as the outage lasts
+        # (without the debug line each pass adds, which a user at the default level does not see)
+        outage_log = [ln for ln in log_path.read_text().splitlines()[lines_before:] if " DEBUG " not in ln]
     finally:
         apiserver_start = kube.restart_apiserver(0)    # whatever happened: the module's next tests need it
     t_back = time.monotonic()

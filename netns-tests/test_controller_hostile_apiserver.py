@@ -172,6 +172,23 @@ def _has_authkey(secret: dict) -> bool:
     return False
 
 
+async def _annotate(kc: KubeCluster, value: str) -> None:
+    """Someone else's annotation on every Service (the admin's, straight to the API server): a change the
+    controller has no use for, which still runs a pass of each."""
+    async with _client(kc) as c:
+        async def one(name: str) -> None:
+            r = await c.patch(f"/api/v1/namespaces/{NS}/services/{name}",
+                              headers={"Content-Type": "application/merge-patch+json"},
+                              content=json.dumps({"metadata": {"annotations": {"example.com/owner": value}}}))
+            assert r.status_code == 200, r.text
+        await _gather(20, one, _names())
+
+
+def _passes(log: pathlib.Path) -> Counter[str]:
+    """Finished passes per Service (the controller's debug line per pass, OPERATOR_LOGGING=debug)."""
+    return Counter(m.group(1) for m in re.finditer(rf"reconciled \('svc', '{NS}', '([^']+)'\)", log.read_text()))
+
+
 async def _services(kc: KubeCluster) -> dict[str, dict]:
     async with _client(kc) as c:
         items = (await c.get(f"/api/v1/namespaces/{NS}/services")).json()["items"]
@@ -189,7 +206,7 @@ def _wait(pred: Any, timeout: float, what: str, alive: subprocess.Popen, log: pa
         if why:
             tail = [ln for ln in log.read_text().splitlines() if " INFO " not in ln][-30:]
             raise AssertionError(f"{why} waiting for {what}; the controller's last warnings:\n" + "\n".join(tail))
-        time.sleep(1.0)
+        time.sleep(1.0)   # poll: spaces the checks of `pred` until its deadline
 
 
 def _free_port() -> int:
@@ -292,7 +309,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
             deadline = time.monotonic() + 30
             while not webhook_live():
                 assert time.monotonic() < deadline, "the conflict webhook never came into force"
-                time.sleep(0.5)
+                time.sleep(0.5)   # poll: until the webhook is in force
             kc.kubectl("-n", "tailscale", "delete", "secret", "lab-probe")
 
             # the fault proxy in front of the API server, HTTPS with a certificate from the cluster's CA
@@ -303,7 +320,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
             env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "CONTROLLER_KUBE_URL": url,
                    "CONTROLLER_KUBE_TOKEN_FILE": str(d / "token"), "CONTROLLER_KUBE_CA_FILE": str(kc.ca_cert),
                    "CONTROLLER_HEALTH_ADDR": f"127.0.0.1:{_free_port()}", "OPERATOR_NAMESPACE": "tailscale",
-                   "CONTROL_PLANE": "static", "PROXY_IMAGE": "localhost/containerboot-py:latest"}
+                   "CONTROL_PLANE": "static", "PROXY_IMAGE": "localhost/containerboot-py:latest",
+                   # a line per finished pass: the quiet window's proof that each Service had a pass in it
+                   "OPERATOR_LOGGING": "debug"}
             log_path = d / "controller.log"
             ctl = subprocess.Popen([sys.executable, "-m", "controller"], env=env, cwd=str(REPO),
                                    stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
@@ -330,9 +349,16 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
             _wait(all_ready, 120 + N, f"every one of {N} Services' Ready status", p, log_path)
             converged = time.monotonic() - t0
 
-            # the quiet window: everything in place, watches still being dropped; nothing may be written
+            # the quiet window: everything in place, watches still being dropped; nothing may be written. It
+            # lasts QUIET seconds and at least until every Service has had a pass in it (each after someone
+            # else's annotation): the controller had its chance to write for each one.
             t_quiet = time.monotonic()
-            time.sleep(QUIET)
+            before = _passes(log_path)
+            asyncio.run(_annotate(kc, "quiet-window"))
+            _wait(lambda: all(_passes(log_path)[n] > before[n] for n in _names()), 120 + N,
+                  "a pass of every Service in the quiet window", p, log_path)
+            # not a wait: the rest of the window's length, watches being dropped meanwhile
+            time.sleep(max(0.0, t_quiet + QUIET - time.monotonic()))
             quiet = [r for r in proxy.records() if r.t >= t_quiet and r.write and "/leases/" not in r.path]
             assert ctl.poll() is None, "the controller exited"
             # the record, for a look afterwards: one JSON object per request

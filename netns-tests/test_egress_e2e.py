@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 
 import labextras as lx
 import pytest
@@ -170,6 +169,12 @@ def check_not_captured(lab, agent, mode: str, target_srv) -> None:
     assert cp.returncode == 0 and direct, f"no direct path client -> proxy: {cp.stdout}{cp.stderr}"
 
 
+def agent_status(lab) -> dict:
+    """The agent's /status ({} when it does not answer)."""
+    cp = lab.curl("proxy", f"http://127.0.0.1:{HEALTH_PORT}/status", 5)
+    return json.loads(cp.stdout) if cp.returncode == 0 else {}
+
+
 def fqdn_target_status(lab) -> dict | None:
     """The TS_TAILNET_TARGET_FQDN entry of the agent's /status (asked from inside the proxy namespace)."""
     cp = lab.curl("proxy", f"http://127.0.0.1:{HEALTH_PORT}/status", 5)
@@ -225,12 +230,17 @@ def test_egress_by_fqdn_follows_the_target_and_spares_tailscaled(lab, client_ser
     lx.wait_peer_gone(lab, "proxy", fqdn, 30)
     wait_until(lambda: "DNAT" not in lx.own_rules(lab, mode) and "dnat" not in lx.own_rules(lab, mode), 20, 0.3,
                "egress rules for the vanished target removed")
-    time.sleep(3)  # the agent must survive the unresolvable target, not just take a moment to die
+    # The agent has handled the vanished target (its /status says why it has no rules) and its loop has beaten
+    # since: it survives the unresolvable target, it did not just take a moment to die.
+    target = wait_until(lambda: (lambda t: t if t and "could not find" in t["last_error"] else None)(
+        fqdn_target_status(lab)), 30, 0.5, "the FQDN target's error in the agent's /status")
+    beat = agent_status(lab).get("loop_heartbeat_at") or 0
+    wait_until(lambda: (agent_status(lab).get("loop_heartbeat_at") or 0) > beat, 30, 0.5,
+               "another beat of the agent's loop")
     assert agent.running(), f"the agent exited while the target was gone:\n{agent.log_text()[-3000:]}"
     cp = lab.curl("backend", egress_url(4, "while-gone"), 3)
     assert srv.marker not in cp.stdout
-    target = wait_until(lambda: fqdn_target_status(lab), 10, 0.5, "the FQDN target in the agent's /status")
-    assert "could not find" in target["last_error"] and not target["rules_installed"], target
+    assert not target["rules_installed"], target
     assert readyz(lab) == 503, "/readyz must say not ready while the target's rules are removed"
 
     # A NEW node with the same name joins, with new addresses; the traffic follows without a restart.

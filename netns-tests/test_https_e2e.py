@@ -46,7 +46,7 @@ while time.monotonic() < deadline:
     c.close()
     if new != old:
         break
-    time.sleep(0.5)
+    time.sleep(0.5)   # poll: until a new connection gets the new certificate
 out["new_serial"] = new
 out["after"] = get(held)
 print(json.dumps(out))

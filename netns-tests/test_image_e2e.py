@@ -138,7 +138,7 @@ def test_image_serve_config(lab, lab_backend, start_image_agent, mode):
         last = r.stdout + r.stderr
         if lab_backend.marker in r.stdout:
             break
-        time.sleep(0.3)
+        time.sleep(0.3)   # poll: until served through the image (deadline above)
     assert lab_backend.marker in last, f"not served through the image's serve config: {last!r}"
     podman_stop_cleanly(lab, agent, mode)
 

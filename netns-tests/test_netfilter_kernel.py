@@ -467,7 +467,7 @@ def _flow(client: NS, proxy: NS, v: int) -> list[str]:
     deadline = time.monotonic() + 20
     while True:
         _send_udp(client, v, 40123)
-        time.sleep(0.2)
+        time.sleep(0.2)   # poll: until conntrack shows the flow (deadline above)
         got = _udp_nat_targets(proxy, v)
         if got or time.monotonic() > deadline:
             return got

@@ -94,6 +94,9 @@ class Probe:
             self.results.append((t, cp.returncode == 0 and self.marker in cp.stdout))
             self._stop.wait(max(0.0, 0.25 - (time.monotonic() - t)))
 
+    def oks_since(self, t: float) -> int:
+        return sum(1 for at, ok in list(self.results) if ok and at >= t)
+
     def stop(self) -> list[tuple[float, bool]]:
         self._stop.set()
         self._thread.join(10)
@@ -119,6 +122,13 @@ HELD_PORT = 9011
 
 def _held(lab, proxy_v4: str, tag: str) -> lx.HeldConnection:
     return lx.HeldConnection.start(lab, "backend", "client", proxy_v4, HELD_PORT, tag=tag)
+
+
+def _served_since(probe: Probe, held: lx.HeldConnection, t: float, what: str, n: int = 4) -> None:
+    """Wait until `n` new connections and `n` echoes of the held one have worked since `t` (monotonic): the
+    figures have their samples on that side of the outage (the gap is measured between two successes)."""
+    wait_until(lambda: probe.oks_since(t) >= n and sum(1 for at, ok in held.results() if ok and at >= t) >= n,
+               60, 0.25, f"the data path measured {what}")
 
 
 def _wait_status(lab, pred, timeout: float, what: str) -> dict:
@@ -149,8 +159,8 @@ def test_headscale_down(lab, lab_backend, start_agent) -> None:
     held = _held(lab, proxy_v4, "held-headscale")
     probe = Probe(lab, url, lab_backend.marker)
     try:
-        time.sleep(2)
-        time.sleep(onset("headscale"))
+        _served_since(probe, held, time.monotonic(), "before the outage")
+        time.sleep(onset("headscale"))  # not a wait: the extra traffic before the outage, drawn from CB_SEED
         hs = _headscale(lab)
         t_down = time.monotonic()
         hs.proc.terminate()
@@ -172,7 +182,7 @@ def test_headscale_down(lab, lab_backend, start_agent) -> None:
                     shown_after = time.monotonic() - t_down
             own = json.loads(agent.ts("status", "--json", check=False).stdout or "{}").get("Health") or []
             tailscaled_says += own
-            time.sleep(1)
+            time.sleep(1)   # not a wait: /status sampled once a second for as long as the outage lasts
         t_up = time.monotonic()
         lab._start_headscale()
         t_back = time.monotonic()
@@ -192,7 +202,7 @@ def test_headscale_down(lab, lab_backend, start_agent) -> None:
             return len(done) == 3
         wait_until(recovered_all, 120 + OUTAGE, 0.25, "the proxy online at headscale again, /status recovered")
         recovered, status_recovered = done["online"], done["status"]
-        time.sleep(2)
+        _served_since(probe, held, t_back, "after the outage")
         results = probe.stop()
         held_broken, held_gap = held.broken(), held.longest_gap(t_down, t_up)
     finally:
@@ -246,18 +256,24 @@ def test_dns_down_for_a_dns_name_target(lab, lab_backend, start_agent, dns) -> N
     lab.wait_curl("client", url, lab_backend.marker, timeout=60)
     def target_errors() -> set[str]:
         return {t["last_error"] for t in _status(lab).get("targets") or [] if t.get("last_error")}
-    time.sleep(3)
+
+    def lookups() -> float:
+        counters = _status(lab).get("counters") or {}
+        return sum(v for k, v in counters.items() if k.startswith("containerboot_dns_resolutions_total"))
+    # One more lookup of the name (TTL 2 s) after the data path worked: what it says before the outage is said.
+    before = lookups()
+    wait_until(lambda: lookups() > before, 60, 0.25, "another lookup of the name")
     baseline = target_errors()          # e.g. the name has no AAAA record: said before the outage too
     held = _held(lab, proxy_v4, "held-dns")
     probe = Probe(lab, url, lab_backend.marker)
     try:
-        time.sleep(onset("dns"))
+        time.sleep(onset("dns"))  # not a wait: the extra traffic before the outage, drawn from CB_SEED
         t_down = time.monotonic()
         dns.stop()                                    # nothing answers on port 53 any more
         errors: list[str] = []
         while time.monotonic() < t_down + OUTAGE:
             errors += sorted(target_errors() - baseline)
-            time.sleep(1)
+            time.sleep(1)   # not a wait: /status sampled once a second for as long as the outage lasts
         t_up = time.monotonic()
         restarted = lx.start_dnsmasq(lab, "backend", (DNS_V4,), {DNS_NAME: [lab.backend_ipv4]}, ttl=2,
                                      local_domains=("outage.test",), tag="dns-outage")
@@ -372,8 +388,8 @@ def test_apiserver_down(lab, lab_backend, realkube) -> None:
         _wait_status(lab, _reachable("kubernetes_api"), 60, "the API server reachable in /status")
         held = _held(lab, proxy_v4, "held-apiserver")
         probe = Probe(lab, url, lab_backend.marker)
-        time.sleep(2)
-        time.sleep(onset("apiserver"))
+        _served_since(probe, held, time.monotonic(), "before the outage")
+        time.sleep(onset("apiserver"))  # not a wait: the extra traffic before the outage, drawn from CB_SEED
 
         lines_before = len(agent.log_text().splitlines())
         t_down = time.monotonic()
@@ -392,7 +408,7 @@ def test_apiserver_down(lab, lab_backend, realkube) -> None:
                 down_seen.append(st["kubernetes_api"])
                 if shown_after is None:
                     shown_after = time.monotonic() - t_down
-            time.sleep(1)
+            time.sleep(1)   # not a wait: /status sampled once a second for as long as the outage lasts
         t_up = time.monotonic()
         outage_log = agent.log_text().splitlines()[lines_before:]
         apiserver_start = kc.restart_apiserver(0)
@@ -403,7 +419,7 @@ def test_apiserver_down(lab, lab_backend, realkube) -> None:
         st = _wait_status(lab, lambda s: _reachable("kubernetes_api")(s) and
                           not s["kubernetes_api"]["pending_writes"], 60, "the API server reachable in /status")
         status_recovered = time.monotonic() - t_back
-        time.sleep(2)
+        _served_since(probe, held, t_back, "after the outage")
         results = probe.stop()
         held_broken, held_gap = held.broken(), held.longest_gap(t_down, t_up)
         alive = agent.proc.poll() is None

@@ -57,7 +57,7 @@ class ProcessWatch:
                 except OSError:
                     continue
                 self.seen.setdefault(child, set()).add((cmdline, environ))
-            time.sleep(0.005)
+            time.sleep(0.005)   # not a wait: samples the children's command lines and environments
 
     def stop(self) -> dict[int, set[tuple[bytes, bytes]]]:
         self._stop.set()

@@ -167,6 +167,7 @@ def test_agent_pod_state_ingress_and_faults(lab, kube):
         for i in range(3):
             assert kc.marker in _curl(lab, v4, kc.marker, f"api-down-{i}", 20)
         lab.hs("nodes", "rename", "--identifier", str(nodes[0]["id"]), f"{hostname}-renamed")
+        # not a wait: the outage outlasts the rename; the write it owes lands after the return whenever seen
         time.sleep(5)
     finally:
         ready_after = kc.restart_apiserver(0)
@@ -196,7 +197,7 @@ def test_agent_pod_state_ingress_and_faults(lab, kube):
     kc.kubectl("-n", ns, "delete", "secret", f"{name}-0")
     for i in range(3):
         assert kc.marker in _curl(lab, v4, kc.marker, f"secret-gone-{i}", 20)
-        time.sleep(1)
+        time.sleep(1)   # not a wait: spreads the requests over the seconds after the deletion
     # ... a change the agent must record meanwhile fails (reported, retried), and once the operator re-creates
     # the Secret the agent writes it there, without restarting
     lab.hs("nodes", "rename", "--identifier", str(nodes[0]["id"]), f"{hostname}-again")
@@ -277,7 +278,7 @@ while time.monotonic() < end:
                                        "Content-Type": "application/strategic-merge-patch+json"})
     r = conn.getresponse(); r.read()
     codes[r.status] = codes.get(r.status, 0) + 1
-    time.sleep(0.005)
+    time.sleep(0.005)   # not a wait: paces the other writer
 print(json.dumps({"writes": n, "codes": codes}))
 """
 

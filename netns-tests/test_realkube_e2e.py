@@ -164,6 +164,7 @@ def test_a_killed_owner_is_reaped(k8s_bin_dir, tmp_path):
     script = tmp_path / "owner.py"
     script.write_text("import sys, time\nfrom labtools.kubecluster import KubeCluster\n"
                       f"kc = KubeCluster.start(bin_dir={str(k8s_bin_dir)!r})\n"
+                      # not a wait: the owner keeps running until killed
                       "print(kc.run_dir, kc.cfg.name, flush=True)\ntime.sleep(600)\n")
     repo = str(Path(__file__).resolve().parent.parent)
     # the lab tooling is not part of the installed package: the script imports it from the checkout

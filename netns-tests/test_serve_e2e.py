@@ -60,7 +60,7 @@ def test_serve_config_routes_reroutes_and_survives_a_broken_file(lab, lab_backen
         while time.monotonic() - start < timeout:
             if marker in get():
                 return time.monotonic() - start
-            time.sleep(0.1)
+            time.sleep(0.1)   # poll: until the body is served or the deadline
         raise AssertionError(f"{marker!r} not served within {timeout}s; last: {get()!r}")
 
     wait_body(lab_backend.marker, 45)
@@ -111,7 +111,7 @@ def test_readyz_follows_whether_traffic_can_flow(lab, lab_backend, start_agent):
             break
         seen_503_before = seen_503_before or code == 503
         assert time.monotonic() < deadline and agent.running(), f"/readyz never said ready (last {code})"
-        time.sleep(0.1)
+        time.sleep(0.1)   # poll: every 0.1 s, to see a 503 before the first 200
     # At the first 200 the DNAT to the backend must already be in the kernel: the kernel, not the agent's own
     # log, is the reference (a 200 once came before the first reconcile had computed any target).
     rules = lab.exec("proxy", ["nft", "list", "table", "ip", "containerboot"], timeout=10).stdout

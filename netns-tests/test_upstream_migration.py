@@ -171,7 +171,7 @@ while True:
         if conn is not None:
             conn.close()
         conn = None
-    time.sleep(0.5)
+    time.sleep(0.5)   # not a wait: the held connection asks twice a second
 """
 
 

@@ -36,7 +36,7 @@ class AgentRun:
                 return
             if self.proc.poll() is not None:
                 break
-            time.sleep(0.05)
+            time.sleep(0.05)   # poll: until the text is logged or the agent has exited
         raise AssertionError(f"{text!r} not logged; log:\n{self.log()}")
 
     def wait(self, timeout: float = 20) -> int:
@@ -48,7 +48,7 @@ class AgentRun:
             return self.wait()
         except subprocess.TimeoutExpired:
             self.proc.send_signal(signal.SIGUSR1)  # show where it is stuck (faulthandler)
-            time.sleep(1)
+            time.sleep(1)   # not a wait: time for faulthandler's dump to reach the log shown below
             raise AssertionError(f"the agent did not exit after SIGTERM; log:\n{self.log()}") from None
 
     def cli_calls(self) -> list[list[str]]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
+
+from tests.support.waits import until
 
 
 def _signal_fake_tailscaled(tmp_path: Path, sig: int) -> None:
@@ -17,11 +18,7 @@ def _signal_fake_tailscaled(tmp_path: Path, sig: int) -> None:
 
 
 def _wait_until(pred, timeout: float = 15, what: str = "") -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() >= end:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or pred}")
-        time.sleep(0.05)
+    until(pred, timeout, what)
 
 
 def test_always_auth_boot_then_sigterm_stops_tailscaled(run_agent, tmp_path):
@@ -180,14 +177,15 @@ def _serve_config_in_tailscaled(sock: str):
 
 
 def _wait_serve(sock: str, pred, timeout: float = 10):
-    end = time.monotonic() + timeout
-    cfg = None
-    while time.monotonic() < end:
-        cfg = _serve_config_in_tailscaled(sock)
-        if pred(cfg):
-            return cfg
-        time.sleep(0.1)
-    raise AssertionError(f"serve config never matched; last: {cfg}")
+    last: list[object] = [None]
+
+    def matched():
+        last[0] = cfg = _serve_config_in_tailscaled(sock)
+        return (cfg,) if pred(cfg) else None
+    try:
+        return until(matched, timeout, "the serve config", interval=0.1)[0]
+    except AssertionError:
+        raise AssertionError(f"serve config never matched; last: {last[0]}") from None
 
 
 def _invalid_applies(port: int) -> float:

@@ -12,6 +12,7 @@ from containerboot.settings import load
 from containerboot.state import NodeState, apply_notify
 from containerboot.status import ServeStatus
 from containerboot.steady import SteadyState
+from tests.support.waits import WatchedEvent, until_async
 
 
 def running_node(*ips: str, cert_domain: str = "p.tailnet.test") -> NodeState:
@@ -73,7 +74,7 @@ async def test_the_serve_loop_starts_with_the_cert_domain_of_the_self_node(tmp_p
             started.append(cert_domain)
 
         async def run(self):
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()     # runs until cancelled
 
     class NoCerts:
         def __init__(self, *a, **kw):
@@ -86,15 +87,14 @@ async def test_the_serve_loop_starts_with_the_cert_domain_of_the_self_node(tmp_p
     monkeypatch.setattr(apply_mod, "CertManager", NoCerts)
     a = agent_with({"TS_SERVE_CONFIG": str(tmp_path / "serve.json")})
     steady = steady_for(a)
+    steady.self_node_known = known = WatchedEvent()
     task = asyncio.create_task(steady.run_serve())
     try:
-        await asyncio.sleep(0.05)
+        await until_async(lambda: known.waits, what="run_serve waiting for the self node")
         assert started == [], "the serve loop started before the self node was known"
         a.reconciler.set_node(running_node("100.64.0.5"))
-        steady.self_node_known.set()     # what watch_bus does once a notification carries the self node
-        async with asyncio.timeout(10):
-            while not started:
-                await asyncio.sleep(0.005)
+        known.set()     # what watch_bus does once a notification carries the self node
+        await until_async(lambda: started, what="the serve loop to start")
         assert started == ["p.tailnet.test"]
     finally:
         task.cancel()
@@ -121,9 +121,9 @@ async def test_the_first_pass_waits_for_the_services_files_first_read(tmp_path, 
         runs.append(True)
 
     monkeypatch.setattr(a.reconciler, "run", fake_run)
-    ev = asyncio.Event()
+    ev = WatchedEvent()
     task = asyncio.create_task(steady.run_reconciler([ev]))
-    await asyncio.sleep(0.05)
+    await until_async(lambda: ev.waits, what="run_reconciler waiting for the first read")
     assert runs == [], "the reconcile loop started before the services file was read"
     ev.set()
     await asyncio.wait_for(task, 1)

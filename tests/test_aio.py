@@ -26,7 +26,7 @@ async def test_a_cancellation_arriving_with_the_event_is_not_lost():
         after.append("ran on after cancel")
 
     task = asyncio.create_task(loop_body())
-    await asyncio.sleep(0)          # the task is now waiting on the event
+    await asyncio.sleep(0)   # not a wait: one turn of the loop parks the task on the event
     ev.set()                        # the wait is completing...
     task.cancel()                   # ...and the cancellation arrives before the task has run again
     with pytest.raises(asyncio.CancelledError):

@@ -14,6 +14,7 @@ import pytest
 from containerboot.apiproxy.identity import CAP_KUBERNETES
 from containerboot.apiproxy.server import AUTH, NOAUTH, ApiServerProxy, Upstream, status_body
 from tests.support.kubeapi import CertFiles, cached_certs, make_certs
+from tests.support.waits import until_async
 
 FLOOD_CAP = 256 << 20     # far above what sockets and the proxy hold in flight (about 20 MiB here)
 
@@ -68,7 +69,7 @@ class FakeApiServer:
                         (b"content-type", b"application/json"), (b"content-length", str(len(doc)).encode()),
                         (b"connection", b"close")])) + conn.send(h11.Data(data=doc)) + conn.send(h11.EndOfMessage()))
                     await writer.drain()
-                    await asyncio.sleep(0.5)
+                    await asyncio.sleep(0.5)   # not a wait: Go's pause between its answer and the reset
                     writer.transport.abort()
                     return
                 body = b""
@@ -259,7 +260,7 @@ async def test_a_client_that_stops_reading_holds_the_api_server_back_and_leaving
     assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).startswith(b"HTTP/1.1 200")
     last = -1
     for _ in range(120):        # the client reads nothing more: wait for the API server's writes to stall
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(0.25)   # poll: until two samples of what the API server wrote are alike
         if auth.api.flood_sent == last:
             break
         last = auth.api.flood_sent
@@ -269,11 +270,7 @@ async def test_a_client_that_stops_reading_holds_the_api_server_back_and_leaving
     writer.close()
     await asyncio.wait_for(auth.api.closed.wait(), 10)
     assert auth.api.flood_sent < FLOOD_CAP
-    for _ in range(100):
-        if auth.proxy.connections == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert auth.proxy.connections == 0
+    await until_async(lambda: auth.proxy.connections == 0, what="the proxy's client connection to close")
 
 
 async def test_a_client_that_leaves_during_its_upload_frees_the_upstream(auth):
@@ -281,10 +278,8 @@ async def test_a_client_that_leaves_during_its_upload_frees_the_upstream(auth):
     reader, writer = await asyncio.open_connection("127.0.0.1", auth.port)
     writer.write(b"PUT /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n" + b"y" * 300000)
     await writer.drain()
-    for _ in range(200):        # the proxy has opened its API server connection and is forwarding the body
-        if auth.api.connections:
-            break
-        await asyncio.sleep(0.05)
+    # the proxy has opened its API server connection and is forwarding the body
+    await until_async(lambda: auth.api.connections, what="the proxy's API server connection")
     assert auth.api.connections == 1 and not auth.api.closed.is_set()
     writer.close()
     await asyncio.wait_for(auth.api.closed.wait(), 10)
@@ -485,10 +480,7 @@ async def test_entrypoint_serves_on_the_tailnet_address_http_for_auth_self_signe
     with caplog.at_level(logging.INFO, logger="containerboot"):
         task = asyncio.ensure_future(serve(env, str(tmp_path / "root")))
         try:
-            for _ in range(100):
-                if "is listening on" in caplog.text or task.done():
-                    break
-                await asyncio.sleep(0.05)
+            await until_async(lambda: "is listening on" in caplog.text or task.done(), what="the proxy to listen")
             assert f"API server proxy in {mode} mode is listening on {scheme}://kube-apiserver.tailnet.test:{port}" \
                 in caplog.text, (caplog.text, task.done() and task.exception())
             async with httpx.AsyncClient(base_url=f"{scheme}://127.0.0.1:{port}", verify=False) as c:
@@ -565,10 +557,7 @@ async def test_entrypoint_serves_https_with_the_control_planes_certificate_and_p
     with caplog.at_level(logging.INFO, logger="containerboot"):
         task = asyncio.ensure_future(run.serve(env, str(tmp_path / "root")))
         try:
-            for _ in range(100):
-                if "is listening on" in caplog.text or task.done():
-                    break
-                await asyncio.sleep(0.05)
+            await until_async(lambda: "is listening on" in caplog.text or task.done(), what="the proxy to listen")
             assert f"API server proxy in auth mode is listening on https://{domain}:{port}" in caplog.text, \
                 (caplog.text, task.done() and task.exception())
             assert lapi.cert_requests[0].startswith(f"/localapi/v0/cert/{domain}?type=pair")
@@ -579,10 +568,7 @@ async def test_entrypoint_serves_https_with_the_control_planes_certificate_and_p
                 await get(ssl.create_default_context())      # the system roots do not know the test CA
 
             lapi.pair = _pair(second)     # tailscaled renewed it
-            for _ in range(200):
-                if "serving a renewed certificate" in caplog.text:
-                    break
-                await asyncio.sleep(0.05)
+            await until_async(lambda: "serving a renewed certificate" in caplog.text, what="the renewed certificate")
             r, der = await get(trusting)
             assert r.status_code == 200
             assert der == _der_of(second), "a new connection still gets the old certificate"

@@ -19,6 +19,7 @@ from containerboot import tlsterm
 from containerboot.apiproxy.server import AUTH
 from tests.support.kubeapi import cached_certs
 from tests.support.testca import TestCA
+from tests.support.waits import until_async
 from tests.test_apiproxy_server import FakeLocalAPI
 
 NAME = "kube-apiserver.tailnet.test"      # FakeLocalAPI's MagicDNS name without certificate domains
@@ -73,11 +74,7 @@ def as_secret(leaf) -> dict:
 
 
 async def wait_for(cond, what: str, timeout: float = 10.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if cond():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    await until_async(cond, timeout, what, interval=0.05)
 
 
 async def test_own_certificate_verified_renewed_and_kept(tmp_path, caplog, monkeypatch):

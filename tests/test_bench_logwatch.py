@@ -17,7 +17,7 @@ def test_finds_a_line_written_later_and_split_across_writes(tmp_path):
     def writer() -> None:
         with open(log, "ab", buffering=0) as f:
             f.write(b"boot: Startup compl")
-            time.sleep(0.2)
+            time.sleep(0.2)   # not a wait: the line arrives in two writes, apart
             written.append(time.monotonic())
             f.write(b"ete, waiting for shutdown signal\n")
 

@@ -34,6 +34,7 @@ from controller.queue import FaultLog, WorkQueue
 from controller.reconcile import Reconciler
 from tests.support import seed
 from tests.support.fakekube import FakeKube, FakeProvider
+from tests.support.waits import until_async
 
 N = int(os.environ.get("HOSTILE_SERVICES", "60"))
 # Per API call. A pass makes about 15 calls, so about half the passes meet at least one fault.
@@ -79,7 +80,7 @@ class HostileKube:
                 raise KubeError(f"{name}: 409 the object has been modified", status=409, reason="Conflict")
             if r < self.rate + 0.05:
                 self.faults["slow"] += 1
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)   # not a wait: a slow answer is one of the injected faults
             return await fn(*args, **kwargs)
         return call
 
@@ -114,10 +115,10 @@ async def _run(fault_rate: float) -> tuple[HostileKube, WorkQueue, float]:
     t0 = time.monotonic()
     for i in range(N):
         q.poke(("svc", "apps", f"s{i}"))
-    for _ in range(6000):
-        await asyncio.sleep(0.05)
-        if _converged(inner) and not q.failures:
-            break
+    try:
+        await until_async(lambda: _converged(inner) and not q.failures, 300, interval=0.05)
+    except AssertionError:
+        pass                    # said below, with what still fails
     took = time.monotonic() - t0
     assert _converged(inner), f"not converged after {took:.0f}s; failing: {dict(list(q.failures.items())[:5])}"
     return hostile, q, took
@@ -151,9 +152,8 @@ async def test_converges_with_bounded_writes_respecting_retry_after(caplog: pyte
     for k in keys:
         q.poke(k)
     # every Service's pass ran again (it read its objects) and the queue is idle: it had its chance to write
-    async with asyncio.timeout(60):
-        while q._tasks or any(hostile.calls[(k, "read")] == reads[k] for k in keys):
-            await asyncio.sleep(0.01)
+    await until_async(lambda: not q._tasks and all(hostile.calls[(k, "read")] > reads[k] for k in keys), 60,
+                      "every Service's pass to run again and the queue to be idle")
     assert sum(_writes_per_service(hostile)) == before
     await q.aclose()
     # Logs: every kind of fault said, but one line per kind per window (here the whole run is one window).

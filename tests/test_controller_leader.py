@@ -14,6 +14,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from controller.kubeapi import SECRETS, Kube, KubeError
 from controller.leader import LEASES, LeaderElector, LostLeadership, Seen, Timing, decide, record_of
 from tests.support.kubeapi import KubeAPIServer
+from tests.support.waits import until_async
 
 T = Timing(duration=2.0, renew_deadline=1.2, retry=0.1)
 NS = "tailscale"
@@ -68,9 +69,8 @@ async def test_one_leads_the_standby_only_reads_and_takes_over_a_dead_leader_in_
     def renewals() -> int:
         return [m for m, _ in a.kube.requests].count("PATCH")
     # wait for the events themselves: the leader renewing, over more than one Lease duration
-    async with asyncio.timeout(60):
-        while renewals() < 5 or loop.time() - t_start < 1.5 * T.duration:
-            await asyncio.sleep(0.05)
+    await until_async(lambda: renewals() >= 5 and loop.time() - t_start >= 1.5 * T.duration, 60,
+                      "five renewals over more than one Lease duration")
     assert not standby.done() and a.is_leader() and not b.is_leader() and held_by(api) == "a"
     assert {m for m, _ in b.kube.requests} == {"GET"} and len(b.kube.requests) >= 2
     # the leader dies without a word (its process killed): no more renewals, no release
@@ -98,8 +98,7 @@ async def test_a_clean_stop_releases_the_lease_and_the_standby_takes_over_at_onc
         LeaderElector(client(api), NS, "b", timing=Timing(3600, 10, 0.1))
     await a.acquire()
     standby = asyncio.create_task(b.acquire())
-    while not b.kube.requests:                   # the standby has seen the Lease held
-        await asyncio.sleep(0.01)
+    await until_async(lambda: b.kube.requests, what="the standby to see the Lease held")
     await a.release()
     assert not a.is_leader()
     await asyncio.wait_for(standby, 60)
@@ -190,9 +189,8 @@ async def test_a_leader_cut_off_from_the_api_server_leads_again_when_it_answers(
     caplog.clear()
     refused = outage.count
     regain = asyncio.ensure_future(a.regain())
-    async with asyncio.timeout(30):         # three more attempts refused: it has tried, and is still fenced
-        while refused - outage.count < 3:
-            await asyncio.sleep(T.retry / 2)
+    # three more attempts refused: it has tried, and is still fenced
+    await until_async(lambda: outage.count <= refused - 3, 30, "three more refused attempts")
     assert not regain.done() and not a.is_leader()                  # fenced while the server does not answer
     said = [r.getMessage() for r in caplog.records if "cannot be renewed yet" in r.getMessage()]
     assert len(said) == 1, said                                     # once, not at every attempt

@@ -7,12 +7,11 @@ import asyncio
 from controller.config import ControllerConfig
 from controller.handlers import State, child_key, parent_key, registries, settings
 from controller.queue import WorkQueue
+from tests.support.waits import until_async
 
 
 async def _until(pred, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not pred():
-            await asyncio.sleep(0.005)
+    await until_async(pred, timeout, interval=0.005)
 
 
 async def test_events_during_a_pass_coalesce_into_one_more_pass():
@@ -45,10 +44,7 @@ async def test_failures_retry_with_growing_delay_then_recover():
         return None
     q = WorkQueue(work, base_delay=0.02, max_delay=1.0)
     q.poke("k")
-    for _ in range(100):
-        await asyncio.sleep(0.02)
-        if len(times) >= 4:
-            break
+    await _until(lambda: len(times) >= 4)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     assert len(times) == 4 and gaps[0] >= 0.02 and gaps[1] >= 0.04 and gaps[2] >= 0.08
     await _until(lambda: not q._tasks)
@@ -73,23 +69,15 @@ async def test_an_event_does_not_cut_a_429s_retry_after_short():
         return None
     q = WorkQueue(work, base_delay=5.0)
     q.poke("a")
-    await asyncio.sleep(0.1)
-    q.poke("a")                   # an event during the Retry-After (the backoff alone would be 5 s)
-    await asyncio.sleep(0.05)
-    assert len(times) == 1
-    for _ in range(100):
-        await asyncio.sleep(0.02)
-        if len(times) == 2:
-            break
-    assert len(times) == 2 and times[1] - times[0] >= 0.6
-    q.poke("a")                   # fails with a 500: the queue's backoff (10 s) ...
-    await asyncio.sleep(0.05)
+    await _until(lambda: q.failures == {"a": 1})
+    q.poke("a")                   # an event during the Retry-After (the backoff alone would be 5 s) ...
+    await _until(lambda: len(times) == 2)
+    assert times[1] - times[0] >= 0.6          # ... ran the pass only once the Retry-After had passed
+    q.poke("a")                   # fails with a 500: the queue's backoff (5 s) ...
+    await _until(lambda: len(times) == 3 and q.failures == {"a": 1})
     q.poke("a")                   # ... which an event ends at once
-    for _ in range(50):
-        await asyncio.sleep(0.02)
-        if len(times) == 4:
-            break
-    assert len(times) == 4 and times[3] - times[2] < 5.0
+    await _until(lambda: len(times) == 4)
+    assert times[3] - times[2] < 5.0
     await q.aclose()
 
 
@@ -208,11 +196,11 @@ async def test_retry_now_runs_the_waiting_keys_at_once_and_starts_their_backoff_
     q = WorkQueue(work, base_delay=30.0)
     q.poke("fails")
     q.poke("waits")
-    await asyncio.sleep(0.05)
-    assert sorted(runs) == ["fails", "waits"] and q.failures == {"fails": 1}
+    await _until(lambda: len(runs) == 2 and q.failures == {"fails": 1})
+    assert sorted(runs) == ["fails", "waits"]
     down = False
     q.retry_now()
-    await asyncio.sleep(0.05)
+    await _until(lambda: len(runs) == 4 and not q.failures)
     assert sorted(runs) == ["fails", "fails", "waits", "waits"] and q.failures == {}
     await q.aclose()
 

@@ -55,7 +55,7 @@ async def test_stub_zone_forwards_the_tailnet_domain_to_the_nameserver(tmp_path)
                     ans = await r.resolve("db.tail.example", "A")
                     break
                 except (dns.resolver.LifetimeTimeout, dns.resolver.NoNameservers):
-                    await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.1)   # poll: until CoreDNS has loaded the zone (bounded above)
         assert [a.to_text() for a in ans] == ["10.244.0.7"]
         with pytest.raises(dns.resolver.NXDOMAIN):
             await r.resolve("gone.tail.example", "A")

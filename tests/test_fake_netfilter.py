@@ -13,11 +13,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.waits import until
 from tests.test_agent_boot import _free_port, _get
 
 FIREWALL_TOOLS = [
@@ -128,9 +128,7 @@ def test_egress_services_in_userspace_start_and_record_with_the_hook(run_agent, 
     env["TS_TEST_ONLY_ROOT"] = kube_api.root
     a = run_agent(**env)
     a.wait_for("Startup complete")
-    end = time.monotonic() + 20
-    while "egress-services" not in data(kube_api) and time.monotonic() < end:
-        time.sleep(0.1)
+    until(lambda: "egress-services" in data(kube_api), 20, "the egress services' status in the Secret")
     status = json.loads(data(kube_api)["egress-services"])
     assert status["services"]["svc"] == {"ports": [{"protocol": "tcp", "matchPort": 10001, "targetPort": 5432}],
                                          "tailnetTargetIPs": ["100.64.0.9"],
@@ -157,6 +155,19 @@ def _installed_dnats(tmp_path: Path) -> set[tuple[str, tuple[str, ...]]]:
     return {(str(d.original_dst), tuple(map(str, d.targets))) for d in fw.rules.dnats}
 
 
+def _pass_done_after_the_firewall_write(tmp_path: Path, port: int) -> dict:
+    """Wait until the reconcile pass that last wrote the in-memory firewall has finished, its start-up
+    bookkeeping (where "Startup complete" would be said) included: /status's `last_reconcile_at` is set at the
+    end of a pass, after that pass's write. The status of that moment."""
+    from netfilter.fake import state_path
+    written = Path(state_path(str(tmp_path / "tailscaled.sock"))).stat().st_mtime
+
+    def done() -> dict | None:
+        st = json.loads(_get(f"http://127.0.0.1:{port}/status")[1])
+        return st if (st.get("last_reconcile_at") or 0) >= written else None
+    return until(done, what="the end of the pass that installed the rules")
+
+
 def test_rules_go_in_with_the_first_netmap_and_startup_completes_at_running(run_agent, tmp_path):
     """tailscaled has the node's addresses seconds before Running (network check, home DERP): the rules are
     installed then (when Running has not followed within EARLY_RULES_DELAY), but start-up, readiness and
@@ -168,11 +179,11 @@ def test_rules_go_in_with_the_first_netmap_and_startup_completes_at_running(run_
                                TS_ENABLE_METRICS="true", TS_ENABLE_HEALTH_CHECK="true"))
     want = {("100.64.0.5", ("10.0.0.7",))}
     _wait_until(lambda: _installed_dnats(tmp_path) == want, what="the DNAT installed in state Starting")
-    time.sleep(0.5)   # whatever the agent would do next without Running, it has had the time to do it
+    # The pass that installed them has ended where start-up would complete: without Running, it did not.
+    st = _pass_done_after_the_firewall_write(tmp_path, port)
     assert "Startup complete" not in a.log()
     code, body = _get(f"http://127.0.0.1:{port}/readyz")
     assert code != 200, body
-    st = json.loads(_get(f"http://127.0.0.1:{port}/status")[1])
     assert st["backend_state"] == "Starting" and st["startup_complete"] is False
     _signal_fake_tailscaled(tmp_path, signal.SIGHUP)      # Starting -> Running
     a.wait_for("Startup complete")
@@ -208,7 +219,8 @@ def test_rules_go_in_at_running_while_tailscale_up_exits_and_startup_waits_for_i
     want = {("100.64.0.5", ("10.0.0.7",))}
     _wait_until(lambda: _installed_dnats(tmp_path) == want, what="the DNAT installed at Running")
     assert (tmp_path / "up-may-exit.running").exists()     # the backend is Running, `tailscale up` still runs
-    time.sleep(0.3)   # whatever the agent would do next without the CLI's exit, it has had the time to do it
+    # The pass that installed them has ended where start-up would complete: without the CLI's exit, it did not.
+    _pass_done_after_the_firewall_write(tmp_path, port)
     assert "Startup complete" not in a.log()
     assert _get(f"http://127.0.0.1:{port}/readyz")[0] == 200
     st = json.loads(_get(f"http://127.0.0.1:{port}/status")[1])

@@ -41,7 +41,7 @@ async def _upstream(writes: list[str]) -> tuple[asyncio.AbstractServer, str]:
                         line = json.dumps({"type": "ADDED", "object": {"metadata": {"name": f"o{i}"}}}) + "\n"
                         writer.write(conn.send(h11.Data(data=line.encode())))
                         await writer.drain()
-                        await asyncio.sleep(0.02)
+                        await asyncio.sleep(0.02)   # not a wait: paces the watch stream
                     writer.write(conn.send(h11.EndOfMessage()))
                 else:
                     if req.method != b"GET":

@@ -395,7 +395,7 @@ def test_real_tailscaled_kube_store(tmp_path, scenario):
                 assert proc.poll() is None, f"tailscaled exited with status {proc.returncode}:\n{log_tail()}"
                 assert time.monotonic() < deadline, \
                     f"tailscaled's LocalAPI never answered: {st.stderr[-500:]}\n{log_tail()}"
-                time.sleep(0.2)
+                time.sleep(0.2)   # poll: until tailscaled's LocalAPI answers (deadline asserted above)
             # Trigger state writes (machine key, prefs) without a reachable control server. `up` itself fails
             # (nothing answers at the login server), but it must have reached tailscaled: retry only a failure
             # to talk to the local tailscaled.
@@ -407,11 +407,11 @@ def test_real_tailscaled_kube_store(tmp_path, scenario):
                     or "failed to connect to local tailscale daemon" in up.stderr.lower()
                 if not unreached:
                     break
-                time.sleep(0.5)
+                time.sleep(0.5)   # poll: retries `up` while tailscaled is not reachable yet
             assert not unreached, f"`tailscale up` never reached tailscaled: {up.stderr}\n{log_tail()}"
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and "_machinekey" not in (api.secret_data("ts-state") or {}):
-                time.sleep(0.1)
+                time.sleep(0.1)   # poll: until tailscaled wrote its machine key
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

@@ -39,7 +39,7 @@ def fake(tmp_path, request):
         while not _accepts(sock):
             assert proc.poll() is None, f"the fake tailscaled exited with status {proc.returncode}"
             assert time.monotonic() < end, "the fake tailscaled's socket never accepted connections"
-            time.sleep(0.05)
+            time.sleep(0.05)   # poll: until the socket accepts (deadline asserted above)
         yield sock, tmp_path
     finally:
         proc.terminate()

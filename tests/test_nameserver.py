@@ -22,6 +22,7 @@ from nameserver.answer import answer
 from nameserver.records import Records, RecordsError, parse_records, render_records
 from nameserver.server import NameServer, listen, watch_records
 from tests.support.kubelet import Kubelet
+from tests.support.waits import until_async
 
 ZONE = "tail.example"   # a headscale-style tailnet domain: not ts.net
 
@@ -222,9 +223,7 @@ async def test_garbage_datagram_is_dropped_and_the_server_keeps_answering(server
 
 
 async def until(pred, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not pred():
-            await asyncio.sleep(0.02)
+    await until_async(pred, timeout)
 
 
 async def test_reload_on_kubelet_swap_and_bad_file_keeps_last_good_records(tmp_path, caplog):

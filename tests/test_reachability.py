@@ -11,6 +11,7 @@ import pytest
 from containerboot.probes import Probe, control_check, http_status
 from containerboot.reachability import DOWN_EVERY, UP_EVERY, Reachability, next_check_in, public_url
 from containerboot.status import AgentStatus
+from tests.support.waits import until_async
 
 
 def test_first_check_up_is_silent_then_one_line_per_change() -> None:
@@ -146,7 +147,7 @@ async def test_probe_run_checks_until_cancelled() -> None:
         try:
             return next(answers)
         except StopIteration:
-            await asyncio.sleep(3600)
+            await asyncio.Event().wait()     # the fourth check never answers
 
     p = Probe("x", check, on_change=lambda r: seen.append(r.reachable), first_after=0)
     import containerboot.probes as probes
@@ -154,8 +155,7 @@ async def test_probe_run_checks_until_cancelled() -> None:
     probes.next_check_in = lambda r: 0.0  # type: ignore[assignment,misc]
     try:
         task = asyncio.create_task(p.run())
-        for _ in range(50):
-            await asyncio.sleep(0)
+        await until_async(lambda: len(seen) >= 3, what="three answers")
         task.cancel()
     finally:
         probes.next_check_in = orig

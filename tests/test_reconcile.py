@@ -8,6 +8,7 @@ from containerboot.reconcile import Reconciler
 from containerboot.settings import load
 from containerboot.state import NodeState, apply_notify
 from netfilter.fake import FakeBackend
+from tests.support.waits import until_async
 
 ip = ipaddress.ip_address
 
@@ -128,7 +129,7 @@ async def test_the_idle_loop_beats_but_a_stuck_pass_does_not(monkeypatch):
 
     monkeypatch.setattr(reconcile_mod, "HEARTBEAT_INTERVAL", 0.01)
     now = [1000.0]
-    release = threading.Event()
+    release, entered = threading.Event(), threading.Event()
 
     class StuckFirewall(FakeFirewall):
         stuck = False
@@ -136,6 +137,7 @@ async def test_the_idle_loop_beats_but_a_stuck_pass_does_not(monkeypatch):
 
         def apply(self, rules):
             if self.stuck:
+                entered.set()
                 release.wait(5)
             super().apply(rules)
 
@@ -145,21 +147,21 @@ async def test_the_idle_loop_beats_but_a_stuck_pass_does_not(monkeypatch):
     try:
         rec.set_node(node("100.64.0.5"))
         now[0] = 1100.0
-        await asyncio.sleep(0.1)
-        assert rec.heartbeat == 1100.0 and rec.reconciled_node is not None
+        await until_async(lambda: rec.reconciled_node is not None, what="the first pass")
+        assert rec.heartbeat == 1100.0
         now[0] = 1150.0                    # idle: no pass runs, only the beat can move the heartbeat
-        await asyncio.sleep(0.1)
-        assert rec.heartbeat == 1150.0
+        await until_async(lambda: rec.heartbeat == 1150.0, what="the idle loop's beat")
         fw.stuck = True
         rec.poke(force=True)
-        await asyncio.sleep(0.05)          # the pass is now blocked in apply
+        await until_async(entered.is_set, what="the pass blocked in apply")
         started = rec.heartbeat
         now[0] = 1200.0
-        await asyncio.sleep(0.1)
+        beats = rec.beats
+        # Two ticks of the beat, so one began and ended after the clock moved: it had its chance to beat.
+        await until_async(lambda: rec.beats >= beats + 2, what="two more ticks of the beat")
         assert rec.heartbeat == started, "a stuck pass must not look alive"
         release.set()
-        await asyncio.sleep(0.1)
-        assert rec.heartbeat == 1200.0
+        await until_async(lambda: rec.heartbeat == 1200.0, what="the released pass's beat")
     finally:
         release.set()
         task.cancel()

@@ -14,6 +14,7 @@ import pytest
 from recorder.__main__ import ConfigError, settings
 from recorder.server import Recorder
 from recorder.store import FileStore, entry
+from tests.support.waits import until_async
 
 
 @pytest.fixture
@@ -32,11 +33,7 @@ def files(store: FileStore) -> list[bytes]:
 
 
 async def wait_for(cond, what: str):
-    for _ in range(500):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"never: {what}")
+    await until_async(cond, 10, what)
 
 
 async def test_v1_continue_then_each_chunk_stored_and_200_only_after_the_end(rec):

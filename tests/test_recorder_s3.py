@@ -79,7 +79,7 @@ def bucket():
                 socket.create_connection(("127.0.0.1", port), 0.2).close()
                 break
             except OSError:
-                time.sleep(0.05)
+                time.sleep(0.05)   # poll: until the S3 server accepts connections
         yield Bucket(f"http://127.0.0.1:{port}", "recordings", Credentials("key-id", "secret"))
     finally:
         proc.kill()
@@ -122,7 +122,7 @@ async def test_every_acknowledged_byte_is_in_the_bucket_when_the_recorder_is_kil
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 break
             except OSError:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)   # poll: until the recorder accepts connections
         c = H2Client(reader, writer)
         c.conn.send_headers(1, [(":method", "POST"), (":path", "/v2/record"), (":scheme", "http"),
                                 (":authority", "r")])

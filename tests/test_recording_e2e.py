@@ -20,6 +20,7 @@ from recorder import v2 as recorder_v2
 from recorder.server import Recorder
 from recorder.store import FileStore
 from tests.support.spdyws import SpdyClient, data, resize, ws_frame
+from tests.support.waits import until_async
 
 
 class ExecApiServer:
@@ -150,11 +151,7 @@ async def read_until(reader: asyncio.StreamReader, needle: bytes, got: bytes = b
 
 
 async def wait_for(cond, what: str) -> None:
-    for _ in range(500):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"never: {what}")
+    await until_async(cond, 10, what)
 
 
 @pytest.mark.parametrize("mode, version", [(AUTH, 2), (NOAUTH, 2), (AUTH, 1)])

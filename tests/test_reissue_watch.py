@@ -54,7 +54,7 @@ async def test_reissue_reacts_to_the_data_swap_through_the_watch(kube_api, tmp_p
         async with asyncio.timeout(20):
             while (kube_api.secret_data(SECRET) or {}).get("reissue_authkey") != b"tskey-auth-OLD":
                 assert not task.done(), task
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.02)   # poll: until the request for a new key is in the Secret
         assert api.disconnected == 1
         lines = [r.getMessage() for r in caplog.records]
         watching = [m for m in lines if m.endswith("auth key reissue: watching for config changes via fsnotify")]
@@ -92,7 +92,7 @@ async def test_without_a_usable_watch_the_poll_still_finds_the_key(kube_api, tmp
             while not any(r.getMessage().startswith("Waiting for new auth key from operator")
                           for r in caplog.records):
                 assert not task.done(), task
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.02)   # poll: until the wait has said it waits
         kubelet_mount(confdir, 2, "tskey-auth-NEW")
         async with asyncio.timeout(20):
             await task

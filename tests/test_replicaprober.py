@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from controller import pgrender
 from controller import replicahealth as rh
@@ -13,6 +14,7 @@ from controller.kinds import proxygroup
 from controller.kubeapi import CONFIGMAPS, PODS, PROXYGROUPS, STATEFULSETS
 from controller.reconcile import Reconciler
 from controller.replicaprober import ReplicaProber, Target, target_of
+from tests.support.waits import until_async
 from tests.test_controller_proxygroup import (  # noqa: F401
     CFG,
     NS,
@@ -44,7 +46,7 @@ class Replicas:
                     await reader.readuntil(b"\r\n\r\n")
                     self.requests[ip] = self.requests.get(ip, 0) + 1
                     while ip in self.frozen:
-                        await asyncio.sleep(0.01)
+                        await asyncio.sleep(0.01)   # poll: holds the answer until the test thaws the replica
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Type: text/plain\r\n\r\nok\n")
                     await writer.drain()
             except (asyncio.IncompleteReadError, ConnectionError):
@@ -66,10 +68,13 @@ def prober(reps: Replicas, changed: list[str]) -> ReplicaProber:
 
 
 async def wait_for(cond, timeout: float = 10.0) -> None:
-    async def loop():
-        while not cond():
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(loop(), timeout)
+    await until_async(cond, timeout)
+
+
+async def a_tick_after(p: ReplicaProber, seconds: float) -> None:
+    """Wait until the prober has applied its rule `seconds` from now or later: a verdict due by then is given."""
+    due = time.monotonic() + seconds
+    await until_async(lambda: (p.last_tick_at or 0.0) >= due, seconds + 10, f"a tick of the rule after {seconds}s")
 
 
 async def test_a_frozen_replica_leaves_and_comes_back_the_group_is_told_each_time():
@@ -91,9 +96,13 @@ async def test_a_frozen_replica_leaves_and_comes_back_the_group_is_told_each_tim
         assert p.serving([a, b]) == {a, b}
         # forgotten targets are no longer asked
         p.track("pg", [a])
-        await asyncio.sleep(0.1)
+        # Once the kept replica has been asked again by every connection, twice, any question to the forgotten
+        # one in flight at the change has landed; after as many more, it would have been asked again.
+        asked = reps.requests["10.0.0.1"]
+        await wait_for(lambda: reps.requests["10.0.0.1"] >= asked + 2 * 3)
         n = reps.requests["10.0.0.2"]
-        await asyncio.sleep(0.2)
+        asked = reps.requests["10.0.0.1"]
+        await wait_for(lambda: reps.requests["10.0.0.1"] >= asked + 2 * 3)
         assert reps.requests["10.0.0.2"] == n
     finally:
         runner.cancel()
@@ -111,7 +120,7 @@ async def test_when_every_replica_is_silent_both_stay_as_the_kubelet_says():
     runner = asyncio.ensure_future(p.run())
     try:
         p.track("pg", [a, b])
-        await asyncio.sleep(FAST.down_after * 3)
+        await a_tick_after(p, FAST.down_after * 3)     # both have been silent for longer than the rule allows
         assert p.serving([a, b]) == {a, b} and changed == []
     finally:
         runner.cancel()
@@ -199,7 +208,7 @@ async def test_the_agents_own_health_endpoint_is_heard_and_its_not_ready_answer_
     runner = asyncio.ensure_future(p.run())
     try:
         p.track("pg", [a, b])
-        await asyncio.sleep(FAST.down_after * 2)
+        await a_tick_after(p, FAST.down_after * 2)
         assert p.serving([a, b]) == {a, b} and changed == []
         statuses["10.0.0.1"].st = not_ready_status()
         await wait_for(lambda: changed == ["pg"])

@@ -12,6 +12,7 @@ import pytest
 
 from serveconfig.apply import NO_HTTPS_EXPLANATION, CertManager, ServeApplier, _retry_after
 from serveconfig.model import ServeConfig, parse
+from tests.support.waits import until_async
 
 KNOWN_TOP = ("TCP", "Web", "Services", "AllowFunnel", "Foreground")
 
@@ -355,18 +356,19 @@ async def test_advertise_off_never_touches_prefs(api: FakeAPI, backend: Backend)
 
 async def test_service_advertised_only_after_its_cert(api: FakeAPI, backend: Backend) -> None:
     api.cert_script = [FakeError("500: acme: not yet", 500)]
-    gate = asyncio.Event()
+    gate, backing_off = asyncio.Event(), asyncio.Event()
 
     async def sleep(d: float) -> None:
         if d >= 3600:                      # the daily refresh: park
             await asyncio.Event().wait()
+        backing_off.set()
         await gate.wait()
 
     changed = asyncio.Event()
     cm = CertManager(api, sleep=sleep, on_change=changed.set)
     a = ServeApplier(api, auto_advertise=True, cert_manager=cm)
     res = await a.converge_text(SVC_CFG, DOMAIN)
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(backing_off.wait(), 2)           # the first request for the cert failed
     res = await a.converge_text(SVC_CFG, DOMAIN)
     assert res.applied and res.cert_required and not res.cert_ready
     assert res.advertised == ("svc:db",)                    # svc:web waits for web.tailnet.ts.net's cert
@@ -393,7 +395,7 @@ class FakeSleep:
         if len(self.calls) > self.allow:
             self.blocked.set()
             await asyncio.Event().wait()
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)   # not a wait: yields to the loop once, as a real sleep would
 
 
 async def test_cert_backoff_doubling_and_retry_after(api: FakeAPI) -> None:
@@ -429,9 +431,8 @@ async def test_cert_loops_follow_the_config(api: FakeAPI) -> None:
     sleep = FakeSleep(allow=0)
     cm = CertManager(api, sleep=sleep)
     cm.ensure(["a.ts.net", "b.ts.net", "no-https"])
-    await asyncio.sleep(0.01)
+    await until_async(lambda: cm.all_ready(["a.ts.net", "b.ts.net"]), 2, "both certificates")
     assert cm.domains == ("a.ts.net", "b.ts.net")
-    assert cm.all_ready(["a.ts.net", "b.ts.net"])
     cm.ensure(["b.ts.net"])
     assert cm.domains == ("b.ts.net",) and not cm.cert_ready("a.ts.net")
     await cm.close()
@@ -446,7 +447,7 @@ async def test_applier_requests_certs_when_https_needed(api: FakeAPI) -> None:
     assert not res.cert_required and res.cert_ready and cm.domains == ()
     res = await a.converge_text(HTTPS_CFG, DOMAIN)
     assert res.cert_required and res.cert_domains == (DOMAIN,)
-    await asyncio.sleep(0.01)
+    await until_async(lambda: cm.cert_ready(DOMAIN), 2, "the certificate")
     assert api.cert_calls == [DOMAIN]
     res = await a.converge_text(HTTPS_CFG, DOMAIN)
     assert res.cert_ready and res.status().cert_ready

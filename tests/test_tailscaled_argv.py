@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from containerboot.settings import load
 from containerboot.tailscaled import flag_name, tailscale_set_argv, tailscale_up_argv, tailscaled_argv
+from tests.support.waits import until_async
 
 
 def s(**env):
@@ -99,7 +100,8 @@ async def test_a_tailscaled_started_before_the_event_loop_is_supervised_like_any
     t = Tailscaled.adopt(popen, str(tmp_path / "ts.sock"))
     assert t.alive() and t.pid == popen.pid
     waiter = asyncio.create_task(t.proc.wait())
-    await asyncio.sleep(0.05)
+    # parked on the process's exit (a pidfd, or a thread that waits): only the exit can end it now
+    await until_async(lambda: t.proc._exited is not None, what="the waiter parked on the exit")
     assert not waiter.done()
     assert await t.stop(5) == -signal.SIGTERM
     assert await asyncio.wait_for(waiter, 5) == -signal.SIGTERM and not t.alive()

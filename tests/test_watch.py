@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.kubelet import Kubelet
+from tests.support.waits import until_async
 from tscommon import watch as watchmod
 from tscommon.watch import watch_file
 
@@ -20,10 +21,28 @@ async def nxt(gen, timeout: float = 5.0):
     return await asyncio.wait_for(gen.__anext__(), timeout)
 
 
-async def nothing_within(gen, seconds: float) -> bool:
+@pytest.fixture
+def passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times the watcher began waiting for a wake-up (once per pass of its loop, and at its start)."""
+    n = [0]
+    real = watchmod.wait_event
+
+    async def counting(ev, timeout):
+        n[0] += 1
+        return await real(ev, timeout)
+
+    monkeypatch.setattr(watchmod, "wait_event", counting)
+    return n
+
+
+async def nothing_after_a_pass(gen, passes: list[int]) -> bool:
+    """The watcher, woken by the change just made, has re-read the file and gone back to waiting, without a
+    yield: it had its chance to report the change and did not."""
+    start = passes[0]
     task = asyncio.ensure_future(gen.__anext__())
-    done, _ = await asyncio.wait({task}, timeout=seconds)
-    if done:
+    # The first wait begins at once (resuming after the last yield); the second after a whole pass.
+    await until_async(lambda: task.done() or passes[0] >= start + 2, what="a pass of the watcher")
+    if task.done():
         return False
     task.cancel()
     try:
@@ -33,9 +52,7 @@ async def nothing_within(gen, seconds: float) -> bool:
     return True
 
 
-
-
-async def test_kubelet_atomic_symlink_swaps(tmp_path: Path) -> None:
+async def test_kubelet_atomic_symlink_swaps(tmp_path: Path, passes: list[int]) -> None:
     k = Kubelet(tmp_path / "vol")
     k.publish('{"v":1}')
     gen = watch_file(k.path, resync_interval=NO_RESYNC)
@@ -47,12 +64,12 @@ async def test_kubelet_atomic_symlink_swaps(tmp_path: Path) -> None:
         assert await nxt(gen) == '{"v":3}'
         # Same content republished (kubelet resync with a new dir): no yield.
         k.publish('{"v":3}')
-        assert await nothing_within(gen, 0.5)
+        assert await nothing_after_a_pass(gen, passes)
     finally:
         await gen.aclose()
 
 
-async def test_plain_rewrite_and_rename_into_place(tmp_path: Path) -> None:
+async def test_plain_rewrite_and_rename_into_place(tmp_path: Path, passes: list[int]) -> None:
     p = tmp_path / "serve.json"
     p.write_text("a")
     gen = watch_file(str(p), resync_interval=NO_RESYNC)
@@ -66,7 +83,7 @@ async def test_plain_rewrite_and_rename_into_place(tmp_path: Path) -> None:
         assert await nxt(gen) == "c"
         # Touch without a change: nothing.
         os.utime(p)
-        assert await nothing_within(gen, 0.4)
+        assert await nothing_after_a_pass(gen, passes)
     finally:
         await gen.aclose()
 
@@ -119,7 +136,8 @@ async def test_falls_back_to_polling_when_inotify_fails(tmp_path: Path, monkeypa
     assert "polling every 0.1s instead" in caplog.text
 
 
-async def test_directory_created_later(tmp_path: Path) -> None:
+async def test_directory_created_later(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="containerboot")
     vol = tmp_path / "later"
     path = str(vol / "serve-config")
     gen = watch_file(path, poll_interval=0.1, resync_interval=NO_RESYNC)
@@ -128,15 +146,16 @@ async def test_directory_created_later(tmp_path: Path) -> None:
         k = Kubelet(vol)
         k.publish("hello")
         assert await nxt(gen, 2) == "hello"
-        # Now inotify is set up on the new directory: a swap is seen promptly.
-        await asyncio.sleep(0.3)
+        # The pass that read it set up inotify on the new directory first: a swap is seen promptly.
+        assert "via inotify" in caplog.text
         k.publish("again")
         assert await nxt(gen, 2) == "again"
     finally:
         await gen.aclose()
 
 
-async def test_directory_replaced(tmp_path: Path) -> None:
+async def test_directory_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="containerboot")
     vol = tmp_path / "vol"
     vol.mkdir()
     (vol / "f").write_text("1")
@@ -148,7 +167,8 @@ async def test_directory_replaced(tmp_path: Path) -> None:
         vol.mkdir()
         (vol / "f").write_text("2")
         assert await nxt(gen) == "2"
-        await asyncio.sleep(0.5)            # the watch has moved to the new directory inode
+        # The pass that read it moved the watch to the new directory's inode first.
+        assert caplog.text.count("via inotify") == 2, caplog.text
         (vol / "f").write_text("3")
         assert await nxt(gen, 2) == "3"
     finally:
@@ -170,11 +190,7 @@ async def test_close_stops_observer_thread(tmp_path: Path) -> None:
     assert await nxt(gen) == "x"
     assert len(watchdog_threads()) > before
     await gen.aclose()
-    for _ in range(50):
-        if len(watchdog_threads()) <= before:
-            break
-        await asyncio.sleep(0.05)
-    assert len(watchdog_threads()) <= before
+    await until_async(lambda: len(watchdog_threads()) <= before, what="the observer threads to end")
 
 
 async def test_reading_the_file_does_not_wake_the_watcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,27 +208,49 @@ async def test_reading_the_file_does_not_wake_the_watcher(tmp_path: Path, monkey
     p = tmp_path / "f"
     p.write_text("x")
     seen: list[str | None] = []
+    # Each event the watcher's handler gets, and whether it woke the watcher (set its asyncio.Event).
+    events: list[tuple[str, str, bool]] = []
+    loop = asyncio.get_running_loop()
+    wakes = [0]
+    real_soon = loop.call_soon_threadsafe
+
+    def counting_soon(cb, *args, **kw):
+        if getattr(cb, "__name__", "") == "set" and isinstance(getattr(cb, "__self__", None), asyncio.Event):
+            wakes[0] += 1
+        return real_soon(cb, *args, **kw)
+
+    from watchdog.events import FileSystemEventHandler
+    real_dispatch = FileSystemEventHandler.dispatch
+
+    def recording_dispatch(self, event) -> None:
+        before = wakes[0]
+        real_dispatch(self, event)
+        events.append((event.event_type, str(event.src_path), wakes[0] > before))
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counting_soon)
+    monkeypatch.setattr(FileSystemEventHandler, "dispatch", recording_dispatch)
 
     async def consume() -> None:
         async for text in watch_file(str(p), resync_interval=NO_RESYNC):
             seen.append(text)
 
-    async def until(pred, timeout: float = 5.0) -> None:
-        end = asyncio.get_running_loop().time() + timeout
-        while not pred():
-            assert asyncio.get_running_loop().time() < end, f"timed out; seen {seen}"
-            await asyncio.sleep(0.01)
-
     task = asyncio.create_task(consume())
     try:
-        await until(lambda: seen == ["x"])
+        await until_async(lambda: seen == ["x"], what=f"the first read; seen {seen}")
         for _ in range(3):
             p.read_text()                      # someone else reads it
-        await asyncio.sleep(1.0)
-        assert reads[0] <= 2, f"the watcher re-read an unchanged file {reads[0]} times in 1 s"
+        # A file written in the same directory after the reads: its event comes after theirs (one inotify
+        # queue, in order), so once the handler has it, the watcher has had its chance to wake on the reads.
+        marker = tmp_path / "marker"
+        marker.write_text("m")
+        await until_async(lambda: any(path == str(marker) for _, path, _ in events), what="the marker's event")
+        await until_async(lambda: reads[0] >= 2, what="the marker's re-read")
+        woke = [(kind, path) for kind, path, w in events if w and path == str(p)]
+        assert woke == [], f"opening and closing the unchanged file woke the watcher: {woke}"
+        assert any(w for _, path, w in events if path == str(marker)), "the marker's write woke nothing"
         assert seen == ["x"]
         p.write_text("y")                      # a real change still wakes it
-        await until(lambda: seen[-1] == "y")
+        await until_async(lambda: seen[-1] == "y", what="the change")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

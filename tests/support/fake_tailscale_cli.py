@@ -39,7 +39,7 @@ def main() -> int:
             print("backend error: invalid key", file=sys.stderr)
             return 1
         if os.environ.get("FAKE_TS_UP_HANG"):
-            time.sleep(3600)
+            time.sleep(3600)   # not a wait: FAKE_TS_UP_HANG, an `up` that never returns
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(sock)
             s.sendall(b"POST /localapi/v0/fake/login HTTP/1.1\r\nHost: local-tailscaled.sock\r\n"
@@ -47,11 +47,11 @@ def main() -> int:
             s.recv(4096)
         # Like the real `tailscale up`: exit only once the backend is Running.
         while _backend_state(sock) != "Running":
-            time.sleep(0.02)
+            time.sleep(0.02)   # poll: like the real CLI, until the backend is Running
         if (gate := os.environ.get("FAKE_TS_UP_EXIT_GATE")):
             open(gate + ".running", "w").close()
             while not os.path.exists(gate):
-                time.sleep(0.02)
+                time.sleep(0.02)   # poll: until the test opens the gate
     return 0
 
 

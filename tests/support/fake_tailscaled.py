@@ -231,7 +231,7 @@ def main() -> None:
     if os.environ.get("FAKE_TS_NO_SOCKET"):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         while True:
-            time.sleep(1)
+            time.sleep(1)   # not a wait: FAKE_TS_NO_SOCKET, a tailscaled that runs without a socket
     if os.path.exists(sock):
         os.unlink(sock)
     server = Server(sock, Handler)

@@ -167,7 +167,7 @@ async def install_contract_crd(kube: Any) -> None:
         except KubeError as e:
             if e.status not in (404, 429):
                 raise
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)   # poll: until the new CRD is served
     raise AssertionError(f"the CRD proxygroups.{CONTRACT_GROUP} is not served after 30 s")
 
 
@@ -307,7 +307,7 @@ async def crd_a_field_written_under_an_older_schema_does_not_block_other_writes(
         except KubeError as e:
             if e.status not in (404, 429):
                 raise
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)   # poll: until the new CRD is served
     else:
         raise AssertionError(f"the CRD proxygroups.{RATCHET_GROUP} is not served after 30 s")
     await kube.patch(CRDS, doc["metadata"]["name"], {"spec": {"versions": strict}})
@@ -320,7 +320,7 @@ async def crd_a_field_written_under_an_older_schema_does_not_block_other_writes(
             if e.status != 422:
                 raise
             break
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)   # poll: until the stricter schema is in force
     else:
         raise AssertionError("the stricter schema is not in force after 30 s")
     out = await kube.patch(RATCHET_PG, name, {"spec": {"replicas": 2}})

@@ -1046,11 +1046,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         rec = lambda status: api._record(RequestRecord(method, path, query, ctype, verb, resource, name, ns,  # noqa: E731
                                                        status, body))
         if api.latency:
-            time.sleep(api.latency)
+            time.sleep(api.latency)   # not a wait: the latency the test asked the server for
         fault = None if path.startswith("/_test/") else api._take_fault(method, path)
         if fault is not None:
             if fault.delay:
-                time.sleep(fault.delay)
+                time.sleep(fault.delay)   # not a wait: the injected fault's delay
             if fault.kind == "drop":
                 rec(0)
                 self.close_connection = True

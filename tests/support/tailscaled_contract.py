@@ -155,7 +155,7 @@ def wait_ready(sock: str, proc: subprocess.Popen, timeout: float = 60.0) -> None
             except OSError:
                 pass
         assert time.monotonic() < end, "the LocalAPI did not answer"
-        time.sleep(0.05)
+        time.sleep(0.05)   # poll: until the LocalAPI answers (deadline asserted above)
 
 
 def start_fake(workdir: str, *, logged_in: bool) -> tuple[subprocess.Popen, str]:
