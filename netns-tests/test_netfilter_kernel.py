@@ -538,6 +538,42 @@ def test_nft_warm_up_changes_nothing_and_the_first_apply_still_converges(ns, tmp
     assert "table inet foreign" in ns.run("nft", "list", "ruleset").stdout
 
 
+_CONTEXTS_SCRIPT = """
+import gc, json, sys, weakref
+import nftables
+from netfilter.model import RuleSet
+from netfilter.nft import NftBackend
+live, made = weakref.WeakSet(), []
+class Counted(nftables.Nftables):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        live.add(self)
+        made.append(1)
+nftables.Nftables = Counted
+b = NftBackend(ipv6=True)
+steps = {}
+for step, call in (("warm_up", b.warm_up), ("apply", lambda: b.apply(RuleSet.from_json(open(sys.argv[1]).read()))),
+                   ("apply_again", lambda: b.apply(RuleSet.from_json(open(sys.argv[1]).read()))),
+                   ("installed", b.installed), ("cleanup", b.cleanup)):
+    call()
+    gc.collect()
+    steps[step] = len(live)
+print(json.dumps({"live": steps, "made": len(made), "left": b.installed()}))
+"""
+
+
+def test_nft_operations_free_their_libnftables_context(ns, tmp_path):
+    """libnftables keeps its ruleset cache (megabytes for a few tables) in a context until its next command:
+    the agent must not hold one between operations. Each operation works (rules installed, then removed) and
+    leaves no context alive."""
+    agent = Agent(ns, "nftables", tmp_path)
+    rules = RuleSet(dnats=everything(4).dnats + everything(6).dnats, egress=everything(4).egress, clamp_mss=True)
+    out = json.loads(ns.run(PY, "-c", _CONTEXTS_SCRIPT, agent._file(rules)).stdout)
+    assert out["made"] >= 4                                    # the operations did use libnftables
+    assert out["live"] == {"warm_up": 0, "apply": 0, "apply_again": 0, "installed": 0, "cleanup": 0}
+    assert out["left"] == ""                                   # the clean-up removed what the apply installed
+
+
 _DELTA_SCRIPT = r'''
 import json, subprocess, sys
 from netfilter.model import RuleSet, ServicePortMap
