@@ -31,8 +31,8 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 from ipaddress import ip_address
+from typing import Any
 
 from .errors import FirewallError
 from .generation import RulesetGeneration, advanced_by
