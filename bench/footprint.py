@@ -10,8 +10,8 @@ backend, kernel networking, a fresh node each start):
   written, see `bench.logwatch`), the agent process's resident memory (VmRSS) at that moment and the CPU seconds it used
   until then (user + system of the agent process itself; tailscaled and the `tailscale up` CLI are the same
   binaries for both agents and are not counted);
-* idle: one more start per agent, left alone for `--idle-minutes`: RSS at the end and CPU seconds per idle
-  minute (from 5 s after start-up to the end).
+* idle: one more start per agent, both at once (upstream's in a second lab), left alone for `--idle-minutes`:
+  RSS at the end and CPU seconds per idle minute (from 5 s after start-up to the end).
 
 Prints both agents side by side with the ratios (the boot time also with its spread, min-max), the goals as
 MET / NOT MET (resident memory at most 24 MB at start-up and idle, idle CPU at most upstream's + 1 s per hour, boot
@@ -106,17 +106,26 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"boot {i + 1}: {name:8s} {sample['boot_s']:7.3f} s  RSS {sample['rss_mb']:5.1f} MB  "
                       f"CPU {sample['cpu_s']:5.2f} s  Running->start-up "
                       f"{sample.get('after_running_ms', float('nan')):5.1f} ms", flush=True)
-        for name, cmd in agents.items():
-            agent, _ = start(lab, cmd, env, srv.marker)
+        # Idle: both agents at once, upstream's in a second lab of its own (same binaries, same configuration),
+        # so an hour's window costs an hour.
+        with Lab.create(bin_dir=bin_dir) as lab2:
+            srv2 = lab2.start_http_server("backend", None, 8080, f"footprint-{lab2.prefix}")
+            env2 = {**env, "TS_DEST_IP": lab2.backend_ipv4}
+            where = {"python": (lab, env, srv.marker), "upstream": (lab2, env2, srv2.marker)}
+            running = {name: start(where[name][0], cmd, where[name][1], where[name][2])[0]
+                       for name, cmd in agents.items()}
             time.sleep(SETTLE)
-            rss0, cpu0, t0 = rss_mb(agent.pid), cpu_s(agent.pid), time.monotonic()
+            before = {name: (rss_mb(a.pid), cpu_s(a.pid)) for name, a in running.items()}
+            t0 = time.monotonic()
             time.sleep(args.idle_minutes * 60)
             minutes = (time.monotonic() - t0) / 60
-            idle[name] = {"rss0": rss0, "rss_mb": rss_mb(agent.pid),
-                          "cpu_per_min": (cpu_s(agent.pid) - cpu0) / minutes}
-            print(f"idle: {name:8s} RSS {rss0:5.1f} -> {idle[name]['rss_mb']:5.1f} MB over {minutes:.1f} min, "
-                  f"CPU {idle[name]['cpu_per_min']:.3f} s/min", flush=True)
-            stop(lab, agent)
+            for name, agent in running.items():
+                rss0, cpu0 = before[name]
+                idle[name] = {"rss0": rss0, "rss_mb": rss_mb(agent.pid),
+                              "cpu_per_min": (cpu_s(agent.pid) - cpu0) / minutes}
+                print(f"idle: {name:8s} RSS {rss0:5.1f} -> {idle[name]['rss_mb']:5.1f} MB over {minutes:.1f} min, "
+                      f"CPU {idle[name]['cpu_per_min']:.3f} s/min", flush=True)
+                stop(where[name][0], agent)
 
     def med(name: str, key: str) -> float:
         return statistics.median(s[key] for s in boots[name])

@@ -396,7 +396,8 @@ class Agent:
                 await self.publisher.settle(budget_end - 5.0)
             await self.tailscaled.stop(max(5.0, budget_end - time.monotonic()))
             log.info("tailscaled exited")
-        await self.firewall.close()
+        rec = self.reconciler
+        await self.firewall.close(rec.applied.rules if rec is not None else None)
         if self.endpoints is not None:
             await self.endpoints.close()
         if self._linked:

@@ -64,9 +64,10 @@ class FirewallSetup:
             return None
         return {"backend": fw.name, "ipv6": fw.ipv6, "rules": applied.to_dict() if applied is not None else None}
 
-    async def close(self) -> None:
+    async def close(self, applied: RuleSet | None = None) -> None:
         """At shutdown: let an unfinished detection end (so the clean-up sees the backend it may have touched),
-        then remove the agent's rules."""
+        then remove the agent's rules, then the conntrack entries of the connections `applied` (the rules last
+        in force) translated: tailscaled is gone, so those can only blackhole (netfilter.conntrack)."""
         if self._task is not None and not self._task.done():
             try:
                 await self._task
@@ -79,3 +80,7 @@ class FirewallSetup:
             log.info("Removed the agent's firewall rules")
         except Exception as e:
             log.error("failed to remove the agent's firewall rules: %s", e)
+            return      # the rules still translate: a flushed entry would only be created again
+        if applied is not None and applied.entries() and self.backend.translates_connections:
+            from netfilter.conntrack import flush_translated_conntrack
+            await asyncio.to_thread(flush_translated_conntrack, applied)

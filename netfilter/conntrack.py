@@ -1,4 +1,5 @@
-"""UDP conntrack hygiene after a rule change: bindings that point at targets the rules no longer want are deleted.
+"""Conntrack hygiene: after a rule change, UDP bindings that point at targets the rules no longer want are deleted;
+after the rules are removed (the agent's shutdown), every connection they translated is.
 
 A backend's `apply` only changes rules and says whether the kernel changed; whoever applies (the agent's
 reconciler, `netfilter.cli`) decides when this clean-up runs, because it is a dump of the whole conntrack table
@@ -126,6 +127,49 @@ def flush_stale_conntrack(rules: RuleSet, previous: RuleSet | None = None) -> in
             ct.close()
     if removed:
         log.info("removed %d UDP conntrack entries that pointed at targets no longer wanted", removed)
+    return removed
+
+
+def flush_translated_conntrack(rules: RuleSet) -> int:
+    """Delete every conntrack entry (TCP, UDP) whose destination `rules` translated; returns how many. Best effort.
+
+    For the agent's shutdown, after its rules are removed: tailscaled is gone or going, so a flow that the rules
+    sent to a tailnet target can only be dropped from now on, and its conntrack entry would keep translating its
+    packets into nowhere until it times out. A client whose SYN was caught (a ProxyGroup replica whose tailscaled
+    died: a new connection sent to it just then) would wait for its own timeout; with the entry gone its
+    retransmission meets no translation and is refused at once, so it can try again (another replica). Entries
+    of flows the rules did not translate are kept. Errors are logged, never raised."""
+    import ipaddress
+    import socket
+
+    from .plan import NatOracle
+
+    removed = 0
+    for version, family in ((4, socket.AF_INET), (6, socket.AF_INET6)):
+        oracle = NatOracle(rules, version)
+        try:
+            ct = conntrack_class()(nfgen_family=family)
+        except Exception as err:
+            log.debug("conntrack unavailable (IPv%d): %s", version, err)
+            continue
+        try:
+            for e in list(ct.dump_entries()):    # the whole dump first: no request can interleave with it
+                o = e.tuple_orig
+                proto = {socket.IPPROTO_TCP: "tcp", socket.IPPROTO_UDP: "udp"}.get(o.proto)
+                if proto is None or not (e.status or 0) & IPS_DST_NAT \
+                        or not oracle.covers(proto, ipaddress.ip_address(o.daddr), o.dport):
+                    continue
+                try:
+                    ct.delete(e)
+                    removed += 1
+                except Exception as err:   # already gone
+                    log.debug("conntrack delete %s: %s", e, err)
+        except Exception as err:
+            log.info("could not clean up conntrack entries (IPv%d): %s", version, err)
+        finally:
+            ct.close()
+    if removed:
+        log.info("removed %d conntrack entries of connections the removed rules had translated", removed)
     return removed
 
 

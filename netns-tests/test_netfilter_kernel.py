@@ -489,6 +489,71 @@ def test_target_change_drops_stale_udp_bindings(agent, family, tmp_path):
         client.close()
 
 
+_SHUTDOWN = """
+import asyncio, sys
+from containerboot.firewallsetup import FirewallSetup
+from containerboot.settings import load
+from netfilter.iptables import IptablesBackend
+from netfilter.model import RuleSet
+from netfilter.nft import NftBackend
+rules = RuleSet.from_json(open(sys.argv[1]).read())
+fw = FirewallSetup(load({"TS_DEST_IP": "100.64.0.9", "TS_USERSPACE": "false"}))
+fw.backend = NftBackend(ipv6=True) if sys.argv[2] == "nftables" else IptablesBackend(ipv6=True, variant=sys.argv[3])
+asyncio.run(fw.close(rules))
+"""
+
+
+def _tcp_nat_targets(proxy: NS, v: int) -> list[str]:
+    fam = "AF_INET" if v == 4 else "AF_INET6"
+    out = proxy.py("import socket\nfrom pyroute2 import Conntrack\n"
+                   f"ct = Conntrack(nfgen_family=socket.{fam})\n"
+                   "print(' '.join(sorted(e.tuple_reply.saddr for e in ct.dump_entries()"
+                   " if e.tuple_orig.proto == 6 and e.status & 32)))\nct.close()\n")
+    return out.split()
+
+
+def test_shutdown_refuses_a_caught_connection_instead_of_blackholing_it(agent, family, tmp_path):
+    """The agent's shutdown (tailscaled gone: a ProxyGroup replica's tailscaled died) removes its rules and then
+    the conntrack entries of what they translated: a client whose SYN went to the dead tunnel just before gets
+    its retransmission refused (it can try another replica) instead of waiting for its own timeout."""
+    client = NS()
+    try:
+        _udp_topology(client, agent.ns)
+        # tailscale0 as a dead tunnel: a tun device nobody reads drops what it is given and resolves no neighbours
+        # (a veth would answer the caller with "host unreachable" once ARP gives up)
+        agent.ns.run("ip", "link", "del", "tailscale0")
+        agent.ns.run("ip", "tuntap", "add", "dev", "tailscale0", "mode", "tun")
+        agent.ns.run("ip", "link", "set", "tailscale0", "up")
+        agent.ns.run("ip", "route", "add", "100.64.0.0/10", "dev", "tailscale0")
+        agent.ns.run("ip", "-6", "route", "add", "fd7a:115c:a1e0::/48", "dev", "tailscale0")
+        target = TARGET[family][0]
+        rules = RuleSet(egress=(EgressForward(target, TS[family], EXEMPT),))
+        agent.apply(rules)
+        dst = "10.7.0.1" if family == 4 else "fd07::1"
+        caller = subprocess.Popen(
+            [IP, "netns", "exec", client.name, PY, "-c",
+             "import socket, sys\n"
+             "try:\n"
+             f"    socket.create_connection(({dst!r}, 8080), timeout=20)\n"
+             "    print('connected')\n"
+             "except Exception as e:\n"
+             "    print(type(e).__name__, e)\n"], stdout=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 20
+            while _tcp_nat_targets(agent.ns, family) != [target]:
+                assert time.monotonic() < deadline, "the SYN never reached conntrack"
+                assert caller.poll() is None, caller.stdout.read() if caller.stdout else ""
+            agent.ns.run(PY, "-c", _SHUTDOWN, agent._file(rules), agent.mode, agent.variant)
+            assert _tcp_nat_targets(agent.ns, family) == []
+            out, _ = caller.communicate(timeout=30)
+        finally:
+            caller.kill()
+        assert out.split()[0] == "ConnectionRefusedError", out    # not TimeoutError: the retransmission was refused
+        assert agent.installed().strip() == ""                # and the rules are gone
+    finally:
+        client.close()
+
+
 def test_ipv6_leftovers_removed_when_ipv6_becomes_unusable(agent, tmp_path):
     both = RuleSet(dnats=everything(4).dnats + everything(6).dnats)
     agent.apply(both)
@@ -536,6 +601,42 @@ def test_nft_warm_up_changes_nothing_and_the_first_apply_still_converges(ns, tmp
     if ours_before:
         assert ns.run("nft", "list", "ruleset").stdout == before   # equal rules: nothing sent at all
     assert "table inet foreign" in ns.run("nft", "list", "ruleset").stdout
+
+
+_CONTEXTS_SCRIPT = """
+import gc, json, sys, weakref
+import nftables
+from netfilter.model import RuleSet
+from netfilter.nft import NftBackend
+live, made = weakref.WeakSet(), []
+class Counted(nftables.Nftables):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        live.add(self)
+        made.append(1)
+nftables.Nftables = Counted
+b = NftBackend(ipv6=True)
+steps = {}
+for step, call in (("warm_up", b.warm_up), ("apply", lambda: b.apply(RuleSet.from_json(open(sys.argv[1]).read()))),
+                   ("apply_again", lambda: b.apply(RuleSet.from_json(open(sys.argv[1]).read()))),
+                   ("installed", b.installed), ("cleanup", b.cleanup)):
+    call()
+    gc.collect()
+    steps[step] = len(live)
+print(json.dumps({"live": steps, "made": len(made), "left": b.installed()}))
+"""
+
+
+def test_nft_operations_free_their_libnftables_context(ns, tmp_path):
+    """libnftables keeps its ruleset cache (megabytes for a few tables) in a context until its next command:
+    the agent must not hold one between operations. Each operation works (rules installed, then removed) and
+    leaves no context alive."""
+    agent = Agent(ns, "nftables", tmp_path)
+    rules = RuleSet(dnats=everything(4).dnats + everything(6).dnats, egress=everything(4).egress, clamp_mss=True)
+    out = json.loads(ns.run(PY, "-c", _CONTEXTS_SCRIPT, agent._file(rules)).stdout)
+    assert out["made"] >= 4                                    # the operations did use libnftables
+    assert out["live"] == {"warm_up": 0, "apply": 0, "apply_again": 0, "installed": 0, "cleanup": 0}
+    assert out["left"] == ""                                   # the clean-up removed what the apply installed
 
 
 _DELTA_SCRIPT = r'''
