@@ -168,8 +168,10 @@ class Lab:
             assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).startswith(b"HTTP/1.1 100")
         writer.write(body)
         conn = h11.Connection(h11.CLIENT)
-        conn.send(h11.Request(method=method, target=target, headers=[("host", "x"), ("content-length", str(len(body)))]))
-        conn.send(h11.Data(data=body)) if body else None
+        conn.send(h11.Request(method=method, target=target, headers=[("host", "x"),
+                                                                      ("content-length", str(len(body)))]))
+        if body:
+            conn.send(h11.Data(data=body))
         conn.send(h11.EndOfMessage())
         status, out = 0, b""
         while True:
