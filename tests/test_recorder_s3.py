@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import hashlib
+import json
 import os
 import pathlib
 import shutil
@@ -145,3 +146,16 @@ async def test_every_acknowledged_byte_is_in_the_bucket_when_the_recorder_is_kil
         proc.kill()
         proc.wait()
         log.close()
+
+
+async def test_api_request_events_are_objects_in_the_bucket_and_listed(rec):
+    from containerboot.apiproxy.eventclient import send_event
+    await send_event(rec.addr, b'{"type":"kubernetes-api-request","timestamp":7,"source":{"nodeUser":"alice"}}\n')
+    keys = await asyncio.to_thread(rec.bucket.keys)
+    [(key, _)] = keys
+    assert key.startswith("events/") and key.endswith(".json")
+    stored = json.loads(await asyncio.to_thread(rec.bucket.get, key))
+    assert stored == {"type": "kubernetes-api-request", "timestamp": 7, "source": {"nodeUser": "alice"}, "id": key}
+    assert await asyncio.to_thread(rec.store.list) == []        # not a recording
+    [(name, data)] = await asyncio.to_thread(rec.store.list_events)
+    assert f"events/{name}" == key and json.loads(data) == stored
