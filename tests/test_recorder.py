@@ -179,8 +179,8 @@ async def test_events_are_taken_stored_whole_with_their_id_and_listed(rec):
     assert rec.store.list() == []                                               # not a recording
     status, page = await _http(rec.port, b"GET /events HTTP/1.1\r\nHost: r\r\n\r\n")
     assert status == 200
-    for cell in (b"2026-11-27 23:55:30 UTC", b"alice@example.com", b"laptop.tail.example", b"<td>list</td>", b"team-a/pods",
-                 b"kubectl/v1.34.1", f'href="/events/{name}"'.encode()):
+    for cell in (b"2026-11-27 23:55:30 UTC", b"alice@example.com", b"laptop.tail.example", b"<td>list</td>",
+                 b"team-a/pods", b"kubectl/v1.34.1", f'href="/events/{name}"'.encode()):
         assert cell in page
     assert await _http(rec.port, f"GET /events/{name} HTTP/1.1\r\nHost: r\r\n\r\n".encode()) == (200, data)
     assert (await _http(rec.port, b"GET /events/..%2Fx.json HTTP/1.1\r\nHost: r\r\n\r\n"))[0] == 404
