@@ -242,14 +242,15 @@ class LocalProxy:
 RECORDER_TAG = "tag:k8s-recorder"
 
 
-def recorder_policy(user: str = "e2e", dst: str = "tag:k8s", *, enforce: bool = True) -> dict:
-    """`policy()` whose grant also says `recorder: [RECORDER_TAG]` with `enforceRecorder`, the tag owned by
-    `user` so that the recorder node's tagged key is accepted."""
+def recorder_policy(user: str = "e2e", dst: str = "tag:k8s", *, enforce: bool = True, events: bool = False) -> dict:
+    """`policy()` whose grant also says `recorder: [RECORDER_TAG]` with `enforceRecorder` (and `enableEvents`
+    with `events`), the tag owned by `user` so that the recorder node's tagged key is accepted."""
     return {"tagOwners": {"tag:k8s": [f"{user}@"], RECORDER_TAG: [f"{user}@"]},
             "grants": [{"src": ["*"], "dst": ["*"], "ip": ["*"]},
                        {"src": [f"{user}@"], "dst": [dst], "app": {CAP_KUBERNETES: [
                            {"impersonate": {"groups": [GROUP]}},
-                           {"recorder": [RECORDER_TAG], "enforceRecorder": enforce}]}}]}
+                           {"recorder": [RECORDER_TAG], "enforceRecorder": enforce,
+                            **({"enableEvents": True} if events else {})}]}}]}
 
 
 class TailnetRecorder:
