@@ -335,3 +335,21 @@ async def test_an_exec_with_events_sends_its_event_then_is_recorded(tmp_path):
         lab.server.close()
         lab.rec_server.close()
         lab.exec_api.server.close()
+
+
+async def test_a_client_that_leaves_mid_body_sends_no_event_and_reaches_nothing(lab, caplog):
+    lab.rules = [{"recorderAddrs": [lab.rec_addr], "enableEvents": True, "enforceRecorder": True}]
+    caplog.set_level(logging.INFO, logger="containerboot")
+    reader, writer = await asyncio.open_connection("127.0.0.1", lab.port)
+    writer.write(b"POST /api/v1/namespaces/a/configmaps HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"kind\"")
+    await writer.drain()
+    writer.close()
+    for _ in range(100):
+        if lab.proxy.connections == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert lab.proxy.connections == 0
+    assert lab.events() == [] and lab.api.requests == []
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []   # not a proxy fault
+    status, _ = await lab.request("GET", "/api/v1/pods")      # the proxy serves the next caller
+    assert status == 200 and len(lab.events()) == 1

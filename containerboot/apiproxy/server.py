@@ -358,6 +358,8 @@ class ApiServerProxy:
         except Refused as r:
             await self._refuse(client, r)
             return upstream
+        except (_ClientGone, *_GONE):   # the client left while its body was read (for an event)
+            raise
         except Exception as e:   # the token file: reported to the caller without detail
             log.error("api-server-proxy: %s", redact(str(e)))
             await self._refuse(client, Refused(500, "InternalError", "the proxy cannot read its own credentials"))
