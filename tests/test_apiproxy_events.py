@@ -82,7 +82,7 @@ def test_the_event_names_the_user_or_the_tags_and_carries_the_body():
     assert e["source"] == {"node": "laptop.tail.example", "nodeID": "nSTABLE", "nodeUserID": 3,
                            "nodeUser": "alice@example.com"}
     assert e["destination"] == {"node": "", "nodeID": ""}
-    t = apievent.event(method="GET", target="/version", user_agent="", body=b"", who=TAGGED)
+    t = apievent.event(method="GET", target="/version", user_agent="", body=b"", who=TAGGED, now=0)
     assert t["source"] == {"node": "ci.tail.example", "nodeID": "nCI", "nodeTags": ["tag:ci"]}
     assert t["request"]["body"] == "" and t["request"]["queryParameters"] == {}
     line = apievent.encode(t)

@@ -92,7 +92,7 @@ async def test_upstreams_event_sender_stores_an_event_in_our_recorder(tmp_path):
     who = {"Node": {"Name": "laptop.tail.example.", "StableID": "nS", "Tags": []},
            "UserProfile": {"ID": 3, "LoginName": "alice@example.com"}}
     event = apievent.encode(apievent.event(method="GET", target="/api/v1/namespaces/team-a/pods", user_agent="kubectl",
-                                           body=b"", who=who))
+                                           body=b"", who=who, now=1795823730))
     store = FileStore(str(tmp_path / "recordings"))
     server = await asyncio.start_server(Recorder(store).handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -208,12 +207,12 @@ def source(who: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def event(*, method: str, target: str, user_agent: str, body: bytes, who: Mapping[str, Any],
-          now: float | None = None) -> dict[str, Any]:
+          now: float) -> dict[str, Any]:
     """The event upstream's proxy sends for one request; RequestInfoError for a path the API server would
     not read either."""
     info = request_info(method, target)
     _, query = split_target(target)
-    return {"type": EVENT_TYPE, "id": "", "timestamp": int(time.time() if now is None else now),
+    return {"type": EVENT_TYPE, "id": "", "timestamp": int(now),
             "userAgent": user_agent,
             "request": {"method": method, "path": target, "body": base64.b64encode(body).decode(),
                         "queryParameters": query_values(query)},

@@ -322,7 +322,7 @@ class ApiServerProxy:
         ua = next((v for k, v in req.headers if k == b"user-agent"), b"")
         try:
             doc = apievent.event(method=req.method.decode("latin-1"), target=req.target.decode("latin-1"),
-                                 user_agent=ua.decode("latin-1"), body=body, who=caller.who)
+                                 user_agent=ua.decode("latin-1"), body=body, who=caller.who, now=time.time())
         except apievent.RequestInfoError as e:
             outcome = EventOutcome(error=f"error parsing request {req.method.decode('latin-1')} "
                                          f"{apievent.split_target(req.target.decode('latin-1'))[0]}: {e}")
