@@ -8,11 +8,12 @@ through it, and the refusal of a write (``kubectl run``) by RBAC naming the impe
 only if the read worked and the write was refused.
 
 With ``--recorder`` (``make demo DEMO_ARGS="--apiserver-proxy --recorder --once"``) the grant also says
-``recorder: ["tag:k8s-recorder"], enforceRecorder: true`` and our recorder runs on a tailnet node with that tag
-(labtools.apiproxylab.TailnetRecorder; the controller does not run Recorders yet): the client's
-``kubectl exec -it`` types a command in a Pod, the cast's first lines are printed (the header naming the user
-and the Pod, the command's output); then, with the recorder stopped, the same exec is refused and the marker
-file its command would create is not in the Pod. Exit status 0 only if both behaved.
+``recorder: ["tag:k8s-recorder"], enforceRecorder: true`` and a ``Recorder`` object tagged ``tag:k8s-recorder``
+is created in the cluster, as a user would: the controller runs it (StatefulSet ``recorder``, device
+``recorder-0``; labtools.apiproxylab.ClusterRecorder). The client's ``kubectl exec -it`` types a command in a
+Pod, the cast's first lines are printed from the recorder's volume (the header naming the user and the Pod,
+the command's output); then, with the Recorder scaled to 0 (its Pod and its device gone), the same exec is
+refused and the marker file its command would create is not in the Pod. Exit status 0 only if both behaved.
 """
 from __future__ import annotations
 
@@ -72,13 +73,16 @@ def _talker(image: str) -> dict:
 def recording_story(st: Stage, timeout: float) -> bool:
     kc, lab = st.kc, st.lab
     with lab.hs_policy(ap.recorder_policy()):
-        rec = ap.TailnetRecorder(lab, lab.run_dir / "demo-recordings")
+        kubecontroller.install(kc, lab, st.proxy_tar, st.ctl_tar, firewall=st.firewall,
+                               values={"apiServerProxy": {"mode": "auth"}})
+        kc.apply([*ap.reader_rbac("default"), _talker(kubecontroller.PROXY_IMAGE)])
+        _say(f"controller installed with helm, apiServerProxy.mode=auth; headscale policy grants user e2e "
+             f"impersonate.groups [{ap.GROUP}] and recorder [{ap.RECORDER_TAG}], enforceRecorder true")
+        rec = ap.ClusterRecorder(kc, timeout=max(timeout, 240.0))
         try:
-            _say(f"recorder on the tailnet: node {rec.hostname} tagged {ap.RECORDER_TAG}; headscale policy grants "
-                 f"user e2e impersonate.groups [{ap.GROUP}] and recorder [{ap.RECORDER_TAG}], enforceRecorder true")
-            kubecontroller.install(kc, lab, st.proxy_tar, st.ctl_tar, firewall=st.firewall,
-                                   values={"apiServerProxy": {"mode": "auth"}})
-            kc.apply([*ap.reader_rbac("default"), _talker(kubecontroller.PROXY_IMAGE)])
+            dev = rec.status["devices"][0]
+            _say(f"kubectl apply Recorder 'recorder' (tags [{ap.RECORDER_TAG}]): the controller runs it, device "
+                 f"{dev['hostname']} {' '.join(dev.get('tailnetIPs') or [])} (status RecorderReady True)")
             ip = ap.proxy_ip(kc, timeout)
             k = ap.TailnetKubectl(lab, "client", kc.cfg.bin_dir / "kubectl", f"http://{ip}",
                                   lab.run_dir / "apiproxy", token="unused")
@@ -90,19 +94,22 @@ def recording_story(st: Stage, timeout: float) -> bool:
                             "kubectl exec -it through the proxy")
             _say(f"client$ kubectl exec -it talker -- sh -c '{command}'\n{ex.stdout.rstrip()}")
             cast = wait_until(lambda: next((c for c in rec.casts() if "recorded-42" in json.dumps(c[1:])), None),
-                              30, 0.5, "the recording")
+                              30, 1, "the recording")
             lines = [json.dumps(x) for x in cast[:4]]
-            _say("the recording's first lines (asciinema v2 cast, on the recorder):\n" + "\n".join(lines))
+            _say(f"the recording's first lines (asciinema v2 cast, on the volume of Pod {rec.pod}):\n" +
+                 "\n".join(lines))
             recorded = cast[0].get("srcNodeUser") == "e2e" and cast[0]["kubernetes"]["PodName"] == "talker"
             rec.stop()
+            _say("kubectl patch recorder recorder -p '{\"spec\":{\"replicas\":0}}': its Pod and its device gone")
             marker = f"/tmp/marker-{lab.prefix}"
             refused = k.run("exec", "talker", "--", "touch", marker)
-            _say(f"recorder stopped; client$ kubectl exec talker -- touch {marker}   (exit {refused.returncode})\n"
+            _say(f"client$ kubectl exec talker -- touch {marker}   (exit {refused.returncode})\n"
                  f"{refused.stderr.rstrip()}")
             ran = kc.kubectl("exec", "talker", "--", "ls", marker, check=False).returncode == 0
             _say(f"the marker file in the Pod: {'PRESENT (the refused exec ran)' if ran else 'absent'}")
-            ok = recorded and refused.returncode != 0 and "error connecting to session recorders" in refused.stderr \
-                and not ran
+            # with the device gone every request is refused (kubectl's GET of the Pod before its exec first)
+            why = ("must be recorded, but no recorders are available", "error connecting to session recorders")
+            ok = recorded and refused.returncode != 0 and any(w in refused.stderr for w in why) and not ran
             if not ok:
                 _say("FAILED: the exec was not recorded, or the unrecordable exec was not refused")
             return ok

@@ -242,14 +242,15 @@ class LocalProxy:
 RECORDER_TAG = "tag:k8s-recorder"
 
 
-def recorder_policy(user: str = "e2e", dst: str = "tag:k8s", *, enforce: bool = True) -> dict:
-    """`policy()` whose grant also says `recorder: [RECORDER_TAG]` with `enforceRecorder`, the tag owned by
-    `user` so that the recorder node's tagged key is accepted."""
+def recorder_policy(user: str = "e2e", dst: str = "tag:k8s", *, enforce: bool = True, events: bool = False) -> dict:
+    """`policy()` whose grant also says `recorder: [RECORDER_TAG]` with `enforceRecorder` (and `enableEvents`
+    with `events`), the tag owned by `user` so that the recorder node's tagged key is accepted."""
     return {"tagOwners": {"tag:k8s": [f"{user}@"], RECORDER_TAG: [f"{user}@"]},
             "grants": [{"src": ["*"], "dst": ["*"], "ip": ["*"]},
                        {"src": [f"{user}@"], "dst": [dst], "app": {CAP_KUBERNETES: [
                            {"impersonate": {"groups": [GROUP]}},
-                           {"recorder": [RECORDER_TAG], "enforceRecorder": enforce}]}}]}
+                           {"recorder": [RECORDER_TAG], "enforceRecorder": enforce,
+                            **({"enableEvents": True} if events else {})}]}}]}
 
 
 class TailnetRecorder:
@@ -296,3 +297,49 @@ class TailnetRecorder:
         # forgotten by the lab too (its state with it), so a later module on the same lab can start it again
         self.lab.nodes.pop(self.hostname, None)
         shutil.rmtree(self.node.dir, ignore_errors=True)
+
+
+class ClusterRecorder:
+    """A `Recorder` object in the cluster (the controller runs it: StatefulSet `<name>`, device `<name>-0` tagged
+    RECORDER_TAG, casts on its volume); the controller must be installed. `casts()` reads them from the Pod,
+    `stop()` scales the Recorder to 0 and waits until its device has left the tailnet, `remove()` deletes it."""
+
+    def __init__(self, kc, name: str = "recorder", *, ui: bool = False, timeout: float = 240.0) -> None:
+        self.kc, self.name = kc, name
+        self.obj = {"apiVersion": "tailscale.com/v1alpha1", "kind": "Recorder", "metadata": {"name": name},
+                    "spec": {"tags": [RECORDER_TAG], "enableUI": ui}}
+        kc.apply([self.obj])
+        self.status = wait_until(lambda: (s := self._status()) and any(
+            c["type"] == "RecorderReady" and c["status"] == "True" for c in s.get("conditions") or []) and s,
+            timeout, 3, f"the Recorder {name!r} on the tailnet (RecorderReady True)")
+        self.hostname = self.status["devices"][0]["hostname"]
+        self.pod = f"{name}-0"
+        wait_until(lambda: "recorder listening on" in self.log_text(), 60, 2, "the recorder listening")
+
+    def _status(self) -> dict:
+        cp = self.kc.kubectl("get", "recorder", self.name, "-o", "json", check=False)
+        return (json.loads(cp.stdout).get("status") or {}) if cp.returncode == 0 else {}
+
+    def log_text(self) -> str:
+        cp = self.kc.kubectl("-n", kubecontroller.NS, "logs", self.pod, "-c", "recorder", check=False)
+        return cp.stdout if cp.returncode == 0 else ""
+
+    def casts(self) -> list[list]:
+        cp = self.kc.kubectl("-n", kubecontroller.NS, "exec", self.pod, "-c", "recorder", "--", "sh", "-c",
+                             'for f in /data/recordings/*.cast; do [ -f "$f" ] && cat "$f" && echo ---; done',
+                             check=False)
+        if cp.returncode != 0:
+            return []
+        return [[json.loads(x) for x in part.splitlines() if x.strip()]
+                for part in cp.stdout.split("---\n") if part.strip()]
+
+    def stop(self, timeout: float = 180.0) -> None:
+        """Scaled to 0: its Pod gone and its device deleted from the control plane by the controller."""
+        self.kc.kubectl("patch", "recorder", self.name, "--type=merge", "-p", '{"spec":{"replicas":0}}')
+        wait_until(lambda: not self._status().get("devices") and self.kc.kubectl(
+            "-n", kubecontroller.NS, "get", "pod", self.pod, check=False).returncode != 0,
+            timeout, 2, f"the Recorder {self.name!r} scaled to 0, its device gone")
+
+    def remove(self) -> None:
+        self.kc.kubectl("delete", "recorder", self.name, "--ignore-not-found", "--timeout=180s", check=False,
+                        timeout=190)

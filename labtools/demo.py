@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--apiserver-proxy", action="store_true", help="the controller installed with helm and "
                     "apiServerProxy.mode=auth: kubectl from the tailnet client through it (labtools.apiproxydemo)")
     ap.add_argument("--recorder", action="store_true", help="with --apiserver-proxy: a grant that enforces session "
-                    "recording, our recorder on a tagged tailnet node; a recorded kubectl exec -it, then one refused "
-                    "with the recorder stopped (labtools.apiproxydemo)")
+                    "recording, a Recorder object run by the controller; a recorded kubectl exec -it, then one refused "
+                    "with the Recorder scaled to 0 (labtools.apiproxydemo)")
     ap.add_argument("--controller", action="store_true", help="the companion controller installed from deploy/ "
                     "in a real Kubernetes exposes an annotated Service (labtools.controllerdemo)")
     ap.add_argument("--proxygroup", action="store_true", help="a client Pod egresses to a tailnet node through "

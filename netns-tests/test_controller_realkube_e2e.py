@@ -46,7 +46,9 @@ netns-tests/test_controller_apiserver.py and ``make demo DEMO_ARGS=--controller`
 7. The API server proxy (``helm upgrade --set apiServerProxy.mode=auth``, then ``noauth``, then ``off``):
    kubectl from the lab's tailnet client through it, with the tailnet identity impersonated.
    Session recording: the client's kubectl exec (WebSocket and SPDY) recorded into our recorder on a tagged
-   tailnet node, refused (and never run) with the recorder stopped (docs/recording.md).
+   tailnet node, refused (and never run) with the recorder stopped (docs/recording.md). A Recorder object run
+   by the controller: an exec recorded on its volume, a `kubectl get`'s API request event (`enableEvents`), then
+   with `storage.s3` an exec recorded into the bucket of the lab's S3 server.
 9. A control server behind a private CA (``proxy.caConfigMap``, ``loginServer`` on HTTPS): a proxy logs in
    through a TLS front of headscale and carries traffic.
 """
@@ -984,8 +986,11 @@ def test_a_recorder_object_runs_its_recorder_on_the_tailnet_and_its_deletion_rem
     controller runs its StatefulSet (tailscaled and our tsrecorder in one Pod, device `recorder-0` tagged
     `tag:k8s-recorder`), the recorder listens on the device's tailnet addresses, and the status lists the
     device with them. The API server proxy, whose grant enforces a recorder with that tag, records a real
-    `kubectl exec` to it (the cast read from the recorder's volume). Deleting the Recorder deletes its device
-    from headscale before the finalizer lets the object go."""
+    `kubectl exec` to it (the cast read from the recorder's volume); the grant's `enableEvents: true` makes a
+    `kubectl get pods` an API request event on that volume. Then the Recorder is given `storage.s3` (an
+    S3-compatible server on the island, labtools.s3lab, and a credentials Secret): the next exec is an object in
+    the bucket that parses as a cast, next to its event. Deleting the Recorder deletes its device from headscale
+    before the finalizer lets the object go."""
     kc = kube
     from labtools import apiproxylab as ap
     lab.delete_node("kube-apiserver")
@@ -1000,8 +1005,10 @@ def test_a_recorder_object_runs_its_recorder_on_the_tailnet_and_its_deletion_rem
     def status() -> dict:
         cp = kc.kubectl("get", "recorder", "recorder", "-o", "json", check=False)
         return json.loads(cp.stdout).get("status") or {} if cp.returncode == 0 else {}
+    from labtools import s3lab
+    s3 = None
     try:
-        with lab.hs_policy(ap.recorder_policy("e2e", "tag:k8s", enforce=True)):
+        with lab.hs_policy(ap.recorder_policy("e2e", "tag:k8s", enforce=True, events=True)):
             kc.apply([rec_obj])
             st = wait_until(lambda: (s := status()) and any(c["type"] == "RecorderReady" and c["status"] == "True"
                                                             for c in s.get("conditions") or []) and s,
@@ -1031,6 +1038,45 @@ def test_a_recorder_object_runs_its_recorder_on_the_tailnet_and_its_deletion_rem
                 return cp.stdout if cp.returncode == 0 and "rec-cr-42" in cp.stdout else None
             head = json.loads(wait_until(cast_text, 30, 1, "the cast on the Recorder's volume").splitlines()[0])
             assert head["srcNodeUser"] == "e2e" and head["kubernetes"]["PodName"] == "rec-target2", head
+
+            # enableEvents: a kubectl get through the proxy is an event on the recorder's volume
+            got = client.run("-n", "apps", "get", "pods", "-o", "name")
+            assert got.returncode == 0 and "pod/rec-target2" in got.stdout, got
+
+            def listed_pods() -> dict | None:
+                cp = kc.kubectl("-n", "tailscale", "exec", "recorder-0", "-c", "recorder", "--", "sh", "-c",
+                                'for f in /data/recordings/events/*.json; do cat "$f"; echo; done', check=False)
+                events = [json.loads(x) for x in cp.stdout.splitlines() if x.strip()] if cp.returncode == 0 else []
+                return next((e for e in events if e["kubernetes"]["Verb"] == "list" and
+                             e["kubernetes"]["Resource"] == "pods" and e["kubernetes"]["Namespace"] == "apps"), None)
+            ev = wait_until(listed_pods, 30, 1, "the kubectl get's event on the Recorder's volume")
+            assert ev["type"] == "kubernetes-api-request" and ev["source"]["nodeUser"] == "e2e", ev
+            assert ev["request"]["method"] == "GET" and ev["userAgent"].startswith("kubectl/"), ev
+            assert ev["id"].startswith("events/"), ev
+
+            # S3: the same Recorder with storage.s3, its credentials in a Secret
+            s3 = s3lab.LabS3(lab)
+            kc.apply([{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-creds", "namespace": "tailscale"},
+                       "stringData": {"AWS_ACCESS_KEY_ID": s3lab.ACCESS_KEY,
+                                      "AWS_SECRET_ACCESS_KEY": s3lab.SECRET_KEY}},
+                      {**rec_obj, "spec": {**rec_obj["spec"], "storage": {"s3": {
+                          "endpoint": s3.endpoint, "bucket": "recordings",
+                          "credentials": {"secret": {"name": "s3-creds"}}}}}}])
+
+            def in_bucket() -> tuple[str, str] | None:
+                ex = client.run("-n", "apps", "exec", "rec-target2", "--", "sh", "-c", "echo rec-s3-$((6*7))")
+                if ex.returncode != 0:
+                    return None
+                return next(((k, v) for k, v in s3.objects("recordings").items()
+                             if k.endswith(".cast") and "rec-s3-42" in v), None)
+            key, text = wait_until(in_bucket, 240, 3, "an exec recorded into the bucket by the Recorder with S3")
+            cast = [json.loads(x) for x in text.splitlines()]
+            assert cast[0]["version"] == 2 and cast[0]["srcNodeUser"] == "e2e", cast[0]
+            assert cast[0]["kubernetes"]["PodName"] == "rec-target2", cast[0]
+            assert "rec-s3-42" in "".join(e[2] for e in cast[1:] if e[1] == "o"), cast
+            events = [json.loads(v) for k, v in s3.objects("recordings").items() if k.startswith("events/")]
+            assert any(e["kubernetes"]["Subresource"] == "exec" and e["kubernetes"]["Name"] == "rec-target2"
+                       for e in events), events
             kc.kubectl("delete", "recorder", "recorder", "--timeout=180s", timeout=190)
             assert _hs_nodes_named(lab, "recorder-0") == [], lab.hs_nodes()
             assert kc.kubectl("-n", "tailscale", "get", "statefulset", "recorder", check=False).returncode != 0
@@ -1039,6 +1085,9 @@ def test_a_recorder_object_runs_its_recorder_on_the_tailnet_and_its_deletion_rem
         raise
     finally:
         kc.kubectl("delete", "recorder", "recorder", "--ignore-not-found", "--wait=false", check=False)
+        kc.kubectl("-n", "tailscale", "delete", "secret", "s3-creds", "--ignore-not-found", check=False)
+        if s3 is not None:
+            s3.stop()
         ap.set_mode(kc, "off")
         kc.kubectl("-n", "apps", "delete", "pod", "rec-target", "--wait=false", check=False)
 

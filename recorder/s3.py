@@ -21,11 +21,11 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import httpx
 
-from .store import NAME, Entry, entry, new_name
+from .store import EVENT_NAME, EVENTS, NAME, Entry, Events, entry, new_name
 
 SYNC_INTERVAL = 1.0
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
@@ -71,7 +71,8 @@ def sign(method: str, url: str, headers: Mapping[str, str], payload_sha256: str,
     names = sorted(out)
     canonical_headers = "".join(f"{n}:{out[n]}\n" for n in names)
     signed = ";".join(names)
-    query = "&".join(sorted(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, _, v in
+    # each name and value encoded exactly once, however the URL spelled it (a prefix "events/" is "events%2F")
+    query = "&".join(sorted(f"{quote(unquote(k), safe='-_.~')}={quote(unquote(v), safe='-_.~')}" for k, _, v in
                             (p.partition("=") for p in u.query.split("&") if p)))
     path = quote(u.path or "/", safe="/-_.~%")
     request = "\n".join([method, path, query, canonical_headers, signed, payload_sha256])
@@ -108,19 +109,20 @@ class Bucket:
             raise S3Error(f"S3 {method} {url}: {r.status_code} {r.text[:300]}")
         return r
 
-    def put(self, key: str, body: bytes) -> None:
-        self._call("PUT", key, body=body, headers={"content-type": "application/x-asciicast"})
+    def put(self, key: str, body: bytes, ctype: str = "application/x-asciicast") -> None:
+        self._call("PUT", key, body=body, headers={"content-type": ctype})
 
     def get(self, key: str, *, first: int = 0) -> bytes | None:
         r = self._call("GET", key, headers={"range": f"bytes=0-{first - 1}"} if first else None)
         return None if r.status_code == 404 else r.content
 
-    def keys(self) -> list[tuple[str, int]]:
-        """(key, size) of every object, following continuation tokens."""
+    def keys(self, prefix: str = "") -> list[tuple[str, int]]:
+        """(key, size) of every object (whose key starts with `prefix`), following continuation tokens."""
         out: list[tuple[str, int]] = []
         token = ""
         while True:
-            q = "list-type=2" + (f"&continuation-token={quote(token, safe='')}" if token else "")
+            q = "list-type=2" + (f"&continuation-token={quote(token, safe='')}" if token else "") + \
+                (f"&prefix={quote(prefix, safe='')}" if prefix else "")
             root = ET.fromstring(self._call("GET", query=q).content)
             ns = root.tag.partition("}")[0] + "}" if root.tag.startswith("{") else ""
             for c in root.iter(f"{ns}Contents"):
@@ -182,4 +184,20 @@ class S3Store:
                 continue
             head = self.bucket.get(key, first=65536) or b""
             out.append(entry(key, head.split(b"\n", 1)[0], size))
+        return out
+
+    def put_event(self, name: str, data: bytes) -> None:
+        """One event as the object `events/<name>` (a PUT is whole or nothing)."""
+        self.bucket.put(f"{EVENTS}/{name}", data, "application/json")
+
+    def read_event(self, name: str) -> bytes | None:
+        return self.bucket.get(f"{EVENTS}/{name}") if EVENT_NAME.match(name) else None
+
+    def list_events(self) -> Events:
+        out = []
+        for key, _ in sorted(self.bucket.keys(prefix=EVENTS + "/"), reverse=True):
+            name = key.removeprefix(EVENTS + "/")
+            data = self.read_event(name)
+            if data is not None:
+                out.append((name, data))
         return out

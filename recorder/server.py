@@ -7,11 +7,14 @@
   (a cast cut after its last whole line).
 - An HTTP/2 connection (prior knowledge, as upstream's client opens it) is version 2 of the protocol
   (recorder/v2.py: `/v2/record` with acknowledgements of what is on storage), when the `h2` package is
-  installed; without it the connection is closed and upstream's client falls back to `/record`. `/v2/event`
-  answers 404 on either: upstream's client treats API request events as not taken by this recorder.
+  installed; without it the connection is closed and upstream's client falls back to `/record`.
+- `HEAD /v2/event` answers 200 (API request events are taken) and `POST /v2/event` stores the event, a JSON
+  object, whole and durable before its 200 (`events/<time>-<random>.json`, its `id` set to that name), over
+  HTTP/1.1 as upstream's client sends them.
 - With the UI on: `GET /` lists the recordings (newest first: time, user or tags, node, Pod, container,
   command, size), `GET /recordings/<name>` is the cast itself and `GET /recordings/<name>/play` replays it
-  in asciinema's web player (served from `/static/`, recorder/static/README.md).
+  in asciinema's web player (served from `/static/`, recorder/static/README.md); `GET /events` lists the API
+  request events (newest first) and `GET /events/<name>` is one of them.
 """
 from __future__ import annotations
 
@@ -26,10 +29,13 @@ from typing import Any
 import h11
 
 from . import v2
-from .store import Store, Writer
+from .store import EVENTS, Store, Writer, event_entry, new_name
 
 log = logging.getLogger("recorder")
 READ_SIZE = 65536
+#: The largest API request event taken: the request body is in it (base64), and the API server's own limit on
+#: a request body is 3 MiB
+MAX_EVENT = 16 << 20
 #: asciinema's web player for the replay page (recorder/static/README.md), served as these paths only
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 STATIC = {"/static/asciinema-player.min.js": (b"text/javascript; charset=utf-8", "asciinema-player.min.js"),
@@ -65,15 +71,32 @@ class Recorder:
                 if path == "/record" and method == b"POST":
                     await self._record(conn, reader, writer, event, f"{peer[0]}:{peer[1]}")
                     return      # one recording per connection, as the client does
+                if path == "/v2/event" and method == b"POST":
+                    await self._event(conn, reader, writer, f"{peer[0]}:{peer[1]}")
+                    if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                        return
+                    conn.start_next_cycle()
+                    continue
                 while not isinstance(await _next(conn, reader), h11.EndOfMessage):
                     pass        # a body nobody here reads
-                if self.ui and method in (b"GET", b"HEAD") and path == "/":
+                if path == "/v2/event" and method == b"HEAD":
+                    await _send(conn, writer, 200, b"", b"text/plain", method)    # events are taken
+                elif self.ui and method in (b"GET", b"HEAD") and path == "/":
                     page = await asyncio.to_thread(self.list_page)
                     await _send(conn, writer, 200, page, b"text/html; charset=utf-8", method)
                 elif self.ui and method in (b"GET", b"HEAD") and path in STATIC:
                     ctype, fname = STATIC[path]
                     with open(os.path.join(STATIC_DIR, fname), "rb") as f:
                         await _send(conn, writer, 200, f.read(), ctype, method)
+                elif self.ui and method in (b"GET", b"HEAD") and path == "/events":
+                    page = await asyncio.to_thread(self.events_page)
+                    await _send(conn, writer, 200, page, b"text/html; charset=utf-8", method)
+                elif self.ui and method in (b"GET", b"HEAD") and path.startswith("/events/"):
+                    body = await asyncio.to_thread(self.store.read_event, path.removeprefix("/events/"))
+                    if body is None:
+                        await _send(conn, writer, 404, b"no such event\n", b"text/plain", method)
+                    else:
+                        await _send(conn, writer, 200, body, b"application/json", method)
                 elif self.ui and method in (b"GET", b"HEAD") and path.startswith("/recordings/") and \
                         path.endswith("/play"):
                     name = path.removeprefix("/recordings/").removesuffix("/play")
@@ -143,6 +166,58 @@ class Recorder:
             await asyncio.to_thread(out.close)
             self.active -= 1
 
+    async def _event(self, conn: h11.Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     peer: str) -> None:
+        """`POST /v2/event`: one API request event, a JSON object, stored whole (its `id` set to the name it is
+        stored under) before the 200."""
+        if conn.they_are_waiting_for_100_continue:
+            writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
+        body = bytearray()
+        while not isinstance(event := await _next(conn, reader), h11.EndOfMessage):
+            if not isinstance(event, h11.Data):
+                raise EOFError("the connection closed")
+            body += event.data
+            if len(body) > MAX_EVENT:
+                log.warning("event from %s refused: larger than %d bytes", peer, MAX_EVENT)
+                await _send(conn, writer, 413, f"event larger than {MAX_EVENT} bytes\n".encode(), b"text/plain",
+                            b"POST")
+                return
+        try:
+            doc = json.loads(body)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            log.warning("event from %s refused: not a JSON object (%s)", peer, e)
+            await _send(conn, writer, 400, f"the event is not a JSON object: {e}\n".encode(), b"text/plain", b"POST")
+            return
+        name = new_name(suffix=".json")
+        doc["id"] = f"{EVENTS}/{name}"
+        try:
+            await asyncio.to_thread(self.store.put_event, name, json.dumps(doc, separators=(",", ":")).encode())
+        except OSError as e:
+            log.error("cannot store an event from %s: %s", peer, e)
+            await _send(conn, writer, 500, f"cannot store the event: {e}\n".encode(), b"text/plain", b"POST")
+            return
+        k: dict = doc["kubernetes"] if isinstance(doc.get("kubernetes"), dict) else {}
+        log.info("event %s from %s: stored (%s %s)", name, peer, k.get("Verb", ""), k.get("Path", ""))
+        await _send(conn, writer, 200, b"", b"text/plain", b"POST")
+
+    def events_page(self) -> bytes:
+        rows = []
+        for name, data in self.store.list_events():
+            e = event_entry(data)
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(e.timestamp)) if e.timestamp else ""
+            cells = [when, e.user, e.node, e.verb, e.what, e.method, e.path, e.user_agent]
+            n = html.escape(name)
+            rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) +
+                        f'<td><a href="/events/{n}">{n}</a></td></tr>')
+        head = "".join(f"<th>{h}</th>" for h in ("time", "user", "node", "verb", "resource", "method", "path",
+                                                   "user agent", "event"))
+        return (f"<!doctype html><html><head><meta charset=\"utf-8\"><link rel=\"icon\" href=\"data:,\">"
+                f"<title>API request events</title></head><body><p><a href=\"/\">recordings</a></p>"
+                f"<h1>API request events</h1><table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody>"
+                f"</table></body></html>").encode()
+
     def list_page(self) -> bytes:
         rows = []
         for e in self.store.list():
@@ -156,7 +231,7 @@ class Recorder:
         head = "".join(f"<th>{h}</th>" for h in ("started", "user", "node", "type", "Pod", "container", "command",
                                                    "bytes", "recording"))
         return (f"<!doctype html><html><head><meta charset=\"utf-8\"><link rel=\"icon\" href=\"data:,\">"
-                f"<title>Recordings</title></head><body>"
+                f"<title>Recordings</title></head><body><p><a href=\"/events\">API request events</a></p>"
                 f"<h1>Recordings</h1><table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
                 f"</body></html>").encode()
 

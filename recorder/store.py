@@ -16,11 +16,16 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 NAME = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{8}\.cast$")
+EVENT_NAME = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{8}\.json$")
+#: API request events (`/v2/event`) are kept apart from the casts: `events/<name>` in the directory or bucket
+EVENTS = "events"
+#: (name, event) pairs, newest first (an alias: the stores' own `list` method hides the builtin in their bodies)
+Events = list[tuple[str, bytes]]
 
 
-def new_name(now: float | None = None) -> str:
+def new_name(now: float | None = None, suffix: str = ".cast") -> str:
     t = time.gmtime(time.time() if now is None else now)
-    return time.strftime("%Y%m%dT%H%M%SZ", t) + "-" + secrets.token_hex(4) + ".cast"
+    return time.strftime("%Y%m%dT%H%M%SZ", t) + "-" + secrets.token_hex(4) + suffix
 
 
 class Writer(Protocol):
@@ -42,6 +47,12 @@ class Store(Protocol):
     def read(self, name: str) -> bytes | None: ...
 
     def list(self) -> list[Entry]: ...
+
+    def put_event(self, name: str, data: bytes) -> None: ...
+
+    def read_event(self, name: str) -> bytes | None: ...
+
+    def list_events(self) -> Events: ...
 
 
 class FileWriter:
@@ -115,6 +126,50 @@ class FileStore:
             out.append(entry(name, first, size))
         return out
 
+    def put_event(self, name: str, data: bytes) -> None:
+        """One event, whole or not at all, durable on return: written to a temporary name, fsync'd, renamed,
+        and the directory fsync'd."""
+        d = os.path.join(self.directory, EVENTS)
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, "." + name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, os.path.join(d, name))
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def read_event(self, name: str) -> bytes | None:
+        if not EVENT_NAME.match(name):
+            return None
+        try:
+            with open(os.path.join(self.directory, EVENTS, name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def list_events(self) -> Events:
+        """(name, event) of every event, newest first."""
+        d = os.path.join(self.directory, EVENTS)
+        try:
+            names = sorted((n for n in os.listdir(d) if EVENT_NAME.match(n)), reverse=True)
+        except FileNotFoundError:
+            return []
+        out = []
+        for n in names:
+            data = self.read_event(n)
+            if data is not None:
+                out.append((n, data))
+        return out
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -145,3 +200,41 @@ def entry(name: str, first_line: bytes, size: int) -> Entry:
     return Entry(name=name, size=size, timestamp=ts if isinstance(ts, int) else 0, user=user,
                  node=str(h.get("srcNode") or ""), kubernetes={str(a): str(b) for a, b in k.items()},
                  command=str(h.get("command") or ""))
+
+
+@dataclass(frozen=True)
+class EventEntry:
+    """An API request event as listed."""
+
+    timestamp: int
+    user: str
+    node: str
+    verb: str
+    what: str       # namespace/resource/name (subresource)
+    method: str
+    path: str
+    user_agent: str
+
+
+def event_entry(data: bytes) -> EventEntry:
+    """What the list shows of one event; fields of the wrong shape show empty."""
+    try:
+        doc: Any = json.loads(data)
+        if not isinstance(doc, dict):
+            raise ValueError
+    except ValueError:
+        doc = {}
+
+    def obj(v: Any) -> dict:
+        return v if isinstance(v, dict) else {}
+
+    src, k, req = obj(doc.get("source")), obj(doc.get("kubernetes")), obj(doc.get("request"))
+    tags: list = src["nodeTags"] if isinstance(src.get("nodeTags"), list) else []
+    user = str(src.get("nodeUser") or ", ".join(str(t) for t in tags))
+    what = "/".join(str(k.get(f) or "") for f in ("Namespace", "Resource", "Name") if k.get(f))
+    if k.get("Subresource"):
+        what += f" ({k['Subresource']})"
+    ts = doc.get("timestamp")
+    return EventEntry(timestamp=ts if isinstance(ts, int) else 0, user=user, node=str(src.get("node") or ""),
+                      verb=str(k.get("Verb") or ""), what=what, method=str(req.get("method") or ""),
+                      path=str(req.get("path") or ""), user_agent=str(doc.get("userAgent") or ""))

@@ -8,7 +8,8 @@ ACK_INTERVAL even when nothing new arrived.
 
 Here an ack counts only bytes that are on storage: each batch that arrives is appended and fsync'd before it
 is acknowledged, and HTTP/2 flow control is given back only then, so a client cannot run far ahead of what is
-stored. `/v2/event` answers 404 (API request events are not taken).
+stored. `/v2/event` answers 404 here: API request events come over HTTP/1.1, as upstream's client sends them
+(recorder/server.py).
 
 Needs the `h2` package (`pip install containerboot-py[recorder]`); without it the recorder speaks version 1
 only, which upstream's client falls back to.

@@ -146,3 +146,50 @@ def test_settings_name_the_variable_and_the_fix(env, words):
     with pytest.raises(ConfigError) as e:
         settings(env)
     assert words in str(e.value)
+
+
+async def _http(port: int, raw: bytes) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+    body = await reader.readexactly(length) if length and not raw.startswith(b"HEAD") else b""
+    writer.close()
+    return int(head.split()[1]), body
+
+
+def _post(doc: bytes) -> bytes:
+    return b"POST /v2/event HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: " + \
+        str(len(doc)).encode() + b"\r\n\r\n" + doc
+
+
+async def test_events_are_taken_stored_whole_with_their_id_and_listed(rec):
+    assert await _http(rec.port, b"HEAD /v2/event HTTP/1.1\r\nHost: r\r\n\r\n") == (200, b"")
+    doc = {"type": "kubernetes-api-request", "id": "", "timestamp": 1795823730, "userAgent": "kubectl/v1.34.1",
+           "request": {"method": "GET", "path": "/api/v1/namespaces/team-a/pods", "body": "", "queryParameters": {}},
+           "kubernetes": {"Verb": "list", "Namespace": "team-a", "Resource": "pods", "Name": ""},
+           "source": {"node": "laptop.tail.example", "nodeID": "nS", "nodeUser": "alice@example.com"}}
+    assert (await _http(rec.port, _post(json.dumps(doc).encode())))[0] == 200
+    [(name, data)] = rec.store.list_events()
+    assert json.loads(data) == {**doc, "id": f"events/{name}"}
+    assert os.listdir(os.path.join(rec.store.directory, "events")) == [name]     # no temporary file left
+    assert rec.store.list() == []                                               # not a recording
+    status, page = await _http(rec.port, b"GET /events HTTP/1.1\r\nHost: r\r\n\r\n")
+    assert status == 200
+    for cell in (b"2026-11-27 23:55:30 UTC", b"alice@example.com", b"laptop.tail.example", b"<td>list</td>",
+                 b"team-a/pods", b"kubectl/v1.34.1", f'href="/events/{name}"'.encode()):
+        assert cell in page
+    assert await _http(rec.port, f"GET /events/{name} HTTP/1.1\r\nHost: r\r\n\r\n".encode()) == (200, data)
+    assert (await _http(rec.port, b"GET /events/..%2Fx.json HTTP/1.1\r\nHost: r\r\n\r\n"))[0] == 404
+
+
+async def test_an_event_that_is_not_a_json_object_or_too_large_is_refused(rec, monkeypatch):
+    status, body = await _http(rec.port, _post(b"[1,2]"))
+    assert status == 400 and b"not a JSON object" in body
+    status, body = await _http(rec.port, _post(b"{not json"))
+    assert status == 400
+    from recorder import server
+    monkeypatch.setattr(server, "MAX_EVENT", 100)
+    status, body = await _http(rec.port, _post(json.dumps({"x": "y" * 200}).encode()))
+    assert status == 413 and body == b"event larger than 100 bytes\n"
+    assert rec.store.list_events() == []

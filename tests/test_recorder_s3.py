@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import hashlib
+import json
 import os
 import pathlib
-import shutil
 import socket
 import subprocess
 import sys
@@ -18,12 +18,11 @@ import time
 import pytest
 
 from containerboot.apiproxy.recclient import Upload
+from labtools import s3lab
 from recorder.s3 import EMPTY_SHA256, Bucket, Credentials, S3Store, sign
 from recorder.server import Recorder
 from tests.test_recorder import H2Client
 
-SRC = pathlib.Path(__file__).parent / "support" / "s3server"
-CACHE = pathlib.Path(os.environ.get("CB_CACHE", pathlib.Path.home() / ".cache" / "containerboot-py")) / "bin"
 EXAMPLE = Credentials("AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
 WHEN = datetime.datetime(2013, 5, 24, tzinfo=datetime.timezone.utc)
 
@@ -47,23 +46,10 @@ def test_signature_v4_matches_awss_published_examples(method, url, headers, body
 
 
 def s3_binary() -> pathlib.Path:
-    if shutil.which("go") is None:
-        pytest.skip("no Go toolchain")
-    digest = hashlib.sha256(b"".join((SRC / f).read_bytes() for f in ("go.mod", "go.sum", "main.go"))).hexdigest()
-    out = CACHE / f"s3server-{digest[:12]}"
-    if out.exists():
-        return out
-    CACHE.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "GOFLAGS": "-mod=mod", "GOPROXY": "off", "GOSUMDB": "off", "GOTOOLCHAIN": "local",
-           "CGO_ENABLED": "0"}
-    r = subprocess.run(["go", "build", "-o", str(out) + ".tmp", "."], cwd=SRC, env=env, capture_output=True,
-                       text=True, timeout=900)
-    if r.returncode != 0:
-        if "module lookup disabled" in r.stderr or "missing go.sum entry" in r.stderr:
-            pytest.skip(f"gofakes3's modules are not in the Go module cache: {r.stderr[-300:]}")
-        raise AssertionError(r.stderr)
-    os.rename(str(out) + ".tmp", out)
-    return out
+    try:
+        return s3lab.ensure_binary()
+    except s3lab.S3BuildError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture
@@ -145,3 +131,16 @@ async def test_every_acknowledged_byte_is_in_the_bucket_when_the_recorder_is_kil
         proc.kill()
         proc.wait()
         log.close()
+
+
+async def test_api_request_events_are_objects_in_the_bucket_and_listed(rec):
+    from containerboot.apiproxy.eventclient import send_event
+    await send_event(rec.addr, b'{"type":"kubernetes-api-request","timestamp":7,"source":{"nodeUser":"alice"}}\n')
+    keys = await asyncio.to_thread(rec.bucket.keys)
+    [(key, _)] = keys
+    assert key.startswith("events/") and key.endswith(".json")
+    stored = json.loads(await asyncio.to_thread(rec.bucket.get, key))
+    assert stored == {"type": "kubernetes-api-request", "timestamp": 7, "source": {"nodeUser": "alice"}, "id": key}
+    assert await asyncio.to_thread(rec.store.list) == []        # not a recording
+    [(name, data)] = await asyncio.to_thread(rec.store.list_events)
+    assert f"events/{name}" == key and json.loads(data) == stored

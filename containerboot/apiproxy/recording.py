@@ -13,7 +13,9 @@ impersonation alone):
   available.", any other request with "api request ... must be recorded ..."); with recorders, exec and
   attach (`/api/v1/namespaces/<ns>/pods/<pod>/exec|attach`, SPDY over POST, WebSocket over GET) are
   recorded, and a session whose Upgrade does not match its method is refused when recording is enforced,
-  or passed on unrecorded with a warning when it is not.
+  or passed on unrecorded with a warning when it is not;
+- with recorders and `enableEvents: true` in some rule, every request's API event (apievent.py) is sent to them
+  before anything else is done with it (eventclient.py).
 
 Refusals here name the rule that asked for recording, after upstream's message.
 """
@@ -175,6 +177,7 @@ class Plan:
     message: str = ""
     addrs: tuple[str, ...] = ()
     fail_open: bool = True
+    events: bool = False    # send the request's API event to `addrs` first (enableEvents)
 
 
 PASS = Plan("pass")
@@ -198,16 +201,21 @@ def plan(policy: RecorderPolicy, addrs: Iterable[str], session: Session | None, 
         what = f"'kubectl {session.type}' session" if session else f"api request {_q(target.decode('latin-1'))}"
         return Plan("refuse", f"forbidden: {what} must be recorded, but no recorders are available. "
                               f"({policy.which()}; no peer carries {', '.join(policy.tags) or 'a recorder tag'})")
+    # from here on there are recorders: with enableEvents the request's event goes to them first (whatever
+    # then becomes of the request, as upstream)
+    events, fail_open = policy.events, not policy.enforce
     if session is None:
-        return PASS
+        return Plan("pass", addrs=addrs, fail_open=fail_open, events=True) if events else PASS
     want = UPGRADE_FOR[session.protocol]
     if upgrade.decode("latin-1") != want:
         msg = (f"[unexpected] unable to verify that streaming protocol is {session.protocol}, wants Upgrade "
                f"header {_q(want)}, got: {_q(upgrade.decode('latin-1'))}")
         if policy.enforce:
-            return Plan("refuse", f"{msg}; failure mode is 'fail closed'; closing connection. ({policy.which()})")
-        return Plan("pass", f"{msg}; failure mode is 'fail open'; continuing session without recording.")
-    return Plan("record", addrs=addrs, fail_open=not policy.enforce)
+            return Plan("refuse", f"{msg}; failure mode is 'fail closed'; closing connection. ({policy.which()})",
+                        addrs=addrs, fail_open=False, events=events)
+        return Plan("pass", f"{msg}; failure mode is 'fail open'; continuing session without recording.",
+                    addrs=addrs, events=events)
+    return Plan("record", addrs=addrs, fail_open=fail_open, events=events)
 
 
 def connect_failed(session: Session, error: str, fail_open: bool, policy: RecorderPolicy) -> str:

@@ -34,6 +34,8 @@ import h11
 
 from tscommon.redact import redact
 
+from . import apievent
+from .eventclient import EventOutcome, record_event
 from .identity import (
     GrantError,
     Impersonation,
@@ -45,7 +47,16 @@ from .identity import (
 )
 from .recclient import RecorderError
 from .record import Recording, start_recording
-from .recording import RecorderPolicy, Session, connect_failed, plan, recorder_addrs, recorder_policy, session_of
+from .recording import (
+    Plan,
+    RecorderPolicy,
+    Session,
+    connect_failed,
+    plan,
+    recorder_addrs,
+    recorder_policy,
+    session_of,
+)
 
 log = logging.getLogger("containerboot")
 
@@ -153,14 +164,14 @@ class ApiServerProxy:
     def __init__(self, *, mode: str, upstream: Upstream, token: Callable[[], str],
                  whois: Callable[[str], Awaitable[dict | None]],
                  status: Callable[[], Awaitable[dict]] | None = None,
-                 start_recording: Callable[..., Awaitable[Any]] = _start_recording) -> None:
+                 start_recording: Callable[..., Awaitable[Any]] = _start_recording,
+                 record_event: Callable[..., Awaitable[EventOutcome]] = record_event) -> None:
         if mode not in (AUTH, NOAUTH):
             raise ValueError(f"mode {mode!r}: want {AUTH!r} or {NOAUTH!r}")
         self.mode, self.upstream, self._token, self._whois = mode, upstream, token, whois
-        self._status, self._start_recording = status, start_recording
+        self._status, self._start_recording, self._record_event = status, start_recording, record_event
         self._identified: dict[str, tuple[float, Caller]] = {}   # open connection's peer -> caller
         self._peers: tuple[float, dict] | None = None            # tailscaled's status, for recorder tags
-        self._events_warned = False
         self._finishing: set[asyncio.Future[None]] = set()   # recordings being closed after their session
         self.connections = 0    # open client connections (for tests and the status line)
 
@@ -259,37 +270,70 @@ class ApiServerProxy:
                 return recorder_addrs(policy, None)
         return recorder_addrs(policy, self._peers[1])
 
-    async def _recording(self, req: h11.Request, caller: Caller, peer: str) -> Any:
-        """Apply the recording rules before anything is sent to the API server: None to forward the request
-        unrecorded, a started recording to forward it recorded; Refused (403) when it must be recorded and
-        cannot be."""
+    async def _recording(self, req: h11.Request, caller: Caller, peer: str, client: _Side) -> tuple[Any, bytes | None]:
+        """Apply the recording rules before anything is sent to the API server: (None, body) to forward the
+        request unrecorded, (a started recording, body) to forward it recorded; Refused (403) when it must be
+        recorded and cannot be, (502) when its API event must be and cannot be. `body` is the request body when
+        it was read whole for the event, else None (it streams)."""
         policy = caller.policy
-        if policy.events and not self._events_warned:
-            self._events_warned = True
-            log.warning("api-server-proxy: %s: enableEvents is set, and this proxy does not send API request "
-                        "events to recorders (as with a recorder without the /v2/event endpoint)", policy.which())
         if not policy.asks:
-            return None
+            return None, None
         session = session_of(req.method, req.target)
         p = plan(policy, await self._recorders(policy), session, target=req.target,
                  upgrade=is_upgrade(req.headers))
+        body = None
+        if p.events:
+            body = await self._read_body(client)
+            await self._event(req, caller, peer, body, p)
         if p.action == "refuse":
             log.error("api-server-proxy: refusing %s: %s", peer, p.message)
             raise Refused(403, "Forbidden", p.message)
         if p.action == "pass":
             if p.message:
                 log.warning("api-server-proxy: %s: %s", peer, p.message)
-            return None
+            return None, body
         assert session is not None
         try:
-            return await self._start_recording(p.addrs, session, caller, req.target, fail_open=p.fail_open)
+            return await self._start_recording(p.addrs, session, caller, req.target, fail_open=p.fail_open), body
         except RecorderUnavailable as e:
             msg = connect_failed(session, str(e), p.fail_open, policy)
             if p.fail_open:
                 log.warning("api-server-proxy: %s: %s", peer, msg)
-                return None
+                return None, body
             log.error("api-server-proxy: refusing %s: %s", peer, msg)
             raise Refused(403, "Forbidden", msg) from None
+
+    async def _read_body(self, client: _Side) -> bytes:
+        """The whole request body (an event carries it, and is sent before the request is forwarded)."""
+        if client.conn.they_are_waiting_for_100_continue:
+            await client.send(h11.InformationalResponse(status_code=100, headers=[]))
+        body = bytearray()
+        while True:
+            event = await client.next_event()
+            if isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return bytes(body)
+            else:
+                raise _ClientGone()
+
+    async def _event(self, req: h11.Request, caller: Caller, peer: str, body: bytes, p: Plan) -> None:
+        """Send the request's API event to the recorders (enableEvents); Refused (502) when upstream refuses."""
+        ua = next((v for k, v in req.headers if k == b"user-agent"), b"")
+        try:
+            doc = apievent.event(method=req.method.decode("latin-1"), target=req.target.decode("latin-1"),
+                                 user_agent=ua.decode("latin-1"), body=body, who=caller.who, now=time.time())
+        except apievent.RequestInfoError as e:
+            outcome = EventOutcome(error=f"error parsing request {req.method.decode('latin-1')} "
+                                         f"{apievent.split_target(req.target.decode('latin-1'))[0]}: {e}")
+        else:
+            outcome = await self._record_event(p.addrs, apievent.encode(doc), fail_open=p.fail_open)
+        for w in outcome.warnings:
+            log.warning("api-server-proxy: %s: %s", peer, w)
+        if outcome.error:
+            msg = f"error recording Kubernetes API request: {outcome.error}"
+            log.error("api-server-proxy: refusing %s: %s (%s, enableEvents: true)", peer, msg, caller.policy.which())
+            raise Refused(502, "ServiceUnavailable", msg)
 
     async def _connect(self) -> _Side:
         up = self.upstream
@@ -308,20 +352,22 @@ class ApiServerProxy:
         try:
             caller = await self.identify(peer)
             who = caller.imp
-            recording = await self._recording(req, caller, peer)
+            recording, body = await self._recording(req, caller, peer, client)
             headers = forwarded_request_headers(req.headers, host=self.upstream.host_header, who=who,
                                                 token=self._token() if who is not None else "")
         except Refused as r:
             await self._refuse(client, r)
             return upstream
+        except (_ClientGone, *_GONE):   # the client left while its body was read (for an event)
+            raise
         except Exception as e:   # the token file: reported to the caller without detail
             log.error("api-server-proxy: %s", redact(str(e)))
             await self._refuse(client, Refused(500, "InternalError", "the proxy cannot read its own credentials"))
             return upstream
         if recording is None:
-            return await self._forward(client, req, headers, upstream, None)
+            return await self._forward(client, req, headers, upstream, None, body)
         try:
-            kept = await self._forward(client, req, headers, upstream, recording)
+            kept = await self._forward(client, req, headers, upstream, recording, body)
         except BaseException:
             recording.abort()
             raise
@@ -333,7 +379,7 @@ class ApiServerProxy:
         return kept
 
     async def _forward(self, client: _Side, req: h11.Request, headers: list[tuple[bytes, bytes]],
-                       upstream: _Side | None, recording: Recording | None) -> _Side | None:
+                       upstream: _Side | None, recording: Recording | None, body: bytes | None = None) -> _Side | None:
         if client.conn.they_are_waiting_for_100_continue:
             await client.send(h11.InformationalResponse(status_code=100, headers=[]))
         bodyless = not any(k in (b"content-length", b"transfer-encoding") for k, _ in headers) or \
@@ -347,14 +393,14 @@ class ApiServerProxy:
                 upstream = await self._connect()
             assert upstream is not None
             try:
-                first = await self._send_request(client, upstream, request)
+                first = await self._send_request(client, upstream, request, body)
             except _GONE:
                 if fresh or not bodyless:
                     raise
                 # A kept-alive connection the API server had already closed: once more on a new one.
                 upstream.abort()
                 upstream = await self._connect()
-                first = await self._send_request(client, upstream, request)
+                first = await self._send_request(client, upstream, request, body)
         except Refused as r:
             await self._refuse(client, r)
             return None
@@ -391,13 +437,17 @@ class ApiServerProxy:
         upstream.abort()
         return None
 
-    async def _send_request(self, client: _Side, upstream: _Side, request: h11.Request) -> Any:
+    async def _send_request(self, client: _Side, upstream: _Side, request: h11.Request,
+                            whole: bytes | None = None) -> Any:
         """Send the request head and body; the response head (a Response, or a 101 InformationalResponse).
 
         The head is read while the body is still being sent, as Go's transport does: the API server answers
         a refused write (RBAC's 403) without reading a large body and then closes, so the answer can come
         before the body has gone, and writing on would only fail. The rest of the body is then not sent."""
         await upstream.send(request)
+        if whole is not None:        # read whole already (for its API event)
+            await upstream.send(*((h11.Data(data=whole),) if whole else ()), h11.EndOfMessage())
+            return await self._response_head(upstream)
         # What of the body is already here (all of it for a GET, an upgrade or a small write) goes at once.
         while (event := client.conn.next_event()) is not h11.NEED_DATA:
             if isinstance(event, h11.Data):

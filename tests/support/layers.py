@@ -40,7 +40,7 @@ PURE: frozenset[str] = frozenset({
     "netfilter.model", "netfilter.plan",
     "serveconfig.model", "serveconfig.status",
     "nameserver.answer", "nameserver.records",
-    "containerboot.apiproxy.cast", "containerboot.apiproxy.identity",
+    "containerboot.apiproxy.apievent", "containerboot.apiproxy.cast", "containerboot.apiproxy.identity",
     "containerboot.apiproxy.recording", "containerboot.apiproxy.streams",
     "containerboot.desired", "containerboot.kube.secretstate",
     "containerboot.login", "containerboot.proxyservices", "containerboot.reachability", "containerboot.settings",
