@@ -329,7 +329,7 @@ async def test_an_exec_with_events_sends_its_event_then_is_recorded(tmp_path):
         for _ in range(100):
             if lab.store.list():
                 break
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)   # poll: until the cast is stored (5 s at most)
         assert len(lab.store.list()) == 1
     finally:
         lab.server.close()
@@ -347,7 +347,7 @@ async def test_a_client_that_leaves_mid_body_sends_no_event_and_reaches_nothing(
     for _ in range(100):
         if lab.proxy.connections == 0:
             break
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)   # poll: until the proxy has closed the connection (2 s at most)
     assert lab.proxy.connections == 0
     assert lab.events() == [] and lab.api.requests == []
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []   # not a proxy fault
