@@ -241,6 +241,10 @@ def test_a_cell_verdict_drops_what_changes_between_runs_and_keeps_what_a_user_re
     assert verdict("refused: headscale 0.26 cannot do grants ...") == ("refused",)
     assert verdict("works") != verdict("refused: headscale 0.26 cannot do grants")
     assert verdict("0.26 (API 0.26)") != verdict("0.27 (API 0.27)")
+    # the controller's start-up line: what it says is unavailable, not the version it names
+    assert verdict("headscale 0.26: unavailable: grants (needs 0.29)") == verdict("headscale v0.27.1: unavailable: x")
+    assert verdict("headscale 0.29: every feature the controller uses is available") != verdict(
+        "headscale 0.29: unavailable: grants (needs 0.29)")
 
 
 def test_the_docs_table_agrees_with_each_versions_last_recorded_run():
