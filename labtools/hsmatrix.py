@@ -19,8 +19,14 @@ in them). Checked, in this order:
 - every policy example of docs/install-headscale.md marked for this version, loaded into it through the API;
   the route example's `autoApprovers` approving a second node's routes by themselves.
 
-The table (a line per version, a column per feature: works, or refused and why) is printed, and with
-`--write-docs` rendered into docs/install-headscale.md between its compat-table markers. Needs root.
+With `--e2e`, per version, the proxies' e2e modules (E2E_MODULES) and then, on one cluster for all versions,
+the controller's user story (labtools.hsstory).
+
+The table (a line per feature, a column per version: works, or refused and why) is printed. `--write-docs`
+after a run of the full matrix with `--e2e` records it in bench/results/compat.json and renders it into
+docs/install-headscale.md (its figure block, as `make figures` does). `--check` exits 1 on a failure, or when a
+cell's verdict (`verdict`: works, refused, ...; not the addresses, timings or IDs in it) differs from that
+table. Needs root.
 """
 from __future__ import annotations
 
