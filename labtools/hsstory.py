@@ -103,7 +103,7 @@ def repoint(kc: kubecluster.KubeCluster, lab: Lab, timeout: float = 150.0) -> st
 
 
 #: The controller's start-up line (controller.providers.hscompat.Capabilities.summary).
-STARTUP_LINE = re.compile(r"headscale \S+?(, API of [\d.]+)?( \(not detected[^)]*\))?: "
+STARTUP_LINE = re.compile(r"headscale [\w.-]+( \(assumed\))?(, API of [\d.]+)?( \(not detected[^)]*\))?: "
                           r"(unavailable: .*|every feature the controller uses is available.*|.* is older than .*)$")
 
 

@@ -263,3 +263,15 @@ def test_a_run_that_differs_from_the_docs_table_is_named_by_version_and_feature(
     assert got == ["v0.26.1 deletion: 'failed: timeout', the docs say 'works'",
                    "v0.26.1 new step: not a row of the docs' table",
                    "v0.30.0: not in the docs' table (its columns: headscale v0.26.1)"]
+
+
+@pytest.mark.parametrize("caps", [Capabilities("0.26", (0, 26)), Capabilities("v0.29.2", (0, 29)),
+                                  Capabilities("dev", (0, 27)), Capabilities("0.29 (assumed)", (0, 29), detected=False),
+                                  Capabilities("v0.25.1", (0, 25))])
+def test_the_compat_story_finds_the_controllers_start_up_line(caps):
+    """labtools.hsstory reads the start-up line from the controller's log by this pattern: every shape of it."""
+    from labtools.hsstory import STARTUP_LINE
+    for user_set in (False, True):
+        line = caps.summary(user_set=user_set)
+        m = STARTUP_LINE.search(f"2026-11-28 03:00:00 WARNING controller.providers.headscale: {line}")
+        assert m and m.group(0) == line, line
