@@ -288,8 +288,8 @@ def run(versions: Sequence[str], say: Callable[[str], None] = print,
                     if not _step(cells, STARTUP, start):
                         raise RuntimeError(cells[STARTUP])
                     cells.update(story(lab, kc, marker, 18080 + i))
-                except Exception as e:      # the version's row says it; the next version still runs
-                    cells.setdefault(STARTUP, "failed: " + _short(e))
+                except Exception as e:      # the version's row says it (at the step it stopped); the next still runs
+                    cells[next((f for f in FEATURES if f not in cells), FEATURES[-1])] = "failed: " + _short(e)
                     print(kubecontroller.controller_log(kc, 60))
                 if any(c.startswith("failed") for c in cells.values()):
                     print(kubecontroller.controller_log(kc, 100))
