@@ -163,8 +163,10 @@ bench: setup-bin
 
 ## compat: headscale's version matrix (docs/install-headscale.md, "headscale versions"): for each of
 ## HEADSCALE_VERSIONS (default v0.26.1,v0.27.1,v0.28.0,v0.29.2; each built once) the controller's provider, a real
-## tailscaled and the proxies' e2e tests against that headscale; prints the table, records the REST answers for
-## the unit tests (tests/data/headscale/) and renders the table into the docs (root).
+## tailscaled, the proxies' e2e tests and the controller's user story in one shared cluster against that headscale;
+## prints the table, records the REST answers for the unit tests (tests/data/headscale/) and, on the full matrix,
+## the table (bench/results/compat.json) rendered into the docs (root). --check: fail on a failed step or on a cell
+## whose verdict differs from the docs' table.
 COMPAT_ARGS ?= --e2e --record tests/data/headscale --write-docs
 compat: setup-bin
 	$(PY) -m labtools.hsmatrix compat $(COMPAT_ARGS)

@@ -19,8 +19,14 @@ in them). Checked, in this order:
 - every policy example of docs/install-headscale.md marked for this version, loaded into it through the API;
   the route example's `autoApprovers` approving a second node's routes by themselves.
 
-The table (a line per version, a column per feature: works, or refused and why) is printed, and with
-`--write-docs` rendered into docs/install-headscale.md between its compat-table markers. Needs root.
+With `--e2e`, per version, the proxies' e2e modules (E2E_MODULES) and then, on one cluster for all versions,
+the controller's user story (labtools.hsstory).
+
+The table (a line per feature, a column per version: works, or refused and why) is printed. `--write-docs`
+after a run of the full matrix with `--e2e` records it in bench/results/compat.json and renders it into
+docs/install-headscale.md (its figure block, as `make figures` does). `--check` exits 1 on a failure, or when a
+cell's verdict (`verdict`: works, refused, ...; not the addresses, timings or IDs in it) differs from that
+table. Needs root.
 """
 from __future__ import annotations
 
@@ -36,11 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.results import Results, Table, load, record
+
 from .lab import HEADSCALE_VERSIONS, REPO_ROOT, Lab, wait_until
 
 DOCS = REPO_ROOT / "docs" / "install-headscale.md"
-TABLE_BEGIN = "<!-- compat-table:begin (written by python -m labtools.hsmatrix compat --write-docs) -->"
-TABLE_END = "<!-- compat-table:end -->"
 #: A policy example in the docs: the marker line before its ```json block names the example and its minors.
 POLICY_MARK = re.compile(r"<!-- headscale-policy (\w+) ([\d. ]+) -->\s*\n```json\n(.*?)\n```", re.S)
 #: The placeholder that replaces a pre-auth key in a recorded answer.
@@ -353,22 +359,70 @@ def run_e2e(version: str) -> str:
     return f"works ({summary})" if cp.returncode == 0 else f"failed ({_short(summary)})"
 
 
-def table(rows: Mapping[str, Mapping[str, str]]) -> str:
-    """The matrix as Markdown: a line per feature, a column per version."""
+def table(rows: Mapping[str, Mapping[str, str]]) -> Table:
+    """The matrix: a line per feature, a column per version."""
+    from . import hsstory
     versions = list(rows)
-    feats = [f for f in (*FEATURES, "policy: minimal of 0.29", "policy: grants of 0.29", E2E_FEATURE)
+    feats = [f for f in (*FEATURES, "policy: minimal of 0.29", "policy: grants of 0.29", E2E_FEATURE,
+                         *hsstory.FEATURES)
              if any(f in rows[v] for v in versions)]
-    out = ["| feature | " + " | ".join(f"headscale {v}" for v in versions) + " |",
-           "|---|" + "---|" * len(versions)]
-    for f in feats:
-        out.append(f"| {f} | " + " | ".join(rows[v].get(f, "—").replace("|", "\\|") for v in versions) + " |")
-    return "\n".join(out)
+    return Table.of(["feature", *(f"headscale {v}" for v in versions)],
+                    [[f, *(rows[v].get(f, "—") for v in versions)] for f in feats])
 
 
-def write_docs(text: str, when: str) -> None:
-    doc = DOCS.read_text()
-    a, b = doc.index(TABLE_BEGIN) + len(TABLE_BEGIN), doc.index(TABLE_END)
-    DOCS.write_text(doc[:a] + f"\n\n{text}\n\n(`make compat`; {when})\n\n" + doc[b:])
+#: The docs' table is bench/results/compat.json's table "matrix", rendered by `make figures`.
+RESULTS_NAME, RESULTS_TABLE = "compat", "matrix"
+
+
+def record_matrix(rows: Mapping[str, Mapping[str, str]], seconds: Mapping[str, float], total: float) -> Path:
+    """bench/results/compat.json from a run of the full matrix, and the docs' table rendered from it."""
+    per = ", ".join(f"{v} {seconds[v] / 60:.1f} min" for v in rows)
+    res = Results(RESULTS_NAME, "make compat",
+                  f"the full matrix of {time.strftime('%Y-%m-%d', time.gmtime())} with --e2e on "
+                  f"{os.cpu_count()} shared cores, {total / 60:.0f} min in all: per version (its lab checks, the "
+                  f"proxies' e2e modules, the controller's story) {per}; the images, the cluster and the "
+                  f"controller's install, once, {seconds.get('setup', 0.0) / 60:.1f} min",
+                  {RESULTS_TABLE: table(rows)})
+    path = record(res, flag=True)
+    assert path is not None
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import render_figures
+    DOCS.write_text(render_figures.render(DOCS.read_text(), DOCS))
+    return path
+
+
+def verdict(cell: str) -> tuple[str, ...]:
+    """What a cell says, without what changes from run to run (addresses, timings, IDs, a message's words): the
+    first word of each `;`-separated part once parenthesised asides are dropped; a refusal or failure is that
+    word alone."""
+    # the controller's start-up line: what it says after naming the version (the column has it)
+    cell = re.sub(r"^headscale \S+?(, API of [\d.]+)?: ", "", cell.strip())
+    first = re.split(r"[\s:]", cell, maxsplit=1)[0]
+    if first in ("refused", "failed", "raw", "lab", "policy", "read", "not"):
+        return (first,)
+    text = re.sub(r"\([^()]*\)", "", cell)
+    return tuple(re.split(r"[\s:]", p.strip(), maxsplit=1)[0] for p in text.split(";") if p.strip())
+
+
+def differences(rows: Mapping[str, Mapping[str, str]], docs: Table | None = None) -> list[str]:
+    """The cells of this run whose verdict differs from the docs' table (bench/results/compat.json), for the
+    versions and features both have; a feature or version the docs do not have is a difference too."""
+    if docs is None:
+        docs = load(RESULTS_NAME).tables[RESULTS_TABLE]
+    cols = list(docs.columns)
+    want = {(c.removeprefix("headscale "), r[0]): r[i] for r in docs.rows for i, c in enumerate(cols) if i}
+    feats = {r[0] for r in docs.rows}
+    out = []
+    for v, cells in rows.items():
+        if f"headscale {v}" not in cols:
+            out.append(f"{v}: not in the docs' table (its columns: {', '.join(cols[1:])})")
+            continue
+        for feat, cell in cells.items():
+            if feat not in feats:
+                out.append(f"{v} {feat}: not a row of the docs' table")
+            elif verdict(cell) != verdict(want[(v, feat)]):
+                out.append(f"{v} {feat}: {cell!r}, the docs say {want[(v, feat)]!r}")
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -381,26 +435,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="compat: run the matrix; table: the table of each version's last recorded run (--record)")
     ap.add_argument("--versions", default=os.environ.get("HEADSCALE_VERSIONS", ",".join(HEADSCALE_VERSIONS)))
     ap.add_argument("--record", type=Path, help="write the REST exchanges under this directory")
-    ap.add_argument("--write-docs", action="store_true", help="render the table into docs/install-headscale.md")
-    ap.add_argument("--e2e", action="store_true", help="also run the proxies' e2e tests against each version")
+    ap.add_argument("--write-docs", action="store_true",
+                    help="after a run of the full matrix with --e2e: record bench/results/compat.json and render "
+                         "the table into docs/install-headscale.md (as `make figures` does)")
+    ap.add_argument("--e2e", action="store_true",
+                    help="also run the proxies' e2e tests and the controller's story in a cluster on each version")
     ap.add_argument("--check", action="store_true",
-                    help="exit 1 when anything failed (a refusal the version is known for is not a failure)")
+                    help="exit 1 when anything failed, or a cell's verdict differs from the docs' table (a refusal "
+                         "the version is known for is not a failure)")
     a = ap.parse_args(args)
+    versions = [x.strip() for x in a.versions.split(",") if x.strip()]
     rows: dict[str, dict[str, str]] = {}
     if a.cmd == "table":
         if a.record is None:
             ap.error("table needs --record <dir> (where compat wrote each version's run)")
-        for v in [x.strip() for x in a.versions.split(",") if x.strip()]:
+        if a.write_docs:
+            ap.error("the docs' table comes from a run of the full matrix: make compat (not table --write-docs)")
+        for v in versions:
             if (a.record / v / "table.json").exists():
                 rows[v] = json.loads((a.record / v / "table.json").read_text())
-        text = table(rows)
-        print(text)
-        if a.write_docs:
-            write_docs(text, "each version's last run: " + ", ".join(
-                f"{v} {time.strftime('%Y-%m-%d', time.gmtime((a.record / v / 'table.json').stat().st_mtime))}"
-                for v in rows))
+        print(table(rows).markdown())
         return 0
-    for v in [x.strip() for x in a.versions.split(",") if x.strip()]:
+    full = a.e2e and set(versions) == set(HEADSCALE_VERSIONS)
+    if a.write_docs and not full:
+        print(f"[compat] the docs' table is written by a run of the full matrix ({', '.join(HEADSCALE_VERSIONS)}) "
+              f"with --e2e only: not written", file=sys.stderr)
+    t_all = time.monotonic()
+    seconds: dict[str, float] = {}
+    for v in versions:
         t0 = time.monotonic()
         try:
             rows[v] = run_version(v, a.record)
@@ -408,18 +470,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows[v] = {"detected": "lab failed: " + _short(str(e), 300)}
         if a.e2e:
             rows[v][E2E_FEATURE] = run_e2e(v)
-        if a.record is not None:
+        seconds[v] = time.monotonic() - t0
+        print(f"[compat] headscale {v}: {seconds[v]:.0f}s", file=sys.stderr)
+    if a.e2e:
+        from . import hsstory
+        t0 = time.monotonic()
+        story_seconds: dict[str, float] = {}
+        try:
+            story = hsstory.run(versions, say=lambda m: print(m, file=sys.stderr), seconds=story_seconds)
+        except Exception as e:      # the cluster itself failed: every version's row says so
+            story = {v: {hsstory.STARTUP: "failed: the cluster: " + _short(str(e), 300)} for v in versions}
+        for v in versions:
+            rows[v].update(story.get(v, {}))
+            seconds[v] += story_seconds.get(v, 0.0)
+        seconds["setup"] = story_seconds.get("setup", 0.0)
+        print(f"[compat] the controller's story, {len(versions)} version(s) on one cluster: "
+              f"{time.monotonic() - t0:.0f}s", file=sys.stderr)
+    if a.record is not None:
+        for v in versions:
             (a.record / v).mkdir(parents=True, exist_ok=True)
             (a.record / v / "table.json").write_text(json.dumps(rows[v], indent=1) + "\n")
-        print(f"[compat] headscale {v}: {time.monotonic() - t0:.0f}s", file=sys.stderr)
-    text = table(rows)
-    print(text)
-    if a.write_docs:
-        write_docs(text, time.strftime("%Y-%m-%d", time.gmtime()))
-    failed = failures(rows)
-    if a.check and failed:
-        print("[compat] failed: " + "; ".join(failed), file=sys.stderr)
-        return 1
+    total = time.monotonic() - t_all
+    print(table(rows).markdown())
+    print(f"[compat] {len(versions)} version(s): {total:.0f}s", file=sys.stderr)
+    if a.write_docs and full:
+        print(f"[compat] recorded {record_matrix(rows, seconds, total)}; docs/install-headscale.md rendered",
+              file=sys.stderr)
+    if a.check:
+        bad = failures(rows) + differences(rows)
+        if bad:
+            print("[compat] failed:\n  " + "\n  ".join(bad), file=sys.stderr)
+            return 1
     return 0
 
 

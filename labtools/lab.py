@@ -636,6 +636,33 @@ logtail:
         except _Exited:
             raise LabError("headscale exited during start:\n" + (d / "headscale.log").read_text()[-3000:]) from None
 
+    def switch_headscale(self, version: str, *, client: bool = True) -> None:
+        """Run headscale ``version`` in place of the current one, with fresh state (database, noise and DERP keys):
+        the lab's tailscaled nodes are stopped and forgotten first (their keys mean nothing to the new server),
+        a user and a reusable key are made again and (``client``) the ``client`` node logs in anew. The
+        namespaces, HTTP servers and anything else on the island (a cluster's nodes) stay: this is how one
+        cluster serves several headscale versions in turn (labtools.hsstory)."""
+        hs_bin = self.bin_dir / "headscale" if version == HS_VER else headscale_binary(version, self.bin_dir)
+        nodes = [p for p in self._procs if p.kind == "node"]
+        servers = [p for p in self._procs if p.kind == "headscale"]
+        self._term_and_wait(nodes, 10)
+        self._term_and_wait(servers, 5)
+        for p in nodes + servers:
+            p.logf.close()
+        self._procs = [p for p in self._procs if p not in nodes and p not in servers]
+        for name, node in list(self.nodes.items()):
+            shutil.rmtree(node.dir, ignore_errors=True)
+            self._sockets.pop(name, None)
+            del self.nodes[name]
+        shutil.rmtree(self.run_dir / "hs", ignore_errors=True)
+        self.hs_bin, self.hs_version = hs_bin, version
+        self.user_id, self._authkey = None, None
+        self._start_headscale()
+        self.create_user()
+        self._authkey = self.preauth_key(reusable=True, ephemeral=False)
+        if client:
+            self.start_node("client", "client")
+
     def _hs_argv(self, *args: str) -> list[str]:
         return [str(self.hs_bin), "-c", str(self.hs_config), *args, "-o", "json"]
 

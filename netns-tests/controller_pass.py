@@ -86,8 +86,9 @@ async def main() -> dict:
     http = Kube(open(f"{sa}/url").read().strip(), token_file=f"{sa}/token",
                 verify=ssl.create_default_context(cafile=f"{sa}/ca.crt"))
     cfg = ControllerConfig(namespace=os.environ["PROXY_NS"], proxy_image="localhost/containerboot-py:latest",
-                           login_server=os.environ["HS_URL"], provider="headscale", headscale_url=os.environ["HS_URL"])
-    prov = HeadscaleProvider(os.environ["HS_URL"], api_key=os.environ["HS_API_KEY"])
+                           login_server=os.environ["HS_URL"], provider="headscale", headscale_url=os.environ["HS_URL"],
+                           headscale_user=os.environ.get("HS_USER", ""))
+    prov = HeadscaleProvider(os.environ["HS_URL"], api_key=os.environ["HS_API_KEY"], user=cfg.headscale_user)
     out: dict = {"requeue": None}
     try:
         out["requeue"] = await Reconciler(Split(http, fk, state), prov, cfg).reconcile(kind, ns, name)

@@ -52,7 +52,9 @@ class Controller:
     def pass_(self, kind="svc", ns="apps", name="web") -> dict:
         cp = self.lab.exec("client", [sys.executable, f"{HERE}/controller_pass.py", str(self.state), kind, ns, name],
                            timeout=60, env={"PYTHONPATH": REPO, "SA_DIR": str(self.api.dir), "PROXY_NS": "tailscale",
-                                            "HS_URL": self.lab.login_server, "HS_API_KEY": self.api_key})
+                                            "HS_URL": self.lab.login_server, "HS_API_KEY": self.api_key,
+                                            # headscale before 0.28 mints keys for a user only (install guide)
+                                            "HS_USER": str(self.lab.user_id) if self.lab.hs_minor < (0, 28) else ""})
         assert cp.returncode == 0, cp.stderr[-3000:]
         out = json.loads(cp.stdout.strip().splitlines()[-1])
         assert "error" not in out, out

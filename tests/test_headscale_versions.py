@@ -227,3 +227,51 @@ def test_unknown_errors_keep_headscales_words_without_the_envelope():
     assert msg == "headscale: reading node 3: headscale answered HTTP 500: database is locked" and transient
     msg, transient = explain("reading node 3", 404, "404 page not found", Capabilities("v0.29.2", (0, 29)))
     assert "does not serve headscale's API under /api/v1" in msg and "HEADSCALE_URL" in msg and not transient
+
+
+# ---- `make compat --check`: a run against the docs' table (bench/results/compat.json)
+
+
+def test_a_cell_verdict_drops_what_changes_between_runs_and_keeps_what_a_user_reads():
+    from labtools.hsmatrix import verdict
+    assert verdict("works (100.64.0.2, fd7a:115c:a1e0::2)") == verdict("works (100.64.0.7, fd7a:115c:a1e0::7)")
+    assert verdict("works (10 passed in 98.34s (0:01:38))") == ("works",)
+    assert verdict("accepted; auto-approved 10.98.0.0/24 for node 3") == ("accepted", "auto-approved")
+    assert verdict("accepted; auto-approval failed: timeout") != verdict("accepted; auto-approved 10.98.0.0/24")
+    assert verdict("refused: headscale 0.26 cannot do grants ...") == ("refused",)
+    assert verdict("works") != verdict("refused: headscale 0.26 cannot do grants")
+    assert verdict("0.26 (API 0.26)") != verdict("0.27 (API 0.27)")
+    # the controller's start-up line: what it says is unavailable, not the version it names
+    assert verdict("headscale 0.26: unavailable: grants (needs 0.29)") == verdict("headscale v0.27.1: unavailable: x")
+    assert verdict("headscale 0.29: every feature the controller uses is available") != verdict(
+        "headscale 0.29: unavailable: grants (needs 0.29)")
+
+
+def test_the_docs_table_agrees_with_each_versions_last_recorded_run():
+    from labtools.hsmatrix import differences
+    rows = {v: json.loads((DATA / v / "table.json").read_text()) for v in VERSIONS}
+    assert differences(rows) == []
+
+
+def test_a_run_that_differs_from_the_docs_table_is_named_by_version_and_feature():
+    from bench.results import Table
+    from labtools.hsmatrix import differences
+    docs = Table.of(["feature", "headscale v0.26.1"], [["deletion", "works"], ["tag-only key", "refused: x"]])
+    assert differences({"v0.26.1": {"deletion": "works", "tag-only key": "refused: y"}}, docs) == []
+    got = differences({"v0.26.1": {"deletion": "failed: timeout", "new step": "works"},
+                       "v0.30.0": {"deletion": "works"}}, docs)
+    assert got == ["v0.26.1 deletion: 'failed: timeout', the docs say 'works'",
+                   "v0.26.1 new step: not a row of the docs' table",
+                   "v0.30.0: not in the docs' table (its columns: headscale v0.26.1)"]
+
+
+@pytest.mark.parametrize("caps", [Capabilities("0.26", (0, 26)), Capabilities("v0.29.2", (0, 29)),
+                                  Capabilities("dev", (0, 27)), Capabilities("0.29 (assumed)", (0, 29), detected=False),
+                                  Capabilities("v0.25.1", (0, 25))])
+def test_the_compat_story_finds_the_controllers_start_up_line(caps):
+    """labtools.hsstory reads the start-up line from the controller's log by this pattern: every shape of it."""
+    from labtools.hsstory import STARTUP_LINE
+    for user_set in (False, True):
+        line = caps.summary(user_set=user_set)
+        m = STARTUP_LINE.search(f"2026-11-28 03:00:00 WARNING controller.providers.headscale: {line}")
+        assert m and m.group(0) == line, line
