@@ -114,20 +114,27 @@ func leading(ctx context.Context, kubeconfig, ns, name string, fn func(context.C
 		Client:     cl.CoordinationV1(),
 		LockConfig: resourcelock.ResourceLockConfig{Identity: id + "-external-" + name},
 	}
-	lost := make(chan struct{})
+	// RunOrDie returns when the context ends (a signal) or the Lease is lost
 	leaderelection.RunOrDie(ctx, leaderelection.LeaderElectionConfig{
 		Lock: lock, LeaseDuration: 60 * time.Second, RenewDeadline: 40 * time.Second, RetryPeriod: 15 * time.Second,
 		ReleaseOnCancel: true,
 		Callbacks: leaderelection.LeaderCallbacks{
 			OnStartedLeading: fn,
-			OnStoppedLeading: func() { close(lost) },
+			OnStoppedLeading: func() {},
 		},
 	})
-	select {
-	case <-ctx.Done():
+	if ctx.Err() != nil {
 		return nil
-	case <-lost:
-		return fmt.Errorf("leader election lost")
+	}
+	return fmt.Errorf("leader election lost")
+}
+
+// exitOn ends the process on a component's error: it runs in the leader's goroutine, where nothing else
+// would see it (cert-manager's commands exit the same way).
+func exitOn(component string, err error) {
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "cert-manager %s: %v\n", component, err)
+		os.Exit(1)
 	}
 }
 
@@ -180,14 +187,9 @@ func runController(ctx context.Context, args []string) error {
 		mux.HandleFunc("/livez", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok")) })
 		go func() { log.Error(http.ListenAndServe(*healthz, mux), "healthz listener") }()
 	}
-	var runErr error
-	err := leading(ctx, *kubeconfig, *electionNS, "cert-manager-controller", func(ctx context.Context) {
-		runErr = runControllers(ctx, opts, *enabled)
+	return leading(ctx, *kubeconfig, *electionNS, "cert-manager-controller", func(ctx context.Context) {
+		exitOn("controller", runControllers(ctx, opts, *enabled))
 	})
-	if err != nil {
-		return err
-	}
-	return runErr
 }
 
 func runControllers(ctx context.Context, opts controller.ContextOptions, enabled string) error {
