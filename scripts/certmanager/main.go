@@ -48,6 +48,12 @@ import (
 	cmscheme "github.com/cert-manager/cert-manager/pkg/client/clientset/versioned/scheme"
 	"github.com/cert-manager/cert-manager/pkg/controller"
 	"github.com/cert-manager/cert-manager/pkg/controller/cainjector"
+	// the issuer types register themselves when imported, as in cert-manager's controller command
+	_ "github.com/cert-manager/cert-manager/pkg/issuer/acme"
+	_ "github.com/cert-manager/cert-manager/pkg/issuer/ca"
+	_ "github.com/cert-manager/cert-manager/pkg/issuer/selfsigned"
+	_ "github.com/cert-manager/cert-manager/pkg/issuer/vault"
+	_ "github.com/cert-manager/cert-manager/pkg/issuer/venafi"
 	logf "github.com/cert-manager/cert-manager/pkg/logs"
 )
 
