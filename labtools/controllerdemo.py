@@ -109,7 +109,8 @@ def story_https(st: Stage, timeout: float) -> bool:
     serial = _serial((kubecontroller.secret_data(kc, "demo", "site-tls") or {})["tls.crt"])
     _say(f"cert-manager issued the certificate into Secret demo/site-tls {time.monotonic() - t0:.1f}s after the "
          f"apply (serial {serial})")
-    _say(kc.kubectl("-n", "demo", "get", "certificate,certificaterequest,secret/site-tls").stdout.rstrip())
+    _say(kc.kubectl("-n", "demo", "get", "certificate,certificaterequest").stdout.rstrip())
+    _say(kc.kubectl("-n", "demo", "get", "secret", "site-tls").stdout.rstrip())
     node = wait_until(lambda: next((n for n in lab.hs_nodes() if n.get("given_name") == host), None), timeout, 0.5,
                       "the Ingress proxy's node in headscale")
     ip = next(a for a in node["ip_addresses"] if ":" not in a)

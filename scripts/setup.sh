@@ -83,7 +83,7 @@ if [ -n "$parts" ]; then
       bash scripts/install-crds.sh >/dev/null || log "fetching the ServiceMonitor CRD failed; its test will be skipped"
     fi
     # cert-manager v1.19.1's controller, webhook and cainjector in one program, its CRDs and chart
-    # (labtools/certmanager.py; CERTMANAGER_COLD minutes cold)
+    # (labtools/certmanager.py; about 48 minutes cold on a busy 2-core machine)
     if want cert-manager; then
       bash scripts/install-cert-manager.sh >/dev/null || log "building cert-manager failed; its tests will be skipped"
     fi
