@@ -23,6 +23,7 @@ import time
 
 from labtools import certmanager, kubecontroller
 from labtools.kubedemo import Stage, curl_from_client, deploy_backend, run_controller_demo
+from labtools.lab import wait_until
 
 
 def _say(msg: str) -> None:
@@ -104,7 +105,6 @@ def story_https(st: Stage, timeout: float) -> bool:
     def ready() -> bool:
         c = kc.get("certificate.cert-manager.io", "site-tls", "demo")
         return certmanager.condition(c, "Ready").get("status") == "True"
-    from labtools.lab import wait_until
     wait_until(ready, timeout, 0.5, "cert-manager's Certificate demo/site-tls Ready")
     serial = _serial((kubecontroller.secret_data(kc, "demo", "site-tls") or {})["tls.crt"])
     _say(f"cert-manager issued the certificate into Secret demo/site-tls {time.monotonic() - t0:.1f}s after the "
