@@ -77,8 +77,8 @@ chart: setup-bin
 ## demo: a local tailnet in network namespaces with the agent exposing a backend (root). Each variant builds only
 ## what it uses: the plain demo tailscaled, tailscale and headscale; --agent upstream upstream containerboot too;
 ## --kube, --controller, --proxygroup, --dns and --apiserver-proxy Kubernetes too (their images are built by the
-## demo itself).
-DEMO_PARTS = tailscale$(if $(findstring upstream,$(DEMO_ARGS)),$(COMMA)upstream)$(if $(or $(findstring --kube,$(DEMO_ARGS)),$(findstring --controller,$(DEMO_ARGS)),$(findstring --proxygroup,$(DEMO_ARGS)),$(findstring --dns,$(DEMO_ARGS)),$(findstring --apiserver-proxy,$(DEMO_ARGS))),$(COMMA)kubernetes)
+## demo itself); --controller --https helm and cert-manager too.
+DEMO_PARTS = tailscale$(if $(findstring upstream,$(DEMO_ARGS)),$(COMMA)upstream)$(if $(or $(findstring --kube,$(DEMO_ARGS)),$(findstring --controller,$(DEMO_ARGS)),$(findstring --proxygroup,$(DEMO_ARGS)),$(findstring --dns,$(DEMO_ARGS)),$(findstring --apiserver-proxy,$(DEMO_ARGS))),$(COMMA)kubernetes)$(if $(findstring --https,$(DEMO_ARGS)),$(COMMA)helm$(COMMA)cert-manager)
 COMMA := ,
 demo: setup
 	@bash scripts/setup.sh --binaries=$(DEMO_PARTS)

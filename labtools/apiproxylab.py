@@ -145,16 +145,24 @@ class Background:
 
 
 class TailnetKubectl:
-    def __init__(self, lab, ns: str, kubectl: Path, server: str, workdir: Path, token: str = "") -> None:
-        """`server` http://... (auth mode on headscale) or https://... (the proxy's self-signed certificate is
-        not checked: insecure-skip-tls-verify, as docs/apiserver-proxy.md says for noauth on headscale)."""
+    def __init__(self, lab, ns: str, kubectl: Path, server: str, workdir: Path, token: str = "",
+                 ca_pem: bytes = b"", tls_server_name: str = "") -> None:
+        """`server` http://... (auth mode on headscale) or https://...: with `ca_pem` (the proxy serves a
+        certificate of yours, docs/https.md) the certificate is verified against it, for `tls_server_name` when
+        the server is an IP (as MagicDNS would give the name); without, the proxy's self-signed certificate is
+        not checked (insecure-skip-tls-verify, as docs/apiserver-proxy.md says for noauth on headscale)."""
         self.lab, self.ns, self.kubectl = lab, ns, str(kubectl)
         workdir.mkdir(parents=True, exist_ok=True)
         scheme = server.split(":", 1)[0]
-        self.config = workdir / f"kubeconfig-{ns}-{scheme}-{'token' if token else 'none'}"
+        trust = "ca" if ca_pem else "skip"
+        self.config = workdir / f"kubeconfig-{ns}-{scheme}-{'token' if token else 'none'}-{trust}"
         user: dict = {"token": token} if token else {}
         cluster: dict = {"server": server}
-        if scheme == "https":
+        if scheme == "https" and ca_pem:
+            cluster["certificate-authority-data"] = base64.b64encode(ca_pem).decode()
+            if tls_server_name:
+                cluster["tls-server-name"] = tls_server_name
+        elif scheme == "https":
             cluster["insecure-skip-tls-verify"] = True
         self.config.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "tailnet",

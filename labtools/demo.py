@@ -1,8 +1,8 @@
 """Demo: a proxy Pod's agent exposing a backend to the tailnet, in an island of network namespaces.
 
     sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
-                                           [--image [IMAGE]] [--kube | --controller | --proxygroup | --apiserver-proxy
-                                            | --dns]
+                                           [--image [IMAGE]] [--kube | --controller [--https] | --proxygroup
+                                            | --apiserver-proxy | --dns]
 
 Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
 namespace with TS_DEST_IP=<backend IPv4>[,<backend IPv6>] (--dest; dual-stack by default for our agent), prints
@@ -10,6 +10,7 @@ the proxy's tailnet IPs and the result of curl from the client through the proxy
 destination has an IPv6 address), then waits for Ctrl-C (or exits at once
 with --once) and tears everything down. Exit status: 0 if every curl that was expected to work worked.
 --kube (labtools.kubedemo) and --controller (labtools.controllerdemo) run the same story in a real Kubernetes;
+--controller --https serves an Ingress over HTTPS with a certificate cert-manager issues (labtools.controllerdemo);
 --proxygroup (labtools.pgdemo) egresses to the tailnet through a ProxyGroup of two and deletes one replica.
 --apiserver-proxy (labtools.apiproxydemo) shows kubectl from the tailnet client through the API server proxy.
 --dns (labtools.dnsdemo) shows a tailnet name resolving in a Pod through a DNSConfig.
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recorder", action="store_true", help="with --apiserver-proxy: a grant that enforces session "
                     "recording, a Recorder object run by the controller; a recorded kubectl exec -it, then one refused "
                     "with the Recorder scaled to 0 (labtools.apiproxydemo)")
+    ap.add_argument("--https", action="store_true", help="with --controller: an Ingress with a certificate "
+                    "cert-manager issues, curl --cacert over HTTPS from the tailnet client (docs/https.md)")
     ap.add_argument("--controller", action="store_true", help="the companion controller installed from deploy/ "
                     "in a real Kubernetes exposes an annotated Service (labtools.controllerdemo)")
     ap.add_argument("--proxygroup", action="store_true", help="a client Pod egresses to a tailnet node through "
@@ -87,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C must unwind even if we were started with SIGINT ignored (e.g. as a background job of a script).
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    if a.https and not a.controller:
+        ap.error("--https goes with --controller")
     if a.recorder and not a.apiserver_proxy:
         ap.error("--recorder goes with --apiserver-proxy")
     if a.apiserver_proxy:
@@ -102,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                 return pgdemo.run(a.firewall, a.once)
             if a.dns:
                 return dnsdemo.run(a.firewall, a.once)
-            return controllerdemo.run(a.firewall, a.once) if a.controller else kubedemo.run(a.firewall, a.once)
+            if a.controller:
+                return controllerdemo.run(a.firewall, a.once, https=a.https)
+            return kubedemo.run(a.firewall, a.once)
         except KeyboardInterrupt:
             _say("\ninterrupted; lab and cluster torn down")
             return 0

@@ -62,14 +62,16 @@ def _blob(data: bytes) -> tuple[str, bytes]:
 
 
 def oci_archive(name: str, files: Sequence[File], entrypoint: Sequence[str], *,
-                env: Mapping[str, str] | None = None, arch: str = "amd64") -> bytes:
-    """An OCI image layout tar holding the image ``name`` (e.g. ``localhost/pause:lab``)."""
+                env: Mapping[str, str] | None = None, arch: str = "amd64", user: str = "") -> bytes:
+    """An OCI image layout tar holding the image ``name`` (e.g. ``localhost/pause:lab``); ``user``: the image's
+    user (a numeric UID lets a Pod with ``runAsNonRoot`` run it)."""
     layer = layer_tar(files)
     layer_digest, _ = _blob(layer)
     config = {
         "architecture": arch, "os": "linux",
         "config": {"Entrypoint": list(entrypoint),
-                   "Env": [f"{k}={v}" for k, v in (env or {"PATH": "/usr/local/bin:/usr/bin:/bin"}).items()]},
+                   "Env": [f"{k}={v}" for k, v in (env or {"PATH": "/usr/local/bin:/usr/bin:/bin"}).items()],
+                   **({"User": user} if user else {})},
         "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
         "history": [{"created_by": "labtools.ociimage"}],
     }

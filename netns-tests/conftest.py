@@ -27,6 +27,7 @@ _LONGEST_FIRST = (
     "test_controller_realkube_e2e.py",
     "test_realkube_agent_e2e.py",
     "test_pg_failover_twonode.py",
+    "test_certmanager_e2e.py",
     "test_outages.py",
     "test_kube_e2e.py",
     "test_netfilter_packets.py",

@@ -4,8 +4,9 @@
 #   --binaries                  everything: tailscale (tailscaled, tailscale, headscale), upstream (upstream
 #                               containerboot, the tests' reference agent), kubernetes (Kubernetes, etcd, CoreDNS
 #                               and the node's Debian packages), helm, registry (the lab's container registry,
-#                               with Apache's htpasswd for its users) and browser (Debian's chromium and its
-#                               driver, for the recorder's replay page test)
+#                               with Apache's htpasswd for its users), browser (Debian's chromium and its
+#                               driver, for the recorder's replay page test) and cert-manager (v1.19.1, the
+#                               lab's cert-manager for the HTTPS tests and demo)
 #   --binaries=tailscale,...    only those parts (the plain `make demo` needs tailscale alone)
 #   --image                     podman, runc and mmdebstrap for images/build.sh
 #   --multiarch                 qemu user mode for other architectures' images
@@ -16,7 +17,7 @@ log() { echo "[setup] $*" >&2; }
 want_image=0 want_multiarch=0 parts=""
 for a in "$@"; do
   case "$a" in
-    --binaries) parts=tailscale,upstream,kubernetes,helm,registry,browser ;;
+    --binaries) parts=tailscale,upstream,kubernetes,helm,registry,browser,cert-manager ;;
     --binaries=*) parts=${a#--binaries=} ;;
     --image) want_image=1 ;;
     --multiarch) want_multiarch=1 ;;  # qemu user mode for other architectures' images (make images-archives)
@@ -80,6 +81,11 @@ if [ -n "$parts" ]; then
     if want kubernetes; then
       bash scripts/install-coredns.sh >/dev/null || log "building CoreDNS failed; the lab cluster will have no DNS"
       bash scripts/install-crds.sh >/dev/null || log "fetching the ServiceMonitor CRD failed; its test will be skipped"
+    fi
+    # cert-manager v1.19.1's controller, webhook and cainjector in one program, its CRDs and chart
+    # (labtools/certmanager.py; about 48 minutes cold on a busy 2-core machine)
+    if want cert-manager; then
+      bash scripts/install-cert-manager.sh >/dev/null || log "building cert-manager failed; its tests will be skipped"
     fi
     # the CNCF registry v3.0.0, the lab's container registry (labtools/registry.py; about 2 min cold)
     if want registry; then
