@@ -4,8 +4,9 @@
 #   --binaries                  everything: tailscale (tailscaled, tailscale, headscale), upstream (upstream
 #                               containerboot, the tests' reference agent), kubernetes (Kubernetes, etcd, CoreDNS
 #                               and the node's Debian packages), helm, registry (the lab's container registry,
-#                               with Apache's htpasswd for its users) and browser (Debian's chromium and its
-#                               driver, for the recorder's replay page test)
+#                               with Apache's htpasswd for its users), flux (Flux's source-controller and
+#                               helm-controller with their CRDs and RBAC, for the GitOps test and demo) and
+#                               browser (Debian's chromium and its driver, for the recorder's replay page test)
 #   --binaries=tailscale,...    only those parts (the plain `make demo` needs tailscale alone)
 #   --image                     podman, runc and mmdebstrap for images/build.sh
 #   --multiarch                 qemu user mode for other architectures' images
@@ -16,7 +17,7 @@ log() { echo "[setup] $*" >&2; }
 want_image=0 want_multiarch=0 parts=""
 for a in "$@"; do
   case "$a" in
-    --binaries) parts=tailscale,upstream,kubernetes,helm,registry,browser ;;
+    --binaries) parts=tailscale,upstream,kubernetes,helm,registry,flux,browser ;;
     --binaries=*) parts=${a#--binaries=} ;;
     --image) want_image=1 ;;
     --multiarch) want_multiarch=1 ;;  # qemu user mode for other architectures' images (make images-archives)
@@ -84,6 +85,11 @@ if [ -n "$parts" ]; then
     # the CNCF registry v3.0.0, the lab's container registry (labtools/registry.py; about 2 min cold)
     if want registry; then
       bash scripts/install-registry.sh >/dev/null || log "building the registry failed; the registry tests will be skipped"
+    fi
+    # Flux's source-controller v1.7.0 and helm-controller v1.4.0, run by the lab's GitOps test and demo
+    # (labtools/fluxlab.py; about 17 min cold on a busy 2-core machine)
+    if want flux; then
+      bash scripts/install-flux.sh >/dev/null || log "building Flux's controllers failed; the GitOps test will be skipped"
     fi
   else
     log "no Go toolchain: the end-to-end tests will be skipped"
