@@ -77,11 +77,12 @@ chart: setup-bin
 ## demo: a local tailnet in network namespaces with the agent exposing a backend (root). Each variant builds only
 ## what it uses: the plain demo tailscaled, tailscale and headscale; --agent upstream upstream containerboot too;
 ## --kube, --controller, --proxygroup, --dns and --apiserver-proxy Kubernetes too (their images are built by the
-## demo itself).
-DEMO_PARTS = tailscale$(if $(findstring upstream,$(DEMO_ARGS)),$(COMMA)upstream)$(if $(or $(findstring --kube,$(DEMO_ARGS)),$(findstring --controller,$(DEMO_ARGS)),$(findstring --proxygroup,$(DEMO_ARGS)),$(findstring --dns,$(DEMO_ARGS)),$(findstring --apiserver-proxy,$(DEMO_ARGS))),$(COMMA)kubernetes)
+## demo itself); --gitops also helm, the registry and Flux (`make release` builds the images, amd64 unless
+## CB_RELEASE_PLATFORMS says otherwise).
+DEMO_PARTS = tailscale$(if $(findstring upstream,$(DEMO_ARGS)),$(COMMA)upstream)$(if $(or $(findstring --kube,$(DEMO_ARGS)),$(findstring --controller,$(DEMO_ARGS)),$(findstring --proxygroup,$(DEMO_ARGS)),$(findstring --dns,$(DEMO_ARGS)),$(findstring --apiserver-proxy,$(DEMO_ARGS)),$(findstring --gitops,$(DEMO_ARGS))),$(COMMA)kubernetes)$(if $(findstring --gitops,$(DEMO_ARGS)),$(COMMA)helm$(COMMA)registry$(COMMA)flux)
 COMMA := ,
 demo: setup
-	@bash scripts/setup.sh --binaries=$(DEMO_PARTS)
+	@bash scripts/setup.sh --binaries=$(DEMO_PARTS)$(if $(findstring --gitops,$(DEMO_ARGS)), --image)
 	$(if $(findstring --image,$(DEMO_ARGS)),bash scripts/setup.sh --image && bash images/build.sh --name $(LAB_PROXY_IMAGE))
 	$(PY) -m labtools.demo $(DEMO_ARGS)
 

@@ -12,23 +12,26 @@ API (root; the controllers from scripts/install-flux.sh)::
     fluxlab.release_next(reg, record_a, "0.1.1", workdir)
 
 How Flux runs here, and why so: both controllers are processes in the cluster's network namespace (the
-control-plane host), each with a kubeconfig holding a token of its own ServiceAccount in ``flux-system``
-(TokenRequest), so the API server sees exactly the identities and RBAC a Flux install's Pods have: each
-module's own manager ClusterRole and leader election Role (config/rbac), and helm-controller bound to
-cluster-admin as Flux's ``cluster-reconciler`` binding does (it applies whatever the chart holds). The flags
-are the modules' own Deployment's (``--watch-all-namespaces``, ``--enable-leader-election``, json logs) with
+control-plane host), each seeing the API server as its Pod would: a token of its own ServiceAccount in
+``flux-system`` (TokenRequest), the cluster's CA and the namespace at the in-cluster path (a private mount
+namespace, pod_view_argv) and KUBERNETES_SERVICE_HOST/PORT, so it takes its in-cluster configuration and the
+API server sees exactly the identities and RBAC of a Flux install's Pods: each module's own manager
+ClusterRole and leader election Role (config/rbac), and helm-controller bound to cluster-admin as Flux's
+``cluster-reconciler`` binding does (it applies whatever the chart holds). The flags are the modules' own
+Deployment's (``--watch-all-namespaces``, ``--enable-leader-election``, json logs) with
 RUNTIME_NAMESPACE=flux-system. Pods would need an image of each controller built offline, imported and run by
-the lab's node; a process needs nothing more than the binary and tests the same API use. The one difference:
-source-controller serves its artifacts (the chart pulled from the registry) over HTTP to helm-controller, and
-advertises the address helm-controller fetches them from: in a Flux install the Service
-``source-controller.flux-system.svc``, here the loopback of the namespace both processes share
-(``--storage-addr`` and ``--storage-adv-addr`` 127.0.0.1:9790).
+the lab's node, for the same API use; a process needs the binary alone. The one difference: source-controller
+serves its artifacts (the chart pulled from the registry) over HTTP to helm-controller, and advertises the
+address helm-controller fetches them from: in a Flux install the Service ``source-controller.flux-system.svc``,
+here the loopback of the network namespace both processes share (``--storage-addr`` and
+``--storage-adv-addr`` 127.0.0.1:9790).
 """
 from __future__ import annotations
 
 import base64
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import tarfile
@@ -107,6 +110,17 @@ def rbac_manifests(d: Path) -> list[dict]:
                  "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                              "name": "cluster-admin"}})
     return objs
+
+
+def pod_view_argv(argv: Sequence[str], sa_dir: Path) -> list[str]:
+    """argv run as a Pod sees its ServiceAccount: in a private mount namespace with a tmpfs on /run (nothing
+    reaches the host's) and ``sa_dir`` (token, ca.crt, namespace) bound at the in-cluster path; with
+    KUBERNETES_SERVICE_HOST/PORT in its environment the controller takes its in-cluster configuration, as in
+    its Pod (it also finds its namespace there, which leader election needs)."""
+    sa = "/run/secrets/kubernetes.io/serviceaccount"
+    script = (f"set -e; mount -t tmpfs tmpfs /run; mkdir -p {sa}; mount --bind {shlex.quote(str(sa_dir))} {sa}; "
+              f"exec {shlex.join(argv)}")
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
 
 
 def controller_argv(d: Path, name: str, storage_dir: Path) -> list[str]:
@@ -208,16 +222,22 @@ class Flux:
         kc.apply(rbac_manifests(d))
         flux = cls(kc, d, run_dir, {})
         try:
+            host, _, port = kc.server.removeprefix("https://").rpartition(":")
             for c in CONTROLLERS:
-                cfg = kc.write_kubeconfig(run_dir / f"{c}.kubeconfig",
-                                          kc.service_account_token(FLUX_NS, c, 6 * 3600), user=c)
+                sa_dir = run_dir / f"{c}-serviceaccount"
+                sa_dir.mkdir(exist_ok=True)
+                (sa_dir / "token").write_text(kc.service_account_token(FLUX_NS, c, 6 * 3600))
+                (sa_dir / "token").chmod(0o600)
+                shutil.copy(kc.ca_cert, sa_dir / "ca.crt")
+                (sa_dir / "namespace").write_text(FLUX_NS)
                 storage = run_dir / "storage"
                 storage.mkdir(exist_ok=True)
                 log = open(run_dir / f"{c}.log", "ab")
                 flux.procs[c] = kc.popen(
-                    controller_argv(d, c, storage), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True, cwd=str(run_dir),
-                    env={"KUBECONFIG": str(cfg), "RUNTIME_NAMESPACE": FLUX_NS, "TUF_ROOT": str(run_dir / ".sigstore")})
+                    pod_view_argv(controller_argv(d, c, storage), sa_dir), stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True, cwd=str(run_dir),
+                    env={"KUBERNETES_SERVICE_HOST": host.strip("[]"), "KUBERNETES_SERVICE_PORT": port,
+                         "RUNTIME_NAMESPACE": FLUX_NS, "TUF_ROOT": str(run_dir / ".sigstore")})
                 log.close()
             for c in CONTROLLERS:
                 flux.wait_ready(c, timeout)
@@ -229,13 +249,17 @@ class Flux:
     def wait_ready(self, name: str, timeout: float) -> None:
         health = PORTS[name][1]
 
-        def ready() -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
             if self.procs[name].poll() is not None:
                 raise FluxError(f"{name} exited ({self.procs[name].returncode}):\n{self.log(name)[-3000:]}")
             cp = self.kc.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"http://{health}/readyz"],
                              check=False, timeout=10)
-            return cp.stdout.strip() == "200"
-        wait_until(ready, timeout, 0.5, f"{name} ready")
+            if cp.stdout.strip() == "200":
+                return
+            if time.monotonic() > deadline:
+                raise FluxError(f"{name} not ready after {timeout}s:\n{self.log(name)[-3000:]}")
+            time.sleep(0.5)
 
     def log(self, name: str) -> str:
         p = self.run_dir / f"{name}.log"
