@@ -24,9 +24,10 @@ MAKE_IMAGE = bash scripts/setup.sh --image && bash images/build.sh --name $(LAB_
 
 ## image: the proxy image localhost/containerboot-py:latest from the Dockerfile, offline, plus its OCI archive
 ## (path: bash images/build.sh --print-archive). Cached: nothing changed, nothing rebuilt. See images/README.md.
+## TAILSCALE_VERSION=1.102.x builds it with that tailscale (give it its own LAB_PROXY_IMAGE name).
 image: setup-bin
 	@bash scripts/setup.sh --image
-	@bash images/build.sh --name $(LAB_PROXY_IMAGE)
+	@$(if $(TAILSCALE_VERSION),TS_VER=v$(TAILSCALE_VERSION)) bash images/build.sh --name $(LAB_PROXY_IMAGE)
 
 # Images for a registry (docs/install-headscale.md, step 1). TAG defaults to the chart's appVersion.
 REGISTRY ?=
