@@ -281,7 +281,8 @@ def wait_release_ready(kc: kubecluster.KubeCluster, namespace: str, name: str, v
         hr = kc.get("helmrelease", name, namespace)
         st = (hr or {}).get("status") or {}
         history = st.get("history") or [{}]
-        if condition(hr).get("status") == "True" and history[0].get("chartVersion") == version \
+        # the version helm-controller records carries the OCI artifact's digest as build metadata (0.1.0+<digest>)
+        if condition(hr).get("status") == "True" and history[0].get("chartVersion", "").split("+")[0] == version \
                 and st.get("observedGeneration") == (hr or {}).get("metadata", {}).get("generation"):
             return hr
         return None
