@@ -87,7 +87,7 @@ if [ -n "$parts" ]; then
       bash scripts/install-registry.sh >/dev/null || log "building the registry failed; the registry tests will be skipped"
     fi
     # Flux's source-controller v1.7.0 and helm-controller v1.4.0, run by the lab's GitOps test and demo
-    # (labtools/fluxlab.py; about 17 min cold on a busy 2-core machine)
+    # (labtools/fluxlab.py; 17 to 70 min cold on a 2-core machine, as busy as it is: docs/lab-and-tests.md)
     if want flux; then
       bash scripts/install-flux.sh >/dev/null || log "building Flux's controllers failed; the GitOps test will be skipped"
     fi
