@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 export CB_BIN_DIR ?= $(shell bash scripts/install-binaries.sh --print-dir 2>/dev/null)
 
-.PHONY: compat setup setup-bin image images images-archives release release-check chart demo test test-unit test-netns bench clean-lab readme modulemap figures manifests check fuzz outages hostile crash
+.PHONY: test-ecosystem compat setup setup-bin image images images-archives release release-check chart demo test test-unit test-netns bench clean-lab readme modulemap figures manifests check fuzz outages hostile crash
 
 setup:
 	@bash scripts/setup.sh
@@ -24,9 +24,10 @@ MAKE_IMAGE = bash scripts/setup.sh --image && bash images/build.sh --name $(LAB_
 
 ## image: the proxy image localhost/containerboot-py:latest from the Dockerfile, offline, plus its OCI archive
 ## (path: bash images/build.sh --print-archive). Cached: nothing changed, nothing rebuilt. See images/README.md.
+## TAILSCALE_VERSION=1.102.x builds it with that tailscale (give it its own LAB_PROXY_IMAGE name).
 image: setup-bin
 	@bash scripts/setup.sh --image
-	@bash images/build.sh --name $(LAB_PROXY_IMAGE)
+	@$(if $(TAILSCALE_VERSION),TS_VER=v$(TAILSCALE_VERSION)) bash images/build.sh --name $(LAB_PROXY_IMAGE)
 
 # Images for a registry (docs/install-headscale.md, step 1). TAG defaults to the chart's appVersion.
 REGISTRY ?=
@@ -77,11 +78,12 @@ chart: setup-bin
 ## demo: a local tailnet in network namespaces with the agent exposing a backend (root). Each variant builds only
 ## what it uses: the plain demo tailscaled, tailscale and headscale; --agent upstream upstream containerboot too;
 ## --kube, --controller, --proxygroup, --dns and --apiserver-proxy Kubernetes too (their images are built by the
-## demo itself); --controller --https helm and cert-manager too.
-DEMO_PARTS = tailscale$(if $(findstring upstream,$(DEMO_ARGS)),$(COMMA)upstream)$(if $(or $(findstring --kube,$(DEMO_ARGS)),$(findstring --controller,$(DEMO_ARGS)),$(findstring --proxygroup,$(DEMO_ARGS)),$(findstring --dns,$(DEMO_ARGS)),$(findstring --apiserver-proxy,$(DEMO_ARGS))),$(COMMA)kubernetes)$(if $(findstring --https,$(DEMO_ARGS)),$(COMMA)helm$(COMMA)cert-manager)
+## demo itself); --controller --https helm and cert-manager too; --gitops also helm, the registry and Flux
+## (`make release` builds the images, amd64 unless CB_RELEASE_PLATFORMS says otherwise).
+DEMO_PARTS = tailscale$(if $(findstring upstream,$(DEMO_ARGS)),$(COMMA)upstream)$(if $(or $(findstring --kube,$(DEMO_ARGS)),$(findstring --controller,$(DEMO_ARGS)),$(findstring --proxygroup,$(DEMO_ARGS)),$(findstring --dns,$(DEMO_ARGS)),$(findstring --apiserver-proxy,$(DEMO_ARGS)),$(findstring --gitops,$(DEMO_ARGS))),$(COMMA)kubernetes)$(if $(findstring --https,$(DEMO_ARGS)),$(COMMA)helm$(COMMA)cert-manager)$(if $(findstring --gitops,$(DEMO_ARGS)),$(COMMA)helm$(COMMA)registry$(COMMA)flux)
 COMMA := ,
 demo: setup
-	@bash scripts/setup.sh --binaries=$(DEMO_PARTS)
+	@bash scripts/setup.sh --binaries=$(DEMO_PARTS)$(if $(findstring --gitops,$(DEMO_ARGS)), --image)
 	$(if $(findstring --image,$(DEMO_ARGS)),bash scripts/setup.sh --image && bash images/build.sh --name $(LAB_PROXY_IMAGE))
 	$(PY) -m labtools.demo $(DEMO_ARGS)
 
@@ -92,7 +94,7 @@ demo: setup
 # -rs lists every skip with its reason; under CI a skip not in tests/expected-skips.txt fails the run.
 PYTEST_WORKERS ?= 2
 UNIT_ARGS = -rs -n $(PYTEST_WORKERS)
-NETNS_ARGS = -rs -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+NETNS_ARGS = -rs -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not ecosystem"
 
 ## test: unit tests (no root, no network), then the namespace and end-to-end tests (root).
 # The release tests (netns-tests/test_release_*.py) build and push the images for these platforms. The suite
@@ -112,6 +114,17 @@ test-unit: setup
 test-netns: setup-bin
 	@$(MAKE_IMAGE)
 	$(PY) -m pytest -q $(NETNS_ARGS) netns-tests
+
+## test-ecosystem: the tests that run other projects' controllers in the lab's real cluster, as their installs
+## run them: Flux installing, upgrading and removing the chart from a release in the lab's registry
+## (netns-tests/test_flux_realkube.py) and cert-manager issuing the certificates an Ingress and the API server
+## proxy serve (netns-tests/test_certmanager_e2e.py). Not part of `make test`: their Go builds take about an
+## hour cold on 2 cores and the two modules 10 to 25 minutes, past CI's budget (docs/lab-and-tests.md).
+test-ecosystem: setup-bin
+	@bash scripts/setup.sh --binaries=flux,cert-manager
+	@$(MAKE_IMAGE)
+	$(PY) -m pytest -q -p no:cacheprovider -rs -n $(PYTEST_WORKERS) --dist loadfile -m ecosystem \
+		netns-tests/test_flux_realkube.py netns-tests/test_certmanager_e2e.py
 
 ## release-check: the release tests for linux/amd64 and linux/arm64 (the arm64 entry of each index checked:
 ## platform, digest, its config's architecture), arm64 built under qemu (root).

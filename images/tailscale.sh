@@ -61,7 +61,10 @@ else
       -ldflags="-s -w -X tailscale.com/version.longStamp=${ver#v}-cbpy -X tailscale.com/version.shortStamp=${ver#v}" \
       "tailscale.com/cmd/tailscaled@$ver" >&2
     out=$(find "$gobin/bin" -name tailscaled -type f | head -1)
-    mv "$out" "$slim.tmp" && mv "$slim.tmp" "$slim"
+    # another TAILSCALE_VERSION's binaries directory may not exist yet (install-binaries.sh made only its own)
+    mkdir -p "$(dirname "$slim")"
+    mv "$out" "$slim.tmp"
+    mv "$slim.tmp" "$slim"
     chmod -R u+w "$gobin" 2>/dev/null; rm -rf "$gobin"
     log "built $slim in $(( $(date +%s) - start ))s"
   fi

@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python -m labtools.demo [--agent python|upstream] [--firewall nftables|iptables] [--once]
                                            [--image [IMAGE]] [--kube | --controller [--https] | --proxygroup
-                                            | --apiserver-proxy | --dns]
+                                            | --apiserver-proxy | --dns | --gitops]
 
 Builds the lab (headscale, a `client` tailscaled node, an HTTP backend), starts the agent in the `proxy`
 namespace with TS_DEST_IP=<backend IPv4>[,<backend IPv6>] (--dest; dual-stack by default for our agent), prints
@@ -14,6 +14,7 @@ with --once) and tears everything down. Exit status: 0 if every curl that was ex
 --proxygroup (labtools.pgdemo) egresses to the tailnet through a ProxyGroup of two and deletes one replica.
 --apiserver-proxy (labtools.apiproxydemo) shows kubectl from the tailnet client through the API server proxy.
 --dns (labtools.dnsdemo) shows a tailnet name resolving in a Pod through a DNSConfig.
+--gitops (labtools.gitopsdemo): `make release` into the lab's registry, Flux installs the controller from it.
 """
 from __future__ import annotations
 
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                     "in a real Kubernetes exposes an annotated Service (labtools.controllerdemo)")
     ap.add_argument("--proxygroup", action="store_true", help="a client Pod egresses to a tailnet node through "
                     "a ProxyGroup of two while one replica is deleted (labtools.pgdemo)")
+    ap.add_argument("--gitops", action="store_true", help="`make release` into the lab's registry, then Flux's "
+                    "source-controller and helm-controller install the controller from it (OCIRepository, "
+                    "HelmRelease) and an exposed Service is reached from the tailnet (labtools.gitopsdemo)")
     a = ap.parse_args(argv)
     if a.image and a.agent != "python":
         ap.error("--image runs our agent; it cannot be combined with --agent upstream")
@@ -100,6 +104,16 @@ def main(argv: list[str] | None = None) -> int:
             return apiproxydemo.run(a.firewall, a.once, recorder=a.recorder)
         except KeyboardInterrupt:
             return 130
+    if a.gitops:
+        from labtools import gitopsdemo
+        try:
+            return gitopsdemo.run(a.firewall, a.once)
+        except KeyboardInterrupt:
+            _say("\ninterrupted; lab and cluster torn down")
+            return 0
+        except LabError as e:
+            _say(f"lab error: {e}")
+            return 2
     if a.kube or a.controller or a.proxygroup or a.dns:
         from labtools import controllerdemo, dnsdemo, kubedemo, pgdemo
         try:

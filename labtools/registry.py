@@ -44,6 +44,9 @@ from labtools.lab import stop_process
 
 REGISTRY_VERSION = "v3.0.0"
 USERNAME = "lab"
+#: what a client accepts for an image index, and for an image manifest (OCI and Docker media types)
+INDEX = "application/vnd.oci.image.index.v1+json, application/vnd.docker.distribution.manifest.list.v2+json"
+MANIFEST = "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json"
 REALM = "containerboot-py lab registry"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -256,6 +259,21 @@ class LabRegistry:
         if code != 200:
             raise RegistryError(f"GET {path}: HTTP {code}: {body[:300]!r}")
         return json.loads(body), headers.get("docker-content-digest", "")
+
+    def tag(self, repo: str, digest: str, tag: str) -> None:
+        """Tag the manifest or index ``repo@digest`` as ``repo:tag`` (its bytes put again under the tag: the
+        digest stays the same, as ``crane tag`` does)."""
+        code, headers, body = self.fetch(f"/v2/{repo}/manifests/{digest}", f"{INDEX}, {MANIFEST}")
+        if code != 200:
+            raise RegistryError(f"GET {repo}@{digest}: HTTP {code}: {body[:300]!r}")
+        media = headers.get("content-type", "")
+        argv = ["curl", "-sS", "-K", "-", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", str(self.ca_cert),
+                "-X", "PUT", "-H", f"Content-Type: {media}", "--data-binary", f"@{self.files.root / 'put.json'}",
+                f"https://{self.address}/v2/{repo}/manifests/{tag}"]
+        (self.files.root / "put.json").write_bytes(body)
+        cp = self.run(argv, check=False, timeout=60, input=f'user = "{self.username}:{self.password}"\n')
+        if cp.stdout.strip() != "201":
+            raise RegistryError(f"PUT {repo}:{tag}: HTTP {cp.stdout.strip()} {cp.stderr.strip()}")
 
     def status(self, path: str = "/v2/", *, auth: bool) -> int:
         """The HTTP status of a GET on the registry, with or without the credentials (curl, trusting the CA)."""

@@ -24,6 +24,7 @@ from needs import unavailable
 # wall time (docs/lab-and-tests.md); modules not named keep their order after these.
 _LONGEST_FIRST = (
     "test_release_realkube.py",   # its first run builds the release's arm64 images under qemu
+    "test_flux_realkube.py",      # a release, Flux's install, upgrade and removal in one cluster
     "test_controller_realkube_e2e.py",
     "test_realkube_agent_e2e.py",
     "test_pg_failover_twonode.py",

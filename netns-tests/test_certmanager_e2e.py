@@ -34,7 +34,7 @@ from labtools import certmanager, helmchart, kubecluster, kubecontroller, kubema
 from labtools.lab import wait_until
 from tests.support.testca import TestCA
 
-pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.ecosystem, pytest.mark.timeout(900)]
 
 ISSUER = "lab-ca"
 

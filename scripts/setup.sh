@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Idempotent set-up for the demo and the tests: Debian packages, the Python venv, and (with --binaries) the
 # pinned Go-built binaries. Each step is skipped when already done. Progress goes to stderr.
-#   --binaries                  everything: tailscale (tailscaled, tailscale, headscale), upstream (upstream
-#                               containerboot, the tests' reference agent), kubernetes (Kubernetes, etcd, CoreDNS
-#                               and the node's Debian packages), helm, registry (the lab's container registry,
-#                               with Apache's htpasswd for its users), browser (Debian's chromium and its
-#                               driver, for the recorder's replay page test) and cert-manager (v1.19.1, the
-#                               lab's cert-manager for the HTTPS tests and demo)
+#   --binaries                  what `make test` needs: tailscale (tailscaled, tailscale, headscale), upstream
+#                               (upstream containerboot, the tests' reference agent), kubernetes (Kubernetes,
+#                               etcd, CoreDNS and the node's Debian packages), helm, registry (the lab's container
+#                               registry, with Apache's htpasswd for its users) and browser (Debian's chromium and
+#                               its driver, for the recorder's replay page test)
+#   --binaries=flux,cert-manager
+#                               the other projects' controllers `make test-ecosystem` runs: Flux's
+#                               source-controller and helm-controller with their CRDs and RBAC (the GitOps test
+#                               and demo) and cert-manager v1.19.1 (the HTTPS test and demo); about an hour of
+#                               Go builds cold, hence not part of --binaries
 #   --binaries=tailscale,...    only those parts (the plain `make demo` needs tailscale alone)
 #   --image                     podman, runc and mmdebstrap for images/build.sh
 #   --multiarch                 qemu user mode for other architectures' images
@@ -17,7 +21,7 @@ log() { echo "[setup] $*" >&2; }
 want_image=0 want_multiarch=0 parts=""
 for a in "$@"; do
   case "$a" in
-    --binaries) parts=tailscale,upstream,kubernetes,helm,registry,browser,cert-manager ;;
+    --binaries) parts=tailscale,upstream,kubernetes,helm,registry,browser ;;
     --binaries=*) parts=${a#--binaries=} ;;
     --image) want_image=1 ;;
     --multiarch) want_multiarch=1 ;;  # qemu user mode for other architectures' images (make images-archives)
@@ -90,6 +94,11 @@ if [ -n "$parts" ]; then
     # the CNCF registry v3.0.0, the lab's container registry (labtools/registry.py; about 2 min cold)
     if want registry; then
       bash scripts/install-registry.sh >/dev/null || log "building the registry failed; the registry tests will be skipped"
+    fi
+    # Flux's source-controller v1.7.0 and helm-controller v1.4.0, run by the lab's GitOps test and demo
+    # (labtools/fluxlab.py; 17 to 70 min cold on a 2-core machine, as busy as it is: docs/lab-and-tests.md)
+    if want flux; then
+      bash scripts/install-flux.sh >/dev/null || log "building Flux's controllers failed; the GitOps test will be skipped"
     fi
   else
     log "no Go toolchain: the end-to-end tests will be skipped"
