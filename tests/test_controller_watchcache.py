@@ -11,14 +11,14 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from kopf._core.engines.indexing import OperatorIndexer  # noqa: E402  (kopf's own index, as the operators fill it)
+from kopf._core.engines.indexing import OperatorIndexer
 
-from controller.config import ControllerConfig  # noqa: E402
-from controller.kubeapi import NAMESPACES, SECRETS, SERVICES, STATEFULSETS  # noqa: E402
-from controller.model import Parent  # noqa: E402
-from controller.reconcile import PENDING_RECHECK, Reconciler  # noqa: E402
-from controller.render import base_name, child_labels, secret_name  # noqa: E402
-from controller.watchcache import (  # noqa: E402
+from controller.config import ControllerConfig
+from controller.kubeapi import NAMESPACES, SECRETS, SERVICES, STATEFULSETS
+from controller.model import Parent
+from controller.reconcile import PENDING_RECHECK, Reconciler
+from controller.render import base_name, child_labels, secret_name
+from controller.watchcache import (
     CHILDREN,
     PARENTS,
     WATCHED,
@@ -27,7 +27,7 @@ from controller.watchcache import (  # noqa: E402
     index_entries,
     parse_selector,
 )
-from tests.support.fakekube import FakeKube, FakeProvider  # noqa: E402
+from tests.support.fakekube import FakeKube, FakeProvider
 
 CFG = ControllerConfig(namespace="tailscale", proxy_image="registry.local/proxy:1",
                        login_server="http://hs.test:8080")
