@@ -8,7 +8,9 @@ Secret access. Event handlers only compute the parent's key and poke the queue: 
 are used; its peering is not (a Lease decides which replica runs, `controller.leader`), nor its per-handler
 progress records (they would be a write to every parent on every change, and a pass that changes nothing
 must write nothing). Kopf's posting of its own log
-lines as Kubernetes events is off: the reconciler writes the events users should see.
+lines as Kubernetes events is off: the reconciler writes the events users should see. The same watches fill
+kopf indexes, one per watched kind (`controller.watchcache.WATCHED`), which the passes read instead of the API
+server; the first handler call of each operator hands them over (`WatchCache.attach`).
 """
 from __future__ import annotations
 
