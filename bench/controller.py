@@ -126,6 +126,16 @@ def count(k: KubeCluster) -> tuple[int, int]:
     return sts, sec
 
 
+def reads_by_resource(events: list[dict]) -> dict[str, int]:
+    """`verb resource` -> count, for the reads: where they go."""
+    out: dict[str, int] = {}
+    for e in events:
+        if e.get("verb") not in WRITES:
+            key = f"{e.get('verb', '?')} {(e.get('objectRef') or {}).get('resource', '?')}"
+            out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def by_verb(events: list[dict]) -> dict[str, int]:
     out: dict[str, int] = {}
     for e in events:
@@ -203,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle", type=float, default=60.0)
     ap.add_argument("--baseline", default="", metavar="FILE",
                     help="another tree's figures (this bench's JSON) for a column beside this run's")
+    ap.add_argument("--keep", action="store_true", help="keep the run directory (logs, audit log)")
     ap.add_argument("--baseline-name", default="before", help="the baseline column's heading")
     ap.add_argument("--concurrency", type=int, default=50)
     ap.add_argument("--e2e", type=int, default=0, metavar="N",
@@ -278,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             "all_statefulsets_and_secrets_s": round(t_objects, 2), "all_statuses_written_s": round(t_settled, 2),
             "requests_per_service": round((reads + writes) / a.services, 2),
             "reads_per_service": round(reads / a.services, 2), "writes_per_service": round(writes / a.services, 2),
-            "verbs": verbs, "idle_cpu_percent": round(idle_cpu, 2), "idle_rss_mib": round(rss, 1),
+            "verbs": verbs, "reads": reads_by_resource(ev),
+            "idle_cpu_percent": round(idle_cpu, 2), "idle_rss_mib": round(rss, 1),
             "idle_requests": idle_events, "idle_window_s": a.idle, "idle_requests_per_minute": round(idle_per_min, 1),
             "idle_verbs": by_verb(idle_ev), "restart_pass_all_s": round(t_repass, 2),
             "restart_writes": len(re_writes), "restart_reads": re_reads, "restart_lists": lists,
@@ -338,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     p.kill()
         k.close()
-        shutil.rmtree(d, ignore_errors=True)
+        if a.keep:
+            print(f"run directory kept: {d}")
+        else:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

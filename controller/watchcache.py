@@ -217,10 +217,12 @@ class WatchCache:
         idx = self.indices[w.index_id]
         if labels:
             # the smallest set among the selector's labels (a parent's name rather than the managed label)
-            stores: list[list[Mapping[str, Any]]] = [list(idx[("l", k, v)]) if ("l", k, v) in idx else []
-                                                     for k, v in labels.items()]
-            smallest = min(stores, key=len)
-            candidates: Iterable[Mapping[str, Any]] = smallest
+            keys = [("l", k, v) for k, v in labels.items()]
+            if all(k in idx for k in keys):
+                smallest = min(keys, key=lambda k: len(idx[k]))
+                candidates: Iterable[Mapping[str, Any]] = list(idx[smallest])
+            else:
+                candidates = ()
         elif namespace or not w.res.namespaced:
             key = ("ns", namespace if w.res.namespaced else "")
             candidates = idx[key] if key in idx else ()
