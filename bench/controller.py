@@ -272,33 +272,39 @@ def main(argv: list[str] | None = None) -> int:
         verbs = by_verb(ev)
         reads = sum(v for kk, v in verbs.items() if kk not in WRITES)
         writes = sum(v for kk, v in verbs.items() if kk in WRITES)
-        c0, t_idle0 = cpu_seconds(p.pid), time.monotonic()
-        time.sleep(a.idle)
-        idle_cpu = (cpu_seconds(p.pid) - c0) / (time.monotonic() - t_idle0) * 100
-        rss = rss_mib(p.pid)
-        idle_ev = controller_events(k)[total:]
-        idle_events = len(idle_ev)
-        idle_per_min = idle_events / a.idle * 60
-        # restart: every pass again, nothing changed
-        p.terminate()
-        p.wait(30)
-        before = len(controller_events(k))
-        p2 = start_controller(k, d, "2")
-        procs.append(p2)
-        t1 = time.monotonic()
-        # every pass again: from its first request (its watches' lists) until its requests stop
-        while len(controller_events(k)) <= before and time.monotonic() - t1 < 120:
-            time.sleep(0.25)
-        after = wait_quiet(k, 10.0, max(300.0, a.services * 0.2))
-        t_repass = time.monotonic() - t1 - 10.0
-        rev = controller_events(k)[before:after]
-        re_writes = [e for e in rev if e.get("verb") in WRITES]
+        # idle and restart only once every proxy exists (a run stopped by --timeout is still creating them)
+        idle_cpu = rss = idle_per_min = t_repass = 0.0
+        idle_ev: list[dict] = []
+        re_writes: list[dict] = []
         lists: dict[str, int] = {}
-        for e in rev:
-            if e.get("verb") == "list":
-                r = (e.get("objectRef") or {}).get("resource", "?")
-                lists[r] = lists.get(r, 0) + 1
-        re_reads = sum(1 for e in rev if e.get("verb") not in WRITES)
+        re_reads = idle_events = 0
+        if done == a.services:
+            c0, t_idle0 = cpu_seconds(p.pid), time.monotonic()
+            time.sleep(a.idle)
+            idle_cpu = (cpu_seconds(p.pid) - c0) / (time.monotonic() - t_idle0) * 100
+            rss = rss_mib(p.pid)
+            idle_ev = controller_events(k)[total:]
+            idle_events = len(idle_ev)
+            idle_per_min = idle_events / a.idle * 60
+            # restart: every pass again, nothing changed
+            p.terminate()
+            p.wait(30)
+            before = len(controller_events(k))
+            p2 = start_controller(k, d, "2")
+            procs.append(p2)
+            t1 = time.monotonic()
+            # every pass again: from its first request (its watches' lists) until its requests stop
+            while len(controller_events(k)) <= before and time.monotonic() - t1 < 120:
+                time.sleep(0.25)
+            after = wait_quiet(k, 10.0, max(300.0, a.services * 0.2))
+            t_repass = time.monotonic() - t1 - 10.0
+            rev = controller_events(k)[before:after]
+            re_writes = [e for e in rev if e.get("verb") in WRITES]
+            for e in rev:
+                if e.get("verb") == "list":
+                    r = (e.get("objectRef") or {}).get("resource", "?")
+                    lists[r] = lists.get(r, 0) + 1
+            re_reads = sum(1 for e in rev if e.get("verb") not in WRITES)
         fig = {
             "services": a.services, "create_all_s": round(t_created, 2),
             "all_statefulsets_and_secrets_s": round(t_objects, 2), "all_statuses_written_s": round(t_settled, 2),
@@ -340,8 +346,10 @@ def main(argv: list[str] | None = None) -> int:
             ["a restarted controller: time until its requests stop / writes / reads / most lists of one kind",
              f"{t_repass:.1f} s / {len(re_writes)} / {re_reads} / {fig['restart_most_lists_of_a_kind']}"],
         ]
+        if done < n:         # stopped by --timeout: no idle window, no restart
+            rows = rows[:3]
         columns = [f"{n} Services", "value"]
-        if a.baseline:
+        if a.baseline and done == n:
             b = json.loads(pathlib.Path(a.baseline).read_text())
             columns.append(a.baseline_name)
             bidle = b.get("idle_requests_per_minute", b["idle_requests"] / b.get("idle_window_s", a.idle) * 60)
