@@ -93,7 +93,7 @@ class Writer:
             except KubeError as e:
                 # There after all: made by hand without our labels (a cache knows only what carries them), or
                 # not yet seen by the watch. Read it and go on as if it had been read first.
-                if e.status != 409 or (cur := await self.kube.get(res, md["name"], ns)) is None:
+                if e.reason != "AlreadyExists" or (cur := await self.kube.get(res, md["name"], ns)) is None:
                     raise
         if (cur["metadata"].get("annotations") or {}).get(render.SPEC_HASH) == md["annotations"][render.SPEC_HASH]:
             return dict(cur)
