@@ -287,7 +287,8 @@ class WatchCache:
         self._keep(res, key, (resource_version(obj), slim(obj), self.clock()))
 
     def forget(self, res: Resource, namespace: str, name: str) -> None:
-        """A deleted object: absent until the watch shows a newer version (a foreground deletion's) or its end."""
+        """A deleted object: absent until the watch shows a newer version (a finalizer's deletionTimestamp) or its
+        end."""
         w = next((w for w in WATCHED if w.res == res), None)
         if w is None or w.index_id not in self.indices:
             return
@@ -369,5 +370,9 @@ class CachedKube:
 
     async def delete(self, res: Resource, name: str, namespace: str = "", *, propagation: str = "") -> bool:
         out = await self.kube.delete(res, name, namespace, propagation=propagation)
-        self.cache.forget(res, namespace, name)
+        if propagation != "Foreground":
+            # A foreground deletion leaves the object (its dependents go first): the watch shows it going, and a
+            # pass waiting for it to be gone (the proxy's StatefulSet before its devices and finalizer) must not
+            # see it gone any sooner.
+            self.cache.forget(res, namespace, name)
         return out

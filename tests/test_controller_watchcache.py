@@ -166,3 +166,26 @@ def test_selectors():
     assert parse_selector("a!=b") is None
     assert parse_selector("a in (b)") is None
     assert parse_selector("a") is None
+
+
+async def test_a_statefulset_deleted_in_the_foreground_holds_the_cleanup_until_the_watch_shows_it_gone():
+    api, cache, watches, rec, _ = setup()
+    svc = expose(api)
+    watches.deliver()
+    await rec.reconcile("svc", "apps", "web")
+    watches.deliver()
+    api.objects[("services", "apps", "web")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    watches.deliver()
+    await rec.reconcile("svc", "apps", "web")           # the StatefulSet is deleted in the foreground
+    name = base_name(Parent("svc", "web", "apps", svc["metadata"]["uid"]))
+    assert api.obj(STATEFULSETS, name, "tailscale") is not None     # its Pods are going
+    # the watch has not shown anything since: the next pass must still wait, and keep our finalizer
+    await rec.reconcile("svc", "apps", "web")
+    assert "tailscale.com/finalizer" in api.obj(SERVICES, "web", "apps")["metadata"]["finalizers"]
+    api.finish_deletions()
+    watches.deliver()
+    await rec.reconcile("svc", "apps", "web")
+    watches.deliver()
+    assert api.obj(STATEFULSETS, name, "tailscale") is None
+    assert api.obj(SERVICES, "web", "apps") is None or \
+        "tailscale.com/finalizer" not in (api.obj(SERVICES, "web", "apps")["metadata"].get("finalizers") or [])
