@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             ["every proxy's StatefulSet and Secret exists",
              f"{t_objects:.1f} s after the first create ({t_created:.1f} s to create the {n} Services)"
              if done == n else f"{done} of {n} after {t_objects:.0f} s (stopped there)"],
-            ["every status written, the controller's requests stop: time / controller CPU / RSS",
+            ["every status written, the controller's requests stop: time / controller CPU / RSS" if done == n else
+             "when stopped: time / controller CPU / RSS",
              f"{t_settled:.1f} s / {cpu_converge:.0f} s / {rss_converged:.0f} MiB"],
             ["API requests per Service (from the API server's audit log)"
              + (f", of the {done} done" if done < n else ""),
@@ -368,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         recorded = a.recorded or f"{results.machine()}; a real kube-apiserver and etcd, static key provider"
         results.record(results.Results("controller" if n == 500 else "controller_scale",
                                        "python -m bench.controller" + (f" --services {n}" if n != 500 else "") +
-                                       (f" --idle {a.idle:g}" if a.idle != 60 else ""), recorded, {"main": table}),
+                                       (f" --idle {a.idle:g}" if a.idle != 60 else "") +
+                                       (f" --timeout {a.timeout:g}" if a.timeout else ""), recorded, {"main": table}),
                        a.record)
         return 0
     finally:
