@@ -119,7 +119,7 @@ test-netns: setup-bin
 ## run them: Flux installing, upgrading and removing the chart from a release in the lab's registry
 ## (netns-tests/test_flux_realkube.py) and cert-manager issuing the certificates an Ingress and the API server
 ## proxy serve (netns-tests/test_certmanager_e2e.py). Not part of `make test`: their Go builds take about an
-## hour cold on 2 cores and the two modules 10 to 25 minutes, past CI's budget (docs/lab-and-tests.md).
+## hour cold on 2 cores, past CI's budget for a cold run (docs/lab-and-tests.md).
 test-ecosystem: setup-bin
 	@bash scripts/setup.sh --binaries=flux,cert-manager
 	@$(MAKE_IMAGE)
