@@ -15,7 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from controller import adoption
 from controller.config import TAILSCALE_LOGIN_SERVER, ControllerConfig
-from controller.kubeapi import CONNECTORS, EVENTS, SECRETS, SERVICES, STATEFULSETS
+from controller.kubeapi import CONNECTORS, EVENTS, INGRESSES, SECRETS, SERVICES, STATEFULSETS
 from controller.model import Parent
 from controller.passes.parents import CLEANUP_RECHECK
 from controller.reconcile import Reconciler
@@ -277,3 +277,24 @@ async def test_a_connectors_two_replicas_keep_their_devices(env):
     assert prov.keys == []
     assert [secret_data(kube, f"{ours}-{i}")["device_id"] for i in range(2)] == [b"20", b"21"]
     assert [e[1] for e in events(kube) if e[1].startswith("Upstream")] == ["UpstreamProxyAdopted"] * 2
+
+
+async def test_an_ingress_keeps_upstreams_device(env):
+    kube, prov, rec, log = env
+    kube.put(SERVICES, {"metadata": {"name": "be", "namespace": "apps"},
+                        "spec": {"clusterIP": "10.96.0.20", "ports": [{"port": 80}]}})
+    ing = kube.put(INGRESSES, {"metadata": {"name": "web", "namespace": "apps"},
+                               "spec": {"ingressClassName": "tailscale",
+                                        "defaultBackend": {"service": {"name": "be", "port": {"number": 80}}}}})
+    uid = ing["metadata"]["uid"]
+    # upstream names an Ingress's device <namespace>-<name>-ingress without a TLS host, as this controller does
+    put_upstream(kube, "ts-web-r4t5y", typ="ingress", uid=uid, data=upstream_state(hostname="apps-web-ingress"))
+    assert await rec.reconcile("ingress", "apps", "web") == CLEANUP_RECHECK    # upstream's Pods stop first
+    kube.finish_deletions()
+    await rec.reconcile("ingress", "apps", "web")
+    ours = base_name(Parent("ingress", "web", "apps", uid))
+    data = secret_data(kube, f"{ours}-0")
+    assert prov.keys == [] and not [e for e in log if e[0] == "delete-device"]
+    for k in ("_machinekey", "_current-profile", "profile-1a2b", "device_id"):
+        assert data[k] == upstream_state(hostname="apps-web-ingress")[k], k
+    assert [e[:2] for e in events(kube) if e[1].startswith("Upstream")] == [("Normal", "UpstreamProxyAdopted")]
