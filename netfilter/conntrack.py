@@ -9,7 +9,9 @@ reconciler, `netfilter.cli`) decides when this clean-up runs, because it is a du
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .model import RuleSet
 
@@ -98,33 +100,21 @@ def flush_stale_conntrack(rules: RuleSet, previous: RuleSet | None = None) -> in
 
     if previous is not None and _only_additions(previous, rules):
         return 0
-    removed = 0
-    for version, family in ((4, socket.AF_INET), (6, socket.AF_INET6)):
+
+    def stale_in(version: int) -> "Callable[[Any], bool]":
         oracle = NatOracle(rules, version)
         old = NatOracle(previous, version) if previous is not None else None
-        try:
-            ct = conntrack_class()(nfgen_family=family)
-        except Exception as err:
-            log.debug("conntrack unavailable (IPv%d): %s", version, err)
-            continue
-        try:
-            # Read the whole dump before deleting: pyroute2 cannot interleave requests with a running dump.
-            for e in list(ct.dump_entries()):
-                if not (e.status or 0) & IPS_DST_NAT or e.tuple_orig.proto != socket.IPPROTO_UDP:
-                    continue
-                o, r = e.tuple_orig, e.tuple_reply
-                dst = ipaddress.ip_address(o.daddr)
-                gone = old is not None and old.covers("udp", dst, o.dport) and not oracle.covers("udp", dst, o.dport)
-                if gone or oracle.is_stale("udp", dst, o.dport, ipaddress.ip_address(r.saddr), r.sport):
-                    try:
-                        ct.delete(e)
-                        removed += 1
-                    except Exception as err:   # already gone
-                        log.debug("conntrack delete %s: %s", e, err)
-        except Exception as err:
-            log.info("could not clean up conntrack entries (IPv%d): %s", version, err)
-        finally:
-            ct.close()
+
+        def stale(e: Any) -> bool:
+            o, r = e.tuple_orig, e.tuple_reply
+            if o.proto != socket.IPPROTO_UDP:
+                return False
+            dst = ipaddress.ip_address(o.daddr)
+            gone = old is not None and old.covers("udp", dst, o.dport) and not oracle.covers("udp", dst, o.dport)
+            return gone or oracle.is_stale("udp", dst, o.dport, ipaddress.ip_address(r.saddr), r.sport)
+        return stale
+
+    removed = _delete_translated(stale_in)
     if removed:
         log.info("removed %d UDP conntrack entries that pointed at targets no longer wanted", removed)
     return removed
@@ -144,20 +134,40 @@ def flush_translated_conntrack(rules: RuleSet) -> int:
 
     from .plan import NatOracle
 
+    protos = {socket.IPPROTO_TCP: "tcp", socket.IPPROTO_UDP: "udp"}
+
+    def translated_in(version: int) -> "Callable[[Any], bool]":
+        oracle = NatOracle(rules, version)
+
+        def translated(e: Any) -> bool:
+            o = e.tuple_orig
+            proto = protos.get(o.proto)
+            return proto is not None and oracle.covers(proto, ipaddress.ip_address(o.daddr), o.dport)
+        return translated
+
+    removed = _delete_translated(translated_in)
+    if removed:
+        log.info("removed %d conntrack entries of connections the removed rules had translated", removed)
+    return removed
+
+
+def _delete_translated(matcher: "Callable[[int], Callable[[Any], bool]]") -> int:
+    """Delete, in both families, the DNAT-translated conntrack entries that `matcher(version)` selects; returns
+    how many. Errors (no nf_conntrack_netlink, no CAP_NET_ADMIN, an entry already gone) are logged, never raised."""
+    import socket
+
     removed = 0
     for version, family in ((4, socket.AF_INET), (6, socket.AF_INET6)):
-        oracle = NatOracle(rules, version)
+        select = matcher(version)
         try:
             ct = conntrack_class()(nfgen_family=family)
         except Exception as err:
             log.debug("conntrack unavailable (IPv%d): %s", version, err)
             continue
         try:
-            for e in list(ct.dump_entries()):    # the whole dump first: no request can interleave with it
-                o = e.tuple_orig
-                proto = {socket.IPPROTO_TCP: "tcp", socket.IPPROTO_UDP: "udp"}.get(o.proto)
-                if proto is None or not (e.status or 0) & IPS_DST_NAT \
-                        or not oracle.covers(proto, ipaddress.ip_address(o.daddr), o.dport):
+            # Read the whole dump before deleting: pyroute2 cannot interleave requests with a running dump.
+            for e in list(ct.dump_entries()):
+                if not (e.status or 0) & IPS_DST_NAT or not select(e):
                     continue
                 try:
                     ct.delete(e)
@@ -168,8 +178,6 @@ def flush_translated_conntrack(rules: RuleSet) -> int:
             log.info("could not clean up conntrack entries (IPv%d): %s", version, err)
         finally:
             ct.close()
-    if removed:
-        log.info("removed %d conntrack entries of connections the removed rules had translated", removed)
     return removed
 
 
