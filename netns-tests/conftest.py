@@ -139,6 +139,38 @@ def lab(lab_bin_dir):
 
 
 @pytest.fixture(scope="session")
+def k8s_bin_dir(lab_bin_dir) -> _LtPath:
+    """The Kubernetes binaries, built on first use by scripts/install-kubernetes.sh (about 9 min cold)."""
+    from labtools import kubecluster
+    try:
+        return kubecluster.ensure_binaries()
+    except kubecluster.ClusterError as e:
+        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
+
+
+@pytest.fixture(scope="session")
+def helm_bin() -> _LtPath:
+    """helm, built on first use."""
+    from labtools import helmchart
+    try:
+        return helmchart.ensure_helm()
+    except helmchart.HelmError as e:
+        unavailable(f"helm cannot be built here: {e}")
+
+
+@pytest.fixture(scope="session")
+def project_images(lab_bin_dir) -> tuple[_LtPath, _LtPath]:
+    """The archives of the project's proxy and controller images (`kubecontroller.build_images`, cached)."""
+    from labtools import kubecontroller
+    try:
+        return kubecontroller.build_images()
+    except RuntimeError as e:
+        if "setup.sh --image" in str(e):
+            unavailable(f"the image build's packages cannot be installed: {e}")
+        raise
+
+
+@pytest.fixture(scope="session")
 def lab_backend(lab) -> _labmod.HttpServer:
     """The HTTP server in `backend` on 10.98.0.2:8080 and [fd98::2]:8080; body starts with `marker`."""
     return lab.start_http_server("backend", None, 8080, f"backend-ok-{lab.prefix}")

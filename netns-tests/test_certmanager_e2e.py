@@ -61,27 +61,15 @@ def curl_https(lab, fqdn: str, ip: str, ca: str, path: str = "/") -> tuple[int, 
 
 
 @pytest.fixture(scope="module")
-def images(lab_bin_dir):
-    try:
-        return kubecontroller.build_images()
-    except RuntimeError as e:
-        if "setup.sh --image" in str(e):
-            unavailable(f"the image build's packages cannot be installed: {e}")
-        raise
-
-
-@pytest.fixture(scope="module")
-def cm(lab, images, tmp_path_factory):
+def cm(lab, project_images, k8s_bin_dir, helm_bin, tmp_path_factory):
     """A cluster with a node, the controller (helm), cert-manager (its chart), a CA ClusterIssuer, a backend."""
     try:
-        bdir = kubecluster.ensure_binaries()
-        helmchart.ensure_helm()
         cmdir = certmanager.ensure_built()
-    except (kubecluster.ClusterError, helmchart.HelmError, certmanager.CertManagerError) as e:
-        unavailable(f"the cluster's binaries, helm or cert-manager cannot be built here: {e}")
-    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir)
+    except certmanager.CertManagerError as e:
+        unavailable(f"cert-manager cannot be built here: {e}")
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin_dir)
     try:
-        kc.ctl_timings = kubecontroller.install(kc, lab, *images, firewall=lab.firewall_mode)
+        kc.ctl_timings = kubecontroller.install(kc, lab, *project_images, firewall=lab.firewall_mode)
         kc.cm_timings = certmanager.install(kc, cmdir)
         print(f"cert-manager installed: {kc.cm_timings}")
         kc.ca = TestCA(str(tmp_path_factory.mktemp("cm-ca")), "lab cert-manager CA")

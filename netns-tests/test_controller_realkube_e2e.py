@@ -75,29 +75,11 @@ CONTROLLER_SA = "system:serviceaccount:tailscale:tailscale-controller"
 
 
 @pytest.fixture(scope="module")
-def images(lab_bin_dir):
-    try:
-        return kubecontroller.build_images()
-    except RuntimeError as e:
-        if "setup.sh --image" in str(e):
-            unavailable(f"the image build's packages cannot be installed: {e}")
-        raise
-
-
-@pytest.fixture(scope="module")
-def kube(lab, images):
+def kube(lab, project_images, k8s_bin_dir, helm_bin):
     """A cluster with a node, the controller installed with helm (headscale provider), an echo backend."""
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin_dir)
     try:
-        bdir = kubecluster.ensure_binaries()
-    except kubecluster.ClusterError as e:
-        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
-    try:
-        helmchart.ensure_helm()
-    except helmchart.HelmError as e:
-        unavailable(f"helm cannot be built here: {e}")
-    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir)
-    try:
-        kc.ctl_timings = kubecontroller.install(kc, lab, *images, firewall=lab.firewall_mode)
+        kc.ctl_timings = kubecontroller.install(kc, lab, *project_images, firewall=lab.firewall_mode)
         kc.marker = f"echo-ok-{lab.prefix}"
         kc.apply([kubemanifests.namespace("apps"),
                   *kubemanifests.echo_backend("apps", "echo", kc.marker, kubecluster.ECHO_IMAGE, replicas=2)])

@@ -49,18 +49,14 @@ PROXY_SELECTOR = f"tailscale.com/parent-resource=web,tailscale.com/parent-resour
 
 
 @pytest.fixture(scope="module")
-def cluster(lab):
+def cluster(lab, k8s_bin_dir):
     if helmchart.helm_bin() is None:
         unavailable("helm is not built: run make setup-bin")
     if not registry.binary_path().exists():
         unavailable("the registry is not built: run scripts/setup.sh --binaries=registry")
     if not fluxlab.binaries_present():
         unavailable("Flux's controllers are not built: run scripts/setup.sh --binaries=flux")
-    try:
-        bdir = kubecluster.ensure_binaries()
-    except kubecluster.ClusterError as e:
-        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
-    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir)
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin_dir)
     reg = flux = None
     try:
         assert kc.netns is not None

@@ -21,7 +21,6 @@ The figures are printed.
 from __future__ import annotations
 
 import pytest
-from needs import unavailable
 
 from labtools import kubecluster, kubecontroller, pgfailover
 
@@ -29,21 +28,11 @@ pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def scenario(lab):
-    try:
-        bdir = kubecluster.ensure_binaries()
-    except kubecluster.ClusterError as e:
-        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
-    try:
-        images = kubecontroller.build_images()
-    except RuntimeError as e:
-        if "setup.sh --image" in str(e):
-            unavailable(f"the image build's packages cannot be installed: {e}")
-        raise
-    kc = kubecluster.KubeCluster.start(lab=lab, node=True, nodes=2, bin_dir=bdir)
+def scenario(lab, k8s_bin_dir, project_images):
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, nodes=2, bin_dir=k8s_bin_dir)
     sc = None
     try:
-        sc = pgfailover.Scenario.start(lab, kc, images)
+        sc = pgfailover.Scenario.start(lab, kc, project_images)
         yield sc
     except BaseException:
         print(kubecontroller.controller_log(kc, 200))

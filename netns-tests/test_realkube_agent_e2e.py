@@ -57,14 +57,10 @@ def agent_image_archive(lab_bin_dir) -> Path:
 
 
 @pytest.fixture(scope="module", params=["iptables", "nftables"])
-def kube(request, lab, agent_image_archive):
+def kube(request, lab, agent_image_archive, k8s_bin_dir):
     """A cluster with a node, the proxy image imported, and the echo backend behind a ClusterIP Service."""
-    try:
-        bdir = kubecluster.ensure_binaries()
-    except kubecluster.ClusterError as e:
-        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
     # the node's kube-proxy uses the same netfilter backend as the agent under test
-    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir, proxy_mode=request.param)
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin_dir, proxy_mode=request.param)
     try:
         kc.import_image(agent_image_archive)
         kc.apply([kubemanifests.namespace("backend"),

@@ -17,21 +17,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from needs import unavailable
 
 from labtools import kubecluster, kubemanifests
 from labtools.lab import wait_until
 
 pytestmark = [pytest.mark.netns, pytest.mark.e2e, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(scope="session")
-def k8s_bin_dir(lab_bin_dir) -> Path:
-    """The Kubernetes binaries, built on first use by scripts/install-kubernetes.sh (about 9 min cold)."""
-    try:
-        return kubecluster.ensure_binaries()
-    except kubecluster.ClusterError as e:
-        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
 
 
 def _host_firewall() -> list[str]:

@@ -45,16 +45,12 @@ MANIFEST = "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.d
 
 
 @pytest.fixture(scope="module")
-def cluster(lab):
+def cluster(lab, k8s_bin_dir):
     if helmchart.helm_bin() is None:
         unavailable("helm is not built: run make setup-bin")
     if not registry.binary_path().exists():
         unavailable("the registry is not built: run scripts/setup.sh --binaries=registry")
-    try:
-        bdir = kubecluster.ensure_binaries()
-    except kubecluster.ClusterError as e:
-        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
-    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir)
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin_dir)
     reg = None
     try:
         assert kc.netns is not None

@@ -44,16 +44,6 @@ OURS = CRDS[:5]                  # the chart's own: connectors to recorders
 
 
 @pytest.fixture(scope="module")
-def images(lab_bin_dir):
-    try:
-        return kubecontroller.build_images()
-    except RuntimeError as e:
-        if "setup.sh --image" in str(e):
-            unavailable(f"the image build's packages cannot be installed: {e}")
-        raise
-
-
-@pytest.fixture(scope="module")
 def upstream_chart(tmp_path_factory):
     if upstreamchart.module_dir() is None:
         unavailable(f"{upstreamchart.MODULE} is not in the Go module cache and cannot be downloaded")
@@ -61,19 +51,11 @@ def upstream_chart(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def kube(lab, images):
+def kube(lab, project_images, k8s_bin_dir, helm_bin):
     """A cluster with a node and both images imported; no controller (the migration installs it)."""
+    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=k8s_bin_dir)
     try:
-        bdir = kubecluster.ensure_binaries()
-    except kubecluster.ClusterError as e:
-        unavailable(f"the Kubernetes binaries cannot be built here: {e}")
-    try:
-        helmchart.ensure_helm()
-    except helmchart.HelmError as e:
-        unavailable(f"helm cannot be built here: {e}")
-    kc = kubecluster.KubeCluster.start(lab=lab, node=True, bin_dir=bdir)
-    try:
-        for tar in images:
+        for tar in project_images:
             kc.import_image(tar)
         kc.marker = f"echo-ok-{lab.prefix}"
         kc.apply([kubemanifests.namespace("apps"),
