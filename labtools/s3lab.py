@@ -7,46 +7,27 @@ inside that namespace (the host has no route to the island).
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from labtools.gobuild import GoUnavailable, build_cached
 from labtools.lab import stop_process, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "tests" / "support" / "s3server"
-CACHE = Path(os.environ.get("CB_CACHE", Path.home() / ".cache" / "containerboot-py")) / "bin"
 #: gofakes3 checks no signature: any key pair is accepted (the recorder signs its requests all the same)
 ACCESS_KEY, SECRET_KEY = "lab-access-key", "lab-secret-key"
 
 
-class S3BuildError(RuntimeError):
-    """The server cannot be built here (no Go, or its modules are not in the module cache)."""
+#: the server cannot be built here (no Go, or gofakes3's modules are not in the module cache)
+S3BuildError = GoUnavailable
 
 
 def ensure_binary() -> Path:
     """The server's binary, built once per source version into the shared cache (offline)."""
-    if shutil.which("go") is None:
-        raise S3BuildError("no Go toolchain")
-    digest = hashlib.sha256(b"".join((SRC / f).read_bytes() for f in ("go.mod", "go.sum", "main.go"))).hexdigest()
-    out = CACHE / f"s3server-{digest[:12]}"
-    if out.exists():
-        return out
-    CACHE.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "GOFLAGS": "-mod=mod", "GOPROXY": "off", "GOSUMDB": "off", "GOTOOLCHAIN": "local",
-           "CGO_ENABLED": "0"}
-    r = subprocess.run(["go", "build", "-o", str(out) + ".tmp", "."], cwd=SRC, env=env, capture_output=True,
-                       text=True, timeout=900)
-    if r.returncode != 0:
-        if "module lookup disabled" in r.stderr or "missing go.sum entry" in r.stderr:
-            raise S3BuildError(f"gofakes3's modules are not in the Go module cache: {r.stderr[-300:]}")
-        raise RuntimeError(f"building the S3 server failed: {r.stderr[-1500:]}")
-    os.rename(str(out) + ".tmp", out)
-    return out
+    return build_cached(SRC, "s3server")
 
 
 _READ = """

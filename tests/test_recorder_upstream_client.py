@@ -5,24 +5,21 @@ it sent, and asciinema's own tooling reads it."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
-import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from containerboot.apiproxy import apievent
+from labtools import gobuild
 from recorder import v2
 from recorder.server import Recorder
 from recorder.store import FileStore
 
 SRC = pathlib.Path(__file__).parent / "support" / "upstream_recclient"
-CACHE = pathlib.Path(os.environ.get("CB_CACHE", pathlib.Path.home() / ".cache" / "containerboot-py")) / "bin"
 CAST = (b'{"version":2,"width":80,"height":24,"timestamp":1700000000,"srcNode":"laptop.tail.example",'
         b'"kubernetes":{"PodName":"web","Namespace":"team-a","Container":"app","SessionType":"exec"}}\n'
         b'[0.1,"o","$ echo hi\\r\\n"]\n[0.2,"o","hi\\r\\n"]\n[0.3,"r","100x30"]\n')
@@ -30,23 +27,10 @@ CAST = (b'{"version":2,"width":80,"height":24,"timestamp":1700000000,"srcNode":"
 
 def client_binary() -> pathlib.Path:
     """Built once per source version into the shared cache (offline: the module cache must hold the modules)."""
-    if shutil.which("go") is None:
-        pytest.skip("no Go toolchain")
-    digest = hashlib.sha256(b"".join((SRC / f).read_bytes() for f in ("go.mod", "go.sum", "main.go"))).hexdigest()
-    out = CACHE / f"upstream-recclient-{digest[:12]}"
-    if out.exists():
-        return out
-    CACHE.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "GOFLAGS": "-mod=mod", "GOPROXY": "off", "GOSUMDB": "off", "GOTOOLCHAIN": "local",
-           "CGO_ENABLED": "0"}
-    r = subprocess.run(["go", "build", "-o", str(out) + ".tmp", "."], cwd=SRC, env=env, capture_output=True,
-                       text=True, timeout=900)
-    if r.returncode != 0:
-        if "module lookup disabled" in r.stderr or "missing go.sum entry" in r.stderr:
-            pytest.skip(f"upstream's modules are not in the Go module cache: {r.stderr[-300:]}")
-        raise AssertionError(r.stderr)
-    os.rename(str(out) + ".tmp", out)
-    return out
+    try:
+        return gobuild.build_cached(SRC, "upstream-recclient")
+    except gobuild.GoUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.mark.parametrize("version", [2, 1])
