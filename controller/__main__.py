@@ -88,7 +88,7 @@ async def run(cfg: ControllerConfig) -> int:
     # (the image runs as 65532: "KeyError: 'getpwuid(): uid not found: 65532'", a crash loop in a real Pod).
     # The suffix makes two processes on one host (or a restarted container) distinct candidates.
     identity = f"tailscale-controller@{socket.gethostname()}-{secrets.token_hex(3)}"
-    elector = LeaderElector(Kube.in_cluster(), cfg.namespace, identity)
+    elector = LeaderElector(Kube.in_cluster(), cfg.namespace, identity, pod_name=cfg.pod_name)
     kube = Kube.in_cluster()
     kube.write_guard = elector.is_leader
     provider = make_provider(cfg, kube)

@@ -72,6 +72,9 @@ class ControllerConfig:
     # ones (a control server with a certificate from a private CA); "" = none
     proxy_ca_configmap: str = ""
     logging: str = "info"                          # OPERATOR_LOGGING: info | debug | dev
+    # POD_NAME (the downward API's metadata.name): the controller's own Pod, whose Deployment owns the leader
+    # Lease (controller/leader.py); "" = not run in a Pod (the Lease then has no owner)
+    pod_name: str = ""
 
     @property
     def server_url(self) -> str:
@@ -255,4 +258,9 @@ def load(env: Mapping[str, str], *, resolv_conf: str = "") -> ControllerConfig:
     if level not in LOG_LEVELS:
         raise ConfigError(f"OPERATOR_LOGGING={get('OPERATOR_LOGGING')!r} is not a log level; use info, debug or dev")
     kw["logging"] = level
+    pod = get("POD_NAME")
+    if pod and not (_DNS_SUBDOMAIN.match(pod) and len(pod) <= 253):
+        raise ConfigError(f"POD_NAME={pod!r} is not a Pod name; set it from the downward API (valueFrom: "
+                          "fieldRef: fieldPath: metadata.name), or leave it unset outside a Pod")
+    kw["pod_name"] = pod
     return ControllerConfig(**kw)

@@ -14,7 +14,16 @@ the Lease still names it when the server answers (`regain`): an API-server outag
 re-list of everything; if another replica took the Lease meanwhile, it stops as before. Writes use the Lease's
 resourceVersion as a precondition, so two candidates that race for an expired Lease cannot both win.
 
-`decide` is the pure core; `LeaderElector` is the shell (reads and writes through `controller.kubeapi.Kube`).
+The Lease is owned by the controller's Deployment (an ownerReference, found from the controller's own Pod:
+POD_NAME → its ReplicaSet → its Deployment), so the garbage collector deletes it with the Deployment: `helm
+uninstall`, a Flux removal or `kubectl delete -f deploy/` leave nothing behind. The reference is written when
+the Lease is created and, on a Lease that lacks it (made by an older version), at the next renewal or
+takeover. The chart does not make the Lease itself: an upgrade from a release whose controller made it would
+fail with helm's "exists and cannot be imported into the current release" (docs/controller.md). Run outside
+a Pod of a Deployment (a laptop run: no POD_NAME), the Lease has no owner, and one log line says so.
+
+`decide`, `lease_spec`, `controller_ref` and `owner_references` are the pure core; `find_owner` and
+`LeaderElector` are the shell (reads and writes through `controller.kubeapi.Kube`).
 """
 from __future__ import annotations
 
@@ -28,11 +37,13 @@ from typing import Any
 
 from tscommon.redact import redact
 
-from .kubeapi import Kube, KubeError, Resource
+from .kubeapi import PODS, Kube, KubeError, Resource
 
 log = logging.getLogger("controller.leader")
 
 LEASES = Resource("/apis/coordination.k8s.io/v1", "leases")
+#: read once, by name, to find the Deployment that owns the controller's Pod (the Lease's owner)
+REPLICASETS = Resource("/apis/apps/v1", "replicasets")
 LEASE_NAME = "tailscale-controller"
 
 
@@ -95,6 +106,78 @@ def lease_spec(lease: Mapping[str, Any] | None, me: str, action: str, now: str, 
     return spec
 
 
+@dataclass(frozen=True)
+class OwnerRef:
+    """An ownerReference: the object (in the Lease's namespace) whose deletion deletes the Lease."""
+    api_version: str
+    kind: str
+    name: str
+    uid: str
+
+    def as_dict(self) -> dict:
+        # neither `controller` nor `blockOwnerDeletion`: the Deployment does not manage the Lease, and
+        # blockOwnerDeletion would need update on deployments/finalizers (OwnerReferencesPermissionEnforcement)
+        return {"apiVersion": self.api_version, "kind": self.kind, "name": self.name, "uid": self.uid}
+
+
+@dataclass(frozen=True)
+class Owner:
+    """What the owner lookup found: the Lease's owner, or None and why (said once in the log)."""
+    ref: OwnerRef | None
+    why: str = ""
+
+
+def controller_ref(obj: Mapping[str, Any] | None, api_version: str, kind: str) -> OwnerRef | None:
+    """The object's managing owner (`controller: true`) when it is of this kind, else None (pure)."""
+    for r in ((obj or {}).get("metadata") or {}).get("ownerReferences") or []:
+        if r.get("controller") and r.get("apiVersion") == api_version and r.get("kind") == kind \
+                and r.get("name") and r.get("uid"):
+            return OwnerRef(api_version, kind, str(r["name"]), str(r["uid"]))
+    return None
+
+
+def owner_references(lease: Mapping[str, Any] | None, owner: OwnerRef | None) -> list[dict] | None:
+    """The Lease's ownerReferences once `owner` is among them, or None when nothing is to be written (no owner,
+    or the Lease names it already). A reference to an object of the same kind and name but another uid (a
+    Deployment deleted and made again while its Lease stayed) is replaced; other owners are kept (pure)."""
+    if owner is None:
+        return None
+    refs = list(((lease or {}).get("metadata") or {}).get("ownerReferences") or [])
+    if any(r.get("uid") == owner.uid for r in refs):
+        return None
+    keep = [r for r in refs if not (r.get("apiVersion") == owner.api_version and r.get("kind") == owner.kind
+                                    and r.get("name") == owner.name)]
+    return [*keep, owner.as_dict()]
+
+
+async def find_owner(kube: Kube, namespace: str, pod_name: str) -> Owner:
+    """The Deployment that runs this controller: its Pod (POD_NAME), the Pod's ReplicaSet, the ReplicaSet's
+    Deployment. A definite answer either way is returned; a failure that may pass (the API server not answering)
+    raises KubeError or OSError, and the lookup is tried again at the next write of the Lease."""
+    if not pod_name:
+        return Owner(None, "POD_NAME is not set (not run in a Pod)")
+    try:
+        pod = await kube.get(PODS, pod_name, namespace)
+        if pod is None:
+            return Owner(None, f"its Pod {namespace}/{pod_name} (POD_NAME) does not exist")
+        rs_ref = controller_ref(pod, REPLICASETS.api_version, "ReplicaSet")
+        if rs_ref is None:
+            return Owner(None, f"its Pod {namespace}/{pod_name} is not run by a ReplicaSet of a Deployment")
+        rs = await kube.get(REPLICASETS, rs_ref.name, namespace)
+        if rs is None:
+            return Owner(None, f"the Pod's ReplicaSet {namespace}/{rs_ref.name} does not exist")
+        ref = controller_ref(rs, "apps/v1", "Deployment")
+        if ref is None:
+            return Owner(None, f"the Pod's ReplicaSet {namespace}/{rs_ref.name} is not a Deployment's")
+        return Owner(ref)
+    except KubeError as e:
+        if e.status == 403:
+            return Owner(None, f"{redact(str(e))} (the chart's Role tailscale-controller-leader-election grants "
+                               "get on pods and replicasets in the controller's namespace; apply the chart's or "
+                               "deploy/12-leader-election.yaml's)")
+        raise
+
+
 class LostLeadership(Exception):
     pass
 
@@ -110,9 +193,11 @@ class LeaderElector:
 
     def __init__(self, kube: Kube, namespace: str, identity: str, *, name: str = LEASE_NAME,
                  timing: Timing = Timing(), clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], str] = micro_now) -> None:
+                 wall: Callable[[], str] = micro_now, pod_name: str = "") -> None:
         self.kube, self.namespace, self.identity, self.name = kube, namespace, identity, name
         self.t, self.clock, self.wall = timing, clock, wall
+        self.pod_name = pod_name
+        self._owner: Owner | None = None       # None until the lookup gave a definite answer
         self._seen: Seen | None = None
         self._renewed: float | None = None     # monotonic time of the last successful write as holder
         self._lease: dict | None = None
@@ -121,6 +206,24 @@ class LeaderElector:
     def is_leader(self) -> bool:
         """True while the last renewal is recent enough that no other replica can have taken over."""
         return self._renewed is not None and self.clock() - self._renewed < self.t.renew_deadline
+
+    async def owner(self) -> OwnerRef | None:
+        """The Lease's owner, looked up before this replica's first write of the Lease (a standby never looks);
+        a lookup that failed for a reason that may pass is tried again at the next write."""
+        if self._owner is None:
+            try:
+                self._owner = await find_owner(self.kube, self.namespace, self.pod_name)
+            except (KubeError, OSError) as e:
+                log.warning("leader election: the Lease's owner (this controller's Deployment) could not be looked "
+                            "up yet, retried at the next renewal: %s", redact(str(e) or type(e).__name__))
+                return None
+            if self._owner.ref is None:
+                # a laptop run is expected to have no owner; a Pod without one is a setup to fix
+                log.log(logging.WARNING if self.pod_name else logging.INFO,
+                        "leader election: Lease %s/%s has no owner: %s; it stays when the controller is removed "
+                        "(kubectl -n %s delete lease %s)", self.namespace, self.name, self._owner.why,
+                        self.namespace, self.name)
+        return self._owner.ref
 
     async def _try(self) -> bool:
         """One round: read, then create/renew/take when `decide` says so. True when we hold the Lease."""
@@ -133,20 +236,26 @@ class LeaderElector:
                 log.info("leader election: standby, Lease %s/%s is held by %s", self.namespace, self.name, holder)
                 self._waiting_for = holder
             return False
+        owner = await self.owner()
+        refs = owner_references(lease, owner)
         now = self.wall()
         spec = lease_spec(lease, self.identity, step.action, now, self.t)
         started = self.clock()
         try:
             if step.action == "create":
+                md: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+                if refs is not None:
+                    md["ownerReferences"] = refs
                 out = await self.kube.create(LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                                                      "metadata": {"name": self.name, "namespace": self.namespace},
-                                                      "spec": spec}, self.namespace)
+                                                      "metadata": md, "spec": spec}, self.namespace)
             else:
                 # the resourceVersion precondition: a Lease changed since our read (another candidate won the
-                # race) fails with 409 instead of being overwritten
-                out = await self.kube.patch(LEASES, self.name, {"metadata": {
-                    "resourceVersion": (lease or {}).get("metadata", {}).get("resourceVersion")}, "spec": spec},
-                    self.namespace)
+                # race) fails with 409 instead of being overwritten. The owner goes in once, on a Lease that
+                # lacks it (one an older version made); a merge patch replaces the list, so it is the whole list.
+                md = {"resourceVersion": (lease or {}).get("metadata", {}).get("resourceVersion")}
+                if refs is not None:
+                    md["ownerReferences"] = refs
+                out = await self.kube.patch(LEASES, self.name, {"metadata": md, "spec": spec}, self.namespace)
         except KubeError as e:
             if e.status in (409,):          # lost the race (create: AlreadyExists; patch: Conflict)
                 return False
@@ -155,6 +264,9 @@ class LeaderElector:
         # the deadline counts from before the write was sent: the write may have taken effect at once
         self._renewed = started
         self._seen = Seen(record_of(out), self.clock())
+        if refs is not None and owner is not None:
+            log.info("leader election: Lease %s/%s is owned by %s %s/%s from now on (deleted with it)",
+                     self.namespace, self.name, owner.kind, self.namespace, owner.name)
         if step.action != "renew":
             log.info("leader election: %s leads (Lease %s/%s %s)", self.identity, self.namespace, self.name,
                      "created" if step.action == "create" else "taken over")

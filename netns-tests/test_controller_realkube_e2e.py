@@ -1326,20 +1326,35 @@ def test_proxies_log_in_to_a_control_server_behind_a_private_ca(lab, kube):
 
 
 def test_helm_uninstall_leaves_nothing_of_the_release(kube):
-    """Last: ``helm uninstall`` removes every object the chart made (the credentials Secret included); the
-    CRDs stay (their ``helm.sh/resource-policy: keep``), with every object of their kinds."""
+    """Last: ``helm uninstall`` removes every object the chart made (the credentials Secret included) and the
+    controller's leader Lease, which the controller made and named its Deployment as owner of (the garbage
+    collector deletes it with the Deployment; an owner taken off the Lease, as on a Lease an older version made,
+    is back at the next renewal); the CRDs stay (their ``helm.sh/resource-policy: keep``), with every object of
+    their kinds."""
     kc = kube
-    kinds = "deployments,pods,serviceaccounts,roles,rolebindings,secrets"
+    kinds = "deployments,pods,serviceaccounts,roles,rolebindings,secrets,leases"
     before = kc.kubectl("-n", kubecontroller.NS, "get", kinds, "-o", "name").stdout.split()
     assert "deployment.apps/tailscale-controller" in before and "secret/headscale-api" in before, before
+    deploy_uid = kc.get("deployment", "tailscale-controller", kubecontroller.NS)["metadata"]["uid"]
+
+    def lease_owners() -> list[tuple[str, str, str]]:
+        md = (kc.get("lease", "tailscale-controller", kubecontroller.NS) or {}).get("metadata") or {}
+        return [(r["kind"], r["name"], r["uid"]) for r in md.get("ownerReferences") or []]
+    owned = [("Deployment", "tailscale-controller", deploy_uid)]
+    wait_until(lambda: lease_owners() == owned, 60, 0.5, "the Lease owned by the controller's Deployment")
+    # a Lease without owner (as an older version made it) gets it at the leader's next renewal (every 2 s)
+    kc.kubectl("-n", kubecontroller.NS, "patch", "lease", "tailscale-controller", "--type=json",
+               "-p", '[{"op": "remove", "path": "/metadata/ownerReferences"}]')
+    wait_until(lambda: lease_owners() == owned, 60, 0.5, "the owner written again at the next renewal")
     out = kubecontroller.uninstall(kc)
     assert "uninstalled" in out, out
 
     def left():
         return [n for n in kc.kubectl("-n", kubecontroller.NS, "get", kinds, "-o", "name").stdout.split()
                 if not n.startswith("serviceaccount/default")]
-    try:   # the controller Pod may still be terminating (its grace period)
-        wait_until(lambda: not left(), 60, 0.5, "nothing of the release left")
+    try:   # the controller Pod may still be terminating (its grace period); the garbage collector then
+        # deletes the Lease (again, if the stopping controller made it anew: its owner is gone)
+        wait_until(lambda: not left(), 120, 0.5, "nothing of the release left")
     except TimeoutError:
         raise AssertionError(f"left after helm uninstall: {left()}") from None
     for kind, name in (("clusterrole", "tailscale-controller"), ("clusterrolebinding", "tailscale-controller"),

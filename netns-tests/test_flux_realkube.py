@@ -22,9 +22,9 @@ compares with the docs):
    the proxy rolled exactly once (one generation more, two Pod UIDs seen by a watch over the whole upgrade,
    the same headscale node); the Service is reached again;
 3. removal: the Service's expose annotation removed (docs/install-headscale.md, "Uninstall"), then the
-   HelmRelease deleted: no object of the release left in the cluster (the CRDs stay, by their keep policy, and
-   the controller's leader election Lease, which it made itself, as documented), no proxy, no node left in
-   headscale.
+   HelmRelease deleted: no object of the release left in the cluster (the CRDs stay, by their keep policy), the
+   controller's leader election Lease included (the controller made it with its Deployment as owner, so the
+   garbage collector deletes it with the Deployment), no proxy, no node left in headscale.
 """
 from __future__ import annotations
 
@@ -124,6 +124,12 @@ def _hs_node(lab, name: str) -> list[dict]:
     return [n for n in lab.hs_nodes() if name in (n.get("name"), n.get("given_name"))]
 
 
+def _lease_owners(kc) -> list[tuple[str, str, str]]:
+    """The owners (kind, name, uid) of the controller's leader election Lease."""
+    md = (kc.get("lease", "tailscale-controller", NS) or {}).get("metadata") or {}
+    return [(r["kind"], r["name"], r["uid"]) for r in md.get("ownerReferences") or []]
+
+
 def _left_in_namespace(kc) -> dict[str, list[str]]:
     """Every object of the namespace other than what the user made by hand (the three Secrets) and what
     Kubernetes makes in every namespace."""
@@ -165,6 +171,10 @@ def test_flux_installs_upgrades_and_removes_from_the_registry(lab, cluster, rele
     assert ANNOTATION not in (crd or {})["metadata"].get("annotations", {})
     # the API key came from the values Secret into the chart's credentials Secret
     assert kubecontroller.secret_data(kc, NS, "headscale-api") == {"key": api_key.encode()}
+    # the leader Lease the controller made is owned by its Deployment (the removal below deletes it with it)
+    deploy_uid = kc.get("deployment", "tailscale-controller", NS)["metadata"]["uid"]  # type: ignore[index]
+    wait_until(lambda: _lease_owners(kc) == [("Deployment", "tailscale-controller", deploy_uid)], 60, 0.5,
+               "the controller's Lease owned by its Deployment")
 
     marker = f"gitops-ok-{lab.prefix}"
     kc.apply([kubemanifests.namespace(APPS),
@@ -219,10 +229,12 @@ def test_flux_installs_upgrades_and_removes_from_the_registry(lab, cluster, rele
                "the proxy removed")
     kc.kubectl("-n", NS, "delete", "helmrelease", fluxlab.RELEASE, "--timeout=300s", timeout=310)
     kc.kubectl("-n", NS, "delete", "ocirepository", fluxlab.RELEASE, "--timeout=120s", timeout=130)
-    # what stays in the namespace: the controller's leader election Lease, which the controller makes at run
-    # time (not the chart), so no uninstall removes it (docs/install-gitops.md says to delete it)
-    wait_until(lambda: _left_in_namespace(kc) == {"leases": ["tailscale-controller"]}, 180, 0.5,
-               "no object of the release in the namespace but the controller's Lease")
+    # nothing of the release in the namespace: the controller's leader election Lease goes with its owner, the
+    # Deployment (the garbage collector, once the controller's Pod is gone)
+    try:
+        wait_until(lambda: _left_in_namespace(kc) == {}, 180, 0.5, "no object of the release in the namespace")
+    except TimeoutError:
+        raise AssertionError(f"left in {NS} after the removal: {_left_in_namespace(kc)}") from None
     cluster_scoped = json.loads(kc.kubectl("get", "clusterroles,clusterrolebindings,ingressclasses", "-o",
                                            "json").stdout)["items"]
     assert [o["metadata"]["name"] for o in cluster_scoped

@@ -129,6 +129,14 @@ def test_rbac_covers_the_controllers_calls():
     (le,) = [d for d in by_kind("Role") if d["metadata"]["name"] == "tailscale-controller-leader-election"]
     for verb in ("get", "create", "patch"):
         assert _covered(le["rules"], group(leader.LEASES), leader.LEASES.plural, verb), verb
+    # ... and its owner, the Deployment, found from the controller's Pod (POD_NAME from the downward API): one get
+    # of the Pod and one of its ReplicaSet, nothing more on either
+    for res in (kubeapi.PODS, leader.REPLICASETS):
+        (rule,) = [r for r in le["rules"] if res.plural in r["resources"]]
+        assert rule["apiGroups"] == [group(res)] and rule["verbs"] == ["get"], rule
+    (dep,) = [d for d in by_kind("Deployment") if d["metadata"]["name"] == "tailscale-controller"]
+    (ctr,) = dep["spec"]["template"]["spec"]["containers"]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in ctr["env"]
     (leb,) = [d for d in by_kind("RoleBinding") if d["roleRef"]["name"] == "tailscale-controller-leader-election"]
     assert leb["subjects"] == [{"kind": "ServiceAccount", "name": "tailscale-controller", "namespace": "tailscale"}]
     for res in (kubeapi.SERVICEACCOUNTS, kubeapi.ROLES, kubeapi.ROLEBINDINGS):

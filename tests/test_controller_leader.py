@@ -1,9 +1,13 @@
 """controller.leader: two replicas and one Lease on the project's test API server (HTTPS, resourceVersion
 preconditions): one leads, the standby only reads, a dead leader's Lease is taken over within a bound, a clean
-stop hands over at once, a leader that cannot renew stops, and a fenced client sends nothing."""
+stop hands over at once, a leader that cannot renew stops, and a fenced client sends nothing. The Lease's owner:
+the controller's Deployment, found from its Pod (on the fake API), written on a new Lease and on one an older
+version made; none on a laptop run, said once."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import logging
 import pathlib
 import sys
 
@@ -11,8 +15,24 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from controller.kubeapi import SECRETS, Kube, KubeError
-from controller.leader import LEASES, LeaderElector, LostLeadership, Seen, Timing, decide, record_of
+from controller.kubeapi import DEPLOYMENTS, PODS, SECRETS, Kube, KubeError
+from controller.leader import (
+    LEASES,
+    REPLICASETS,
+    LeaderElector,
+    LostLeadership,
+    Owner,
+    OwnerRef,
+    Seen,
+    Timing,
+    controller_ref,
+    decide,
+    find_owner,
+    lease_spec,
+    owner_references,
+    record_of,
+)
+from tests.support.fakekube import FakeKube
 from tests.support.kubeapi import KubeAPIServer
 from tests.support.waits import until_async
 
@@ -215,3 +235,217 @@ async def test_a_leader_whose_lease_was_taken_meanwhile_does_not_lead_again(api)
     assert not a.is_leader() and b.is_leader()
     for e in (a, b):
         await e.kube.aclose()
+
+
+# ---------------------------------------------------------------- the Lease's spec and its owner (pure)
+
+def test_lease_spec_on_create_renew_and_take():
+    t = Timing()
+    made = lease_spec(None, "a", "create", "t0", t)
+    assert made == {"holderIdentity": "a", "leaseDurationSeconds": 15, "renewTime": "t0", "acquireTime": "t0",
+                    "leaseTransitions": 0}
+    renewed = lease_spec({"spec": made}, "a", "renew", "t1", t)
+    assert renewed == {**made, "renewTime": "t1"}                  # acquired once: acquireTime stays
+    taken = lease_spec({"spec": {**renewed, "holderIdentity": "b"}}, "c", "take", "t2", t)
+    assert taken == {"holderIdentity": "c", "leaseDurationSeconds": 15, "renewTime": "t2", "acquireTime": "t2",
+                     "leaseTransitions": 1}
+
+
+DEPLOY = OwnerRef("apps/v1", "Deployment", "tailscale-controller", "d-uid")
+
+
+def ref(kind: str, name: str, uid: str, *, controller: bool = True, api_version: str = "apps/v1") -> dict:
+    return {"apiVersion": api_version, "kind": kind, "name": name, "uid": uid, "controller": controller}
+
+
+def test_controller_ref_is_the_managing_owner_of_that_kind():
+    pod = {"metadata": {"ownerReferences": [ref("ReplicaSet", "other", "x", controller=False),
+                                            ref("ReplicaSet", "tailscale-controller-5d9", "rs-uid")]}}
+    assert controller_ref(pod, "apps/v1", "ReplicaSet") == OwnerRef("apps/v1", "ReplicaSet",
+                                                                    "tailscale-controller-5d9", "rs-uid")
+    assert controller_ref(pod, "apps/v1", "Deployment") is None
+    assert controller_ref({"metadata": {"ownerReferences": [ref("StatefulSet", "s", "u")]}}, "apps/v1",
+                          "ReplicaSet") is None
+    assert controller_ref({"metadata": {}}, "apps/v1", "ReplicaSet") is None
+    assert controller_ref(None, "apps/v1", "ReplicaSet") is None
+
+
+def test_owner_references_add_the_deployment_once_and_keep_other_owners():
+    plain = {"metadata": {"name": "tailscale-controller"}}
+    assert owner_references(plain, DEPLOY) == [DEPLOY.as_dict()]          # a Lease an older version made
+    assert DEPLOY.as_dict() == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "tailscale-controller",
+                                "uid": "d-uid"}                          # no blockOwnerDeletion, no controller
+    assert owner_references(None, DEPLOY) == [DEPLOY.as_dict()]
+    owned = {"metadata": {"ownerReferences": [DEPLOY.as_dict()]}}
+    assert owner_references(owned, DEPLOY) is None                         # nothing to write at a renewal
+    assert owner_references(plain, None) is None                           # no owner (a laptop run)
+    other = {"apiVersion": "v1", "kind": "ConfigMap", "name": "keep", "uid": "c"}
+    stale = {**DEPLOY.as_dict(), "uid": "old-uid"}                         # the Deployment deleted and made again
+    assert owner_references({"metadata": {"ownerReferences": [other, stale]}}, DEPLOY) == [other, DEPLOY.as_dict()]
+
+
+# ---------------------------------------------------------------- the owner lookup, on the fake API
+
+def controller_pod(kube: FakeKube, *, rs_owner: bool = True, pod_owner: str = "ReplicaSet") -> None:
+    kube.put(DEPLOYMENTS, {"metadata": {"name": "tailscale-controller", "namespace": NS, "uid": "d-uid"}})
+    kube.put(REPLICASETS, {"metadata": {"name": "tailscale-controller-5d9", "namespace": NS, "uid": "rs-uid",
+                                        "ownerReferences": [ref("Deployment", "tailscale-controller", "d-uid")]
+                                        if rs_owner else []}})
+    kube.put(PODS, {"metadata": {"name": "tailscale-controller-5d9-abcde", "namespace": NS, "uid": "p-uid",
+                                 "ownerReferences": [ref(pod_owner, "tailscale-controller-5d9", "rs-uid")]}})
+
+
+async def test_find_owner_follows_the_pod_to_its_deployment():
+    kube = FakeKube()
+    controller_pod(kube)
+    owner = await find_owner(kube, NS, "tailscale-controller-5d9-abcde")   # type: ignore[arg-type]
+    assert owner == Owner(DEPLOY)
+    # two reads by name in the controller's namespace, nothing listed, nothing written
+    assert kube.calls == [("GET", "pods", NS, "tailscale-controller-5d9-abcde"),
+                          ("GET", "replicasets", NS, "tailscale-controller-5d9")]
+
+
+@pytest.mark.parametrize("setup,pod,why", [
+    (None, "", "POD_NAME is not set"),
+    (None, "gone", "Pod tailscale/gone (POD_NAME) does not exist"),
+    ({"pod_owner": "StatefulSet"}, "tailscale-controller-5d9-abcde", "is not run by a ReplicaSet of a Deployment"),
+    ({"rs_owner": False}, "tailscale-controller-5d9-abcde", "ReplicaSet tailscale/tailscale-controller-5d9 is not "
+                                                           "a Deployment's"),
+])
+async def test_find_owner_says_why_there_is_none(setup, pod, why):
+    kube = FakeKube()
+    if setup is not None:
+        controller_pod(kube, **setup)
+    owner = await find_owner(kube, NS, pod)                                # type: ignore[arg-type]
+    assert owner.ref is None and why in owner.why, owner
+    if not pod:
+        assert kube.calls == []                                            # a laptop run asks nothing
+
+
+async def test_find_owner_names_the_missing_rbac_and_raises_what_may_pass():
+    kube = FakeKube()
+    controller_pod(kube)
+    kube.fail_next.append(KubeError('replicasets.apps "x" is forbidden', status=403, reason="Forbidden"))
+    owner = await find_owner(kube, NS, "tailscale-controller-5d9-abcde")   # type: ignore[arg-type]
+    assert owner.ref is None and "get on pods and replicasets" in owner.why and "deploy/12-leader-election.yaml" \
+        in owner.why, owner
+    kube.fail_next.append(KubeError("GET: 503 Service Unavailable", status=503))
+    with pytest.raises(KubeError):
+        await find_owner(kube, NS, "tailscale-controller-5d9-abcde")       # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the owner on the Lease
+
+class PatchLog(FakeKube):
+    """The fake API, with the body of every patch kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches: list[dict] = []
+
+    async def patch(self, res, name, patch, namespace="", subresource=""):
+        self.patches.append(copy.deepcopy(dict(patch)))
+        return await super().patch(res, name, patch, namespace, subresource)
+
+
+def the_lease(kube: FakeKube) -> dict:
+    lease = kube.obj(LEASES, "tailscale-controller", NS)
+    assert lease is not None
+    return lease
+
+
+async def test_a_new_lease_is_owned_by_the_controllers_deployment():
+    kube = PatchLog()
+    controller_pod(kube)
+    e = LeaderElector(kube, NS, "a", timing=T, pod_name="tailscale-controller-5d9-abcde")  # type: ignore[arg-type]
+    assert await e._try() is True
+    assert the_lease(kube)["metadata"]["ownerReferences"] == [DEPLOY.as_dict()]
+    assert await e._try() is True                                           # a renewal: the owner is not sent again
+    assert "ownerReferences" not in kube.patches[-1]["metadata"]
+    assert [c for c in kube.calls if c[1] in ("pods", "replicasets")] == [
+        ("GET", "pods", NS, "tailscale-controller-5d9-abcde"), ("GET", "replicasets", NS, "tailscale-controller-5d9")]
+
+
+@pytest.mark.parametrize("holder", ["a", "", "gone"])
+async def test_a_lease_an_older_version_made_gets_the_owner_at_the_next_renewal_or_takeover(holder, caplog):
+    """After an upgrade: the Lease exists without an owner; renewed (the same replica), taken after a release
+    (holder ""), or taken over from a replica that died, it names the Deployment from then on."""
+    kube = PatchLog()
+    controller_pod(kube)
+    kube.put(LEASES, {"metadata": {"name": "tailscale-controller", "namespace": NS},
+                      "spec": {"holderIdentity": holder, "renewTime": "t0", "leaseDurationSeconds": 15}})
+    e = LeaderElector(kube, NS, "a", timing=T, pod_name="tailscale-controller-5d9-abcde")  # type: ignore[arg-type]
+    if holder == "gone":
+        e._seen = Seen(record_of(the_lease(kube)), e.clock() - 100.0)     # silent for longer than its duration
+    with caplog.at_level(logging.INFO, logger="controller.leader"):
+        assert await e._try() is True
+    lease = the_lease(kube)
+    assert lease["metadata"]["ownerReferences"] == [DEPLOY.as_dict()] and lease["spec"]["holderIdentity"] == "a"
+    assert any("is owned by Deployment tailscale/tailscale-controller" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_standby_does_not_look_for_an_owner():
+    kube = PatchLog()
+    controller_pod(kube)
+    a = LeaderElector(kube, NS, "a", timing=T, pod_name="tailscale-controller-5d9-abcde")  # type: ignore[arg-type]
+    b = LeaderElector(kube, NS, "b", timing=T, pod_name="other")            # type: ignore[arg-type]
+    assert await a._try() is True
+    before = list(kube.calls)
+    assert await b._try() is False
+    assert kube.calls[len(before):] == [("GET", "leases", NS, "tailscale-controller")]
+
+
+async def test_a_laptop_run_makes_a_lease_without_owner_and_says_so_once(caplog):
+    kube = PatchLog()
+    e = LeaderElector(kube, NS, "a", timing=T)                               # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="controller.leader"):
+        for _ in range(3):
+            assert await e._try() is True
+    assert "ownerReferences" not in the_lease(kube)["metadata"]
+    said = [r for r in caplog.records if "has no owner" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO, said
+    assert "POD_NAME is not set" in said[0].getMessage()
+    assert "kubectl -n tailscale delete lease tailscale-controller" in said[0].getMessage()
+
+
+async def test_an_owner_lookup_that_failed_is_tried_again_at_the_next_renewal(caplog):
+    """The API server did not answer the lookup: the Lease is made without an owner (leading is not held up)
+    and the owner is added at the next renewal."""
+    kube = PatchLog()
+    controller_pod(kube)
+    e = LeaderElector(kube, NS, "a", timing=T, pod_name="tailscale-controller-5d9-abcde")  # type: ignore[arg-type]
+    real_get = kube.get
+    failed = []
+
+    async def get(res, name, namespace=""):
+        if res == PODS and not failed:
+            failed.append(name)
+            raise KubeError("GET pods: 503 Service Unavailable", status=503)
+        return await real_get(res, name, namespace)
+    kube.get = get                                                          # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO, logger="controller.leader"):
+        assert await e._try() is True
+        assert "ownerReferences" not in the_lease(kube)["metadata"]
+        assert await e._try() is True
+    assert the_lease(kube)["metadata"]["ownerReferences"] == [DEPLOY.as_dict()]
+    assert any("could not be looked up yet" in r.getMessage() for r in caplog.records)
+    assert not any("has no owner" in r.getMessage() for r in caplog.records)
+
+
+async def test_the_lease_is_owned_on_the_test_api_server_too(api):
+    """The owner reference survives a real wire round trip (HTTPS, merge patch with a resourceVersion)."""
+    e = LeaderElector(client(api), NS, "a", timing=T)
+    e._owner = Owner(DEPLOY)                                                # as found from the Pod
+    await e.acquire()
+    (lease,) = [o for o in api.objects() if o["kind"] == "Lease"]
+    assert lease["metadata"]["ownerReferences"] == [DEPLOY.as_dict()]
+    await e.kube.aclose()
+
+
+def test_pod_name_comes_from_the_downward_api_and_a_bad_one_is_refused():
+    from controller.config import ConfigError, load
+    assert load({"POD_NAME": "tailscale-controller-5d9-abcde"}).pod_name == "tailscale-controller-5d9-abcde"
+    assert load({}).pod_name == ""                                          # a laptop run
+    with pytest.raises(ConfigError, match=r"POD_NAME='\.\./secrets' is not a Pod name; set it from the downward "
+                                          r"API \(valueFrom: fieldRef: fieldPath: metadata.name\)"):
+        load({"POD_NAME": "../secrets"})

@@ -53,10 +53,14 @@ def container(objs) -> dict:
 
 
 def env_of(objs) -> dict[str, str]:
-    """The controller container's env as the Pod sees it (fieldRef metadata.namespace resolved)."""
+    """The controller container's env as the Pod sees it (fieldRef metadata.namespace resolved), but POD_NAME:
+    the Pod's own name, unknown before it runs (test_controller_deploy.py checks its fieldRef)."""
     out = {}
     dep = one(objs, "Deployment")
     for e in container(objs)["env"]:
+        if e["name"] == "POD_NAME":
+            assert e["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}, e
+            continue
         if "valueFrom" in e:
             assert e["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}, e
             out[e["name"]] = dep["metadata"]["namespace"]
