@@ -45,7 +45,16 @@ EVENTS = {
                                   "until then)",
     ("delete_pod", "new_pod_in_slice"): "(a) its new Pod in the EndpointSlices",
     ("delete_pod", "back"): "(a) its new Pod serves",
-    ("kill_tailscaled", "killed"): "(b) tailscaled killed",
+    ("kill_tailscaled", "agent_noticed"): "(b) its agent notices tailscaled's exit (its /healthz answers 503 from "
+                                          "then on)",
+    ("kill_tailscaled", "rules_removed"): "(b) its agent has removed its rules (a new connection to the replica is "
+                                          "refused from then on)",
+    ("kill_tailscaled", "conntrack_flushed"): "(b) ... and the conntrack entries they made (a SYN caught before is "
+                                              "refused at its retransmission)",
+    ("kill_tailscaled", "health_closed"): "(b) its agent has exited (its health port refuses connections)",
+    ("kill_tailscaled", "killed"): "(b) `kubectl exec` of the kill returned",
+    ("kill_tailscaled", "probe_out"): "(b) the controller's probe takes the replica out",
+    ("kill_tailscaled", "left_slice"): "(b) the killed replica out of the EndpointSlice",
     ("kill_tailscaled", "back"): "(b) the killed replica serves again",
     ("lose_node", "tailnet_offline"): "(c) the control server reports the lost replica's device offline",
     ("lose_node", "node_not_ready"): "(c) node marked not Ready",
@@ -93,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         resets = sum(c["held_failed"] for c in rs)
         print(f"{case:16s} longest gap median {statistics.median(gaps):6.2f}s, worst {worst:6.2f}s "
               f"(goal < {goal:.0f}s: {'MET' if worst < goal else 'NOT MET'}); new connections failed "
-              f"{sum(c['new_fail'] for c in rs)} of {sum(c['new_fail'] + c['new_ok'] for c in rs)}; held connection "
+              f"{sum(c['new_fail'] for c in rs)} of {sum(c['new_fail'] + c['new_ok'] for c in rs)} "
+              f"({sum(c['new_timed_out'] for c in rs)} timed out); held connection "
               f"through the survivor {f'RESET in {resets} run(s)' if resets else 'kept'}")
         for c in rs:
             print(f"  {c['gap_s']:6.2f}s; events: " + ", ".join(f"{k} {v:.1f}s" for k, v in c["events"].items()))
@@ -110,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def failed(case: str) -> str:
         rs = [c for r in runs for c in r["cases"] if c["case"] == case]
-        return f"{sum(c['new_fail'] for c in rs)} of {sum(c['new_fail'] + c['new_ok'] for c in rs)}"
+        return f"{sum(c['new_fail'] for c in rs)} of {sum(c['new_fail'] + c['new_ok'] for c in rs)} " \
+               f"({sum(c.get('new_timed_out', 0) for c in rs)} timed out)"
 
     def held(case: str) -> str:
         resets = sum(c["held_failed"] for r in runs for c in r["cases"] if c["case"] == case)
