@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                 start_s = kc.timings["start_total"]
                 figures, results = pgfailover.run_all(lab, kc, images,
                                                       say=lambda m, i=i: print(f"run {i + 1}: {m}", flush=True))
-        runs.append({"cluster_start_s": start_s, **figures, "cases": [asdict(r) for r in results]})
+        runs.append({"cluster_start_s": start_s, **figures, "cases": [asdict(r) for r in results],
+                     "load_average": os.getloadavg()[0]})
         print(f"run {i + 1}: two-node cluster started in {start_s:.1f}s; ProxyGroup of 2 ready in "
               f"{figures['group_ready_s']:.1f}s; egress Service created -> first successful connection "
               f"{figures['service_to_first_success_s']:.2f}s", flush=True)
@@ -142,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
           for case, k in keys)])
     timing = "Kubernetes' default node-loss timing" if a.node_loss == "default" else \
         f"the lab's shortened node-loss timing ({node_loss[0]} s, {node_loss[1]} s)"
-    where = machine() if a.runs == 1 else machine().replace("one run,", f"{a.runs} runs, each on a fresh cluster,", 1)
+    loads = [r["load_average"] for r in runs]
+    where = machine() if a.runs == 1 else (
+        f"{a.runs} runs, each on a fresh cluster, {os.cpu_count()} cores shared with other work, 1-minute load "
+        f"average {min(loads):.1f} to {max(loads):.1f} at the runs' ends")
     recorded = a.recorded or f"{where}; {a.firewall}; {timing}; the 0.2 s between attempts bounds the resolution"
     command = "python -m bench.pgfailover" + (f" --runs {a.runs}" if a.runs > 1 else "") + (
         " --node-loss short" if a.node_loss == "short" else "")
