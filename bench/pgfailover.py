@@ -1,6 +1,7 @@
 """Benchmark: ProxyGroup failover on a cluster of two nodes, the gap new connections see.
 
     sudo .venv/bin/python -m bench.pgfailover [--runs N] [--node-loss default|short] [--json FILE]
+    .venv/bin/python -m bench.pgfailover --from-json FILE [--record]   # an earlier run's figures again
 
 Builds the lab (headscale, the ``client`` tailnet node), a real two-node cluster (labtools.kubecluster
 ``nodes=2``), both images from this checkout, and runs labtools.pgfailover's scenario: the controller from
@@ -50,8 +51,8 @@ EVENTS = {
                                           "then on)",
     ("kill_tailscaled", "rules_removed"): "(b) its agent has removed its rules (a new connection to the replica is "
                                           "refused from then on)",
-    ("kill_tailscaled", "conntrack_flushed"): "(b) ... and the conntrack entries they made (a SYN caught before is "
-                                              "refused at its retransmission)",
+    ("kill_tailscaled", "conntrack_flushed"): "(b) its agent has deleted the conntrack entries its rules made (a "
+                                              "SYN caught before is refused at its retransmission)",
     ("kill_tailscaled", "health_closed"): "(b) its agent has exited (its health port refuses connections)",
     ("kill_tailscaled", "killed"): "(b) `kubectl exec` of the kill returned",
     ("kill_tailscaled", "probe_out"): "(b) the controller's probe takes the replica out",
@@ -76,18 +77,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="Kubernetes' node-loss timing (50 s, 300 s) or the lab's shortened one (20 s, 5 s)")
     ap.add_argument("--record", action="store_true", help="write bench/results/pgfailover.json (docs/proxygroup.md)")
     ap.add_argument("--recorded", default="", help="which run and machine, for the results file")
+    ap.add_argument("--from-json", metavar="FILE",
+                    help="print and record the figures of an earlier run's --json FILE instead of running")
     a = ap.parse_args(argv)
     if a.runs < 1:
         ap.error(f"--runs {a.runs}: give at least 1")
     node_loss = kubecluster.KUBERNETES_NODE_LOSS if a.node_loss == "default" else kubecluster.SHORT_NODE_LOSS
     t_all = time.monotonic()
-    images = kubecontroller.build_images()
     runs = []
-    for i in range(a.runs):
+    if a.from_json:
+        with open(a.from_json) as f:
+            saved = json.load(f)
+        runs = saved["runs"]
+        node_loss = tuple(saved["node_loss"])
+        a.runs, a.firewall = len(runs), saved.get("firewall", "iptables")
+        a.node_loss = "default" if node_loss == tuple(kubecluster.KUBERNETES_NODE_LOSS) else "short"
+    images = kubecontroller.build_images() if not a.from_json else None
+    for i in range(0 if a.from_json else a.runs):
         with Lab.create(bin_dir=ensure_binaries(), firewall_mode=a.firewall) as lab:
             with kubecluster.KubeCluster.start(lab=lab, node=True, nodes=2,
                                                node_loss=None if a.node_loss == "default" else node_loss) as kc:
                 start_s = kc.timings["start_total"]
+                assert images is not None
                 figures, results = pgfailover.run_all(lab, kc, images,
                                                       say=lambda m, i=i: print(f"run {i + 1}: {m}", flush=True))
         runs.append({"cluster_start_s": start_s, **figures, "cases": [asdict(r) for r in results],
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total {time.monotonic() - t_all:.0f}s")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"node_loss": list(node_loss), "runs": runs}, f, indent=1)
+            json.dump({"node_loss": list(node_loss), "firewall": a.firewall, "runs": runs}, f, indent=1)
     from bench.results import Results, Table, machine, record
 
     def gap(case: str) -> str:
@@ -135,7 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     cases = Table.of(["case", "what is done", "ends when", "longest gap between successful new connections",
                       "new connections failed", "connection held through the other replica"],
                      [[*CASES.get(case, (case, "", "")), gap(case), failed(case), held(case)] for case in GOALS_S])
-    keys = list(dict.fromkeys((c["case"], k) for r in runs for c in r["cases"] for k in c["events"]))
+    def median_at(case: str, k: str) -> float:
+        return statistics.median(c["events"][k] for r in runs for c in r["cases"] if c["case"] == case
+                                 and k in c["events"])
+    # case by case in the cases' order, each case's events in the order they came (their medians)
+    seen = list(dict.fromkeys((c["case"], k) for r in runs for c in r["cases"] for k in c["events"]))
+    keys = sorted(seen, key=lambda ck: (list(GOALS_S).index(ck[0]) if ck[0] in GOALS_S else len(GOALS_S),
+                                        median_at(*ck)))
     events = Table.of(["event", "after"], [
         ["the egress Service created (group Ready) → first successful connection",
          median_of([r["service_to_first_success_s"] for r in runs])],
