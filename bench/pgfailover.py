@@ -1,6 +1,7 @@
 """Benchmark: ProxyGroup failover on a cluster of two nodes, the gap new connections see.
 
     sudo .venv/bin/python -m bench.pgfailover [--runs N] [--node-loss default|short] [--json FILE]
+    .venv/bin/python -m bench.pgfailover --from-json FILE [--record]   # an earlier run's figures again
 
 Builds the lab (headscale, the ``client`` tailnet node), a real two-node cluster (labtools.kubecluster
 ``nodes=2``), both images from this checkout, and runs labtools.pgfailover's scenario: the controller from
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -45,7 +47,16 @@ EVENTS = {
                                   "until then)",
     ("delete_pod", "new_pod_in_slice"): "(a) its new Pod in the EndpointSlices",
     ("delete_pod", "back"): "(a) its new Pod serves",
-    ("kill_tailscaled", "killed"): "(b) tailscaled killed",
+    ("kill_tailscaled", "agent_noticed"): "(b) its agent notices tailscaled's exit (its /healthz answers 503 from "
+                                          "then on)",
+    ("kill_tailscaled", "rules_removed"): "(b) its agent has removed its rules (a new connection to the replica is "
+                                          "refused from then on)",
+    ("kill_tailscaled", "conntrack_flushed"): "(b) its agent has deleted the conntrack entries its rules made (a "
+                                              "SYN caught before is refused at its retransmission)",
+    ("kill_tailscaled", "health_closed"): "(b) its agent has exited (its health port refuses connections)",
+    ("kill_tailscaled", "killed"): "(b) `kubectl exec` of the kill returned",
+    ("kill_tailscaled", "probe_out"): "(b) the controller's probe takes the replica out",
+    ("kill_tailscaled", "left_slice"): "(b) the killed replica out of the EndpointSlice",
     ("kill_tailscaled", "back"): "(b) the killed replica serves again",
     ("lose_node", "tailnet_offline"): "(c) the control server reports the lost replica's device offline",
     ("lose_node", "node_not_ready"): "(c) node marked not Ready",
@@ -66,21 +77,32 @@ def main(argv: list[str] | None = None) -> int:
                     help="Kubernetes' node-loss timing (50 s, 300 s) or the lab's shortened one (20 s, 5 s)")
     ap.add_argument("--record", action="store_true", help="write bench/results/pgfailover.json (docs/proxygroup.md)")
     ap.add_argument("--recorded", default="", help="which run and machine, for the results file")
+    ap.add_argument("--from-json", metavar="FILE",
+                    help="print and record the figures of an earlier run's --json FILE instead of running")
     a = ap.parse_args(argv)
     if a.runs < 1:
         ap.error(f"--runs {a.runs}: give at least 1")
     node_loss = kubecluster.KUBERNETES_NODE_LOSS if a.node_loss == "default" else kubecluster.SHORT_NODE_LOSS
     t_all = time.monotonic()
-    images = kubecontroller.build_images()
     runs = []
-    for i in range(a.runs):
+    if a.from_json:
+        with open(a.from_json) as f:
+            saved = json.load(f)
+        runs = saved["runs"]
+        node_loss = tuple(saved["node_loss"])
+        a.runs, a.firewall = len(runs), saved.get("firewall", "iptables")
+        a.node_loss = "default" if node_loss == tuple(kubecluster.KUBERNETES_NODE_LOSS) else "short"
+    images = kubecontroller.build_images() if not a.from_json else None
+    for i in range(0 if a.from_json else a.runs):
         with Lab.create(bin_dir=ensure_binaries(), firewall_mode=a.firewall) as lab:
             with kubecluster.KubeCluster.start(lab=lab, node=True, nodes=2,
                                                node_loss=None if a.node_loss == "default" else node_loss) as kc:
                 start_s = kc.timings["start_total"]
+                assert images is not None
                 figures, results = pgfailover.run_all(lab, kc, images,
                                                       say=lambda m, i=i: print(f"run {i + 1}: {m}", flush=True))
-        runs.append({"cluster_start_s": start_s, **figures, "cases": [asdict(r) for r in results]})
+        runs.append({"cluster_start_s": start_s, **figures, "cases": [asdict(r) for r in results],
+                     "load_average": os.getloadavg()[0]})
         print(f"run {i + 1}: two-node cluster started in {start_s:.1f}s; ProxyGroup of 2 ready in "
               f"{figures['group_ready_s']:.1f}s; egress Service created -> first successful connection "
               f"{figures['service_to_first_success_s']:.2f}s", flush=True)
@@ -93,14 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         resets = sum(c["held_failed"] for c in rs)
         print(f"{case:16s} longest gap median {statistics.median(gaps):6.2f}s, worst {worst:6.2f}s "
               f"(goal < {goal:.0f}s: {'MET' if worst < goal else 'NOT MET'}); new connections failed "
-              f"{sum(c['new_fail'] for c in rs)} of {sum(c['new_fail'] + c['new_ok'] for c in rs)}; held connection "
+              f"{sum(c['new_fail'] for c in rs)} of {sum(c['new_fail'] + c['new_ok'] for c in rs)} "
+              f"({sum(c['new_timed_out'] for c in rs)} timed out); held connection "
               f"through the survivor {f'RESET in {resets} run(s)' if resets else 'kept'}")
         for c in rs:
             print(f"  {c['gap_s']:6.2f}s; events: " + ", ".join(f"{k} {v:.1f}s" for k, v in c["events"].items()))
     print(f"total {time.monotonic() - t_all:.0f}s")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"node_loss": list(node_loss), "runs": runs}, f, indent=1)
+            json.dump({"node_loss": list(node_loss), "firewall": a.firewall, "runs": runs}, f, indent=1)
     from bench.results import Results, Table, machine, record
 
     def gap(case: str) -> str:
@@ -110,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def failed(case: str) -> str:
         rs = [c for r in runs for c in r["cases"] if c["case"] == case]
-        return f"{sum(c['new_fail'] for c in rs)} of {sum(c['new_fail'] + c['new_ok'] for c in rs)}"
+        return f"{sum(c['new_fail'] for c in rs)} of {sum(c['new_fail'] + c['new_ok'] for c in rs)} " \
+               f"({sum(c.get('new_timed_out', 0) for c in rs)} timed out)"
 
     def held(case: str) -> str:
         resets = sum(c["held_failed"] for r in runs for c in r["cases"] if c["case"] == case)
@@ -122,7 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     cases = Table.of(["case", "what is done", "ends when", "longest gap between successful new connections",
                       "new connections failed", "connection held through the other replica"],
                      [[*CASES.get(case, (case, "", "")), gap(case), failed(case), held(case)] for case in GOALS_S])
-    keys = list(dict.fromkeys((c["case"], k) for r in runs for c in r["cases"] for k in c["events"]))
+    def median_at(case: str, k: str) -> float:
+        return statistics.median(c["events"][k] for r in runs for c in r["cases"] if c["case"] == case
+                                 and k in c["events"])
+    # case by case in the cases' order, each case's events in the order they came (their medians)
+    seen = list(dict.fromkeys((c["case"], k) for r in runs for c in r["cases"] for k in c["events"]))
+    keys = sorted(seen, key=lambda ck: (list(GOALS_S).index(ck[0]) if ck[0] in GOALS_S else len(GOALS_S),
+                                        median_at(*ck)))
     events = Table.of(["event", "after"], [
         ["the egress Service created (group Ready) → first successful connection",
          median_of([r["service_to_first_success_s"] for r in runs])],
@@ -131,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
           for case, k in keys)])
     timing = "Kubernetes' default node-loss timing" if a.node_loss == "default" else \
         f"the lab's shortened node-loss timing ({node_loss[0]} s, {node_loss[1]} s)"
-    where = machine() if a.runs == 1 else machine().replace("one run,", f"{a.runs} runs, each on a fresh cluster,", 1)
+    loads = [r["load_average"] for r in runs]
+    where = machine() if a.runs == 1 else (
+        f"{a.runs} runs, each on a fresh cluster, {os.cpu_count()} cores shared with other work, 1-minute load "
+        f"average {min(loads):.1f} to {max(loads):.1f} at the runs' ends")
     recorded = a.recorded or f"{where}; {a.firewall}; {timing}; the 0.2 s between attempts bounds the resolution"
     command = "python -m bench.pgfailover" + (f" --runs {a.runs}" if a.runs > 1 else "") + (
         " --node-loss short" if a.node_loss == "short" else "")

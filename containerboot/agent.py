@@ -207,9 +207,13 @@ class Agent:
         serve_counters = self.steady.serve_counters if self.steady is not None else {}
         steady = self.steady
         secret = self.publisher.secret
+        # Once tailscaled has exited the node has no tailnet address: /healthz says so (503) at once, as
+        # upstream's check fails at once (its process ends with tailscaled), while the shutdown removes the rules
+        # (docs/proxygroup.md, "Failover on two nodes": the replica leaves the EndpointSlices meanwhile).
+        gone = self.tailscaled is not None and not self.tailscaled.alive()
         return AgentStatus(
             backend_state=node.backend_state or self._boot_state,
-            tailnet_ips=tuple(str(ip) for ip in node.tailnet_ips),
+            tailnet_ips=() if gone else tuple(str(ip) for ip in node.tailnet_ips),
             targets=rec.target_statuses() if rec is not None else (),
             serve=serve,
             netmap_seen_at=node.netmap_seen_at, health_warnings=node.health_warnings,

@@ -14,7 +14,12 @@ The rule, per replica (a Pod, at one IP):
   six keep-alive connections per replica, each asking once a second, staggered: on an established connection
   TCP recovers a lost packet in 0.2 s, where a new connection's lost SYN costs 1 s, and one exchange stuck in
   TCP's doubling retransmission timer is not silence on the others);
-* a serving replica **leaves** when it has not been heard for `down_after` seconds (3 s);
+* a serving replica **leaves** when it has not been heard for `down_after` seconds (3 s), or at once when it
+  **refuses**: it answers `/healthz` with anything but 200 (the agent's 503 once its tailscaled has died:
+  the node has no tailnet address) or its port refuses the connection (nothing listens: its container has
+  exited). A lossy or slow link delays or drops answers but never makes one up, so a refusal is the replica's
+  own word, the word the kubelet's readiness probe (one failure is enough, `failureThreshold: 1`) acts on too,
+  only seconds sooner; a refusal also restarts the count of a replica that is coming back;
 * a replica that left **comes back** once it has been heard for `up_after` seconds (2 s) with no silence of
   `up_silence` seconds (1 s) or more in between (hysteresis: a link that answers now and then stays out);
 * a replica starts serving when it is first tracked (the kubelet's readiness already admitted it), and its
@@ -34,7 +39,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-__all__ = ["Health", "HealthRule", "heard", "serving", "tick", "track"]
+__all__ = ["Health", "HealthRule", "heard", "refused", "serving", "tick", "track"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -81,6 +86,12 @@ def heard(rule: HealthRule, h: Health, now: float) -> Health:
         since = now
     h = Health(False, max(h.last_heard, now), since)
     return tick(rule, h, now)
+
+
+def refused(rule: HealthRule, h: Health, now: float) -> Health:
+    """The replica refused at `now`: a non-200 answer or a refused connection (see the module docstring). It is
+    out, and one coming back starts its count again at its next 200."""
+    return Health(False, h.last_heard, None)
 
 
 def tick(rule: HealthRule, h: Health, now: float) -> Health:

@@ -7,7 +7,8 @@ for a TCP echo server on the lab's tailnet node ``client`` (it answers each line
 replica's tailnet IP, so every answer says which replica carried it). A client Pod on the first node:
 
 * opens a NEW connection to the Service every 0.2 s (2 s timeout) and logs ``<t> new ok <peer>`` or
-  ``<t> new fail <error>``;
+  ``<t> new fail <error> <seconds it took>`` (``ConnectionRefusedError``: refused at once or at a SYN's
+  retransmission; ``TimeoutError``: the client's own 2 s timeout);
 * holds one connection through each replica and sends a line on each every 0.5 s: ``<t> held <peer> <port>
   ok|fail``; a broken one is replaced by a new connection (a new local port) until both replicas are held.
 
@@ -94,7 +95,7 @@ while True:
             peer = ask(s)
         line = f"{{t:.3f}} new ok {{peer}}"
     except Exception as e:
-        line = f"{{t:.3f}} new fail {{type(e).__name__}}"
+        line = f"{{t:.3f}} new fail {{type(e).__name__}} {{time.time() - t:.3f}}"
     with lock:   # one line at a time: the held connections' thread writes too
         print(line, flush=True)
     time.sleep(max(0.0, 0.2 - (time.time() - t)))
@@ -110,6 +111,7 @@ class Attempt:
     t: float
     ok: bool
     peer: str            # the replica's tailnet IP ("" for a failure)
+    error: str = ""      # a failure's exception name (TimeoutError: the client's own timeout)
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,8 @@ def parse_log(text: str) -> tuple[list[Attempt], list[Held]]:
         p = line.split()
         try:
             if len(p) >= 4 and p[1] == "new":
-                new.append(Attempt(float(p[0]), p[2] == "ok", p[3] if p[2] == "ok" else ""))
+                new.append(Attempt(float(p[0]), p[2] == "ok", p[3] if p[2] == "ok" else "",
+                                   "" if p[2] == "ok" else p[3]))
             elif len(p) >= 5 and p[1] == "held":
                 held.append(Held(float(p[0]), p[2], int(p[3]), p[4] == "ok"))
         except ValueError:
@@ -157,6 +160,7 @@ class CaseResult:
     gap_s: float                 # longest time between successful new connections over the case
     new_ok: int                  # new connections over the case
     new_fail: int
+    new_timed_out: int           # ... of the failures, those that waited for the client's 2 s timeout
     new_ok_survivor: int         # successes through the surviving replica while the victim was out
     held_port: int               # the connection through the survivor held from before the event
     held_ok_after: bool          # ... answered after the victim was back (or gone for good)
@@ -176,9 +180,48 @@ def judge(case: str, victim: str, victim_ip: str, survivor_ip: str, start: float
     return CaseResult(
         case, victim, victim_ip, survivor_ip, start, end, longest_gap(new, start, end),
         sum(a.ok for a in window), sum(not a.ok for a in window),
+        sum(not a.ok and a.error == "TimeoutError" for a in window),
         sum(1 for a in window if a.ok and a.peer == survivor_ip and a.t <= out_end),
         port, any(h.ok and h.t >= out_end for h in mine), any(not h.ok for h in mine if h.t >= start),
         dict(events or {}))
+
+
+#: case (b): what the killed replica's agent logs at each step of its exit (containerboot), and what the
+#: controller logs when its probe takes a replica out (controller.replicaprober)
+AGENT_STEPS = (("agent_noticed", "tailscaled exited unexpectedly"),
+               ("rules_removed", "Removed the agent's firewall rules"),
+               ("conntrack_flushed", "conntrack entries of connections the removed rules had translated"),
+               ("health_closed", "HTTP server at "))
+
+
+def _stamp(line: str) -> float | None:
+    """The container runtime's RFC 3339 stamp at the start of a ``kubectl logs --timestamps`` line."""
+    from datetime import datetime, timezone
+    head = line.split(" ", 1)[0].rstrip("Z")
+    whole, _, frac = head.partition(".")
+    try:
+        t = datetime.strptime(whole, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
+    return t + (float(f"0.{frac}") if frac.isdigit() else 0.0)
+
+
+def death_steps(agent_log: str, controller_log: str, victim: str, start: float) -> dict[str, float]:
+    """The first time (seconds after ``start``) each of ``AGENT_STEPS`` appears in the agent's log after
+    ``start``, and ``probe_out`` when the controller's log says its probe took ``victim`` out."""
+    out: dict[str, float] = {}
+    for line in agent_log.splitlines():
+        t = _stamp(line)
+        if t is None or t < start:
+            continue
+        for key, text in AGENT_STEPS:
+            if key not in out and text in line:
+                out[key] = t - start
+    for line in controller_log.splitlines():
+        t = _stamp(line)
+        if t is not None and t >= start and f"replica {victim} " in line and "leaves the egress" in line:
+            out.setdefault("probe_out", t - start)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -371,11 +414,25 @@ class Scenario:
         if "killed" not in cp.stdout:
             raise AssertionError(f"no tailscaled found in {victim}: {cp.stdout}{cp.stderr}")
         killed = time.time()
+        wait_until(lambda: v["pod_ip"] not in self.slice_addresses(), timeout, 0.1, "the victim out of the slice")
+        events = {"killed": killed - start, "left_slice": time.time() - start}
         back = self._back(v["tailnet_ip"], killed, timeout)
-        events = {"killed": killed - start, "back": back - start}
+        events["back"] = back - start
+        events.update(self._death_steps(victim, start))
+        events = dict(sorted(events.items(), key=lambda kv: kv[1]))
         end = self._close(back, timeout)
         return judge("kill_tailscaled", victim, v["tailnet_ip"], s["tailnet_ip"], start, back, end, self.log(),
                      events)
+
+    def _death_steps(self, victim: str, start: float) -> dict[str, float]:
+        """When the killed replica's agent noticed tailscaled's exit, removed its rules, flushed their conntrack
+        entries and closed its health port (its previous container's log, stamped by the container runtime), and
+        when the controller's probe took it out (the controller's log), in seconds after ``start``."""
+        prev = self.kc.kubectl("-n", kubecontroller.NS, "logs", victim, "-c", "tailscale", "--previous",
+                               "--timestamps", check=False, timeout=30).stdout
+        ctl = self.kc.kubectl("-n", kubecontroller.NS, "logs", "deployment/tailscale-controller", "--timestamps",
+                              "--since=10m", check=False, timeout=30).stdout
+        return death_steps(prev, ctl, victim, start)
 
     def lose_node(self, timeout: float = 240.0, *, until_node_marked: bool = True) -> CaseResult:
         """The second node lost. Events (seconds after the loss), recorded as they are seen: ``left_slice`` (the

@@ -145,22 +145,28 @@ def flush_translated_conntrack(rules: RuleSet) -> int:
             return proto is not None and oracle.covers(proto, ipaddress.ip_address(o.daddr), o.dport)
         return translated
 
-    removed = _delete_translated(translated_in)
+    # The standard library's netlink, not pyroute2: this runs as a ProxyGroup replica whose tailscaled died
+    # leaves, when its CPU is scarcest, and loading pyroute2 is most of the work (netfilter.ctnetlink).
+    from .ctnetlink import Ctnetlink
+    removed = _delete_translated(translated_in, lambda family: Ctnetlink(family))
     if removed:
         log.info("removed %d conntrack entries of connections the removed rules had translated", removed)
     return removed
 
 
-def _delete_translated(matcher: "Callable[[int], Callable[[Any], bool]]") -> int:
+def _delete_translated(matcher: "Callable[[int], Callable[[Any], bool]]",
+                       table: "Callable[[int], Any] | None" = None) -> int:
     """Delete, in both families, the DNAT-translated conntrack entries that `matcher(version)` selects; returns
-    how many. Errors (no nf_conntrack_netlink, no CAP_NET_ADMIN, an entry already gone) are logged, never raised."""
+    how many. `table(family)` opens the conntrack table (`dump_entries()`, `delete(entry)`, `close()`): pyroute2's
+    Conntrack unless given. Errors (no nf_conntrack_netlink, no CAP_NET_ADMIN, an entry already gone) are
+    logged, never raised."""
     import socket
 
     removed = 0
     for version, family in ((4, socket.AF_INET), (6, socket.AF_INET6)):
         select = matcher(version)
         try:
-            ct = conntrack_class()(nfgen_family=family)
+            ct = table(family) if table is not None else conntrack_class()(nfgen_family=family)
         except Exception as err:
             log.debug("conntrack unavailable (IPv%d): %s", version, err)
             continue

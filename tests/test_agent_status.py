@@ -153,3 +153,29 @@ async def test_the_services_watcher_reports_its_first_read_whatever_the_file_hol
             await asyncio.gather(task, return_exceptions=True)
     egress = a.reconciler.services.egress
     assert egress is not None and [s.name for s in egress.services] == ["svc"]
+
+
+class _Tailscaled:
+    """Stands in for the agent's tailscaled: only whether it still runs matters here."""
+
+    def __init__(self) -> None:
+        self.running = True
+
+    def alive(self) -> bool:
+        return self.running
+
+
+async def test_health_fails_as_soon_as_tailscaled_has_died_before_the_agent_exits():
+    """Upstream's /healthz is "the node has tailnet IPs"; with tailscaled dead it has none. The check must fail
+    while the agent is still removing its rules, not only once its HTTP server is gone: the kubelet's readiness
+    probe and the controller's health probe take a ProxyGroup replica out of the EndpointSlices on that answer."""
+    a = agent_with({})
+    a.reconciler.set_node(running_node("100.64.0.5"))
+    await a.reconciler.reconcile_once()
+    ts = _Tailscaled()
+    a.tailscaled = ts    # type: ignore[assignment]
+    assert a.status().healthy()
+    ts.running = False
+    st = a.status()
+    assert not st.healthy() and st.tailnet_ips == ()
+    assert not st.ready(st.started_at + 1)[0]

@@ -41,3 +41,29 @@ def test_judge_names_the_survivors_held_connection_and_whether_it_broke():
     # seen from the other side, the held connection through the victim broke
     r2 = fo.judge("kill", "ha-0", "100.64.0.2", "100.64.0.3", 100.3, 103.0, 103.1, LOG)
     assert r2.held_port == 4001 and r2.held_failed and not r2.held_ok_after
+
+
+def test_a_failure_says_whether_it_waited_for_the_clients_timeout():
+    new, _ = fo.parse_log(LOG + "103.2 new fail TimeoutError 2.001\n103.4 new fail ConnectionRefusedError 1.02\n")
+    assert [a.error for a in new if not a.ok] == ["ConnectionRefusedError", "TimeoutError", "TimeoutError",
+                                                   "ConnectionRefusedError"]
+    r = fo.judge("kill", "ha-1", "100.64.0.3", "100.64.0.2", 100.3, 103.0, 103.5,
+                 LOG + "103.2 new fail TimeoutError 2.001\n")
+    assert (r.new_fail, r.new_timed_out) == (3, 2)
+
+
+def test_the_steps_of_a_replicas_exit_are_read_from_the_logs_timestamps():
+    start = 1795847560.0     # 2026-11-28T06:32:40Z
+    agent = ("2026-11-28T06:32:39.900000000Z boot: 2026/11/28 06:32:39 Removed the agent's firewall rules\n"
+             "2026-11-28T06:32:40.212000000Z boot: 2026/11/28 06:32:40 tailscaled exited unexpectedly with status -9\n"
+             "2026-11-28T06:32:40.250000000Z boot: 2026/11/28 06:32:40 Removed the agent's firewall rules\n"
+             "2026-11-28T06:32:40.408000000Z boot: 2026/11/28 06:32:40 removed 24 conntrack entries of connections "
+             "the removed rules had translated\n"
+             "2026-11-28T06:32:40.409000000Z boot: 2026/11/28 06:32:40 HTTP server at 10.244.0.5:9002 closed\n")
+    ctl = ("2026-11-28T06:32:40.500000000Z 2026-11-28 06:32:40,499 controller WARNING ProxyGroup ha: replica ha-10 "
+           "(10.244.0.9) refused its health check; it leaves the egress EndpointSlices until it answers again\n"
+           "2026-11-28T06:32:40.600000000Z 2026-11-28 06:32:40,599 controller WARNING ProxyGroup ha: replica ha-1 "
+           "(10.244.0.5) refused its health check; it leaves the egress EndpointSlices until it answers again\n")
+    got = {k: round(v, 3) for k, v in fo.death_steps(agent, ctl, "ha-1", start).items()}
+    assert got == {"agent_noticed": 0.212, "rules_removed": 0.25, "conntrack_flushed": 0.408,
+                   "health_closed": 0.409, "probe_out": 0.6}

@@ -87,6 +87,24 @@ def test_rule_in_isolation():
     assert rh.heard(RULE, h, 8.0).serving
 
 
+def test_a_refusal_takes_a_serving_replica_out_at_once_and_restarts_a_return():
+    """A non-200 answer or a refused connection is the replica's own word (a link can lose answers, never make one
+    up): out at once, not after the silence `down_after` allows."""
+    h = rh.heard(RULE, rh.track(0.0), 0.5)
+    h = rh.refused(RULE, h, 0.6)
+    assert not h.serving
+    assert not rh.tick(RULE, h, 0.7).serving
+    # coming back: steady answers, one refusal, then the full `up_after` of answers again
+    for t in (1.0, 1.5, 2.0, 2.5):
+        h = rh.heard(RULE, h, t)
+    h = rh.refused(RULE, h, 2.8)
+    assert h.answering_since is None
+    for t in (3.0, 3.5, 4.0, 4.5):
+        h = rh.heard(RULE, h, t)
+    assert not h.serving
+    assert rh.heard(RULE, h, 5.0).serving
+
+
 def test_when_no_replica_of_a_group_answers_every_candidate_serves():
     out = rh.Health(False, 0.0)
     states = {"pg-0": out, "pg-1": out}

@@ -38,9 +38,11 @@ class Replicas:
         self.servers: dict[str, asyncio.Server] = {}
         self.ports: dict[str, int] = {}
         self.requests: dict[str, int] = {}
+        self.writers: dict[str, list[asyncio.StreamWriter]] = {}
 
     async def add(self, ip: str) -> None:
         async def serve(reader, writer):
+            self.writers.setdefault(ip, []).append(writer)
             try:
                 while True:
                     await reader.readuntil(b"\r\n\r\n")
@@ -56,6 +58,12 @@ class Replicas:
 
     async def open(self, host: str, port: int):
         return await asyncio.open_connection("127.0.0.1", self.ports[host])
+
+    async def exit(self, ip: str) -> None:
+        """The replica's agent has exited: its connections close and its port refuses new ones."""
+        self.servers[ip].close()     # the listening socket goes at once: a new connection is refused
+        for w in self.writers.pop(ip, []):
+            w.close()
 
     def close(self) -> None:
         for s in self.servers.values():
@@ -189,9 +197,34 @@ async def test_the_egress_endpointslice_follows_the_probe(env):  # noqa: F811
         reps.close()
 
 
-async def test_the_agents_own_health_endpoint_is_heard_and_its_not_ready_answer_is_not():
+#: the rule with a silence far longer than any test waits: a replica that leaves under it left on a refusal
+PATIENT = rh.HealthRule(down_after=600.0, up_after=0.3, up_silence=0.2)
+
+
+async def test_a_replica_whose_port_refuses_connections_leaves_at_once():
+    reps, changed = Replicas(), []
+    for ip in ("10.0.0.1", "10.0.0.2"):
+        await reps.add(ip)
+    p = ReplicaProber(changed.append, rule=PATIENT, connections=3, interval=0.05, tick=0.02, stale=5.0,
+                      open_connection=reps.open)
+    a, b = Target("pg-0", "10.0.0.1", 9002), Target("pg-1", "10.0.0.2", 9002)
+    runner = asyncio.ensure_future(p.run())
+    try:
+        p.track("pg", [a, b])
+        await wait_for(lambda: reps.requests.get("10.0.0.2", 0) >= 3)
+        await reps.exit("10.0.0.2")
+        await wait_for(lambda: changed == ["pg"])
+        assert p.serving([a, b]) == {a}
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        reps.close()
+
+
+async def test_the_agents_own_health_endpoint_is_heard_and_its_not_ready_answer_takes_it_out_at_once():
     """Against the agent's endpoint server (containerboot.endpoints), as replicas run it: the 200 of a replica
-    whose tailscaled is up is heard; the 503 of one whose tailscaled is down is silence to the rule."""
+    whose tailscaled is up is heard; the 503 of one whose tailscaled is down takes it out without waiting for
+    the rule's silence (600 s here), and it comes back once it answers 200 again."""
     from containerboot.endpoints import EndpointServer
     from tests.test_endpoints import Holder, not_ready_status, ready_status
     statuses = {ip: Holder(ready_status()) for ip in ("10.0.0.1", "10.0.0.2")}
@@ -202,7 +235,7 @@ async def test_the_agents_own_health_endpoint_is_heard_and_its_not_ready_answer_
         ports[ip] = int((await srv.start("127.0.0.1:0")).rsplit(":", 1)[1])
         servers.append(srv)
     changed: list[str] = []
-    p = ReplicaProber(changed.append, rule=FAST, connections=2, interval=0.05, tick=0.02, stale=5.0,
+    p = ReplicaProber(changed.append, rule=PATIENT, connections=2, interval=0.05, tick=0.02, stale=5.0,
                       open_connection=lambda host, _port: asyncio.open_connection("127.0.0.1", ports[host]))
     a, b = Target("pg-0", "10.0.0.1", 9002), Target("pg-1", "10.0.0.2", 9002)
     runner = asyncio.ensure_future(p.run())
