@@ -149,7 +149,10 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
         "secrets": (False, {"tailscale.com/managed": "true"}),
         "statefulsets": (False, {"tailscale.com/managed": "true"}),
         "pods": (False, {"tailscale.com/managed": "true", "tailscale.com/parent-resource-type": "proxygroup"}),
-        "configmaps": (False, {"tailscale.com/apiserver-proxy": "true"})}
+        "configmaps": (False, {"tailscale.com/apiserver-proxy": "true"}),
+        # for the watch cache only (controller/watchcache.py): every ServiceAccount, the proxies' Roles
+        "serviceaccounts": (False, None), "roles": (False, {"tailscale.com/managed": "true"}),
+        "rolebindings": (False, {"tailscale.com/managed": "true"})}
     exposed = {"metadata": {"name": "web", "namespace": "apps", "annotations": {"tailscale.com/expose": "true"}}}
     await watched["services"][2](body=exposed)
     await watched["services"][2](body={"metadata": {"name": "other", "namespace": "apps"}})   # not ours
@@ -167,7 +170,14 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
                           ("recorder", "", "rec")]
     s = settings(True)
     assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/apiserver-proxy=true"] + [
-        "tailscale.com/managed=true"] * 2 + ["tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]
+        "tailscale.com/managed=true"] * 4 + ["tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]
+    # the watch cache knows what each watch selects: a miss there is "absent" only for what the watch would show
+    from controller.watchcache import CHILDREN, WATCHED
+    for w in WATCHED:
+        if w.operator == CHILDREN and w.selector:
+            assert s.watching.label_selectors[w.res.plural] == w.selector_text, w.res.plural
+        else:
+            assert w.res.plural not in s.watching.label_selectors, w.res.plural
     assert not settings(False).posting.enabled
 
 
