@@ -39,10 +39,10 @@ def make_provider(cfg: ControllerConfig, kube):
 def polled(cfg: ControllerConfig) -> dict[str | tuple[str, str, str], float]:
     """The objects the controller reads but does not watch, and how often they are read for all passes together:
     the proxies' namespace (its Pod Security level: a refused parent is re-checked every POD_SECURITY_RECHECK, and
-    sees a new label within that and this), the CA ConfigMap, the static key's Secret, and the ServiceMonitor
-    CRD (a class's metrics)."""
-    from .kubeapi import CONFIGMAPS, CRDS, NAMESPACES, SECRETS
-    out: dict[str | tuple[str, str, str], float] = {NAMESPACES.plural: NAMESPACE_POLL, CRDS.plural: 60.0}
+    sees a new label within that and this), the CA ConfigMap and the static key's Secret. (The ServiceMonitor CRD
+    is watched: controller.watchcache.WATCHED.)"""
+    from .kubeapi import CONFIGMAPS, NAMESPACES, SECRETS
+    out: dict[str | tuple[str, str, str], float] = {NAMESPACES.plural: NAMESPACE_POLL}
     if cfg.proxy_ca_configmap:
         out[(CONFIGMAPS.plural, cfg.namespace, cfg.proxy_ca_configmap)] = NAMESPACE_POLL
     if cfg.provider == "static":

@@ -28,7 +28,7 @@ from tscommon.kubeconn import tls_context
 from .config import ControllerConfig
 from .kinds import apiserverproxy, connector, dnsconfig, egress, proxyclass, proxygroup, recorder
 from .kindtable import GROUP, KINDS, PARENT_KINDS, handled
-from .kubeapi import USER_AGENT
+from .kubeapi import PROXYCLASSES, USER_AGENT
 from .model import (
     APISERVER,
     CONNECTOR,
@@ -164,6 +164,16 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
 
     kopf.on.event(proxyclass.GROUP, proxyclass.VERSION, proxyclass.PLURAL, registry=parents)(on_class)
 
+    async def on_monitor_crd(**kw: Any) -> None:
+        """The ServiceMonitor CRD was installed, changed or removed: every class is judged again (one asking for a
+        ServiceMonitor is valid only while it exists), and each then queues the parents that use it."""
+        attach(CHILDREN, kw)
+        if state.cache is not None:
+            for name in state.cache.names(PROXYCLASSES):
+                state.queue.poke((PROXYCLASS, "", name))
+    # Only that CRD (a field selector, settings()); with the namespaced operator, whose scanning is off.
+    kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", registry=children)(on_monitor_crd)
+
     async def on_child(body: Any, **kw: Any) -> None:
         attach(CHILDREN, kw)
         key = child_key(body)
@@ -237,4 +247,8 @@ def settings(child_watch: bool) -> kopf.OperatorSettings:
             s.watching.label_selectors[plural] = f"{LABEL_MANAGED}=true"
         s.watching.label_selectors["pods"] = f"{LABEL_MANAGED}=true,{LABEL_PARENT_TYPE}={PROXYGROUP}"
         s.watching.label_selectors["configmaps"] = f"{apiserverproxy.LABEL}=true"
+        # the ServiceMonitor CRD alone (controller.watchcache.WATCHED)
+        for w in WATCHED:
+            if w.operator == CHILDREN and w.name:
+                s.watching.field_selectors[w.res.plural] = w.field_selector
     return s

@@ -1,23 +1,25 @@
 """The controller's read cache: kopf's own indexes, filled by the watches kopf runs, behind the API client (shell).
 
 Every kind the controller watches (`WATCHED`: the parents cluster-wide, the proxies' objects in the controller's
-namespace, selected on the server by their label) gets a kopf index (`@kopf.index`, registered by
-`controller.handlers`), keyed by name, by namespace and by each label pair, holding the object without its
-`managedFields`. kopf fills an operator's indexes from its first listing before it runs any of that operator's
-handlers, so the first handler call of each operator is the moment its indexes are complete: `synced`. Each
-operator is sure to have one such call, from an object that always exists: the API server's own `kubernetes`
-Service in `default` for the cluster-wide one, the ServiceAccounts of the controller's namespace (its own and
-`default`) for the namespaced one.
+namespace, selected on the server by their label, and the ServiceMonitor CRD alone, by its name) gets a kopf
+index (`@kopf.index`, registered by `controller.handlers`), keyed by name, by namespace and by each label pair,
+holding the object without its `managedFields`. kopf fills an operator's indexes from its first listing before it
+runs any of that operator's handlers, so the first handler call of each operator is the moment its indexes are
+complete: `synced`. Each operator is sure to have one such call, from an object that always exists: the API
+server's own `kubernetes` Service in `default` for the cluster-wide one, the ServiceAccounts of the controller's
+namespace (its own and `default`) for the namespaced one.
 
 `CachedKube` is the API client the passes use: reads of what is watched come from the indexes, everything else
 (and everything before its operator is synced) from the API server; writes go to the API server, and what they
 answer is kept (`overlay`) until the watch brings that version or a newer one, so a pass never reads back an
 older object than it wrote. A few single objects nobody watches are polled, once for every pass
 (`CachedKube.poll`): the proxies' namespace (its Pod Security level), the CA ConfigMap, the static key's
-Secret, the ServiceMonitor CRD. An object whose watch is selected by a label is found in the index only when it
-carries that label: a miss there is read from the API server (a user's Secret), except for an object the
-controller renders with the label itself (`get_own`): a miss is then "absent", and an object made by hand
-under that name meets a create's 409, after which the writer reads it and adopts it.
+Secret. The ServiceMonitor CRD is watched rather than polled: a ProxyClass refused for its absence is judged
+again as soon as it is installed (`controller.handlers` queues the classes on its events). An object whose
+watch is selected by a label is found in the index only when it carries that label: a miss there is read from
+the API server (a user's Secret), except for an object the controller renders with the label itself
+(`get_own`): a miss is then "absent", and an object made by hand under that name meets a create's 409, after
+which the writer reads it and adopts it.
 """
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .kinds import apiserverproxy
+from .kinds.proxyclass import SERVICE_MONITOR_CRD
 from .kubeapi import (
     CONFIGMAPS,
     CONNECTORS,
+    CRDS,
     DNSCONFIGS,
     ENDPOINTSLICES,
     INGRESSES,
@@ -65,6 +69,11 @@ class Watched:
     res: Resource
     operator: str
     selector: tuple[tuple[str, str], ...] = ()     # the watch's label selector (equalities); () selects all
+    name: str = ""      # the one object the watch selects (field selector metadata.name); "" selects all
+
+    def covers(self, name: str) -> bool:
+        """A read of `name` can be answered by this watch (a miss is then absence, or a miss of the selector)."""
+        return not self.name or name == self.name
 
     @property
     def index_id(self) -> str:
@@ -74,6 +83,10 @@ class Watched:
     @property
     def selector_text(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.selector)
+
+    @property
+    def field_selector(self) -> str:
+        return f"metadata.name={self.name}" if self.name else ""
 
 
 _MANAGED = ((LABEL_MANAGED, "true"),)
@@ -89,6 +102,9 @@ WATCHED: tuple[Watched, ...] = (
     Watched(PODS, CHILDREN, (*_MANAGED, (LABEL_PARENT_TYPE, PROXYGROUP))),
     Watched(ENDPOINTSLICES, CHILDREN),
     Watched(CONFIGMAPS, CHILDREN, ((apiserverproxy.LABEL, "true"),)),
+    # whether a class may ask for a ServiceMonitor; with the namespaced operator, whose scanning of CRDs is off
+    # (the cluster-wide one's would see this selector too)
+    Watched(CRDS, CHILDREN, name=SERVICE_MONITOR_CRD),
 )
 
 
@@ -247,6 +263,11 @@ class WatchCache:
                 out.append(o2)
         return out
 
+    def names(self, res: Resource) -> list[str]:
+        """The names of a cluster-scoped kind's objects, as the watch has them ([] before it has listed)."""
+        w = self.watched(res, "")
+        return [(o.get("metadata") or {}).get("name") or "" for o in self.select(w, "", {})] if w else []
+
     def _index_object(self, w: Watched, key: tuple[str, str]) -> Mapping[str, Any] | None:
         idx = self.indices[w.index_id]
         k = ("n", *key)
@@ -312,7 +333,7 @@ class CachedKube:
 
     async def get(self, res: Resource, name: str, namespace: str = "") -> dict | None:
         w = self.cache.watched(res, namespace)
-        if w is not None:
+        if w is not None and w.covers(name):
             found = self.cache.lookup(w, namespace, name)
             if found is not None or not w.selector:
                 return copy_json(found)
@@ -322,7 +343,7 @@ class CachedKube:
         """An object the controller renders with `labels`: when those include its watch's selector, a miss in the
         index is absence (no read)."""
         w = self.cache.watched(res, namespace)
-        if w is not None and all(labels.get(k) == v for k, v in w.selector):
+        if w is not None and w.covers(name) and all(labels.get(k) == v for k, v in w.selector):
             return copy_json(self.cache.lookup(w, namespace, name))
         return await self.get(res, name, namespace)
 
@@ -353,7 +374,7 @@ class CachedKube:
     async def list(self, res: Resource, namespace: str = "", selector: str = "") -> list[dict]:
         w = self.cache.watched(res, namespace)
         labels = parse_selector(selector)
-        if w is None or labels is None or not all(labels.get(k) == v for k, v in w.selector):
+        if w is None or w.name or labels is None or not all(labels.get(k) == v for k, v in w.selector):
             return await self.kube.list(res, namespace, selector)
         return [copy_json(o) for o in self.cache.select(w, namespace, labels)]
 

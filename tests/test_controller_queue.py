@@ -3,6 +3,7 @@ their parent by upstream's labels."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from controller.config import ControllerConfig
 from controller.handlers import State, child_key, parent_key, registries, settings
@@ -152,7 +153,9 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
         "configmaps": (False, {"tailscale.com/apiserver-proxy": "true"}),
         # for the watch cache only (controller/watchcache.py): every ServiceAccount, the proxies' Roles
         "serviceaccounts": (False, None), "roles": (False, {"tailscale.com/managed": "true"}),
-        "rolebindings": (False, {"tailscale.com/managed": "true"})}
+        "rolebindings": (False, {"tailscale.com/managed": "true"}),
+        # the ServiceMonitor CRD alone (a field selector, below)
+        "customresourcedefinitions": (False, None)}
     exposed = {"metadata": {"name": "web", "namespace": "apps", "annotations": {"tailscale.com/expose": "true"}}}
     await watched["services"][2](body=exposed)
     await watched["services"][2](body={"metadata": {"name": "other", "namespace": "apps"}})   # not ours
@@ -178,7 +181,43 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
             assert s.watching.label_selectors[w.res.plural] == w.selector_text, w.res.plural
         else:
             assert w.res.plural not in s.watching.label_selectors, w.res.plural
+    assert [(k.any_name, v) for k, v in s.watching.field_selectors.items()] == [
+        ("customresourcedefinitions", "metadata.name=servicemonitors.monitoring.coreos.com")]
     assert not settings(False).posting.enabled
+    assert not list(settings(False).watching.field_selectors.items())   # kopf's own scanning of CRDs is untouched
+
+
+async def test_the_servicemonitor_crds_events_queue_every_proxyclass(monkeypatch):
+    """A class refused because the CRD was missing is judged again when it is installed (and one that relied on
+    it, when it is removed): each of the CRD's events queues every class, whose pass queues its parents."""
+    import kopf
+    from kopf._core.engines.indexing import OperatorIndexer
+
+    from controller.watchcache import PARENTS, WATCHED, WatchCache, index_entries
+    handlers: dict[str, Any] = {}
+
+    def event(*resource: str, registry, **_):
+        def register(fn):
+            handlers[resource[-1]] = fn
+            return fn
+        return register
+    monkeypatch.setattr(kopf.on, "event", event)
+
+    class Queue:
+        def __init__(self) -> None:
+            self.keys: list = []
+
+        def poke(self, key) -> None:
+            self.keys.append(key)
+    queue, cache = Queue(), WatchCache("tailscale")
+    registries(State(ControllerConfig(), None, queue, cache=cache))
+    indexers = {w.index_id: OperatorIndexer() for w in WATCHED}
+    for name in ("monitored", "plain"):
+        indexers["cache_proxyclasses"].replace((None, name, name), index_entries({"metadata": {"name": name}}))
+    cache.attach(PARENTS, {k: i.index for k, i in indexers.items()})
+    await handlers["customresourcedefinitions"](body={"metadata": {"name": "servicemonitors.monitoring.coreos.com"}},
+                                                **{k: i.index for k, i in indexers.items()})
+    assert sorted(queue.keys) == [("proxyclass", "", "monitored"), ("proxyclass", "", "plain")]
 
 
 def test_a_proxygroup_event_brings_a_pass_of_the_services_that_name_it():

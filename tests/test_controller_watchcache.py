@@ -46,8 +46,9 @@ class Watches:
             now = set()
             for (plural, ns, _), o in self.kube.objects.items():
                 labels = o["metadata"].get("labels") or {}
-                if plural != w.res.plural or (w.operator == CHILDREN and ns != self.cache.namespace) or \
-                        any(labels.get(k) != v for k, v in w.selector):
+                if plural != w.res.plural or (w.operator == CHILDREN and w.res.namespaced and
+                                              ns != self.cache.namespace) or \
+                        any(labels.get(k) != v for k, v in w.selector) or not w.covers(o["metadata"]["name"]):
                     continue
                 key = (ns or None, o["metadata"]["name"], o["metadata"]["uid"])
                 now.add(key)
@@ -189,3 +190,32 @@ async def test_a_statefulset_deleted_in_the_foreground_holds_the_cleanup_until_t
     assert api.obj(STATEFULSETS, name, "tailscale") is None
     assert api.obj(SERVICES, "web", "apps") is None or \
         "tailscale.com/finalizer" not in (api.obj(SERVICES, "web", "apps")["metadata"].get("finalizers") or [])
+
+
+async def test_a_class_refused_for_the_missing_servicemonitor_crd_is_valid_once_the_crd_is_installed():
+    """With the controller's own polling: the CRD is watched, so the class's next pass (queued by the CRD's event,
+    tests/test_controller_queue.py) sees it at once, not a poll period later."""
+    from controller.__main__ import polled
+    from controller.kinds.proxyclass import SERVICE_MONITOR_CRD
+    from controller.kubeapi import CRDS, PROXYCLASSES
+    api, cache, watches, rec, _ = setup(poll=polled(CFG))
+    api.put(PROXYCLASSES, {"apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass",
+                           "metadata": {"name": "monitored"},
+                           "spec": {"metrics": {"enable": True, "serviceMonitor": {"enable": True}}}})
+    api.put(CRDS, {"metadata": {"name": "other.example.com"}})
+    watches.deliver()
+
+    def ready() -> tuple[str, str]:
+        (c,) = api.obj(PROXYCLASSES, "monitored")["status"]["conditions"]
+        return c["status"], c["reason"]
+    await rec.reconcile("proxyclass", "", "monitored")
+    assert ready() == ("False", "ProxyClassInvalid")
+    api.put(CRDS, {"metadata": {"name": SERVICE_MONITOR_CRD}})
+    watches.deliver()
+    api.calls.clear()
+    await rec.reconcile("proxyclass", "", "monitored")      # no time has passed
+    assert ready() == ("True", "ProxyClassValid")
+    assert not [c for c in api.calls if c[1] == "customresourcedefinitions"]    # read from the watch
+    # a CRD the watch does not select is read from the API server, not taken as absent
+    assert await rec.kube.get(CRDS, "other.example.com") is not None
+    assert ("GET", "customresourcedefinitions", "", "other.example.com") in api.calls
