@@ -318,6 +318,10 @@ class WatchCache:
         if w is None or not all(labels.get(k) == v for k, v in w.selector):
             return          # not watched: the next read asks the API server anyway
         key = ((md.get("namespace") or "") if res.namespaced else "", md["name"])
+        if md.get("deletionTimestamp") and not md.get("finalizers"):
+            # the last finalizer removed from an object being deleted: the answer is its last version, it is gone
+            self._keep(res, key, (resource_version(obj) + 1, None, self.clock(), 0))
+            return
         held = self._index_object(w, key) if w.index_id in self.indices else None
         if held is not None and resource_version(held) >= resource_version(obj):
             return          # the watch brought it (or newer) already: the index answers

@@ -243,3 +243,33 @@ async def test_an_object_written_then_deleted_is_absent_once_the_watch_shows_onl
     assert await rec.kube.get(SECRETS, "brief", "tailscale") is not None
     t[0] += 61.0
     assert await rec.kube.get(SECRETS, "brief", "tailscale") is None
+
+
+async def test_a_write_whose_version_the_watch_brought_first_does_not_outlive_the_object():
+    """The watch's event for a write can be handled before the write's answer: the answer is then not kept, and
+    the object's deletion (the DNSConfig's, whose status the controller writes) is what the passes see."""
+    from controller.kubeapi import DNSCONFIGS
+    api, cache, watches, rec, _ = setup()
+    api.put(DNSCONFIGS, {"metadata": {"name": "ts-dns"}, "spec": {"nameserver": {}}})
+    watches.deliver()
+    answer = await api.patch(DNSCONFIGS, "ts-dns", {"status": {"x": 1}}, "", "status")
+    watches.deliver()                       # the watch first
+    cache.remember(DNSCONFIGS, answer)      # then the answer
+    del api.objects[("dnsconfigs", "", "ts-dns")]
+    watches.deliver()
+    assert await rec.kube.list(DNSCONFIGS) == []
+    assert await rec.kube.get(DNSCONFIGS, "ts-dns") is None
+
+
+async def test_an_object_whose_last_finalizer_the_controller_removed_is_gone():
+    from controller.kubeapi import PROXYGROUPS
+    api, cache, watches, rec, _ = setup()
+    api.put(PROXYGROUPS, {"metadata": {"name": "pg", "finalizers": ["tailscale.com/finalizer"],
+                                       "deletionTimestamp": "2026-01-01T00:00:00Z"}, "spec": {"type": "egress"}})
+    watches.deliver()
+    pg = await rec.kube.get(PROXYGROUPS, "pg")
+    await rec.writer.remove_finalizer("proxygroup", pg)
+    api.finish_deletions()
+    assert await rec.kube.get(PROXYGROUPS, "pg") is None        # before the watch shows its end
+    watches.deliver()
+    assert await rec.kube.get(PROXYGROUPS, "pg") is None
