@@ -398,8 +398,9 @@ async def test_a_group_pass_between_a_deleted_services_cleanup_steps_does_not_br
         out = await delete(res, name, namespace, **kw)
         if res == ENDPOINTSLICES and name.startswith(b_cip) and not group_pass:
             group_pass.append(asyncio.ensure_future(rec.reconcile("proxygroup", "", "pg")))
-            for _ in range(50):     # every step it can take now (none while it waits for the cleanup)
-                await asyncio.sleep(0)
+            # every step the group pass can take now (none while it waits for the cleanup): no time passes
+            for _ in range(50):
+                await asyncio.sleep(0)   # not a wait: one turn of the loop, one step of the group pass
         return out
     kube.delete = delete_then_the_group_pass_runs
     await rec.reconcile("svc", "apps", "b")
