@@ -36,6 +36,20 @@ def make_provider(cfg: ControllerConfig, kube):
     return StaticKeyProvider(read, cfg.static_key_secret)
 
 
+def polled(cfg: ControllerConfig) -> dict[str | tuple[str, str, str], float]:
+    """The objects the controller reads but does not watch, and how often they are read for all passes together:
+    the proxies' namespace (its Pod Security level: a refused parent is re-checked every POD_SECURITY_RECHECK, and
+    sees a new label within that and this), the CA ConfigMap and the static key's Secret. (The ServiceMonitor CRD
+    is watched: controller.watchcache.WATCHED.)"""
+    from .kubeapi import CONFIGMAPS, NAMESPACES, SECRETS
+    out: dict[str | tuple[str, str, str], float] = {NAMESPACES.plural: NAMESPACE_POLL}
+    if cfg.proxy_ca_configmap:
+        out[(CONFIGMAPS.plural, cfg.namespace, cfg.proxy_ca_configmap)] = NAMESPACE_POLL
+    if cfg.provider == "static":
+        out[(SECRETS.plural, cfg.namespace, cfg.static_key_secret)] = NAMESPACE_POLL
+    return out
+
+
 async def serve_health(addr: str, role: Callable[[], str]) -> asyncio.AbstractServer:
     """`GET /healthz` → 200 and the replica's role, in both roles (a standby runs no kopf, whose liveness
     endpoint would be missing, and the kubelet would restart every standby)."""
@@ -69,6 +83,10 @@ async def detect_control_plane(provider) -> None:
         logging.getLogger("controller").warning("%s; its version is read again at the first call", e)
 
 
+#: How often the objects that are not watched (the namespace's Pod Security level, the CA ConfigMap, the static
+#: key) are read again, once for every pass that needs them (seconds).
+NAMESPACE_POLL = 20.0
+
 #: How often the fault counts held by the log folding are checked for a window that has passed (seconds).
 FLUSH_EVERY = 5.0
 
@@ -83,14 +101,19 @@ async def run(cfg: ControllerConfig) -> int:
     from .queue import WorkQueue
     from .reconcile import Reconciler
     from .replicaprober import ReplicaProber
+    from .watchcache import CachedKube, WatchCache
 
     # kopf's default identity asks getpass for the user name, which fails for a UID without a passwd entry
     # (the image runs as 65532: "KeyError: 'getpwuid(): uid not found: 65532'", a crash loop in a real Pod).
     # The suffix makes two processes on one host (or a restarted container) distinct candidates.
     identity = f"tailscale-controller@{socket.gethostname()}-{secrets.token_hex(3)}"
     elector = LeaderElector(Kube.in_cluster(), cfg.namespace, identity, pod_name=cfg.pod_name)
-    kube = Kube.in_cluster()
-    kube.write_guard = elector.is_leader
+    api = Kube.in_cluster()
+    api.write_guard = elector.is_leader
+    # The passes read what kopf's watches hold (controller.watchcache); the few objects nobody watches are
+    # polled once for all of them.
+    cache = WatchCache(cfg.namespace)
+    kube = CachedKube(api, cache, polled(cfg))
     provider = make_provider(cfg, kube)
     # The leader probes the ProxyGroup replicas' health over the Pod network: one that stops answering leaves
     # the egress EndpointSlices within seconds (controller/replicahealth.py). Its loop starts with the Lease.
@@ -102,8 +125,9 @@ async def run(cfg: ControllerConfig) -> int:
             # Fenced (the Lease could not be renewed): the key waits for the renewal (`retry_now` then), or for
             # the stop if another replica took the Lease (the next leader re-runs it).
             return 10.0
+        await cache.wait_synced()       # a pass reads what the watches have listed, not an empty cache
         return await rec.reconcile(*key)
-    state = State(cfg, rec, WorkQueue(work))
+    state = State(cfg, rec, WorkQueue(work), cache=cache)
     rec.poke = state.queue.poke
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -137,7 +161,7 @@ async def run(cfg: ControllerConfig) -> int:
         probing = asyncio.ensure_future(prober.run())
         await detect_control_plane(provider)
 
-        parents, children = registries(state, functools.partial(kopf_login, kube.url, kube.token, kube.ca_file,
+        parents, children = registries(state, functools.partial(kopf_login, api.url, api.token, api.ca_file,
                                                                 cfg.namespace))
         # One stop flag for both operators: each kopf operator installs its own SIGTERM handler, and the
         # second would replace the first's (that operator then never stops). Ours is installed again once
@@ -198,7 +222,7 @@ async def run(cfg: ControllerConfig) -> int:
             await elector.release()
         health.close()
         await provider.aclose()
-        await kube.aclose()
+        await api.aclose()
         await elector.kube.aclose()
     # a replica that lost the Lease exits non-zero: the kubelet restarts it as a standby
     return 1 if lost else 0

@@ -8,7 +8,9 @@ Secret access. Event handlers only compute the parent's key and poke the queue: 
 are used; its peering is not (a Lease decides which replica runs, `controller.leader`), nor its per-handler
 progress records (they would be a write to every parent on every change, and a pass that changes nothing
 must write nothing). Kopf's posting of its own log
-lines as Kubernetes events is off: the reconciler writes the events users should see.
+lines as Kubernetes events is off: the reconciler writes the events users should see. The same watches fill
+kopf indexes, one per watched kind (`controller.watchcache.WATCHED`), which the passes read instead of the API
+server; the first handler call of each operator hands them over (`WatchCache.attach`).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from tscommon.kubeconn import tls_context
 from .config import ControllerConfig
 from .kinds import apiserverproxy, connector, dnsconfig, egress, proxyclass, proxygroup, recorder
 from .kindtable import GROUP, KINDS, PARENT_KINDS, handled
-from .kubeapi import USER_AGENT
+from .kubeapi import PROXYCLASSES, USER_AGENT
 from .model import (
     APISERVER,
     CONNECTOR,
@@ -42,6 +44,7 @@ from .model import (
 )
 from .queue import WorkQueue
 from .reconcile import Reconciler
+from .watchcache import CHILDREN, PARENTS, WATCHED, WatchCache, index_entries
 
 log = logging.getLogger("controller")
 
@@ -54,6 +57,8 @@ class State:
     #: ProxyGroup name -> the keys of the Services that name it: a group's change (created, became egress,
     #: deleted) brings a pass of each, without listing every Service of the cluster
     group_services: dict[str, set[tuple[str, str, str]]] = field(default_factory=dict)
+    #: the read cache kopf's indexes fill (controller.watchcache); None: every read goes to the API server
+    cache: WatchCache | None = None
 
     def index_service(self, key: tuple[str, str, str], group: str) -> None:
         for g, keys in list(self.group_services.items()):
@@ -113,8 +118,14 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
         kopf.on.login(registry=parents)(login("cluster-wide watches"))
         kopf.on.login(registry=children)(login("namespace watches"))
 
-    def on_parent(kind: str):
-        async def handler(body: Any, type: str | None = None, **_: Any) -> None:   # async: no threads
+    def attach(operator: str, kwargs: dict[str, Any]) -> None:
+        # kopf calls an operator's handlers only once its indexes hold its first listing: the cache is complete
+        if state.cache is not None:
+            state.cache.attach(operator, kwargs)
+
+    def on_parent(kind: str, operator: str = PARENTS):
+        async def handler(body: Any, type: str | None = None, **kw: Any) -> None:   # async: no threads
+            attach(operator, kw)
             key, info = parent_key(kind, body, state.cfg), KINDS[kind]
             if info.on_group is not None:
                 meta = body.get("metadata") or {}
@@ -129,19 +140,23 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
                     state.queue.poke(k)
         return handler
 
-    async def on_dns(**_: Any) -> None:
-        state.queue.poke(dnsconfig.QUEUE_KEY)
+    def on_dns(operator: str):
+        async def handler(**kw: Any) -> None:
+            attach(operator, kw)
+            state.queue.poke(dnsconfig.QUEUE_KEY)
+        return handler
 
     kopf.on.event("v1", "services", registry=parents)(on_parent(SVC))
     kopf.on.event("networking.k8s.io", "v1", "ingresses", registry=parents)(on_parent(INGRESS))
     kopf.on.event(connector.GROUP, connector.VERSION, connector.PLURAL, registry=parents)(on_parent(CONNECTOR))
-    kopf.on.event(dnsconfig.GROUP, dnsconfig.VERSION, dnsconfig.PLURAL, registry=parents)(on_dns)
+    kopf.on.event(dnsconfig.GROUP, dnsconfig.VERSION, dnsconfig.PLURAL, registry=parents)(on_dns(PARENTS))
     kopf.on.event(proxygroup.GROUP, proxygroup.VERSION, proxygroup.PLURAL, registry=parents)(on_parent(PROXYGROUP))
     # Recorders (cluster-scoped); their Secrets and StatefulSet lead back to them through child_key
     kopf.on.event(recorder.GROUP, recorder.VERSION, recorder.PLURAL,
                   registry=parents)(on_parent(recorder.QUEUE_KIND))
 
-    async def on_class(body: Any, **_: Any) -> None:
+    async def on_class(body: Any, **kw: Any) -> None:
+        attach(PARENTS, kw)
         # The class's own pass writes its status and then queues every parent that uses it.
         name = (body.get("metadata") or {}).get("name")
         if name:
@@ -149,7 +164,18 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
 
     kopf.on.event(proxyclass.GROUP, proxyclass.VERSION, proxyclass.PLURAL, registry=parents)(on_class)
 
-    async def on_child(body: Any, **_: Any) -> None:
+    async def on_monitor_crd(**kw: Any) -> None:
+        """The ServiceMonitor CRD was installed, changed or removed: every class is judged again (one asking for a
+        ServiceMonitor is valid only while it exists), and each then queues the parents that use it."""
+        attach(CHILDREN, kw)
+        if state.cache is not None:
+            for name in state.cache.names(PROXYCLASSES):
+                state.queue.poke((PROXYCLASS, "", name))
+    # Only that CRD (a field selector, settings()); with the namespaced operator, whose scanning is off.
+    kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", registry=children)(on_monitor_crd)
+
+    async def on_child(body: Any, **kw: Any) -> None:
+        attach(CHILDREN, kw)
         key = child_key(body)
         if key is not None:
             state.queue.poke(key)
@@ -157,18 +183,39 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
     kopf.on.event("v1", "secrets", labels={LABEL_MANAGED: "true"}, registry=children)(on_child)
     # The API server proxy's ConfigMap: in the controller's namespace, so watched with the children.
     kopf.on.event("v1", "configmaps", labels={apiserverproxy.LABEL: "true"},
-                  registry=children)(on_parent(APISERVER))
+                  registry=children)(on_parent(APISERVER, CHILDREN))
     kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_MANAGED: "true"}, registry=children)(on_child)
     # The proxies' Pod IPs (the DNS records) as the headless Services' EndpointSlices report them.
-    kopf.on.event("discovery.k8s.io", "v1", "endpointslices", registry=children)(on_dns)
+    kopf.on.event("discovery.k8s.io", "v1", "endpointslices", registry=children)(on_dns(CHILDREN))
 
-    async def on_group_pod(body: Any, **_: Any) -> None:
+    async def on_group_pod(body: Any, **kw: Any) -> None:
         """A ProxyGroup replica's Pod started, got its IPs or began terminating: its EndpointSlice membership."""
+        attach(CHILDREN, kw)
         key = child_key(body)
         if key is not None and KINDS[key[0]].runs == GROUP:
             state.queue.poke(key)
     kopf.on.event("v1", "pods", labels={LABEL_MANAGED: "true", LABEL_PARENT_TYPE: PROXYGROUP},
                   registry=children)(on_group_pod)
+    # The proxies' ServiceAccounts, Roles and RoleBindings are watched for the cache only (their pass is brought
+    # by the StatefulSet's and Secret's events); a ServiceAccount always exists in the namespace (the
+    # controller's own), so this operator always calls a handler once its indexes are filled.
+    async def on_cached(body: Any, **kw: Any) -> None:
+        attach(CHILDREN, kw)
+    kopf.on.event("v1", "serviceaccounts", registry=children)(on_cached)
+    for plural in ("roles", "rolebindings"):
+        kopf.on.event("rbac.authorization.k8s.io", "v1", plural, labels={LABEL_MANAGED: "true"},
+                      registry=children)(on_cached)
+    if state.cache is not None:
+        cache = state.cache
+        for w in WATCHED:
+            def indexer(res=w.res):
+                async def index(body: Any, **_: Any) -> dict:
+                    cache.seen(res, body)
+                    return index_entries(body)
+                return index
+            group, _, version = w.res.prefix.removeprefix("/apis/").removeprefix("/api/").rpartition("/")
+            kopf.index(group or None, version, w.res.plural, id=w.index_id,
+                       registry=parents if w.operator == PARENTS else children)(indexer())
     return parents, children
 
 
@@ -196,8 +243,12 @@ def settings(child_watch: bool) -> kopf.OperatorSettings:
         # this, each operator would watch the CRDs (two watches of one collection, which a 429 for one of them
         # could not hold back) and this one would also list and watch every namespace.
         s.scanning.disabled = True
-        for plural in ("secrets", "statefulsets"):
+        for plural in ("secrets", "statefulsets", "roles", "rolebindings"):
             s.watching.label_selectors[plural] = f"{LABEL_MANAGED}=true"
         s.watching.label_selectors["pods"] = f"{LABEL_MANAGED}=true,{LABEL_PARENT_TYPE}={PROXYGROUP}"
         s.watching.label_selectors["configmaps"] = f"{apiserverproxy.LABEL}=true"
+        # the ServiceMonitor CRD alone (controller.watchcache.WATCHED)
+        for w in WATCHED:
+            if w.operator == CHILDREN and w.name:
+                s.watching.field_selectors[w.res.plural] = w.field_selector
     return s

@@ -51,6 +51,11 @@ class KubeClient(Protocol):
 
     async def get(self, res: Resource, name: str, namespace: str = "") -> dict | None: ...
 
+    async def get_own(self, res: Resource, name: str, namespace: str, labels: Mapping[str, str]) -> dict | None:
+        """`get` of an object the controller renders with `labels` (a read cache may answer a miss itself:
+        controller.watchcache.CachedKube)."""
+        ...
+
     async def list(self, res: Resource, namespace: str = "", selector: str = "") -> list[dict]: ...
 
     async def create(self, res: Resource, obj: Mapping[str, Any], namespace: str = "") -> dict: ...
@@ -153,6 +158,9 @@ class Kube:
 
     async def get(self, res: Resource, name: str, namespace: str = "") -> dict | None:
         return await self._call("GET", path(res, namespace, name), ok404=True)
+
+    async def get_own(self, res: Resource, name: str, namespace: str, labels: Mapping[str, str]) -> dict | None:
+        return await self.get(res, name, namespace)
 
     async def list(self, res: Resource, namespace: str = "", selector: str = "") -> list[dict]:
         out = await self._call("GET", path(res, namespace), params={"labelSelector": selector} if selector else None)

@@ -90,14 +90,21 @@ class Writer:
     async def apply(self, res: Resource, desired: dict) -> dict | None:
         """Create, or merge-patch when the rendering's hash differs; nothing when it is equal."""
         md = desired["metadata"]
-        return await self.apply_known(res, desired, await self.kube.get(res, md["name"], md.get("namespace", "")))
+        cur = await self.kube.get_own(res, md["name"], md.get("namespace", ""), md.get("labels") or {})
+        return await self.apply_known(res, desired, cur)
 
     async def apply_known(self, res: Resource, desired: dict, cur: Mapping[str, Any] | None) -> dict:
         """`apply` with the object as it is now already read (`cur`)."""
         md = desired["metadata"]
         ns = md.get("namespace", "")
         if cur is None:
-            return await self.kube.create(res, desired, ns)
+            try:
+                return await self.kube.create(res, desired, ns)
+            except KubeError as e:
+                # There after all: made by hand without our labels (a cache knows only what carries them), or
+                # not yet seen by the watch. Read it and go on as if it had been read first.
+                if e.reason != "AlreadyExists" or (cur := await self.kube.get(res, md["name"], ns)) is None:
+                    raise
         if (cur["metadata"].get("annotations") or {}).get(render.SPEC_HASH) == md["annotations"][render.SPEC_HASH]:
             return dict(cur)
         return await self.kube.patch(res, md["name"], desired, ns)

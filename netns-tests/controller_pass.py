@@ -18,51 +18,57 @@ import json
 import os
 import ssl
 import sys
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from controller.config import ControllerConfig
-from controller.kubeapi import Kube
+from controller.kubeapi import Kube, KubeClient, Resource
 from controller.providers.headscale import HeadscaleProvider
 from controller.reconcile import Reconciler
 from tests.support.fakekube import FakeKube
 from tscommon import crashpoint
 
+T = TypeVar("T")
+
 
 class Split:
-    """Secrets over HTTP to the real test API server, everything else in memory (saved after each write)."""
+    """Secrets over HTTP to the real test API server, everything else in memory (saved after each write). It is a
+    `controller.kubeapi.KubeClient`, as tests/test_kube_client_protocol.py checks (a method the passes call and
+    this lacks would fail only here, in a real-cluster run)."""
 
     def __init__(self, http: Kube, fake: FakeKube, state: str) -> None:
         self.http, self.fake, self.state = http, fake, state
 
-    async def _fake_write(self, method: str, res, *a, **k):
+    def _c(self, res: Resource) -> KubeClient:
+        return self.http if res.plural == "secrets" else self.fake
+
+    async def _write(self, res: Resource, call: Callable[[KubeClient], Awaitable[T]]) -> T:
+        if res.plural == "secrets":
+            return await call(self.http)
         crashpoint.hit(crashpoint.KUBE_WRITE)
         try:
-            return await getattr(self.fake, method)(res, *a, **k)
+            return await call(self.fake)
         finally:
             save(self.state, self.fake)
 
-    def _c(self, res):
-        return self.http if res.plural == "secrets" else self.fake
+    async def get(self, res: Resource, name: str, namespace: str = "") -> dict | None:
+        return await self._c(res).get(res, name, namespace)
 
-    async def get(self, res, *a, **k):
-        return await self._c(res).get(res, *a, **k)
+    async def get_own(self, res: Resource, name: str, namespace: str, labels: Mapping[str, str]) -> dict | None:
+        return await self._c(res).get_own(res, name, namespace, labels)
 
-    async def list(self, res, *a, **k):
-        return await self._c(res).list(res, *a, **k)
+    async def list(self, res: Resource, namespace: str = "", selector: str = "") -> list[dict]:
+        return await self._c(res).list(res, namespace, selector)
 
-    async def create(self, res, *a, **k):
-        if res.plural == "secrets":
-            return await self.http.create(res, *a, **k)
-        return await self._fake_write("create", res, *a, **k)
+    async def create(self, res: Resource, obj: Mapping[str, Any], namespace: str = "") -> dict:
+        return await self._write(res, lambda c: c.create(res, obj, namespace))
 
-    async def patch(self, res, *a, **k):
-        if res.plural == "secrets":
-            return await self.http.patch(res, *a, **k)
-        return await self._fake_write("patch", res, *a, **k)
+    async def patch(self, res: Resource, name: str, patch: Mapping[str, Any], namespace: str = "",
+                    subresource: str = "") -> dict:
+        return await self._write(res, lambda c: c.patch(res, name, patch, namespace, subresource))
 
-    async def delete(self, res, *a, **k):
-        if res.plural == "secrets":
-            return await self.http.delete(res, *a, **k)
-        return await self._fake_write("delete", res, *a, **k)
+    async def delete(self, res: Resource, name: str, namespace: str = "", *, propagation: str = "") -> bool:
+        return await self._write(res, lambda c: c.delete(res, name, namespace, propagation=propagation))
 
 
 def load(path: str) -> FakeKube:

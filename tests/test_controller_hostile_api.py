@@ -54,7 +54,7 @@ class HostileKube:
         self.faults: Counter[str] = Counter()
         self.not_before: dict[tuple, float] = {}       # parent -> earliest time a 429 allowed
         self.early: list[tuple[tuple, float]] = []      # requests before that time
-        for name in ("get", "list") + WRITES:
+        for name in ("get", "get_own", "list") + WRITES:
             setattr(self, name, self._wrap(name, getattr(inner, name)))
 
     def _wrap(self, name: str, fn: Any) -> Any:

@@ -3,6 +3,7 @@ their parent by upstream's labels."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from controller.config import ControllerConfig
 from controller.handlers import State, child_key, parent_key, registries, settings
@@ -149,7 +150,12 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
         "secrets": (False, {"tailscale.com/managed": "true"}),
         "statefulsets": (False, {"tailscale.com/managed": "true"}),
         "pods": (False, {"tailscale.com/managed": "true", "tailscale.com/parent-resource-type": "proxygroup"}),
-        "configmaps": (False, {"tailscale.com/apiserver-proxy": "true"})}
+        "configmaps": (False, {"tailscale.com/apiserver-proxy": "true"}),
+        # for the watch cache only (controller/watchcache.py): every ServiceAccount, the proxies' Roles
+        "serviceaccounts": (False, None), "roles": (False, {"tailscale.com/managed": "true"}),
+        "rolebindings": (False, {"tailscale.com/managed": "true"}),
+        # the ServiceMonitor CRD alone (a field selector, below)
+        "customresourcedefinitions": (False, None)}
     exposed = {"metadata": {"name": "web", "namespace": "apps", "annotations": {"tailscale.com/expose": "true"}}}
     await watched["services"][2](body=exposed)
     await watched["services"][2](body={"metadata": {"name": "other", "namespace": "apps"}})   # not ours
@@ -167,8 +173,51 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
                           ("recorder", "", "rec")]
     s = settings(True)
     assert sorted(s.watching.label_selectors.values()) == ["tailscale.com/apiserver-proxy=true"] + [
-        "tailscale.com/managed=true"] * 2 + ["tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]
+        "tailscale.com/managed=true"] * 4 + ["tailscale.com/managed=true,tailscale.com/parent-resource-type=proxygroup"]
+    # the watch cache knows what each watch selects: a miss there is "absent" only for what the watch would show
+    from controller.watchcache import CHILDREN, WATCHED
+    for w in WATCHED:
+        if w.operator == CHILDREN and w.selector:
+            assert s.watching.label_selectors[w.res.plural] == w.selector_text, w.res.plural
+        else:
+            assert w.res.plural not in s.watching.label_selectors, w.res.plural
+    assert [(k.any_name, v) for k, v in s.watching.field_selectors.items()] == [
+        ("customresourcedefinitions", "metadata.name=servicemonitors.monitoring.coreos.com")]
     assert not settings(False).posting.enabled
+    assert not list(settings(False).watching.field_selectors.items())   # kopf's own scanning of CRDs is untouched
+
+
+async def test_the_servicemonitor_crds_events_queue_every_proxyclass(monkeypatch):
+    """A class refused because the CRD was missing is judged again when it is installed (and one that relied on
+    it, when it is removed): each of the CRD's events queues every class, whose pass queues its parents."""
+    import kopf
+    from kopf._core.engines.indexing import OperatorIndexer
+
+    from controller.watchcache import PARENTS, WATCHED, WatchCache, index_entries
+    handlers: dict[str, Any] = {}
+
+    def event(*resource: str, registry, **_):
+        def register(fn):
+            handlers[resource[-1]] = fn
+            return fn
+        return register
+    monkeypatch.setattr(kopf.on, "event", event)
+
+    class Queue:
+        def __init__(self) -> None:
+            self.keys: list = []
+
+        def poke(self, key) -> None:
+            self.keys.append(key)
+    queue, cache = Queue(), WatchCache("tailscale")
+    registries(State(ControllerConfig(), None, queue, cache=cache))
+    indexers = {w.index_id: OperatorIndexer() for w in WATCHED}
+    for name in ("monitored", "plain"):
+        indexers["cache_proxyclasses"].replace((None, name, name), index_entries({"metadata": {"name": name}}))
+    cache.attach(PARENTS, {k: i.index for k, i in indexers.items()})
+    await handlers["customresourcedefinitions"](body={"metadata": {"name": "servicemonitors.monitoring.coreos.com"}},
+                                                **{k: i.index for k, i in indexers.items()})
+    assert sorted(queue.keys) == [("proxyclass", "", "monitored"), ("proxyclass", "", "plain")]
 
 
 def test_a_proxygroup_event_brings_a_pass_of_the_services_that_name_it():

@@ -34,7 +34,8 @@ from .proxyclass import class_state
 log = logging.getLogger("controller")
 
 #: Safety-net re-checks of a parent whose proxy is not ready yet and of a ready one: the watches on the proxies'
-#: Secrets and StatefulSets bring changes at once, so polling 500 parents must not cost much.
+#: Secrets and StatefulSets bring changes at once, and a re-check reads the watch cache (controller/watchcache.py),
+#: not the API server.
 PENDING_RECHECK = 60.0
 READY_RECHECK = 600.0
 #: an object serving the user's own certificate from another namespace: its Secret checked again (docs/https.md)
@@ -44,7 +45,7 @@ CLEANUP_RECHECK = 2.0
 #: The Warning event's reason when the proxies' namespace refuses the proxy's Pod (controller/podsecurity.py).
 REASON_POD_SECURITY = "PodSecurityRefused"
 #: A parent waiting for the namespace's label (or the CA's ConfigMap) is re-checked this often (neither is
-#: watched; one GET).
+#: watched: both are read once for all passes every `__main__.NAMESPACE_POLL`).
 POD_SECURITY_RECHECK = 10.0
 
 

@@ -16,7 +16,8 @@ from ..model import PROXYCLASS, PROXYGROUP
 from ..sameness import same
 from ..writer import Writer
 
-#: a class waiting for the ServiceMonitor CRD (not watched) is checked again this often
+#: a class waiting for the ServiceMonitor CRD is checked again this often: a safety net, as the CRD's watch
+#: queues every class when it is installed (controller.handlers); the check reads the watch cache
 CRD_RECHECK = 60.0
 
 

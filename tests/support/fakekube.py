@@ -91,6 +91,9 @@ class FakeKube:
         o = self.objects.get(self._key(res, name, namespace))
         return copy.deepcopy(o) if o else None
 
+    async def get_own(self, res: Resource, name: str, namespace: str, labels: Mapping[str, str]) -> dict | None:
+        return await self.get(res, name, namespace)
+
     async def list(self, res: Resource, namespace: str = "", selector: str = "") -> list[dict]:
         self._call("LIST", res, namespace, "")
         want = dict(kv.split("=", 1) for kv in selector.split(",") if kv)
