@@ -94,6 +94,7 @@ FLUSH_EVERY = 5.0
 async def run(cfg: ControllerConfig) -> int:
     import kopf
 
+    from . import relist
     from .handlers import State, kopf_login, registries, settings
     from .kubeapi import Kube
     from .leader import LeaderElector, LeaseUnrenewed, LostLeadership
@@ -101,7 +102,7 @@ async def run(cfg: ControllerConfig) -> int:
     from .queue import WorkQueue
     from .reconcile import Reconciler
     from .replicaprober import ReplicaProber
-    from .watchcache import CachedKube, WatchCache
+    from .watchcache import WATCHED, CachedKube, WatchCache
 
     # kopf's default identity asks getpass for the user name, which fails for a UID without a passwd entry
     # (the image runs as 65532: "KeyError: 'getpwuid(): uid not found: 65532'", a crash loop in a real Pod).
@@ -113,6 +114,8 @@ async def run(cfg: ControllerConfig) -> int:
     # The passes read what kopf's watches hold (controller.watchcache); the few objects nobody watches are
     # polled once for all of them.
     cache = WatchCache(cfg.namespace)
+    # what a watch's fresh listing no longer returns leaves the cache (controller.relist)
+    relist.install(w.res for w in WATCHED)
     kube = CachedKube(api, cache, polled(cfg))
     provider = make_provider(cfg, kube)
     # The leader probes the ProxyGroup replicas' health over the Pod network: one that stops answering leaves

@@ -1,0 +1,89 @@
+"""Deletions a watch missed while it was away, handed to kopf as the deletions they are (shell, around kopf's watch).
+
+kopf lists a kind afresh whenever its watch cannot resume (the API server answers 410 Gone once the watch's
+resourceVersion is older than what it keeps: after a partition or a long disconnection of the controller). The
+listing's objects reach the indexes and the handlers as new events, but an object deleted while the watch was away
+is simply not in the listing, and kopf neither drops it from its indexes nor calls a handler for it: the watch cache
+(`controller.watchcache`) would hold it for ever, so a StatefulSet or Secret deleted meanwhile would be believed
+present and never re-created, and a parent deleted meanwhile never cleaned up after. kopf has no hook for the end
+of a listing (its `Bookmark.LISTED` stays inside its watcher), so its stream function (`continuous_watch`, one call
+per listing and the watch that follows it) is wrapped: for each kind the cache watches, the objects the stream has
+shown are remembered (by uid, each without its managedFields), and when a listing ends, every one it did not return
+is sent as a DELETED event of its last version seen, just before the end of the listing. kopf then handles it as
+any deletion, in order with that object's other events: dropped from the indexes, and the event handlers poke its
+parent's pass. client-go's informers do the same on a re-list. It sends no API request.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
+from typing import Any, cast
+
+from kopf._cogs.clients import watching
+
+from .resources import Resource
+
+log = logging.getLogger("controller")
+
+#: (group, plural) of the kinds whose missed deletions are sent; kopf's other streams go through untouched
+_kinds: set[tuple[str, str]] = set()
+#: (kopf resource, namespace) -> what that stream has shown and not seen deleted: uid -> object
+_shown: dict[tuple[Any, Any], dict[str, dict]] = {}
+
+
+def note(shown: dict[str, dict], listed: set[str], event: Mapping[str, Any]) -> None:
+    """Keep what one raw event of the stream says about its object (type None: it came in a listing)."""
+    obj = event.get("object") or {}
+    md = obj.get("metadata") or {}
+    uid = md.get("uid")
+    if not uid:
+        return
+    kind = event.get("type")
+    if kind == "DELETED":
+        shown.pop(uid, None)
+    elif kind in (None, "ADDED", "MODIFIED"):
+        # without managedFields (nothing reads them; they are often the largest part): the rest is shared with
+        # the index's copy of the same event
+        shown[uid] = {**obj, "metadata": {k: v for k, v in md.items() if k != "managedFields"}}
+        if kind is None:
+            listed.add(uid)
+
+
+def missed(shown: dict[str, dict], listed: set[str]) -> list[dict]:
+    """The DELETED events of what the stream had shown and a complete listing did not return (then forgotten)."""
+    return [{"type": "DELETED", "object": shown.pop(uid)} for uid in [u for u in shown if u not in listed]]
+
+
+_original = watching.continuous_watch
+
+
+async def continuous_watch(*, resource: Any, namespace: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    """kopf's `continuous_watch`, with the DELETED events of what its listing did not return."""
+    stream = cast(AsyncGenerator[Any, None], _original(resource=resource, namespace=namespace, **kwargs))
+    async with contextlib.aclosing(stream):
+        if (resource.group, resource.plural) not in _kinds:
+            async for event in stream:
+                yield event
+            return
+        shown = _shown.setdefault((resource, namespace), {})
+        listed: set[str] = set()     # this call's listing; a listing cut short never reaches LISTED
+        async for event in stream:
+            if event is watching.Bookmark.LISTED:
+                gone = missed(shown, listed)
+                if gone:
+                    log.info("watch cache: %s listed again; %d deleted while the watch was away: %s",
+                             resource.plural, len(gone),
+                             ", ".join(sorted(f"{(o['object']['metadata'].get('namespace') or '')}/"
+                                              f"{o['object']['metadata'].get('name') or ''}" for o in gone)[:10]))
+                for d in gone:
+                    yield d
+            elif isinstance(event, Mapping):
+                note(shown, listed, event)
+            yield event
+
+
+def install(kinds: Iterable[Resource]) -> None:
+    """Send the missed deletions of these kinds' watches (kopf's watch function is replaced once, for the process)."""
+    _kinds.update((r.group, r.plural) for r in kinds)
+    watching.continuous_watch = continuous_watch     # type: ignore[assignment]  # looked up by infinite_watch
