@@ -3,9 +3,13 @@
 kopf's own stream (`kopf._cogs.clients.watching.infinite_watch`, with the controller's wrapper installed) runs over
 a stand-in for the API server: a listing, a watch the API server ends with 410 Gone (its resourceVersion expired
 during a partition), then a listing afresh. The events it yields are applied to the real kopf index as kopf applies
-them (`index_resource`: a DELETED event discards the object, any other indexes it); then a pass reads the cache."""
+them (`index_resource`: a DELETED event discards the object, any other indexes it); then a pass reads the cache.
+The last test runs kopf's own watcher and event processing instead, to show what kopf does with the deletion sent."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import pathlib
 import sys
 
@@ -15,6 +19,9 @@ import aiohttp
 import kopf
 import pytest
 from kopf._cogs.clients import fetching, watching
+from kopf._core.actions import lifecycles
+from kopf._core.engines import indexing
+from kopf._core.reactor import inventory, processing, queueing
 
 from controller import relist
 from controller.kubeapi import STATEFULSETS
@@ -112,3 +119,60 @@ async def test_a_listing_cut_short_drops_nothing_and_the_next_one_decides(kopf_w
     await run(watches)
     assert await rec.kube.get(STATEFULSETS, name, "tailscale") is not None
     assert await rec.kube.get(STATEFULSETS, "other", "tailscale") is None
+
+
+async def test_kopf_drops_the_missed_object_from_its_index_and_calls_the_handlers_with_its_deletion(monkeypatch):
+    """The same, through kopf's own watcher and event processing (an index and an event handler registered as
+    `controller.handlers` registers them): what kopf does with the DELETED event sent for the missed object."""
+    monkeypatch.setattr(watching, "continuous_watch", watching.continuous_watch)
+    monkeypatch.setattr(relist, "_shown", {})
+    monkeypatch.setattr(relist, "_kinds", set())
+
+    def sts(name: str) -> dict:
+        return {"metadata": {"name": name, "namespace": "tailscale", "uid": f"u-{name}", "resourceVersion": "1"}}
+    listings = [[sts("kept"), sts("gone")], [sts("kept")]]
+
+    async def fetch_objs(**_):
+        yield listings.pop(0), "5"
+
+    async def watch_objs(**_):
+        if listings:
+            yield {"type": "ERROR", "object": {"code": 410}}
+        else:
+            await asyncio.Event().wait()      # the watch after the last listing stays open
+            yield {}
+
+    monkeypatch.setattr(fetching, "fetch_objs", fetch_objs)
+    monkeypatch.setattr(watching, "watch_objs", watch_objs)
+    relist.install([STATEFULSETS])
+    registry, seen, deleted = kopf.OperatorRegistry(), [], asyncio.Event()
+
+    @kopf.on.event("apps", "v1", "statefulsets", registry=registry)
+    async def on_event(type, body, **_):
+        seen.append((type, body["metadata"]["name"]))
+        if type == "DELETED":
+            deleted.set()
+
+    @kopf.index("apps", "v1", "statefulsets", id="names", registry=registry)
+    async def names(body, **_):
+        return {"name": body["metadata"]["name"]}
+
+    settings = kopf.OperatorSettings()
+    settings.watching.reconnect_backoff = 0
+    indexers = indexing.OperatorIndexers()
+    indexers.ensure(registry._indexing.get_all_handlers())
+    resource = kopf.Resource("apps", "v1", "statefulsets")
+    processor = functools.partial(processing.process_resource_event, lifecycle=lifecycles.all_at_once,
+                                  registry=registry, settings=settings, indexers=indexers,
+                                  memories=inventory.ResourceMemories(), memobase=kopf.Memo(),
+                                  event_queue=asyncio.Queue(), resource=resource)
+    task = asyncio.create_task(queueing.watcher(namespace="tailscale", settings=settings, resource=resource,
+                                                processor=processor))
+    try:
+        await asyncio.wait_for(deleted.wait(), 10)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert ("DELETED", "gone") in seen
+    assert {k: list(v) for k, v in indexers.indices["names"].items()} == {"name": ["kept"]}
