@@ -123,6 +123,10 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
         if state.cache is not None:
             state.cache.attach(operator, kwargs)
 
+    def own_write(event_type: str | None, body: Any) -> bool:
+        # the echo of a pass's own write (watchcache.WatchCache.wrote): that pass knew it all, so no pass more
+        return state.cache is not None and state.cache.own_write(event_type, body)
+
     def on_parent(kind: str, operator: str = PARENTS):
         async def handler(body: Any, type: str | None = None, **kw: Any) -> None:   # async: no threads
             attach(operator, kw)
@@ -131,7 +135,7 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
                 meta = body.get("metadata") or {}
                 k = (kind, meta.get("namespace") or "", meta.get("name") or "")
                 state.index_service(k, "" if type == "DELETED" else egress.group_of(body))
-            if key is not None:
+            if key is not None and not own_write(type, body):
                 state.queue.poke(key)
             if info.dns_records:
                 state.queue.poke(dnsconfig.QUEUE_KEY)   # an egress name or an Ingress's MagicDNS name may change
@@ -174,10 +178,10 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
     # Only that CRD (a field selector, settings()); with the namespaced operator, whose scanning is off.
     kopf.on.event("apiextensions.k8s.io", "v1", "customresourcedefinitions", registry=children)(on_monitor_crd)
 
-    async def on_child(body: Any, **kw: Any) -> None:
+    async def on_child(body: Any, type: str | None = None, **kw: Any) -> None:
         attach(CHILDREN, kw)
         key = child_key(body)
-        if key is not None:
+        if key is not None and not own_write(type, body):
             state.queue.poke(key)
 
     kopf.on.event("v1", "secrets", labels={LABEL_MANAGED: "true"}, registry=children)(on_child)

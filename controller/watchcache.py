@@ -196,6 +196,33 @@ def resource_version(obj: Mapping[str, Any] | None) -> int:
         return 0
 
 
+def merge_patch(target: Any, patch: Any) -> Any:
+    """`patch` applied to `target` as the API server applies a JSON merge patch (RFC 7386); a new value."""
+    if not isinstance(patch, Mapping):
+        return patch
+    out = dict(target) if isinstance(target, Mapping) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+#: what changes with any write, besides what it sends
+_VOLATILE = frozenset({"resourceVersion", "generation", "managedFields"})
+
+
+def _essence(obj: Mapping[str, Any]) -> dict[str, Any]:
+    s = slim(obj)
+    return {**s, "metadata": {k: v for k, v in (s.get("metadata") or {}).items() if k not in _VOLATILE}}
+
+
+def echo_key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+    md = obj.get("metadata") or {}
+    return (str(obj.get("kind") or ""), md.get("namespace") or "", md.get("name") or "")
+
+
 def copy_json(o: Any) -> Any:
     """A copy of a JSON value (dicts, lists, scalars): what a pass gets is its own, the cache's stays as it was."""
     if isinstance(o, dict):
@@ -216,6 +243,9 @@ class WatchCache:
     indices: dict[str, Any] = field(default_factory=dict)
     overlay: dict[str, dict[tuple[str, str], tuple[int, Cached | None, float]]] = field(default_factory=dict)
     synced_ops: set[str] = field(default_factory=set)
+    #: the controller's own writes whose answer is exactly what the pass knew plus what it sent: (kind, namespace,
+    #: name) -> {resourceVersion: when}. Their watch events bring no new pass (`own_write`).
+    echoes: dict[tuple[str, str, str], dict[int, float]] = field(default_factory=dict)
     _events: dict[str, asyncio.Event] = field(default_factory=dict)
     _warned: bool = False
 
@@ -350,6 +380,37 @@ class WatchCache:
         key = ((md.get("namespace") or "") if res.namespaced else "", md["name"])
         self._keep(res, key, (resource_version(obj), Cached.of(obj), self.clock()))
 
+    def wrote(self, answer: Mapping[str, Any], before: Mapping[str, Any] | None, patch: Mapping[str, Any] | None,
+              ) -> None:
+        """A write's `answer`: when it is `before` (what the cache held when it was sent; None for a create) with
+        `patch` applied and nothing else changed, its watch event will only echo it (`own_write`)."""
+        if not isinstance(answer, Mapping) or not resource_version(answer):
+            return
+        if patch is not None and (before is None or
+                                  _essence(merge_patch(before, patch)) != _essence(answer)):
+            return          # somebody else's change came with it: its event brings a pass
+        now = self.clock()
+        mine = self.echoes.setdefault(echo_key(answer), {})
+        mine[resource_version(answer)] = now
+        if len(self.echoes) > 256:          # events never seen (a watch restarted meanwhile): forgotten
+            for k in [k for k, v in self.echoes.items() if all(now - t > 60.0 for t in v.values())]:
+                del self.echoes[k]
+
+    def own_write(self, event_type: str | None, body: Mapping[str, Any]) -> bool:
+        """The watch event of `body` shows the controller's own write and nothing else (`wrote`): the pass that
+        wrote it knew all of it, so none other is needed. Every other event is news."""
+        key = echo_key(body)
+        mine = self.echoes.get(key)
+        if not mine or event_type == "DELETED":
+            return False
+        rv = resource_version(body)
+        hit = mine.pop(rv, None) is not None
+        for older in [r for r in mine if r < rv]:
+            del mine[older]
+        if not mine:
+            del self.echoes[key]
+        return hit
+
     def forget(self, res: Resource, namespace: str, name: str) -> None:
         """A deleted object: absent until the watch shows a newer version (a finalizer's deletionTimestamp) or its
         end."""
@@ -427,12 +488,17 @@ class CachedKube:
     async def create(self, res: Resource, obj: Mapping[str, Any], namespace: str = "") -> dict:
         out = await self.kube.create(res, obj, namespace)
         self.cache.remember(res, out)
+        self.cache.wrote(out, None, None)
         return out
 
     async def patch(self, res: Resource, name: str, patch: Mapping[str, Any], namespace: str = "",
                     subresource: str = "") -> dict:
+        w = self.cache.watched(res, namespace)
+        before = self.cache.lookup(w, namespace, name) if w is not None and w.covers(name) else None
         out = await self.kube.patch(res, name, patch, namespace, subresource)
         self.cache.remember(res, out)
+        if before is not None:
+            self.cache.wrote(out, before.obj(), patch)
         return out
 
     async def delete(self, res: Resource, name: str, namespace: str = "", *, propagation: str = "") -> bool:
