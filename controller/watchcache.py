@@ -246,6 +246,8 @@ class WatchCache:
     #: the controller's own writes whose answer is exactly what the pass knew plus what it sent: (kind, namespace,
     #: name) -> {resourceVersion: when}. Their watch events bring no new pass (`own_write`).
     echoes: dict[tuple[str, str, str], dict[int, float]] = field(default_factory=dict)
+    _echoes_limit: int = 256
+    _overlay_limit: dict[str, int] = field(default_factory=dict)
     _events: dict[str, asyncio.Event] = field(default_factory=dict)
     _warned: bool = False
 
@@ -364,9 +366,11 @@ class WatchCache:
         # A deletion the watch ended, or a write it somehow never brought: forgotten after a minute (the watch
         # has long shown what happened since).
         now = entry[2]
-        if len(mine) > 64:
+        if len(mine) > self._overlay_limit.get(res.plural, 64):
             for k in [k for k, e in mine.items() if now - e[2] > 60.0]:
                 del mine[k]
+            # looked at again when twice as many: a burst of writes costs no scan per write
+            self._overlay_limit[res.plural] = max(64, 2 * len(mine))
 
     def remember(self, res: Resource, obj: Mapping[str, Any] | None) -> None:
         """What a write answered: read back until the watch brings it (or something newer)."""
@@ -392,9 +396,11 @@ class WatchCache:
         now = self.clock()
         mine = self.echoes.setdefault(echo_key(answer), {})
         mine[resource_version(answer)] = now
-        if len(self.echoes) > 256:          # events never seen (a watch restarted meanwhile): forgotten
+        if len(self.echoes) > self._echoes_limit:   # events never seen (a watch restarted meanwhile): forgotten
             for k in [k for k, v in self.echoes.items() if all(now - t > 60.0 for t in v.values())]:
                 del self.echoes[k]
+            # looked at again when twice as many: a burst of writes costs no scan per write
+            self._echoes_limit = max(256, 2 * len(self.echoes))
 
     def own_write(self, event_type: str | None, body: Mapping[str, Any]) -> bool:
         """The watch event of `body` shows the controller's own write and nothing else (`wrote`): the pass that
