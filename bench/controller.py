@@ -23,8 +23,9 @@ No upstream ratio: upstream's operator needs Tailscale's hosted API to mint keys
 ratio against an earlier controller measured the same way: `--controller-tree DIR` runs the controller from
 another tree (`git archive COMMIT | tar -x -C DIR`) with this bench. The bench learns that a proxy exists from
 the controller's creates in the audit log, which it reads on from where it stopped: polling lists of every proxy,
-or parsing the whole log each time, would load the machine the figures are measured on. `--services` other than 500 records
-bench/results/controller_scale.json.
+or parsing the whole log each time, would load the machine the figures are measured on. `--services` other
+than 500 records bench/results/controller_scale.json. At the end (after the figures above), one list of each
+watched kind gives what the cache holds per Service (`cache_cost`).
 
     .venv/bin/python -m bench.controller --e2e 10
 
@@ -184,6 +185,70 @@ async def create_services(k: KubeCluster, n: int, concurrency: int) -> None:
                     "spec": {"ports": [{"port": 80}], "selector": {"app": f"a{i}"}}})
                 r.raise_for_status()
         await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def cache_cost(k: KubeCluster, services: int) -> dict[str, float]:
+    """What the watch cache holds per Service, in KiB of Python objects (tracemalloc), for the objects the
+    controller watches as they are now (one list of each kind, after the figures above): as the cache keeps them
+    (controller.watchcache.index_entries: compact JSON, selective labels), as they would be parsed with an index
+    entry for every label, and kopf's own memory of each object (its ResourceMemory)."""
+    import gc
+    import ssl
+    import tracemalloc
+
+    from kopf._core.engines.indexing import OperatorIndexer
+    from kopf._core.reactor.inventory import ResourceMemory
+
+    from controller.watchcache import index_entries, slim
+
+    def parsed(obj: dict) -> dict:
+        s = slim(obj)
+        md = s.get("metadata") or {}
+        ns = md.get("namespace") or ""
+        out = {("n", ns, md.get("name") or ""): s, ("ns", ns): s}
+        out.update({("l", k, str(v)): s for k, v in (md.get("labels") or {}).items()})
+        return out
+
+    paths = ["/api/v1/namespaces/default/services", *[
+        f"{prefix}/namespaces/tailscale/{plural}" for prefix, plural in (
+            ("/api/v1", "services"), ("/api/v1", "secrets"), ("/api/v1", "serviceaccounts"),
+            ("/apis/apps/v1", "statefulsets"), ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+            ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"))]]
+    raws: list[bytes] = []
+    with httpx.Client(base_url=k.server, verify=ssl.create_default_context(cafile=str(k.ca_cert)), timeout=60,
+                      headers={"Authorization": f"Bearer {k.token}"}) as c:
+        for path in paths:
+            items = c.get(path, params={"labelSelector": "tailscale.com/managed=true"} if "tailscale" in path
+                          else None).json()["items"]
+            raws += [json.dumps(o).encode() for o in items]
+
+    async def measure(entries) -> float:
+        idx = OperatorIndexer()
+        gc.collect()
+        tracemalloc.start()
+        for b in raws:
+            o = json.loads(b)
+            md = o["metadata"]
+            idx.replace((md.get("namespace"), md["name"], md["uid"]), entries(o))
+            del o
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        return used
+
+    async def kopf_memory() -> float:
+        gc.collect()
+        tracemalloc.start()
+        kept = [ResourceMemory() for _ in raws]
+        used = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        del kept
+        return used
+
+    per = lambda b: round(b / services / 1024, 1)   # noqa: E731
+    return {"objects": len(raws), "cache_kib_per_service": per(asyncio.run(measure(index_entries))),
+            "parsed_kib_per_service": per(asyncio.run(measure(parsed))),
+            "kopf_kib_per_service": per(asyncio.run(kopf_memory()))}
 
 
 def reads_by_resource(events: list[dict]) -> dict[str, int]:
@@ -371,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                     r = (e.get("objectRef") or {}).get("resource", "?")
                     lists[r] = lists.get(r, 0) + 1
             re_reads = sum(1 for e in rev if e.get("verb") not in WRITES)
+        cost = cache_cost(k, a.services) if done == a.services else {}
         fig = {
             "services": a.services, "create_all_s": round(t_created, 2),
             "all_statefulsets_and_secrets_s": round(t_objects, 2), "all_statuses_written_s": round(t_settled, 2),
@@ -385,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             "restart_writes": len(re_writes), "restart_reads": re_reads, "restart_lists": lists,
             "restart_most_lists_of_a_kind": max(lists.values(), default=0),
             "restart_writes_sample": [f"{e.get('verb')} {e.get('requestURI')}" for e in re_writes[:5]],
+            **cost,
         }
         print(json.dumps(fig, indent=1))
         if a.json:
@@ -426,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
         if done < n:         # stopped by --timeout: no idle window, no restart
             rows = rows[:3]
         rows.append(cpu_row)
+        if cost:
+            rows.append(["the watched objects per Service, in the cache / held parsed with every label indexed / "
+                         "kopf's own memory of them", f"{cost['cache_kib_per_service']:.0f} KiB / "
+                         f"{cost['parsed_kib_per_service']:.0f} KiB / {cost['kopf_kib_per_service']:.0f} KiB"])
         columns = [f"{n} Services", "value"]
         if a.baseline and done == n:
             b = json.loads(pathlib.Path(a.baseline).read_text())
@@ -442,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
             rows[5].append(f"{b['restart_pass_all_s']:.1f} s / {b['restart_writes']} / "
                            f"{b.get('restart_reads', '-')} / {b.get('restart_most_lists_of_a_kind', '-')}")
             rows[6].append(where(b))
+            if cost:
+                rows[7].append("-")
         table = results.Table.of(columns, rows)
         recorded = a.recorded or f"{results.machine()}; a real kube-apiserver and etcd, static key provider"
         results.record(results.Results("controller" if n == 500 else "controller_scale",
