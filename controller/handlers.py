@@ -10,7 +10,9 @@ progress records (they would be a write to every parent on every change, and a p
 must write nothing). Kopf's posting of its own log
 lines as Kubernetes events is off: the reconciler writes the events users should see. The same watches fill
 kopf indexes, one per watched kind (`controller.watchcache.WATCHED`), which the passes read instead of the API
-server; the first handler call of each operator hands them over (`WatchCache.attach`).
+server; the first handler call of each operator hands them over (`WatchCache.attach`). An event that only echoes
+a pass's own write (`WatchCache.own_write`) pokes no pass of its parent. kopf's change detection (a deep copy of
+every event's object) is off (`NoDiffBase`): it serves creation/update handlers, and there are none.
 """
 from __future__ import annotations
 
