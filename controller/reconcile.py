@@ -40,6 +40,7 @@ class Reconciler:
         # the leader's health probes of the ProxyGroup replicas, shared by the groups' and the egress pass
         self.groups = ProxyGroupPass(self.writer, prober)
         self.egress = EgressPass(self.writer, prober)
+        self.groups.lock = self.egress.lock     # a group's slices and its egress Services' removal, one at a time
         self.parents = ParentPass(self.writer, self.egress)
         self.classes = ProxyClassPass(self.writer)
         self.dns = DNSConfigPass(self.writer)

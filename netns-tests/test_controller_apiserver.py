@@ -523,24 +523,31 @@ def servicemonitor_crd() -> pathlib.Path:
 
 def test_a_classs_servicemonitor_is_what_the_prometheus_operators_crd_accepts(running):
     """With the Prometheus Operator's real ServiceMonitor CRD (its structural schema prunes what it does not
-    know): a class asking for one is valid, a Service of that class gets its metrics Service and a ServiceMonitor
-    stored exactly as rendered (nothing pruned) that selects it, with the class's labels; the class no longer
-    asking for one, it is deleted and the metrics Service stays."""
+    know): a class asking for one before the CRD is installed is not valid and says so; once the CRD is
+    installed it is valid (the controller watches the CRD: within the wait below, half the class's own minute of
+    re-check), a Service of that class gets its metrics Service and a ServiceMonitor stored exactly as rendered
+    (nothing pruned) that selects it, with the class's labels; the class no longer asking for one, it is deleted
+    and the metrics Service stays."""
     crd = servicemonitor_crd()
     if not crd.is_file():
         unavailable(f"{crd} is not there (scripts/install-crds.sh)")
     kube, _, _ = running
     c = client(kube)
     sm_path = "/apis/monitoring.coreos.com/v1/namespaces/tailscale/servicemonitors"
-    kube.kubectl("apply", "--server-side", "-f", str(crd))
-    kube.kubectl("wait", "--for=condition=Established", "crd/servicemonitors.monitoring.coreos.com", "--timeout=30s")
     try:
         kube.kubectl("apply", "-f", "-", input=json.dumps({
             "apiVersion": "tailscale.com/v1alpha1", "kind": "ProxyClass", "metadata": {"name": "monitored"},
             "spec": {"metrics": {"enable": True, "serviceMonitor": {"enable": True,
                                                                    "labels": {"release": "kube-prometheus"}}}}}))
         cond = wait(lambda: pc_condition(kube, "monitored"), 30, "monitored's condition")
-        assert (cond["status"], cond["reason"]) == ("True", "ProxyClassValid"), cond
+        assert (cond["status"], cond["reason"]) == ("False", "ProxyClassInvalid"), cond
+        assert "servicemonitors.monitoring.coreos.com" in cond["message"], cond
+        kube.kubectl("apply", "--server-side", "-f", str(crd))
+        kube.kubectl("wait", "--for=condition=Established", "crd/servicemonitors.monitoring.coreos.com",
+                     "--timeout=30s")
+        cond = wait(lambda: (lambda x: x if x and x["status"] == "True" else None)(pc_condition(kube, "monitored")),
+                    30, "monitored valid once the CRD is installed")
+        assert cond["reason"] == "ProxyClassValid", cond
         classed_service(c, "watched", "monitored")
         sts, _ = wait(lambda: (lambda s: s if s[0] else None)(children(kube, "watched")), 30, "the proxy")
         name = f"{sts[0]['metadata']['name']}-metrics"

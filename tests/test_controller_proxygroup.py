@@ -3,6 +3,7 @@ membership, and whole passes against the in-memory API server (what appears, wha
 down, deletion, invalid input, removal)."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 
@@ -377,6 +378,35 @@ async def test_two_services_get_distinct_ports_and_removal_removes_only_its_own(
     assert kube.obj(SERVICES, "b", "apps") is None
     assert [o for o in kube.of(SERVICES) if o["metadata"]["namespace"] == NS] == []
     assert kube.of(ENDPOINTSLICES) == []
+
+
+async def test_a_group_pass_between_a_deleted_services_cleanup_steps_does_not_bring_its_slices_back(env):
+    """The group's pass (brought by the replicas' reports, which follow the ConfigMap the cleanup just changed)
+    runs while a deleted egress Service's cleanup is between deleting its EndpointSlices and its ClusterIP
+    Service: it must not write the slices again, for nothing would remove them after the finalizer is gone."""
+    kube, prov, rec = env
+    await ready_group(kube, prov, rec)
+    egress_svc(kube, "a")
+    egress_svc(kube, "b")
+    await rec.reconcile("svc", "apps", "a")
+    await rec.reconcile("svc", "apps", "b")
+    b_cip, _, _ = egress_objects(kube, "b")
+    kube.objects[("services", "apps", "b")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    delete, group_pass = kube.delete, []
+
+    async def delete_then_the_group_pass_runs(res, name, namespace="", **kw):
+        out = await delete(res, name, namespace, **kw)
+        if res == ENDPOINTSLICES and name.startswith(b_cip) and not group_pass:
+            group_pass.append(asyncio.ensure_future(rec.reconcile("proxygroup", "", "pg")))
+            # every step the group pass can take now (none while it waits for the cleanup): no time passes
+            for _ in range(50):
+                await asyncio.sleep(0)   # not a wait: one turn of the loop, one step of the group pass
+        return out
+    kube.delete = delete_then_the_group_pass_runs
+    await rec.reconcile("svc", "apps", "b")
+    await group_pass[0]
+    assert kube.obj(SERVICES, "b", "apps") is None
+    assert [o["metadata"]["name"] for o in kube.of(ENDPOINTSLICES)] == [f"{egress_objects(kube, 'a')[0]}-ipv4"]
 
 
 @pytest.mark.parametrize("ann,ports,stype,group,fragment", [

@@ -2,10 +2,12 @@
 
 Its ClusterIP Service with allocated ports, its entry in the group's ConfigMap (the ProxyGroup contract's
 `egress-services`, tscommon/pgcontract.py; writes to one group's ConfigMap are serialised in this process and
-guarded by its resourceVersion), its EndpointSlices, the user's Service pointed at the ClusterIP Service, and its
-conditions. Invalid input: a False condition and a Warning event, and whatever an earlier valid version made
-is removed. The parents' pass hands such a Service here (`kindtable.KindInfo.on_group`), and asks here for
-what an egress Service leaves when it no longer names a group (`cleanup_service`, `clear_conditions`).
+guarded by its resourceVersion), its EndpointSlices (a Service's removal holds the same per-group lock as the
+group pass's `sync_slices`, which would otherwise write the slices of a Service half removed), the user's
+Service pointed at the ClusterIP Service, and its conditions. Invalid input: a False condition and a Warning
+event, and whatever an earlier valid version made is removed. The parents' pass hands such a Service here
+(`kindtable.KindInfo.on_group`), and asks here for what an egress Service leaves when it no longer names a group
+(`cleanup_service`, `clear_conditions`).
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ class EgressPass:
     def __init__(self, w: Writer, prober: ReplicaProber | None = None) -> None:
         self.w = w
         self.prober = prober    # the leader's health probes of the replicas, shared with the groups' pass
-        self.locks: dict[str, asyncio.Lock] = {}    # group -> the lock on its ConfigMap's writes
+        #: group -> the lock on its ConfigMap's writes and on its egress Services' removal (shared with the
+        #: group pass's `sync_slices`: `Reconciler`)
+        self.locks: dict[str, asyncio.Lock] = {}
 
     def lock(self, group: str) -> asyncio.Lock:
         return self.locks.setdefault(group, asyncio.Lock())
@@ -144,6 +148,8 @@ class EgressPass:
             if group == keep_group:
                 continue
             cm_name = pgrender.configmap_name(group)
+            # All three under the group's lock: the group's pass (`sync_slices`) writes the slices of every
+            # ClusterIP Service it lists, and would bring back slices deleted here before their Service is.
             async with self.lock(group):
                 cm = await kube.get(CONFIGMAPS, cm_name, ns_ctl)
                 entries = egress.parse_entries((cm or {}).get("data", {}).get(pgc.KEY_EGRESS_SERVICES))
@@ -152,9 +158,9 @@ class EgressPass:
                     await kube.patch(CONFIGMAPS, cm_name, {
                         "metadata": {"resourceVersion": cm["metadata"].get("resourceVersion")},
                         "data": {pgc.KEY_EGRESS_SERVICES: egress.dump_entries(entries)}}, ns_ctl)
-            for s in await kube.list(ENDPOINTSLICES, ns_ctl, f"{sel},{LABEL_PROXY_GROUP}={group}"):
-                await kube.delete(ENDPOINTSLICES, s["metadata"]["name"], ns_ctl)
-            await kube.delete(SERVICES, o["metadata"]["name"], ns_ctl)
+                for s in await kube.list(ENDPOINTSLICES, ns_ctl, f"{sel},{LABEL_PROXY_GROUP}={group}"):
+                    await kube.delete(ENDPOINTSLICES, s["metadata"]["name"], ns_ctl)
+                await kube.delete(SERVICES, o["metadata"]["name"], ns_ctl)
             log.info("Service %s/%s: egress through ProxyGroup %s removed", ns, name, group)
 
 

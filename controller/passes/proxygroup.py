@@ -12,6 +12,7 @@ stops answering the controller's health probes (controller/replicaprober.py) lea
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Hashable, Mapping
@@ -105,6 +106,9 @@ class ProxyGroupPass:
         self.prober = prober
         #: queues another pass of a key (the work queue's poke): `sync_slices` wakes each user egress Service
         self.poke: Callable[[Hashable], None] = lambda key: None
+        #: group -> the lock `sync_slices` holds, shared with the egress pass's removal of a Service (`Reconciler`)
+        self.lock: Callable[[str], asyncio.Lock] = lambda group: self._locks.setdefault(group, asyncio.Lock())
+        self._locks: dict[str, asyncio.Lock] = {}
 
     async def run(self, kind: str, namespace: str, name: str) -> float | None:
         w, kube, cfg = self.w, self.w.kube, self.w.cfg
@@ -246,7 +250,13 @@ class ProxyGroupPass:
 
     async def sync_slices(self, group: str, *, pods: list[dict] | None = None,
                           secrets: Mapping[str, Mapping[str, Any]] | None = None) -> None:
-        """Every egress Service's EndpointSlices of this group: only the replicas that report its rules."""
+        """Every egress Service's EndpointSlices of this group: only the replicas that report its rules. Under the
+        group's lock: a Service being removed (`EgressPass.cleanup_service`) is either still whole or gone."""
+        async with self.lock(group):
+            await self._sync_slices(group, pods=pods, secrets=secrets)
+
+    async def _sync_slices(self, group: str, *, pods: list[dict] | None,
+                           secrets: Mapping[str, Mapping[str, Any]] | None) -> None:
         w, kube, ns = self.w, self.w.kube, self.w.cfg.namespace
         svcs = await kube.list(SERVICES, ns, egress.group_selector(group))
         if not svcs:
