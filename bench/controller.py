@@ -16,7 +16,8 @@ as shipped (`python -m controller`, authenticated as the deployed ServiceAccount
    parents in place (every proxy stays pending: there is no node).
 4. Restart: a new controller process lists every kind it watches and re-runs every pass; reported: the
    time until its requests stop, the writes it sends (the goal is 0: nothing changed) and the most lists of
-   one kind.
+   one kind. Both controllers' peak RSS is in the JSON (`peak_rss_mib`, `restart_peak_rss_mib`): a restart
+   holds each kind's first listing parsed until kopf has indexed it.
 
 No upstream ratio: upstream's operator needs Tailscale's hosted API to mint keys and cannot run here.
 `--baseline FILE` adds a column with another tree's figures, as this bench wrote them (`--json FILE`), for a
@@ -68,9 +69,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    """Resident memory now, or its peak so far (`field="VmHWM"`)."""
     for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -404,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         reads = sum(v for kk, v in verbs.items() if kk not in WRITES)
         writes = sum(v for kk, v in verbs.items() if kk in WRITES)
         # idle and restart only once every proxy exists (a run stopped by --timeout is still creating them)
-        idle_cpu = rss = idle_per_min = t_repass = 0.0
+        idle_cpu = rss = idle_per_min = t_repass = peak = restart_peak = 0.0
         idle_ev: list[dict] = []
         re_writes: list[dict] = []
         lists: dict[str, int] = {}
@@ -414,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(a.idle)
             idle_cpu = (cpu_seconds(p.pid) - c0) / (time.monotonic() - t_idle0) * 100
             rss = rss_mib(p.pid)
+            peak = rss_mib(p.pid, "VmHWM")
             idle_ev = controller_events()[total:]
             idle_events = len(idle_ev)
             idle_per_min = idle_events / a.idle * 60
@@ -429,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.25)
             after = wait_quiet(controller_events, 10.0, max(300.0, a.services * 0.2))
             t_repass = time.monotonic() - t1 - 10.0
+            # a restart holds each kind's first listing parsed until kopf has indexed it: its own peak
+            restart_peak = rss_mib(p2.pid, "VmHWM")
             rev = controller_events()[before:after]
             re_writes = [e for e in rev if e.get("verb") in WRITES]
             for e in rev:
@@ -445,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
             "requests_per_service": round((reads + writes) / max(done, 1), 2),
             "reads_per_service": round(reads / max(done, 1), 2), "writes_per_service": round(writes / max(done, 1), 2),
             "verbs": verbs, "reads": reads_by_resource(ev),
-            "idle_cpu_percent": round(idle_cpu, 2), "idle_rss_mib": round(rss, 1),
+            "idle_cpu_percent": round(idle_cpu, 2), "idle_rss_mib": round(rss, 1), "peak_rss_mib": round(peak, 1),
+            "restart_peak_rss_mib": round(restart_peak, 1),
             "idle_requests": idle_events, "idle_window_s": a.idle, "idle_requests_per_minute": round(idle_per_min, 1),
             "idle_verbs": by_verb(idle_ev), "restart_pass_all_s": round(t_repass, 2),
             "restart_writes": len(re_writes), "restart_reads": re_reads, "restart_lists": lists,
