@@ -8,6 +8,7 @@ it) and CA. Errors are `KubeError` with the HTTP status and the API's reason; me
 The requests are httpx's (the shared wire format, `tscommon.kubehttp`, and the tests' mock transports), sent by
 aiohttp (`AiohttpTransport`), which kopf's watches already use: httpx's own connection pool (httpcore over
 anyio's TLS streams) took about half the controller's CPU when 500 Services came at once (docs/benchmarks.md).
+Like kopf's watches, it connects to the API server directly: no proxy from the environment (HTTPS_PROXY).
 """
 from __future__ import annotations
 
