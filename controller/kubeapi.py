@@ -1,16 +1,23 @@
-"""A small Kubernetes API client for the controller's writes (adapter, httpx).
+"""A small Kubernetes API client for the controller's writes (adapter, httpx over aiohttp).
 
 kopf watches; this client reads and writes: get, list by label selector, create, JSON merge patch (the
 rendered object is the whole truth for the fields it names, lists included) and delete, for the handful of
 resources the controller touches. In a Pod it uses the ServiceAccount's token (re-read when kubelet rotates
 it) and CA. Errors are `KubeError` with the HTTP status and the API's reason; messages are redacted.
+
+The requests are httpx's (the shared wire format, `tscommon.kubehttp`, and the tests' mock transports), sent by
+aiohttp (`AiohttpTransport`), which kopf's watches already use: httpx's own connection pool (httpcore over
+anyio's TLS streams) took about half the controller's CPU when 500 Services came at once (docs/benchmarks.md).
+Like kopf's watches, it connects to the API server directly: no proxy from the environment (HTTPS_PROXY).
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import ssl
 from typing import Any, Callable, Mapping, Protocol
 
+import aiohttp
 import httpx
 
 from tscommon import crashpoint
@@ -91,6 +98,54 @@ def path(res: Resource, namespace: str = "", name: str = "", subresource: str = 
 USER_AGENT = "tailscale-controller-py"
 
 
+#: how many of its latest requests a client remembers (`Kube.requests`, for tests and request counts)
+RECENT_REQUESTS = 1000
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """httpx's requests sent with an aiohttp session (made in the event loop of the first request): the same
+    requests and answers, a cheaper connection pool and TLS path. Failures are httpx's (`httpx.ConnectError`,
+    `httpx.TimeoutException`, ...), so callers see no difference."""
+
+    def __init__(self, verify: ssl.SSLContext | bool) -> None:
+        self._ssl: ssl.SSLContext | bool = verify
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._loop is not loop or self._session.closed:
+            # no limit of its own (the work queue bounds the passes), no cookies; bodies as sent (httpx decodes)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ssl=self._ssl), cookie_jar=aiohttp.DummyCookieJar(),
+                auto_decompress=False, skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding",
+                                                          "Content-Type"))
+            self._loop = loop
+        return self._session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        t = request.extensions.get("timeout") or {}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.get("connect"), sock_read=t.get("read"))
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
+                   if k.lower() not in (b"host", b"content-length", b"connection")]
+        try:
+            async with self._client().request(request.method, str(request.url), headers=headers,
+                                              data=request.content or None, allow_redirects=False,
+                                              timeout=timeout) as r:
+                body = await r.read()
+                return httpx.Response(r.status, headers=list(r.raw_headers), content=body, request=request)
+        except asyncio.TimeoutError as e:
+            raise httpx.TimeoutException(f"timed out: {e}", request=request) from None
+        except aiohttp.ClientConnectorError as e:
+            raise httpx.ConnectError(str(e), request=request) from None
+        except aiohttp.ClientError as e:
+            raise httpx.NetworkError(f"{type(e).__name__}: {e}", request=request) from None
+
+    async def aclose(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+
 class Kube:
     """The controller's API client. `transport` and explicit credentials are for tests."""
 
@@ -103,8 +158,9 @@ class Kube:
         if verify is None:
             verify = tls_context(ca_file) if ca_file else True
         self._client = httpx.AsyncClient(base_url=url.rstrip("/"), verify=verify, timeout=timeout,
-                                         transport=transport, headers={"User-Agent": USER_AGENT})
-        self.requests: list[tuple[str, str]] = []    # (method, path): for the request-count figures
+                                         transport=transport or AiohttpTransport(verify),
+                                         headers={"User-Agent": USER_AGENT})
+        self.requests: list[tuple[str, str]] = []    # (method, path), the latest: for request counts
         #: the leader election's fence: when set and False, every write is refused before it is sent, so a
         #: replica that lost the Lease cannot write even from a pass that was already running
         self.write_guard: Callable[[], bool] | None = None
@@ -133,6 +189,8 @@ class Kube:
         if method != "GET" and self.write_guard is not None and not self.write_guard():
             raise KubeError(f"{method} {p}: refused, this replica does not hold the leader Lease")
         self.requests.append((method, p))
+        if len(self.requests) > 2 * RECENT_REQUESTS:     # the latest only: a long-running controller keeps no log
+            del self.requests[:-RECENT_REQUESTS]
         try:
             r = await send(self._client, method, p, token=self.token(), body=body, content_type=ctype,
                            params=params)

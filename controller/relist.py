@@ -8,10 +8,10 @@ is simply not in the listing, and kopf neither drops it from its indexes nor cal
 present and never re-created, and a parent deleted meanwhile never cleaned up after. kopf has no hook for the end
 of a listing (its `Bookmark.LISTED` stays inside its watcher), so its stream function (`continuous_watch`, one call
 per listing and the watch that follows it) is wrapped: for each kind the cache watches, the objects the stream has
-shown are remembered (by uid, each without its managedFields), and when a listing ends, every one it did not return
-is sent as a DELETED event of its last version seen, just before the end of the listing. kopf then handles it as
-any deletion, in order with that object's other events: dropped from the indexes, and the event handlers poke its
-parent's pass. client-go's informers do the same on a re-list. It sends no API request.
+shown are remembered (by uid, only what a handler reads of a deletion: `skeleton`), and when a listing ends, every
+one it did not return is sent as a DELETED event of its last version seen, just before the end of the listing. kopf
+then handles it as any deletion, in order with that object's other events: dropped from the indexes, and the event
+handlers poke its parent's pass. client-go's informers do the same on a re-list. It sends no API request.
 """
 from __future__ import annotations
 
@@ -32,7 +32,27 @@ _kinds: set[tuple[str, str]] = set()
 _shown: dict[tuple[Any, Any], dict[str, dict]] = {}
 
 
-def note(shown: dict[str, dict], listed: set[str], event: Mapping[str, Any]) -> None:
+#: kinds whose body no handler reads beyond the metadata (labels lead to the parent): only that is kept of them
+_METADATA_ONLY = frozenset({"secrets", "statefulsets", "pods", "endpointslices", "serviceaccounts", "roles",
+                            "rolebindings"})
+_LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+
+
+def skeleton(obj: Mapping[str, Any], plural: str) -> dict:
+    """What a handler reads of a deleted object, kept until the next listing: apiVersion, kind and the metadata
+    (without managedFields and kubectl's last-applied annotation, often the largest parts, read by nobody), and
+    for the parents' kinds and ConfigMaps also their spec or data (whether the object is ours: its class, its
+    type). A Secret's data, a StatefulSet's or Pod's spec and every status are left out: the watch cache holds
+    them compactly, and keeping them parsed here would hold every watched object a second time."""
+    md = {k: v for k, v in (obj.get("metadata") or {}).items() if k != "managedFields"}
+    ann = md.get("annotations") or {}
+    if _LAST_APPLIED in ann:
+        md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
+    keep = ("apiVersion", "kind") if plural in _METADATA_ONLY else ("apiVersion", "kind", "spec", "data", "type")
+    return {**{k: obj[k] for k in keep if k in obj}, "metadata": md}
+
+
+def note(shown: dict[str, dict], listed: set[str], event: Mapping[str, Any], plural: str = "") -> None:
     """Keep what one raw event of the stream says about its object (type None: it came in a listing)."""
     obj = event.get("object") or {}
     md = obj.get("metadata") or {}
@@ -43,9 +63,7 @@ def note(shown: dict[str, dict], listed: set[str], event: Mapping[str, Any]) -> 
     if kind == "DELETED":
         shown.pop(uid, None)
     elif kind in (None, "ADDED", "MODIFIED"):
-        # without managedFields (nothing reads them; they are often the largest part): the rest is shared with
-        # the index's copy of the same event
-        shown[uid] = {**obj, "metadata": {k: v for k, v in md.items() if k != "managedFields"}}
+        shown[uid] = skeleton(obj, plural)
         if kind is None:
             listed.add(uid)
 
@@ -79,7 +97,7 @@ async def continuous_watch(*, resource: Any, namespace: Any, **kwargs: Any) -> A
                 for d in gone:
                     yield d
             elif isinstance(event, Mapping):
-                note(shown, listed, event)
+                note(shown, listed, event, resource.plural)
             yield event
 
 

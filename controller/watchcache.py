@@ -24,7 +24,9 @@ which the writer reads it and adopts it.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -52,7 +54,7 @@ from .kubeapi import (
     KubeClient,
     Resource,
 )
-from .model import LABEL_MANAGED, LABEL_PARENT_TYPE, PROXYGROUP
+from .model import LABEL_MANAGED, LABEL_PARENT_NS, LABEL_PARENT_TYPE, PROXYGROUP
 
 log = logging.getLogger("controller")
 
@@ -110,25 +112,69 @@ WATCHED: tuple[Watched, ...] = (
 )
 
 
+#: what the cache leaves out of every object: nothing in the controller reads them, and they are often the
+#: largest part of an object (kubectl apply's copy of the whole object in an annotation)
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+
+#: labels not worth an index entry of their own: shared by nearly every object of a kind (a selector naming one
+#: is answered from a more selective label it names too, or from the namespace's objects)
+UNINDEXED_LABELS = frozenset({LABEL_MANAGED, LABEL_PARENT_TYPE, LABEL_PARENT_NS})
+
+
 def slim(obj: Mapping[str, Any]) -> dict[str, Any]:
-    """The object as the cache keeps it: without `metadata.managedFields` (nothing reads them; they are often
-    the largest part of an object)."""
+    """The object as the cache keeps it: without `metadata.managedFields` and kubectl's last-applied
+    annotation."""
     md = obj.get("metadata") or {}
     out = dict(obj)
-    if "managedFields" in md:
+    ann = md.get("annotations") or {}
+    if "managedFields" in md or LAST_APPLIED in ann:
         out["metadata"] = {k: v for k, v in md.items() if k != "managedFields"}
+        if LAST_APPLIED in ann:
+            out["metadata"]["annotations"] = {k: v for k, v in ann.items() if k != LAST_APPLIED}
     return out
 
 
-def index_entries(obj: Mapping[str, Any]) -> dict[tuple[str, ...], dict[str, Any]]:
-    """What a kopf index handler returns for one object: the object under its name, its namespace and each of
-    its labels (one shared value)."""
-    s = slim(obj)
-    md = s.get("metadata") or {}
-    ns = md.get("namespace") or ""
-    out: dict[tuple[str, ...], dict[str, Any]] = {("n", ns, md.get("name") or ""): s, ("ns", ns): s}
-    for k, v in (md.get("labels") or {}).items():
-        out[("l", k, str(v))] = s
+@dataclass(frozen=True, slots=True)
+class Cached:
+    """One watched object as the cache holds it: its identity and labels (for lookups and selectors), the rest
+    as compact JSON, parsed again for each read (`obj`). Parsed JSON costs about five times its text in Python
+    objects (a proxy's StatefulSet: 3 KB of JSON, 17 KB parsed), and every read hands out a copy of its own
+    anyway, which parsing makes as fast as a deep copy would."""
+
+    namespace: str
+    name: str
+    rv: int
+    labels: tuple[tuple[str, str], ...]
+    raw: bytes
+
+    @classmethod
+    def of(cls, obj: Mapping[str, Any]) -> "Cached":
+        s = slim(obj)
+        md = s.get("metadata") or {}
+        # interned: the same namespace, name and label strings are shared by an object's index keys and by the
+        # objects of one parent
+        labels = tuple((sys.intern(str(k)), sys.intern(str(v))) for k, v in (md.get("labels") or {}).items())
+        return cls(sys.intern(md.get("namespace") or ""), sys.intern(md.get("name") or ""), resource_version(s),
+                   labels, json.dumps(s, separators=(",", ":")).encode())
+
+    def obj(self) -> dict[str, Any]:
+        """A copy of the object, the caller's own."""
+        out: dict[str, Any] = json.loads(self.raw)
+        return out
+
+    def has_labels(self, want: Mapping[str, str]) -> bool:
+        have = dict(self.labels)
+        return all(have.get(k) == v for k, v in want.items())
+
+
+def index_entries(obj: Mapping[str, Any]) -> dict[tuple[str, ...], Cached]:
+    """What a kopf index handler returns for one object: the object (`Cached`) under its name, its namespace and
+    each of its selective labels (one shared value)."""
+    c = Cached.of(obj)
+    out: dict[tuple[str, ...], Cached] = {("n", c.namespace, c.name): c, ("ns", c.namespace): c}
+    for k, v in c.labels:
+        if k not in UNINDEXED_LABELS:
+            out[("l", k, v)] = c
     return out
 
 
@@ -152,6 +198,33 @@ def resource_version(obj: Mapping[str, Any] | None) -> int:
         return 0
 
 
+def merge_patch(target: Any, patch: Any) -> Any:
+    """`patch` applied to `target` as the API server applies a JSON merge patch (RFC 7386); a new value."""
+    if not isinstance(patch, Mapping):
+        return patch
+    out = dict(target) if isinstance(target, Mapping) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
+#: what changes with any write, besides what it sends
+_VOLATILE = frozenset({"resourceVersion", "generation", "managedFields"})
+
+
+def _essence(obj: Mapping[str, Any]) -> dict[str, Any]:
+    s = slim(obj)
+    return {**s, "metadata": {k: v for k, v in (s.get("metadata") or {}).items() if k not in _VOLATILE}}
+
+
+def echo_key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+    md = obj.get("metadata") or {}
+    return (str(obj.get("kind") or ""), md.get("namespace") or "", md.get("name") or "")
+
+
 def copy_json(o: Any) -> Any:
     """A copy of a JSON value (dicts, lists, scalars): what a pass gets is its own, the cache's stays as it was."""
     if isinstance(o, dict):
@@ -170,8 +243,13 @@ class WatchCache:
     namespace: str
     clock: Callable[[], float] = time.monotonic
     indices: dict[str, Any] = field(default_factory=dict)
-    overlay: dict[str, dict[tuple[str, str], tuple[int, dict | None, float, int]]] = field(default_factory=dict)
+    overlay: dict[str, dict[tuple[str, str], tuple[int, Cached | None, float, int]]] = field(default_factory=dict)
     synced_ops: set[str] = field(default_factory=set)
+    #: the controller's own writes whose answer is exactly what the pass knew plus what it sent: (kind, namespace,
+    #: name) -> {resourceVersion: when}. Their watch events bring no new pass (`own_write`).
+    echoes: dict[tuple[str, str, str], dict[int, float]] = field(default_factory=dict)
+    _echoes_limit: int = 256
+    _overlay_limit: dict[str, int] = field(default_factory=dict)
     _events: dict[str, asyncio.Event] = field(default_factory=dict)
     _warned: bool = False
 
@@ -215,13 +293,13 @@ class WatchCache:
 
     # ---- reads
 
-    def _fresh(self, plural: str, key: tuple[str, str], found: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    def _fresh(self, plural: str, key: tuple[str, str], found: Cached | None) -> Cached | None:
         """The newer of the index's object and the one last written."""
         mine = self.overlay.get(plural, {}).get(key)
         if mine is None:
             return found
         rv, obj, when, over = mine
-        if found is not None and resource_version(found) >= rv:
+        if found is not None and found.rv >= rv:
             return found
         if obj is not None and over and found is None:
             # Written over an object the index held, which no longer holds it: the watch showed it deleted since
@@ -236,31 +314,31 @@ class WatchCache:
             return found
         return obj
 
-    def lookup(self, w: Watched, namespace: str, name: str) -> Mapping[str, Any] | None:
+    def lookup(self, w: Watched, namespace: str, name: str) -> Cached | None:
         ns = namespace if w.res.namespaced else ""
         idx = self.indices[w.index_id]
         found = next(iter(idx[("n", ns, name)]), None) if ("n", ns, name) in idx else None
         return self._fresh(w.res.plural, (ns, name), found)
 
-    def select(self, w: Watched, namespace: str, labels: Mapping[str, str]) -> list[Mapping[str, Any]]:
+    def select(self, w: Watched, namespace: str, labels: Mapping[str, str]) -> list[Cached]:
         idx = self.indices[w.index_id]
-        if labels:
-            # the smallest set among the selector's labels (a parent's name rather than the managed label)
-            keys = [("l", k, v) for k, v in labels.items()]
+        # the smallest set among the selector's indexed labels (a parent's name rather than the managed label)
+        keys = [("l", k, v) for k, v in labels.items() if k not in UNINDEXED_LABELS]
+        candidates: Iterable[Cached]
+        if keys:
             if all(k in idx for k in keys):
                 smallest = min(keys, key=lambda k: len(idx[k]))
-                candidates: Iterable[Mapping[str, Any]] = list(idx[smallest])
+                candidates = list(idx[smallest])
             else:
                 candidates = ()
         elif namespace or not w.res.namespaced:
             key = ("ns", namespace if w.res.namespaced else "")
-            candidates = idx[key] if key in idx else ()
+            candidates = list(idx[key]) if key in idx else ()
         else:
             candidates = [o for k in list(idx) if k[0] == "ns" for o in idx[k]]
-        found: dict[tuple[str, str], Mapping[str, Any] | None] = {}
+        found: dict[tuple[str, str], Cached | None] = {}
         for c in candidates:
-            md = c.get("metadata") or {}
-            found[(md.get("namespace") or "", md.get("name") or "")] = c
+            found[(c.namespace, c.name)] = c
         for written in self.overlay.get(w.res.plural, {}):     # written since, not yet seen by the watch
             if written not in found:
                 found[written] = self._index_object(w, written)
@@ -269,19 +347,16 @@ class WatchCache:
             if namespace and w.res.namespaced and ns != namespace:
                 continue
             o2 = self._fresh(w.res.plural, (ns, name), o)
-            if o2 is None:
-                continue
-            have = (o2.get("metadata") or {}).get("labels") or {}
-            if all(have.get(k) == v for k, v in labels.items()):
+            if o2 is not None and o2.has_labels(labels):
                 out.append(o2)
         return out
 
     def names(self, res: Resource) -> list[str]:
         """The names of a cluster-scoped kind's objects, as the watch has them ([] before it has listed)."""
         w = self.watched(res, "")
-        return [(o.get("metadata") or {}).get("name") or "" for o in self.select(w, "", {})] if w else []
+        return [o.name for o in self.select(w, "", {})] if w else []
 
-    def _index_object(self, w: Watched, key: tuple[str, str]) -> Mapping[str, Any] | None:
+    def _index_object(self, w: Watched, key: tuple[str, str]) -> Cached | None:
         idx = self.indices[w.index_id]
         k = ("n", *key)
         return next(iter(idx[k]), None) if k in idx else None
@@ -298,15 +373,17 @@ class WatchCache:
         if (entry := mine.get(key)) is not None and resource_version(obj) >= entry[0]:
             del mine[key]
 
-    def _keep(self, res: Resource, key: tuple[str, str], entry: tuple[int, dict | None, float, int]) -> None:
+    def _keep(self, res: Resource, key: tuple[str, str], entry: tuple[int, Cached | None, float, int]) -> None:
         mine = self.overlay.setdefault(res.plural, {})
         mine[key] = entry
         # A deletion the watch ended, or a write it somehow never brought: forgotten after a minute (the watch
         # has long shown what happened since).
         now = entry[2]
-        if len(mine) > 64:
+        if len(mine) > self._overlay_limit.get(res.plural, 64):
             for k in [k for k, e in mine.items() if now - e[2] > OVERLAY_TTL]:
                 del mine[k]
+            # looked at again when twice as many: a burst of writes costs no scan per write
+            self._overlay_limit[res.plural] = max(64, 2 * len(mine))
 
     def remember(self, res: Resource, obj: Mapping[str, Any] | None) -> None:
         """What a write answered: read back until the watch brings it (or something newer)."""
@@ -323,9 +400,42 @@ class WatchCache:
             self._keep(res, key, (resource_version(obj) + 1, None, self.clock(), 0))
             return
         held = self._index_object(w, key) if w.index_id in self.indices else None
-        if held is not None and resource_version(held) >= resource_version(obj):
+        if held is not None and held.rv >= resource_version(obj):
             return          # the watch brought it (or newer) already: the index answers
-        self._keep(res, key, (resource_version(obj), slim(obj), self.clock(), resource_version(held)))
+        self._keep(res, key, (resource_version(obj), Cached.of(obj), self.clock(), held.rv if held is not None else 0))
+
+    def wrote(self, answer: Mapping[str, Any], before: Mapping[str, Any] | None, patch: Mapping[str, Any] | None,
+              ) -> None:
+        """A write's `answer`: when it is `before` (what the cache held when it was sent; None for a create) with
+        `patch` applied and nothing else changed, its watch event will only echo it (`own_write`)."""
+        if not isinstance(answer, Mapping) or not resource_version(answer):
+            return
+        if patch is not None and (before is None or
+                                  _essence(merge_patch(before, patch)) != _essence(answer)):
+            return          # somebody else's change came with it: its event brings a pass
+        now = self.clock()
+        mine = self.echoes.setdefault(echo_key(answer), {})
+        mine[resource_version(answer)] = now
+        if len(self.echoes) > self._echoes_limit:   # events never seen (a watch restarted meanwhile): forgotten
+            for k in [k for k, v in self.echoes.items() if all(now - t > 60.0 for t in v.values())]:
+                del self.echoes[k]
+            # looked at again when twice as many: a burst of writes costs no scan per write
+            self._echoes_limit = max(256, 2 * len(self.echoes))
+
+    def own_write(self, event_type: str | None, body: Mapping[str, Any]) -> bool:
+        """The watch event of `body` shows the controller's own write and nothing else (`wrote`): the pass that
+        wrote it knew all of it, so none other is needed. Every other event is news."""
+        key = echo_key(body)
+        mine = self.echoes.get(key)
+        if not mine or event_type == "DELETED":
+            return False
+        rv = resource_version(body)
+        hit = mine.pop(rv, None) is not None
+        for older in [r for r in mine if r < rv]:
+            del mine[older]
+        if not mine:
+            del self.echoes[key]
+        return hit
 
     def forget(self, res: Resource, namespace: str, name: str) -> None:
         """A deleted object: absent until the watch shows a newer version (a finalizer's deletionTimestamp) or its
@@ -336,7 +446,7 @@ class WatchCache:
         ns = namespace if res.namespaced else ""
         cur = self.lookup(w, ns, name)
         # hidden until a version newer than the last one known (every later write has a higher one)
-        self._keep(res, (ns, name), (resource_version(cur) + 1, None, self.clock(), 0))
+        self._keep(res, (ns, name), ((cur.rv if cur is not None else 0) + 1, None, self.clock(), 0))
 
 
 class CachedKube:
@@ -355,8 +465,10 @@ class CachedKube:
         w = self.cache.watched(res, namespace)
         if w is not None and w.covers(name):
             found = self.cache.lookup(w, namespace, name)
-            if found is not None or not w.selector:
-                return copy_json(found)
+            if found is not None:
+                return found.obj()
+            if not w.selector:
+                return None
         return await self._read(res, name, namespace)
 
     async def get_own(self, res: Resource, name: str, namespace: str, labels: Mapping[str, str]) -> dict | None:
@@ -364,7 +476,8 @@ class CachedKube:
         index is absence (no read)."""
         w = self.cache.watched(res, namespace)
         if w is not None and w.covers(name) and all(labels.get(k) == v for k, v in w.selector):
-            return copy_json(self.cache.lookup(w, namespace, name))
+            found = self.cache.lookup(w, namespace, name)
+            return found.obj() if found is not None else None
         return await self.get(res, name, namespace)
 
     async def _read(self, res: Resource, name: str, namespace: str) -> dict | None:
@@ -396,17 +509,22 @@ class CachedKube:
         labels = parse_selector(selector)
         if w is None or w.name or labels is None or not all(labels.get(k) == v for k, v in w.selector):
             return await self.kube.list(res, namespace, selector)
-        return [copy_json(o) for o in self.cache.select(w, namespace, labels)]
+        return [o.obj() for o in self.cache.select(w, namespace, labels)]
 
     async def create(self, res: Resource, obj: Mapping[str, Any], namespace: str = "") -> dict:
         out = await self.kube.create(res, obj, namespace)
         self.cache.remember(res, out)
+        self.cache.wrote(out, None, None)
         return out
 
     async def patch(self, res: Resource, name: str, patch: Mapping[str, Any], namespace: str = "",
                     subresource: str = "") -> dict:
+        w = self.cache.watched(res, namespace)
+        before = self.cache.lookup(w, namespace, name) if w is not None and w.covers(name) else None
         out = await self.kube.patch(res, name, patch, namespace, subresource)
         self.cache.remember(res, out)
+        if before is not None:
+            self.cache.wrote(out, before.obj(), patch)
         return out
 
     async def delete(self, res: Resource, name: str, namespace: str = "", *, propagation: str = "") -> bool:

@@ -286,3 +286,42 @@ def test_kopf_attempt_lines_fold_to_one_a_minute_and_say_how_many_were_held():
     assert len(passed) == 2
     assert passed[0] == "Request attempt #0 failed; will retry: GET /services"
     assert passed[1].startswith("Request attempt #20 failed; will retry: GET /services (39 more like this in the last")
+
+
+async def test_the_echo_of_the_controllers_own_write_pokes_no_pass_and_any_other_event_does(monkeypatch):
+    import kopf
+
+    from controller.watchcache import WatchCache
+    handlers: dict[str, Any] = {}
+
+    def event(*resource: str, registry, **_):
+        def register(fn):
+            handlers[resource[-1]] = fn
+            return fn
+        return register
+    monkeypatch.setattr(kopf.on, "event", event)
+
+    class Queue:
+        def __init__(self) -> None:
+            self.keys: list = []
+
+        def poke(self, key) -> None:
+            self.keys.append(key)
+    queue, cache = Queue(), WatchCache("tailscale")
+    registries(State(ControllerConfig(), None, queue, cache=cache))
+    labels = {"tailscale.com/managed": "true", "tailscale.com/parent-resource": "web",
+              "tailscale.com/parent-resource-ns": "apps", "tailscale.com/parent-resource-type": "svc"}
+    sts = {"kind": "StatefulSet", "metadata": {"name": "ts-web-abcde", "namespace": "tailscale",
+                                               "resourceVersion": "7", "labels": labels}}
+    cache.wrote(sts, None, None)            # the controller created it: this version is its own
+    await handlers["statefulsets"](body=sts, type="ADDED")
+    assert queue.keys == []
+    # a user's edit (a newer version), or the same version seen again, is news
+    await handlers["statefulsets"](body={**sts, "metadata": {**sts["metadata"], "resourceVersion": "9"}},
+                                   type="MODIFIED")
+    await handlers["statefulsets"](body=sts, type="MODIFIED")
+    assert queue.keys == [("svc", "apps", "web")] * 2
+    # so is its deletion, even of the version the controller wrote
+    cache.wrote(sts, None, None)
+    await handlers["statefulsets"](body=sts, type="DELETED")
+    assert queue.keys == [("svc", "apps", "web")] * 3

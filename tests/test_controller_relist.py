@@ -176,3 +176,21 @@ async def test_kopf_drops_the_missed_object_from_its_index_and_calls_the_handler
             await task
     assert ("DELETED", "gone") in seen
     assert {k: list(v) for k, v in indexers.indices["names"].items()} == {"name": ["kept"]}
+
+
+def test_what_is_kept_of_a_watched_object_is_what_a_deletion_handler_reads():
+    """A parent keeps its spec (whether it is ours: its class); a Secret or StatefulSet only its metadata; nobody
+    keeps managedFields, kubectl's last-applied annotation or a status."""
+    md = {"name": "x", "namespace": "apps", "uid": "u1", "labels": {"a": "b"}, "managedFields": [{"big": 1}],
+          "annotations": {relist._LAST_APPLIED: "{...}", "keep": "me"}}
+    svc = relist.skeleton({"apiVersion": "v1", "kind": "Service", "metadata": md,
+                           "spec": {"loadBalancerClass": "tailscale"}, "status": {"loadBalancer": {}}}, "services")
+    assert svc == {"apiVersion": "v1", "kind": "Service", "spec": {"loadBalancerClass": "tailscale"},
+                   "metadata": {"name": "x", "namespace": "apps", "uid": "u1", "labels": {"a": "b"},
+                                "annotations": {"keep": "me"}}}
+    sec = relist.skeleton({"apiVersion": "v1", "kind": "Secret", "metadata": md, "data": {"authkey": "c2VjcmV0"},
+                           "type": "Opaque"}, "secrets")
+    assert sec == {"apiVersion": "v1", "kind": "Secret", "metadata": svc["metadata"]}
+    sts = relist.skeleton({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": md,
+                           "spec": {"template": {}}}, "statefulsets")
+    assert "spec" not in sts and sts["metadata"]["labels"] == {"a": "b"}

@@ -273,3 +273,38 @@ async def test_an_object_whose_last_finalizer_the_controller_removed_is_gone():
     assert await rec.kube.get(PROXYGROUPS, "pg") is None        # before the watch shows its end
     watches.deliver()
     assert await rec.kube.get(PROXYGROUPS, "pg") is None
+
+
+async def test_the_echo_of_a_passs_own_writes_brings_no_pass_and_anybody_elses_change_does():
+    api, cache, watches, rec, _ = setup()
+    svc = expose(api)
+    watches.deliver()
+    await rec.reconcile("svc", "apps", "web")
+    p = Parent("svc", "web", "apps", svc["metadata"]["uid"])
+    # what the watch brings next is what the pass wrote (its finalizer and status, the proxy's objects): echoes
+    wrote = [api.obj(SERVICES, "web", "apps"), api.obj(STATEFULSETS, base_name(p), "tailscale"),
+             api.obj(SECRETS, secret_name(p, 0), "tailscale")]
+    assert [cache.own_write("MODIFIED", o) for o in wrote] == [True, True, True]
+    # once only: the same version seen again (a relist) is news
+    assert not cache.own_write("MODIFIED", wrote[0])
+    # a user's change is news
+    watches.deliver()
+    cur = api.obj(SERVICES, "web", "apps")
+    changed = api.put(SERVICES, {**cur, "metadata": {**cur["metadata"], "labels": {"team": "a"}}})
+    assert not cache.own_write("MODIFIED", changed)
+
+
+async def test_a_write_that_carries_somebody_elses_change_is_not_taken_for_an_echo():
+    api, cache, watches, rec, _ = setup()
+    expose(api)
+    watches.deliver()
+    await rec.reconcile("svc", "apps", "web")
+    watches.deliver()
+    # the user annotates the Service; before the watch brings it, a pass patches the Service's status
+    cur = api.obj(SERVICES, "web", "apps")
+    api.put(SERVICES, {**cur, "metadata": {**cur["metadata"], "annotations": {
+        **cur["metadata"]["annotations"], "tailscale.com/hostname": "other"}}})
+    answer = await rec.kube.patch(SERVICES, "web", {"status": {"loadBalancer": {"ingress": [{"ip": "100.64.0.9"}]}}},
+                                  "apps", "status")
+    # the answer holds the user's change, which no pass has seen: its event must bring one
+    assert not cache.own_write("MODIFIED", answer)
