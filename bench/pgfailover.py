@@ -8,17 +8,19 @@ Builds the lab (headscale, the ``client`` tailnet node), a real two-node cluster
 deploy/, a ProxyGroup of 2 whose replicas land on different nodes, an egress Service for a TCP echo server on
 the tailnet node, and a client Pod on the first node opening a new connection every 0.2 s (2 s timeout) while
 holding one connection through each replica. Then: (a) one replica's Pod deleted, (b) one replica's tailscaled
-killed, (c) the second node lost (its island link down, its kubelet stopped).
+killed, a lossy link (30 % of the packets crossing the second node's link dropped in each direction for a minute),
+(c) the second node lost (its island link down, its kubelet stopped).
 
-Printed: the time from the egress Service's creation to the first successful connection (the group already
-ready), and for each case the longest gap between two successful new connections, the new connections that
-succeeded and failed, whether the connection held through the surviving replica was reset, and the events'
-times after the case started (in (c): when the victim left the EndpointSlice, when the node was marked not
-Ready). The cluster runs with Kubernetes' default node-loss timing (kube-controller-manager's
-``--node-monitor-grace-period`` 50 s, the API server's ``--default-unreachable-toleration-seconds`` 300 s),
-or with ``--node-loss short`` the lab's shortened one (20 s, 5 s); the settings used are printed. With
-``--runs N`` the whole scenario runs N times, each on a fresh cluster, and each case's median and worst gap are
-printed. Goals: a gap under 5 s in every case, under 2 s for (a) and (b). No anchor: the gaps are absolute
+Printed: the time from the egress Service's creation to the first successful connection (the group already ready),
+and for each case the longest gap between two successful new connections, the new connections that succeeded and
+failed, whether the connection held through the surviving replica was reset, and the events' times after the case
+started (in (c): when the victim left the EndpointSlice, when the node was marked not Ready), and for the lossy link
+the loss measured at its two ends and the changes of the replica's membership in the EndpointSlice (every version
+watched; the goal: none). The cluster runs with Kubernetes' default node-loss timing (kube-controller-manager's
+``--node-monitor-grace-period`` 50 s, the API server's ``--default-unreachable-toleration-seconds`` 300 s), or with
+``--node-loss short`` the lab's shortened one (20 s, 5 s); the settings used are printed. With ``--runs N`` the
+whole scenario runs N times, each on a fresh cluster, and each case's median and worst gap are printed.
+Goals: a gap under 5 s in every case, under 2 s for (a) and (b). No anchor: the gaps are absolute
 figures on this machine (the sampling interval, 0.2 s, bounds their resolution).
 """
 from __future__ import annotations
@@ -29,7 +31,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict
+from typing import Any
 
 #: the longest gap in new connections, per case
 GOALS_S = {"delete_pod": 2.0, "kill_tailscaled": 2.0, "lose_node": 5.0}
@@ -66,6 +70,30 @@ EVENTS = {
 }
 
 
+#: the lossy link's figures, one row per run of netns-tests/test_pg_failover_twonode.py (BENCH_RECORD=1)
+LOSSY_COLUMNS = ("run", "packets dropped, each direction", "loss measured (into / out of the node)",
+                 "packets across the link", "EndpointSlice versions watched",
+                 "changes of the replica's membership (removals)", "new connections failed over the minute")
+LOSSY_COMMAND = "BENCH_RECORD=1 pytest -p no:xdist netns-tests/test_pg_failover_twonode.py"
+
+
+def lossy_row(r: Mapping[str, Any], run: str) -> list[str]:
+    """A :class:`labtools.pgfailover.LossyResult` (as a dict) in the docs' words."""
+    return [run, f"{r['percent']} % for {r['duration_s']:.0f} s",
+            f"{r['loss_in']:.1%} / {r['loss_out']:.1%}", str(r["packets"]), str(r["slice_states"]),
+            f"{r['slice_changes']} ({r['slice_removals']}; the controller's log: {r['probe_out_logged']})",
+            f"{r['new_fail']} of {r['new_ok'] + r['new_fail']}"]
+
+
+def record_lossy(r: Any) -> None:
+    """The test's lossy-link row in bench/results/pgfailover_lossy.json, when asked (BENCH_RECORD=1)."""
+    from bench import runs
+    from bench.results import record_row, wanted
+    if wanted(False):
+        runs._rendered(record_row("pgfailover_lossy", "runs", LOSSY_COLUMNS, lossy_row(asdict(r), runs.run_label(None)),
+                                  key=1, command=LOSSY_COMMAND, recorded=runs.RECORDED))
+
+
 def main(argv: list[str] | None = None) -> int:
     from labtools import kubecluster, kubecontroller, pgfailover
     from labtools.lab import Lab, ensure_binaries
@@ -99,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                                                node_loss=None if a.node_loss == "default" else node_loss) as kc:
                 start_s = kc.timings["start_total"]
                 assert images is not None
-                figures, results = pgfailover.run_all(lab, kc, images,
+                figures, results, lossy = pgfailover.run_all(lab, kc, images,
                                                       say=lambda m, i=i: print(f"run {i + 1}: {m}", flush=True))
         runs.append({"cluster_start_s": start_s, **figures, "cases": [asdict(r) for r in results],
+                     "lossy": asdict(lossy),
                      "load_average": os.getloadavg()[0]})
         print(f"run {i + 1}: two-node cluster started in {start_s:.1f}s; ProxyGroup of 2 ready in "
               f"{figures['group_ready_s']:.1f}s; egress Service created -> first successful connection "
@@ -120,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
               f"through the survivor {f'RESET in {resets} run(s)' if resets else 'kept'}")
         for c in rs:
             print(f"  {c['gap_s']:6.2f}s; events: " + ", ".join(f"{k} {v:.1f}s" for k, v in c["events"].items()))
+    for r in runs:
+        if "lossy" in r:     # an earlier run's --json may have none
+            print("  | ".join(lossy_row(r["lossy"], "lossy link")))
     print(f"total {time.monotonic() - t_all:.0f}s")
     if a.json:
         with open(a.json, "w") as f:

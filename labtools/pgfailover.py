@@ -21,17 +21,24 @@ The cases (each on a group with both replicas serving, and returning a :class:`C
   (controller/replicahealth.py), long before Kubernetes marks the node unreachable (the cluster's node-loss
   timing, ``KubeCluster.start(node_loss=...)``: Kubernetes' defaults, 50 s and 300 s, unless given).
 
+And one case that takes nothing out: ``lossy_link`` drops a share of the packets crossing the second node's link
+(both directions) for a while (:func:`lossy_link`: nftables ``numgen random`` at the ingress of each end of the
+link, as a lossy wire would, since the kernel has no netem), watching the EndpointSlice: a replica that still
+answers must not flap out of it. It returns a :class:`LossyResult`.
+
 Each case ends on an event, never after a fixed time: the victim serving new connections again (cases a, b), or
 ten consecutive successes after the victim left the EndpointSlice (case c).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from labtools import kubecluster, kubecontroller
 from labtools.lab import Lab, wait_until
@@ -222,6 +229,105 @@ def death_steps(agent_log: str, controller_log: str, victim: str, start: float) 
         if t is not None and t >= start and f"replica {victim} " in line and "leaves the egress" in line:
             out.setdefault("probe_out", t - start)
     return out
+
+
+def in_slice(eps: dict, pod_ip: str) -> bool:
+    """Whether an EndpointSlice serves ``pod_ip``: listed, and not marked not ready."""
+    return any(pod_ip in (e.get("addresses") or []) and (e.get("conditions") or {}).get("ready") is not False
+               for e in eps.get("endpoints") or [])
+
+
+def watched_slices(text: str) -> list[dict]:
+    """The objects of ``kubectl get --watch -o json``'s output (JSON documents one after the other; a
+    partial last one is left out)."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            return out
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return out
+        out.append(obj)
+
+
+def membership_changes(states: list[bool]) -> tuple[int, int]:
+    """(changes, removals) of a replica's membership along successive states of a slice."""
+    pairs = list(zip(states, states[1:], strict=False))
+    return sum(a != b for a, b in pairs), sum(a and not b for a, b in pairs)
+
+
+#: the nftables table of the lossy link (one in each namespace at the ends of the link)
+LOSSY_TABLE = "lossylab"
+
+
+def lossy_ruleset(device: str, percent: int) -> str:
+    """A table dropping ``percent`` % of the packets arriving on ``device``, at random, before anything else
+    sees them (a netdev ingress hook: the sender sees no error, as with a lossy wire); counters before and
+    after the drop measure the loss."""
+    if not 0 <= percent <= 100:
+        raise ValueError(f"percent={percent}: give a share of packets from 0 to 100")
+    return (f"table netdev {LOSSY_TABLE} {{\n chain ingress {{\n"
+            f"  type filter hook ingress device \"{device}\" priority -500; policy accept\n"
+            f"  counter numgen random mod 100 < {percent} counter drop\n }}\n}}\n")
+
+
+def lossy_counts(listing: str) -> tuple[int, int]:
+    """(packets seen, packets dropped) from ``nft list table`` of :func:`lossy_ruleset`'s table."""
+    n = [int(x) for x in re.findall(r"counter packets (\d+)", listing)]
+    if len(n) != 2:
+        raise ValueError(f"no two counters in the lossy table's listing: {listing!r}")
+    return n[0], n[1]
+
+
+@contextlib.contextmanager
+def lossy_link(kc: kubecluster.KubeCluster, node: str, percent: int) -> Iterator[Callable[[], dict[str, float]]]:
+    """``percent`` % of the packets crossing ``node``'s link to the island dropped, in each direction: a table
+    at the ingress of the node's ``eth0`` (into the node) and one at the ingress of the island's end of the link
+    (out of the node). Yields a function giving each direction's measured loss so far (``in``, ``out``: dropped
+    / seen) and the packets seen; the tables are always removed on the way out."""
+    ends = [(kc._node_netns[node], "eth0", "in"), (kc.lab.namespaces["sw"].netns, kc._node_links[node], "out")]
+    added: list[str] = []
+
+    def nft(netns: str, *args: str, input: str | None = None) -> str:
+        return subprocess.run(["ip", "netns", "exec", netns, "nft", *args], input=input, text=True,
+                              capture_output=True, check=True, timeout=30).stdout
+
+    def measured() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for netns, _, way in ends:
+            seen, dropped = lossy_counts(nft(netns, "list", "table", "netdev", LOSSY_TABLE))
+            out[f"{way}_seen"] = seen
+            out[way] = dropped / seen if seen else 0.0
+        return out
+    try:
+        for netns, device, _ in ends:
+            nft(netns, "-f", "-", input=lossy_ruleset(device, percent))
+            added.append(netns)
+        yield measured
+    finally:
+        for netns in added:
+            subprocess.run(["ip", "netns", "exec", netns, "nft", "delete", "table", "netdev", LOSSY_TABLE],
+                           capture_output=True, timeout=30)
+
+
+@dataclass(frozen=True)
+class LossyResult:
+    victim: str                  # the replica Pod behind the lossy link
+    percent: int                 # packets dropped in each direction, asked
+    duration_s: float
+    loss_in: float               # measured: dropped / seen, into the node
+    loss_out: float              # ... out of the node
+    packets: int                 # packets that crossed (or tried to) the link, both directions
+    slice_states: int            # versions of the EndpointSlice seen by the watch
+    slice_changes: int           # changes of the replica's membership over them
+    slice_removals: int          # ... of which it left
+    probe_out_logged: int        # the controller's log lines taking the replica out over the window
+    new_ok: int                  # new connections through the Service over the window
+    new_fail: int
+    first_ok_after_s: float      # the link clean again -> the first successful new connection
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -434,6 +540,42 @@ class Scenario:
                               "--since=10m", check=False, timeout=30).stdout
         return death_steps(prev, ctl, victim, start)
 
+    def lossy_link(self, percent: int = 30, duration: float = 60.0, timeout: float = 240.0) -> LossyResult:
+        """``percent`` % of the packets crossing the second node's link dropped (both directions) for
+        ``duration`` seconds, the replica there watched in the EndpointSlice throughout (``kubectl get --watch``:
+        every version, not samples). Ends on a new connection succeeding after the link is clean again."""
+        victim, v, _ = self._victim(1)
+        s = self.kc.get("service", SVC, NS) or {}
+        name = f"{(s.get('spec') or {}).get('externalName', '').split('.')[0]}-ipv4"
+        watch_log = self.kc.run_dir / "lossy-slice-watch.json"
+        with open(watch_log, "w") as f:
+            watch = self.kc.popen([str(self.kc.cfg.bin_dir / "kubectl"), f"--kubeconfig={self.kc.kubeconfig}",
+                                   "-n", kubecontroller.NS, "get", "endpointslice", name, "--watch", "-o", "json"],
+                                  stdout=f, stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: watched_slices(watch_log.read_text()), 60, 0.2, "the EndpointSlice watch's first object")
+            start = time.time()
+            with lossy_link(self.kc, self.kc.nodes[1], percent) as measured:
+                time.sleep(duration)   # the case is the duration: nothing to wait for but the time under loss
+                loss = measured()
+            end = time.time()
+            after = wait_until(lambda: next((a for a in self.new() if a.ok and a.t > end), None), timeout, 0.5,
+                               "a new connection after the lossy minute")
+            time.sleep(1)     # the watch's last events in
+        finally:
+            watch.terminate()
+            watch.wait(10)
+        objs = watched_slices(watch_log.read_text())
+        changes, removals = membership_changes([in_slice(o, v["pod_ip"]) for o in objs])
+        ctl = self.kc.kubectl("-n", kubecontroller.NS, "logs", "deployment/tailscale-controller", "--timestamps",
+                              "--since=10m", check=False, timeout=30).stdout
+        logged = sum(1 for line in ctl.splitlines() if (t := _stamp(line)) is not None and start <= t <= after.t + 1
+                     and f"replica {victim} " in line and "leaves the egress" in line)
+        window = [a for a in self.new() if start <= a.t <= end]
+        return LossyResult(victim, percent, end - start, loss["in"], loss["out"],
+                           int(loss["in_seen"] + loss["out_seen"]), len(objs), changes, removals, logged,
+                           sum(a.ok for a in window), sum(not a.ok for a in window), after.t - end)
+
     def lose_node(self, timeout: float = 240.0, *, until_node_marked: bool = True) -> CaseResult:
         """The second node lost. Events (seconds after the loss), recorded as they are seen: ``left_slice`` (the
         controller's health probe or the node's eviction took the victim out), ``node_not_ready`` (the node
@@ -522,21 +664,36 @@ class Scenario:
         self.procs.clear()
 
 
+def lossy_line(r: LossyResult) -> str:
+    """The lossy case's figures in one line (the test and the benchmark print it)."""
+    return (f"lossy link: {r.victim} behind {r.percent} % loss for {r.duration_s:.0f}s: measured {r.loss_in:.1%} "
+            f"in, {r.loss_out:.1%} out of {r.packets} packets; EndpointSlice: {r.slice_states} versions, "
+            f"{r.slice_changes} changes of the replica's membership ({r.slice_removals} removals, "
+            f"{r.probe_out_logged} logged by the controller); new connections {r.new_ok} ok / {r.new_fail} failed; "
+            f"first success {r.first_ok_after_s:.2f}s after the link was clean")
+
+
 def run_all(lab: Lab, kc: kubecluster.KubeCluster, images: tuple[Any, Any],
-            say: Callable[[str], None] = print) -> tuple[dict[str, float], list[CaseResult]]:
-    """The whole scenario: set-up, then the three cases in order (the last one leaves the second node lost)."""
+            say: Callable[[str], None] = print) -> tuple[dict[str, float], list[CaseResult], LossyResult]:
+    """The whole scenario: set-up, then the cases in order, the lossy link before the node's loss (the last
+    case leaves the second node lost)."""
     sc = Scenario.start(lab, kc, images)
     try:
         results = []
-        for case in (sc.delete_pod, sc.kill_tailscaled, sc.lose_node):
+        lossy = None
+        for case in (sc.delete_pod, sc.kill_tailscaled, sc.lossy_link, sc.lose_node):
             r = case()
+            if isinstance(r, LossyResult):
+                say(lossy_line(r))
+                lossy = r
+                continue
             say(f"{r.case}: gap {r.gap_s:.2f}s, {r.new_ok} ok / {r.new_fail} failed new connections, events "
                 + ", ".join(f"{k} {v:.1f}s" for k, v in r.events.items()))
             results.append(r)
-        return sc.figures, results
+        assert lossy is not None
+        return sc.figures, results, lossy
     finally:
         sc.stop()
-
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "echo-serve":

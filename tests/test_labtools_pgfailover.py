@@ -2,6 +2,10 @@
 (labtools.pgfailover; the scenario itself runs in netns-tests/test_pg_failover_twonode.py)."""
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from labtools import pgfailover as fo
 
 LOG = """\
@@ -67,3 +71,43 @@ def test_the_steps_of_a_replicas_exit_are_read_from_the_logs_timestamps():
     got = {k: round(v, 3) for k, v in fo.death_steps(agent, ctl, "ha-1", start).items()}
     assert got == {"agent_noticed": 0.212, "rules_removed": 0.25, "conntrack_flushed": 0.408,
                    "health_closed": 0.409, "probe_out": 0.6}
+
+
+def _slice(*eps: tuple[str, bool | None]) -> dict:
+    return {"endpoints": [{"addresses": [ip], **({} if r is None else {"conditions": {"ready": r}})}
+                          for ip, r in eps]}
+
+
+def test_a_replica_is_in_a_slice_when_listed_and_not_marked_not_ready():
+    assert fo.in_slice(_slice(("10.0.0.5", None)), "10.0.0.5")
+    assert fo.in_slice(_slice(("10.0.0.5", True)), "10.0.0.5")
+    assert not fo.in_slice(_slice(("10.0.0.5", False)), "10.0.0.5")
+    assert not fo.in_slice(_slice(("10.0.0.6", None)), "10.0.0.5")
+    assert not fo.in_slice({}, "10.0.0.5")
+
+
+def test_a_watchs_output_is_read_object_by_object_and_a_partial_last_one_left_out():
+    a, b = _slice(("10.0.0.5", None)), _slice(("10.0.0.6", None))
+    text = json.dumps(a, indent=4) + "\n" + json.dumps(b, indent=4) + "\n" + json.dumps(a)[:10]
+    assert fo.watched_slices(text) == [a, b]
+    assert fo.watched_slices("") == []
+
+
+def test_membership_changes_count_each_leave_and_return():
+    assert fo.membership_changes([True, True, True]) == (0, 0)
+    assert fo.membership_changes([True, False, True, True, False]) == (3, 2)
+    assert fo.membership_changes([False, True]) == (1, 0)
+    assert fo.membership_changes([]) == (0, 0)
+
+
+def test_the_lossy_table_drops_the_share_asked_on_the_device_and_its_counters_are_read():
+    rules = fo.lossy_ruleset("eth0", 30)
+    assert 'hook ingress device "eth0"' in rules and "numgen random mod 100 < 30" in rules and "drop" in rules
+    listing = ("table netdev lossylab {\n\tchain ingress {\n\t\ttype filter hook ingress device \"eth0\" priority "
+               "-500; policy accept;\n\t\tcounter packets 701 bytes 20575 numgen random mod 100 < 30 counter "
+               "packets 213 bytes 6223 drop\n\t}\n}\n")
+    assert fo.lossy_counts(listing) == (701, 213)
+    with pytest.raises(ValueError, match="percent=130"):
+        fo.lossy_ruleset("eth0", 130)
+    with pytest.raises(ValueError, match="no two counters"):
+        fo.lossy_counts("table netdev lossylab {}")
