@@ -71,18 +71,19 @@ EVENTS = {
 
 
 #: the lossy link's figures, one row per run of netns-tests/test_pg_failover_twonode.py (BENCH_RECORD=1)
-LOSSY_COLUMNS = ("run", "packets dropped, each direction", "loss measured (into / out of the node)",
+#: the first cell (the link's loss) is the row's key: a later run of the same case replaces its row
+LOSSY_COLUMNS = ("packets dropped, each direction", "loss measured (into / out of the node)",
                  "packets across the link", "EndpointSlice versions watched",
-                 "changes of the replica's membership (removals)", "new connections failed over the minute")
+                 "changes of the replica's membership (removals)", "new connections failed over the minute", "run")
 LOSSY_COMMAND = "BENCH_RECORD=1 pytest -p no:xdist netns-tests/test_pg_failover_twonode.py"
 
 
 def lossy_row(r: Mapping[str, Any], run: str) -> list[str]:
     """A :class:`labtools.pgfailover.LossyResult` (as a dict) in the docs' words."""
-    return [run, f"{r['percent']} % for {r['duration_s']:.0f} s",
+    return [f"{r['percent']} % for {r['duration_s']:.0f} s",
             f"{r['loss_in']:.1%} / {r['loss_out']:.1%}", str(r["packets"]), str(r["slice_states"]),
             f"{r['slice_changes']} ({r['slice_removals']}; the controller's log: {r['probe_out_logged']})",
-            f"{r['new_fail']} of {r['new_ok'] + r['new_fail']}"]
+            f"{r['new_fail']} of {r['new_ok'] + r['new_fail']}", run]
 
 
 def record_lossy(r: Any) -> None:
