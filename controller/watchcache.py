@@ -24,6 +24,7 @@ which the writer reads it and adopts it.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import logging
 import sys
@@ -509,7 +510,27 @@ class CachedKube:
         labels = parse_selector(selector)
         if w is None or w.name or labels is None or not all(labels.get(k) == v for k, v in w.selector):
             return await self.kube.list(res, namespace, selector)
-        return [o.obj() for o in self.cache.select(w, namespace, labels)]
+        return await self._confirm_going(res, [o.obj() for o in self.cache.select(w, namespace, labels)])
+
+    async def _confirm_going(self, res: Resource, objs: Iterable[dict]) -> "builtins.list[dict]":
+        """Objects being deleted (a deletionTimestamp: a proxy's StatefulSet in a foreground deletion, whose Pods
+        go first) are read from the API server: a pass that waits for one to be gone (before a proxy's devices,
+        Secrets and RBAC, and the parent's finalizer) then learns its end from the server, not only from the watch
+        (whose event may come late: after an API server restart, a watch reconnecting under load). One GET per
+        such object per pass, only while deletions are in progress; a gone one is hidden until the watch says
+        more, as after a delete."""
+        out: builtins.list[dict] = []
+        for o in objs:
+            md = o.get("metadata") or {}
+            if md.get("deletionTimestamp"):
+                ns = md.get("namespace") or ""
+                fresh = await self.kube.get(res, md.get("name") or "", ns)
+                if fresh is None:
+                    self.cache.forget(res, ns, md.get("name") or "")
+                    continue
+                o = fresh
+            out.append(o)
+        return out
 
     async def create(self, res: Resource, obj: Mapping[str, Any], namespace: str = "") -> dict:
         out = await self.kube.create(res, obj, namespace)

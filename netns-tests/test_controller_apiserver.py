@@ -818,6 +818,12 @@ def test_an_ingress_certificate_is_readable_by_its_proxy_only(running):
     assert can_in("get", "site-tls")
     assert not can_in("get", "other") and not can_in("list") and not can_in("update", "site-tls")
     assert c.delete("/apis/networking.k8s.io/v1/namespaces/default/ingresses/tls").status_code == 200
-    wait(lambda: get(kube, f"/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/{name}") is None, 60,
-         "the Role to go with the Ingress")
+    try:
+        wait(lambda: get(kube, f"/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/{name}") is None, 60,
+             "the Role to go with the Ingress")
+    except AssertionError:
+        # what the cleanup waits for first: the proxy's StatefulSet, deleted in the foreground (its Pods first)
+        sts_left = get(kube, f"/apis/apps/v1/namespaces/tailscale/statefulsets/{name}")
+        print("the proxy's StatefulSet at the API server:", json.dumps((sts_left or {}).get("metadata")))
+        raise
     c.delete("/api/v1/namespaces/default/services/tlsbe")

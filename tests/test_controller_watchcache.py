@@ -192,6 +192,28 @@ async def test_a_statefulset_deleted_in_the_foreground_holds_the_cleanup_until_t
         "tailscale.com/finalizer" not in (api.obj(SERVICES, "web", "apps")["metadata"].get("finalizers") or [])
 
 
+async def test_a_foreground_deletion_that_ended_unseen_by_the_watch_releases_the_cleanup():
+    """The StatefulSet's end reaches the API server but not (yet) the watch (a watch reconnecting after an API
+    server restart): the cleanup learns it from the server, and the parent's finalizer goes."""
+    api, cache, watches, rec, _ = setup()
+    svc = expose(api)
+    watches.deliver()
+    await rec.reconcile("svc", "apps", "web")
+    watches.deliver()
+    api.objects[("services", "apps", "web")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    watches.deliver()
+    await rec.reconcile("svc", "apps", "web")           # the StatefulSet is deleted in the foreground
+    watches.deliver()                                   # the watch shows it going
+    name = base_name(Parent("svc", "web", "apps", svc["metadata"]["uid"]))
+    await rec.reconcile("svc", "apps", "web")
+    assert "tailscale.com/finalizer" in api.obj(SERVICES, "web", "apps")["metadata"]["finalizers"]  # still going
+    api.finish_deletions()                              # gone at the server; the watch says nothing
+    await rec.reconcile("svc", "apps", "web")
+    assert api.obj(STATEFULSETS, name, "tailscale") is None
+    assert api.obj(SERVICES, "web", "apps") is None or \
+        "tailscale.com/finalizer" not in (api.obj(SERVICES, "web", "apps")["metadata"].get("finalizers") or [])
+
+
 async def test_a_class_refused_for_the_missing_servicemonitor_crd_is_valid_once_the_crd_is_installed():
     """With the controller's own polling: the CRD is watched, so the class's next pass (queued by the CRD's event,
     tests/test_controller_queue.py) sees it at once, not a poll period later."""
