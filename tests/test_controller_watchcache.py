@@ -169,49 +169,52 @@ def test_selectors():
     assert parse_selector("a") is None
 
 
-async def test_a_statefulset_deleted_in_the_foreground_holds_the_cleanup_until_the_watch_shows_it_gone():
-    api, cache, watches, rec, _ = setup()
+async def deleted_in_the_foreground(api: FakeKube, watches: Watches, rec: Reconciler) -> str:
+    """An exposed Service deleted: its pass deletes the proxy's StatefulSet in the foreground (its Pods are
+    going); the StatefulSet's name."""
     svc = expose(api)
     watches.deliver()
     await rec.reconcile("svc", "apps", "web")
     watches.deliver()
     api.objects[("services", "apps", "web")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     watches.deliver()
-    await rec.reconcile("svc", "apps", "web")           # the StatefulSet is deleted in the foreground
+    await rec.reconcile("svc", "apps", "web")
     name = base_name(Parent("svc", "web", "apps", svc["metadata"]["uid"]))
-    assert api.obj(STATEFULSETS, name, "tailscale") is not None     # its Pods are going
+    assert api.obj(STATEFULSETS, name, "tailscale") is not None
+    return name
+
+
+def finalizer_gone(api: FakeKube) -> bool:
+    svc = api.obj(SERVICES, "web", "apps")
+    return svc is None or "tailscale.com/finalizer" not in (svc["metadata"].get("finalizers") or [])
+
+
+async def test_a_statefulset_deleted_in_the_foreground_holds_the_cleanup_until_the_watch_shows_it_gone():
+    api, cache, watches, rec, _ = setup()
+    name = await deleted_in_the_foreground(api, watches, rec)
     # the watch has not shown anything since: the next pass must still wait, and keep our finalizer
     await rec.reconcile("svc", "apps", "web")
-    assert "tailscale.com/finalizer" in api.obj(SERVICES, "web", "apps")["metadata"]["finalizers"]
+    assert not finalizer_gone(api)
     api.finish_deletions()
     watches.deliver()
     await rec.reconcile("svc", "apps", "web")
     watches.deliver()
     assert api.obj(STATEFULSETS, name, "tailscale") is None
-    assert api.obj(SERVICES, "web", "apps") is None or \
-        "tailscale.com/finalizer" not in (api.obj(SERVICES, "web", "apps")["metadata"].get("finalizers") or [])
+    assert finalizer_gone(api)
 
 
 async def test_a_foreground_deletion_that_ended_unseen_by_the_watch_releases_the_cleanup():
     """The StatefulSet's end reaches the API server but not (yet) the watch (a watch reconnecting after an API
     server restart): the cleanup learns it from the server, and the parent's finalizer goes."""
     api, cache, watches, rec, _ = setup()
-    svc = expose(api)
-    watches.deliver()
-    await rec.reconcile("svc", "apps", "web")
-    watches.deliver()
-    api.objects[("services", "apps", "web")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    watches.deliver()
-    await rec.reconcile("svc", "apps", "web")           # the StatefulSet is deleted in the foreground
+    name = await deleted_in_the_foreground(api, watches, rec)
     watches.deliver()                                   # the watch shows it going
-    name = base_name(Parent("svc", "web", "apps", svc["metadata"]["uid"]))
     await rec.reconcile("svc", "apps", "web")
-    assert "tailscale.com/finalizer" in api.obj(SERVICES, "web", "apps")["metadata"]["finalizers"]  # still going
+    assert not finalizer_gone(api)                      # still going
     api.finish_deletions()                              # gone at the server; the watch says nothing
     await rec.reconcile("svc", "apps", "web")
     assert api.obj(STATEFULSETS, name, "tailscale") is None
-    assert api.obj(SERVICES, "web", "apps") is None or \
-        "tailscale.com/finalizer" not in (api.obj(SERVICES, "web", "apps")["metadata"].get("finalizers") or [])
+    assert finalizer_gone(api)
 
 
 async def test_a_class_refused_for_the_missing_servicemonitor_crd_is_valid_once_the_crd_is_installed():
