@@ -3,7 +3,6 @@ their parent by upstream's labels."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from controller.config import ControllerConfig
 from controller.handlers import State, child_key, parent_key, registries, settings
@@ -120,9 +119,19 @@ def test_event_mapping():
     assert parent_key("proxygroup", {"metadata": {"name": "pg"}}, cfg) == ("proxygroup", "", "pg")
 
 
-async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_server_side(monkeypatch):
-    # What the controller asks of kopf, seen at kopf's public decorator: which resources each operator watches,
-    # with which label filter, and what each handler puts on the queue.
+class Queue:
+    """The work queue as the handlers see it: the keys they poke, in order."""
+
+    def __init__(self) -> None:
+        self.keys: list = []
+
+    def poke(self, key) -> None:
+        self.keys.append(key)
+
+
+def kopf_event_handlers(monkeypatch) -> dict[str, tuple]:
+    """What the controller registers at kopf's public decorator `kopf.on.event`: resource plural ->
+    (registry, label filter, handler)."""
     import kopf
     watched: dict[str, tuple] = {}
 
@@ -131,16 +140,14 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
             watched[resource[-1]] = (registry, labels, fn)
             return fn
         return register
-
     monkeypatch.setattr(kopf.on, "event", event)
+    return watched
 
-    class Queue:
-        def __init__(self) -> None:
-            self.keys: list = []
 
-        def poke(self, key) -> None:
-            self.keys.append(key)
-
+async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_server_side(monkeypatch):
+    # What the controller asks of kopf, seen at kopf's public decorator: which resources each operator watches,
+    # with which label filter, and what each handler puts on the queue.
+    watched = kopf_event_handlers(monkeypatch)
     queue = Queue()
     parents, children = registries(State(ControllerConfig(), None, queue))
     assert {r: (reg is parents, labels) for r, (reg, labels, _) in watched.items()} == {
@@ -190,27 +197,13 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
 async def test_the_servicemonitor_crds_events_queue_every_proxyclass(monkeypatch):
     """A class refused because the CRD was missing is judged again when it is installed (and one that relied on
     it, when it is removed): each of the CRD's events queues every class, whose pass queues its parents."""
-    import kopf
     from kopf._core.engines.indexing import OperatorIndexer
 
     from controller.watchcache import PARENTS, WATCHED, WatchCache, index_entries
-    handlers: dict[str, Any] = {}
-
-    def event(*resource: str, registry, **_):
-        def register(fn):
-            handlers[resource[-1]] = fn
-            return fn
-        return register
-    monkeypatch.setattr(kopf.on, "event", event)
-
-    class Queue:
-        def __init__(self) -> None:
-            self.keys: list = []
-
-        def poke(self, key) -> None:
-            self.keys.append(key)
+    watched = kopf_event_handlers(monkeypatch)
     queue, cache = Queue(), WatchCache("tailscale")
     registries(State(ControllerConfig(), None, queue, cache=cache))
+    handlers = {plural: fn for plural, (_, _, fn) in watched.items()}
     indexers = {w.index_id: OperatorIndexer() for w in WATCHED}
     for name in ("monitored", "plain"):
         indexers["cache_proxyclasses"].replace((None, name, name), index_entries({"metadata": {"name": name}}))
@@ -289,26 +282,11 @@ def test_kopf_attempt_lines_fold_to_one_a_minute_and_say_how_many_were_held():
 
 
 async def test_the_echo_of_the_controllers_own_write_pokes_no_pass_and_any_other_event_does(monkeypatch):
-    import kopf
-
     from controller.watchcache import WatchCache
-    handlers: dict[str, Any] = {}
-
-    def event(*resource: str, registry, **_):
-        def register(fn):
-            handlers[resource[-1]] = fn
-            return fn
-        return register
-    monkeypatch.setattr(kopf.on, "event", event)
-
-    class Queue:
-        def __init__(self) -> None:
-            self.keys: list = []
-
-        def poke(self, key) -> None:
-            self.keys.append(key)
+    watched = kopf_event_handlers(monkeypatch)
     queue, cache = Queue(), WatchCache("tailscale")
     registries(State(ControllerConfig(), None, queue, cache=cache))
+    handlers = {plural: fn for plural, (_, _, fn) in watched.items()}
     labels = {"tailscale.com/managed": "true", "tailscale.com/parent-resource": "web",
               "tailscale.com/parent-resource-ns": "apps", "tailscale.com/parent-resource-type": "svc"}
     sts = {"kind": "StatefulSet", "metadata": {"name": "ts-web-abcde", "namespace": "tailscale",
