@@ -25,10 +25,8 @@ from kopf._core.reactor import inventory, processing, queueing
 
 from controller import relist
 from controller.kubeapi import STATEFULSETS
-from controller.model import Parent
-from controller.render import base_name
 from controller.watchcache import WATCHED, index_entries
-from tests.test_controller_watchcache import expose, setup
+from tests.test_controller_watchcache import exposed, setup
 
 STS_WATCH = next(w for w in WATCHED if w.res == STATEFULSETS)
 
@@ -77,11 +75,7 @@ def kopf_watch(monkeypatch):
 
 async def _exposed():
     api, cache, watches, rec, _ = setup()
-    svc = expose(api)
-    watches.deliver()
-    await rec.reconcile("svc", "apps", "web")
-    watches.deliver()
-    name = base_name(Parent("svc", "web", "apps", svc["metadata"]["uid"]))
+    _, name = await exposed(api, watches, rec)
     return api, rec, watches, name
 
 

@@ -111,13 +111,19 @@ async def test_a_pass_reads_back_its_own_writes_before_the_watch_brings_them():
     assert reads(api) == []
 
 
-async def test_a_deleted_object_is_absent_until_the_watch_says_more():
-    api, cache, watches, rec, _ = setup()
+async def exposed(api: FakeKube, watches: Watches, rec: Reconciler) -> tuple[dict, str]:
+    """Service apps/web exposed, its pass run and everything it wrote delivered by the watches: the Service as
+    created and its proxy's StatefulSet's name."""
     svc = expose(api)
     watches.deliver()
     await rec.reconcile("svc", "apps", "web")
     watches.deliver()
-    name = base_name(Parent("svc", "web", "apps", svc["metadata"]["uid"]))
+    return svc, base_name(Parent("svc", "web", "apps", svc["metadata"]["uid"]))
+
+
+async def test_a_deleted_object_is_absent_until_the_watch_says_more():
+    api, cache, watches, rec, _ = setup()
+    svc, name = await exposed(api, watches, rec)
     assert await rec.kube.get(STATEFULSETS, name, "tailscale") is not None
     await rec.kube.delete(STATEFULSETS, name, "tailscale")
     assert await rec.kube.get(STATEFULSETS, name, "tailscale") is None     # the watch lags: still hidden
@@ -172,14 +178,10 @@ def test_selectors():
 async def deleted_in_the_foreground(api: FakeKube, watches: Watches, rec: Reconciler) -> str:
     """An exposed Service deleted: its pass deletes the proxy's StatefulSet in the foreground (its Pods are
     going); the StatefulSet's name."""
-    svc = expose(api)
-    watches.deliver()
-    await rec.reconcile("svc", "apps", "web")
-    watches.deliver()
+    _, name = await exposed(api, watches, rec)
     api.objects[("services", "apps", "web")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     watches.deliver()
     await rec.reconcile("svc", "apps", "web")
-    name = base_name(Parent("svc", "web", "apps", svc["metadata"]["uid"]))
     assert api.obj(STATEFULSETS, name, "tailscale") is not None
     return name
 
@@ -251,11 +253,7 @@ async def test_an_object_written_then_deleted_is_absent_once_the_watch_shows_onl
     without a call of the index handler: a version the controller wrote may never be seen before the deletion.
     What was written must not outlive the object."""
     api, cache, watches, rec, t = setup()
-    svc = expose(api)
-    watches.deliver()
-    await rec.reconcile("svc", "apps", "web")
-    watches.deliver()
-    name = base_name(Parent("svc", "web", "apps", svc["metadata"]["uid"]))
+    svc, name = await exposed(api, watches, rec)
     await rec.kube.patch(STATEFULSETS, name, {"metadata": {"annotations": {"x": "1"}}}, "tailscale")
     del api.objects[("statefulsets", "tailscale", name)]      # deleted (by a user) before the watch brought it
     watches.deliver()                                           # its deletion alone
