@@ -83,6 +83,14 @@ async def detect_control_plane(provider) -> None:
         logging.getLogger("controller").warning("%s; its version is read again at the first call", e)
 
 
+def served_crds() -> tuple:
+    """The project's CRDs among the kinds the controller watches (Connector, DNSConfig, ProxyClass, ProxyGroup,
+    Recorder): each must be installed before kopf starts (controller.crdcheck)."""
+    from .crdcheck import GROUP
+    from .watchcache import WATCHED
+    return tuple(w.res for w in WATCHED if w.res.group == GROUP)
+
+
 #: How often the objects that are not watched (the namespace's Pod Security level, the CA ConfigMap, the static
 #: key) are read again, once for every pass that needs them (seconds).
 NAMESPACE_POLL = 20.0
@@ -94,7 +102,7 @@ FLUSH_EVERY = 5.0
 async def run(cfg: ControllerConfig) -> int:
     import kopf
 
-    from . import relist
+    from . import crdcheck, kopfready, relist
     from .handlers import State, kopf_login, registries, settings
     from .kubeapi import Kube
     from .leader import LeaderElector, LeaseUnrenewed, LostLeadership
@@ -116,6 +124,8 @@ async def run(cfg: ControllerConfig) -> int:
     cache = WatchCache(cfg.namespace)
     # what a watch's fresh listing no longer returns leaves the cache (controller.relist)
     relist.install(w.res for w in WATCHED)
+    # kopf's wait for its indexes in linear time (controller.kopfready)
+    kopfready.install()
     kube = CachedKube(api, cache, polled(cfg))
     provider = make_provider(cfg, kube)
     # The leader probes the ProxyGroup replicas' health over the Pod network: one that stops answering leaves
@@ -152,7 +162,18 @@ async def run(cfg: ControllerConfig) -> int:
     flusher = asyncio.ensure_future(flush_fault_counts())
     log = logging.getLogger("controller")
     lost: list[str] = []
+    removed_crds: list[str] = []
     try:
+        # kopf resolves the kinds it serves once, at its start (its scanning of CRDs is off): each of the
+        # project's CRDs must be installed by then (controller.crdcheck); a replica without them exits, naming them
+        checking = asyncio.ensure_future(crdcheck.wait_installed(served_crds(), api.served))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({checking, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not checking.done():
+            checking.cancel()
+            return 0
+        stopping.cancel()
+        checking.result()
         # standby: only the Lease is read, nothing is watched or written
         acquiring = asyncio.ensure_future(elector.acquire())
         stopping = asyncio.ensure_future(stop.wait())
@@ -164,6 +185,11 @@ async def run(cfg: ControllerConfig) -> int:
         probing = asyncio.ensure_future(prober.run())
         await detect_control_plane(provider)
 
+        def removed(message: str) -> None:
+            log.error("controller: %s", message)
+            removed_crds.append(message)
+            stop.set()
+        crdcheck.stop_on_removal(served_crds(), removed)
         parents, children = registries(state, functools.partial(kopf_login, api.url, api.token, api.ca_file,
                                                                 cfg.namespace))
         # One stop flag for both operators: each kopf operator installs its own SIGTERM handler, and the
@@ -228,6 +254,8 @@ async def run(cfg: ControllerConfig) -> int:
         await api.aclose()
         await elector.kube.aclose()
     # a replica that lost the Lease exits non-zero: the kubelet restarts it as a standby
+    if removed_crds:
+        raise crdcheck.CRDsMissing(removed_crds[0])
     return 1 if lost else 0
 
 
@@ -266,10 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("controller").info(
         "controller: provider %s, proxies in namespace %s, image %s, login server %s", cfg.provider,
         cfg.namespace, cfg.proxy_image, cfg.server_url)
+    from .crdcheck import CRDsMissing
     from .kubeapi import KubeError
     try:
         return asyncio.run(run(cfg))
-    except KubeError as e:
+    except (KubeError, CRDsMissing) as e:
         print(f"tailscale-controller: {e}", file=sys.stderr)
         return 1
 

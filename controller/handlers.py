@@ -27,6 +27,7 @@ import kopf
 
 from tscommon.kubeconn import tls_context
 
+from . import relist
 from .config import ControllerConfig
 from .kinds import apiserverproxy, connector, dnsconfig, egress, proxyclass, proxygroup, recorder
 from .kindtable import GROUP, KINDS, PARENT_KINDS, handled
@@ -217,7 +218,11 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
             def indexer(res=w.res):
                 async def index(body: Any, **_: Any) -> dict:
                     cache.seen(res, body)
-                    return index_entries(body)
+                    entries = index_entries(body)
+                    # kopf holds the event's object until the handlers have run (every listed object at once
+                    # while its indexes fill): only what they read of it is left (controller.relist.shrink)
+                    relist.shrink(body, res.plural)
+                    return entries
                 return index
             group, _, version = w.res.prefix.removeprefix("/apis/").removeprefix("/api/").rpartition("/")
             kopf.index(group or None, version, w.res.plural, id=w.index_id,
@@ -254,6 +259,16 @@ class NoDiffBase(kopf.DiffBaseStorage):
         return None
 
 
+#: the objects per page of a watch's listing (`limit`, then `continue`): a listing is read, parsed and handed on a
+#: page at a time instead of all at once (client-go's reflector pages by 500 too)
+LIST_PAGE = 500
+
+
+#: how long kopf keeps an object's worker after its last event (kopf's default: 5 s); the worker holds that event
+#: parsed meanwhile, so a listing of thousands of objects would be held whole for that long
+WORKER_IDLE = 0.5
+
+
 def settings(child_watch: bool) -> kopf.OperatorSettings:
     s = kopf.OperatorSettings()
     s.networking.error_backoffs = RetryForever()
@@ -261,11 +276,15 @@ def settings(child_watch: bool) -> kopf.OperatorSettings:
     s.persistence.diffbase_storage = NoDiffBase()
     s.watching.server_timeout = 300
     s.watching.client_timeout = 330
+    # Nothing to discover while running: kopf resolves the kinds once at its start (API discovery) and lists and
+    # watches no CRD. With scanning on, the cluster-wide operator would list and watch every CRD to serve one
+    # installed later (a restart would list the CRDs twice, with the ServiceMonitor CRD's watch by name), and the
+    # namespaced one would also list and watch every namespace. The controller checks instead that the project's
+    # CRDs are installed before kopf starts, and stops if one is removed (controller.crdcheck).
+    s.scanning.disabled = True
+    s.watching.chunk_size = LIST_PAGE
+    s.queueing.idle_timeout = WORKER_IDLE
     if child_watch:
-        # The children are built-in kinds in one named namespace: nothing to discover while running. Without
-        # this, each operator would watch the CRDs (two watches of one collection, which a 429 for one of them
-        # could not hold back) and this one would also list and watch every namespace.
-        s.scanning.disabled = True
         for plural in ("secrets", "statefulsets", "roles", "rolebindings"):
             s.watching.label_selectors[plural] = f"{LABEL_MANAGED}=true"
         s.watching.label_selectors["pods"] = f"{LABEL_MANAGED}=true,{LABEL_PARENT_TYPE}={PROXYGROUP}"

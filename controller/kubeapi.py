@@ -243,5 +243,14 @@ class Kube:
         out = await self._call("DELETE", path(res, namespace, name), body=body, ok404=True)
         return out is not None
 
+    async def served(self, prefix: str) -> frozenset[str] | None:
+        """API discovery of one group version (`/apis/<group>/<version>`): the plurals it serves (not their
+        subresources), None when the group version is not served at all."""
+        out = await self._call("GET", prefix, ok404=True)
+        if out is None:
+            return None
+        return frozenset(r["name"] for r in out.get("resources") or []
+                         if isinstance(r, dict) and isinstance(r.get("name"), str) and "/" not in r["name"])
+
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -12,6 +12,11 @@ shown are remembered (by uid, only what a handler reads of a deletion: `skeleton
 one it did not return is sent as a DELETED event of its last version seen, just before the end of the listing. kopf
 then handles it as any deletion, in order with that object's other events: dropped from the indexes, and the event
 handlers poke its parent's pass. client-go's informers do the same on a re-list. It sends no API request.
+
+The same wrapper drops each watched object's `metadata.managedFields` and kubectl's last-applied annotation as it
+passes (read by nobody; the cache leaves them out too, `controller.watchcache.slim`): kopf holds every listed
+object until all its indexes are filled, so a restart with thousands of parents holds them all at once, and these
+are often the largest part of an object.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from typing import Any, cast
 
+import kopf
 from kopf._cogs.clients import watching
 
 from .resources import Resource
@@ -50,6 +56,32 @@ def skeleton(obj: Mapping[str, Any], plural: str) -> dict:
         md["annotations"] = {k: v for k, v in ann.items() if k != _LAST_APPLIED}
     keep = ("apiVersion", "kind") if plural in _METADATA_ONLY else ("apiVersion", "kind", "spec", "data", "type")
     return {**{k: obj[k] for k in keep if k in obj}, "metadata": md}
+
+
+def trim(event: Mapping[str, Any]) -> None:
+    """Drop the object's managedFields and kubectl's last-applied annotation, in place (the event is kopf's own,
+    just parsed)."""
+    md = (event.get("object") or {}).get("metadata")
+    if not isinstance(md, dict):
+        return
+    md.pop("managedFields", None)
+    ann = md.get("annotations")
+    if isinstance(ann, dict):
+        ann.pop(_LAST_APPLIED, None)
+
+
+def shrink(body: Any, plural: str) -> None:
+    """Once kopf has indexed an object (the cache keeps it, compactly), reduce the event's object kopf holds to its
+    `skeleton`, in place: kopf holds every listed object until all its indexes are filled (a restart with 5,000
+    Services: every one of their 35,000 objects at once), and the handlers it then calls read no more than the
+    skeleton (`controller.handlers`). Only a kopf `Body` is changed (its source is the event's own dict)."""
+    if not isinstance(body, kopf.Body):
+        return
+    raw = body._src
+    if isinstance(raw, dict):
+        kept = skeleton(raw, plural)
+        raw.clear()
+        raw.update(kept)
 
 
 def note(shown: dict[str, dict], listed: set[str], event: Mapping[str, Any], plural: str = "") -> None:
@@ -87,6 +119,8 @@ async def continuous_watch(*, resource: Any, namespace: Any, **kwargs: Any) -> A
         shown = _shown.setdefault((resource, namespace), {})
         listed: set[str] = set()     # this call's listing; a listing cut short never reaches LISTED
         async for event in stream:
+            if isinstance(event, Mapping):
+                trim(event)
             if event is watching.Bookmark.LISTED:
                 gone = missed(shown, listed)
                 if gone:

@@ -472,14 +472,16 @@ def test_no_request_before_a_429s_retry_after(run: Run) -> None:
     assert early == [], [(r.method, r.path, r.user_agent, round(s, 2)) for r, s in early[:10]]
 
 
-def test_rbac_suffices_and_only_the_cluster_wide_operator_observes(run: Run) -> None:
-    """deploy/'s RBAC is all the controller uses (no 403), and the namespaced operator observes nothing: it
-    neither lists nor watches namespaces (deploy/ grants only get) and leaves the CRD watch to the cluster-wide
-    one, so a 429 for that watch holds back every later request for it."""
+def test_rbac_suffices_and_no_operator_observes_the_cluster(run: Run) -> None:
+    """deploy/'s RBAC is all the controller uses (no 403), and neither operator observes the cluster: no
+    namespace is listed or watched (deploy/ grants only get), and no CRD but the ServiceMonitor CRD, by name."""
     forbidden = [(r.method, r.path) for r in run.records if r.status == 403]
     assert forbidden == [], forbidden[:10]
     namespaces = [(r.method, r.query) for r in run.records if r.path == "/api/v1/namespaces"]
     assert namespaces == [], namespaces[:10]
+    crds = [(r.method, r.query) for r in run.records
+            if r.path == "/apis/apiextensions.k8s.io/v1/customresourcedefinitions" and "fieldSelector" not in r.query]
+    assert crds == [], crds[:10]
 
 
 def test_each_client_of_the_controller_names_itself(run: Run) -> None:

@@ -191,7 +191,9 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
     assert [(k.any_name, v) for k, v in s.watching.field_selectors.items()] == [
         ("customresourcedefinitions", "metadata.name=servicemonitors.monitoring.coreos.com")]
     assert not settings(False).posting.enabled
-    assert not list(settings(False).watching.field_selectors.items())   # kopf's own scanning of CRDs is untouched
+    assert not list(settings(False).watching.field_selectors.items())
+    # neither operator lists or watches the CRDs (kopf resolves its kinds once, at start: controller.crdcheck)
+    assert settings(False).scanning.disabled and settings(True).scanning.disabled
 
 
 async def test_the_servicemonitor_crds_events_queue_every_proxyclass(monkeypatch):

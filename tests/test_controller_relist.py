@@ -188,3 +188,57 @@ def test_what_is_kept_of_a_watched_object_is_what_a_deletion_handler_reads():
     sts = relist.skeleton({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": md,
                            "spec": {"template": {}}}, "statefulsets")
     assert "spec" not in sts and sts["metadata"]["labels"] == {"a": "b"}
+
+
+async def test_kopf_gets_the_watched_objects_without_managed_fields_or_last_applied(monkeypatch):
+    """What kopf holds of each listed or watched object (until its indexes are filled, for every object listed at
+    start) has no managedFields and no kubectl last-applied annotation; other kinds' objects pass untouched."""
+    monkeypatch.setattr(watching, "continuous_watch", watching.continuous_watch)
+    monkeypatch.setattr(relist, "_shown", {})
+    monkeypatch.setattr(relist, "_kinds", set())
+
+    def obj(name: str) -> dict:
+        return {"metadata": {"name": name, "uid": f"u-{name}", "labels": {"a": "b"}, "managedFields": [{"big": 1}],
+                             "annotations": {relist._LAST_APPLIED: "{...}", "keep": "me"}}, "spec": {"replicas": 1}}
+
+    async def fetch_objs(**_):
+        yield [obj("listed")], "1"
+
+    async def watch_objs(**_):
+        yield {"type": "MODIFIED", "object": obj("watched")}
+        yield {"type": "ERROR", "object": {"code": 410, "message": "too old resource version"}}
+
+    monkeypatch.setattr(fetching, "fetch_objs", fetch_objs)
+    monkeypatch.setattr(watching, "watch_objs", watch_objs)
+    relist.install([STATEFULSETS])
+    settings = kopf.OperatorSettings()
+    settings.watching.reconnect_backoff = 0
+    seen = {}
+    for plural in ("statefulsets", "deployments"):
+        seen[plural] = [ev["object"] async for ev in watching.infinite_watch(
+            settings=settings, resource=kopf.Resource("apps", "v1", plural), namespace="tailscale", _iterations=1)
+            if isinstance(ev, dict)]
+    assert seen["statefulsets"] == [
+        {"metadata": {"name": n, "uid": f"u-{n}", "labels": {"a": "b"}, "annotations": {"keep": "me"}},
+         "spec": {"replicas": 1}} for n in ("listed", "watched")]
+    assert seen["deployments"] == [obj("listed"), obj("watched")]
+
+
+def test_kopf_keeps_only_the_skeleton_of_an_object_once_the_cache_has_it():
+    """The cache's entry holds the whole StatefulSet (a pass reads its spec); kopf's own event object, held until
+    its handlers have run, keeps only what they read; a plain mapping (not kopf's) is left alone."""
+    from controller.watchcache import Cached
+    raw = {"apiVersion": "apps/v1", "kind": "StatefulSet", "spec": {"replicas": 1, "template": {"x": "y"}},
+           "status": {"replicas": 1},
+           "metadata": {"name": "ts-web", "namespace": "tailscale", "uid": "u1", "resourceVersion": "7",
+                        "labels": {"tailscale.com/managed": "true"}, "managedFields": [{"big": 1}]}}
+    entries = index_entries(raw)
+    relist.shrink(kopf.Body(raw), "statefulsets")
+    assert raw == {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                   "metadata": {"name": "ts-web", "namespace": "tailscale", "uid": "u1", "resourceVersion": "7",
+                                "labels": {"tailscale.com/managed": "true"}}}
+    cached = next(v for v in entries.values() if isinstance(v, Cached))
+    assert cached.obj()["spec"] == {"replicas": 1, "template": {"x": "y"}}
+    plain = {"metadata": {"name": "x"}, "spec": {"a": 1}}
+    relist.shrink(plain, "statefulsets")
+    assert plain == {"metadata": {"name": "x"}, "spec": {"a": 1}}

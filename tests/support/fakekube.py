@@ -105,6 +105,13 @@ class FakeKube:
                 out.append(copy.deepcopy(o))
         return out
 
+    async def served(self, prefix: str) -> frozenset[str] | None:
+        """API discovery of a custom resources' group version: the plurals of the CRDs the fake knows there
+        (remove one from `crds` for a cluster without it), None when none is."""
+        self._call("GET", Resource(prefix, ""), "", "")
+        plurals = frozenset(plural for p, plural in self.crds if p == prefix)
+        return plurals or None
+
     async def create(self, res: Resource, obj: Mapping[str, Any], namespace: str = "") -> dict:
         obj = copy.deepcopy(dict(obj))
         m = obj.setdefault("metadata", {})
