@@ -121,11 +121,12 @@ async def run(cfg: ControllerConfig) -> int:
     api.write_guard = elector.is_leader
     # The passes read what kopf's watches hold (controller.watchcache); the few objects nobody watches are
     # polled once for all of them.
-    cache = WatchCache(cfg.namespace)
-    # what a watch's fresh listing no longer returns leaves the cache (controller.relist)
-    relist.install(w.res for w in WATCHED)
-    # kopf's wait for its indexes in linear time (controller.kopfready)
+    # kopf runs each object's handlers once it is indexed, without waiting for the whole first listing; the cache
+    # counts the listings to know when its indexes are filled (controller.kopfready)
+    cache = WatchCache(cfg.namespace, count_listings=True)
     kopfready.install()
+    # what a watch's fresh listing no longer returns leaves the cache (controller.relist)
+    relist.install((w.res for w in WATCHED), cache)
     kube = CachedKube(api, cache, polled(cfg))
     provider = make_provider(cfg, kube)
     # The leader probes the ProxyGroup replicas' health over the Pod network: one that stops answering leaves

@@ -10,7 +10,8 @@ progress records (they would be a write to every parent on every change, and a p
 must write nothing). Kopf's posting of its own log
 lines as Kubernetes events is off: the reconciler writes the events users should see. The same watches fill
 kopf indexes, one per watched kind (`controller.watchcache.WATCHED`), which the passes read instead of the API
-server; the first handler call of each operator hands them over (`WatchCache.attach`). An event that only echoes
+server; the first handler call of each operator hands them over (`WatchCache.attach`), and the cache counts the
+first listings to know when they are filled (`controller.kopfready`). An event that only echoes
 a pass's own write (`WatchCache.own_write`) pokes no pass of its parent. kopf's change detection (a deep copy of
 every event's object) is off (`NoDiffBase`): it serves creation/update handlers, and there are none.
 """
@@ -219,6 +220,7 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
                 async def index(body: Any, **_: Any) -> dict:
                     cache.seen(res, body)
                     entries = index_entries(body)
+                    cache.indexed(res.plural, relist.source(body))
                     # kopf holds the event's object until the handlers have run (every listed object at once
                     # while its indexes fill): only what they read of it is left (controller.relist.shrink)
                     relist.shrink(body, res.plural)

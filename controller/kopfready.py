@@ -1,51 +1,35 @@
-"""kopf's wait for its indexes, without waking every waiting object at each object indexed (shell, around kopf).
+"""kopf runs each listed object's handlers as soon as the object is indexed, instead of holding every listed object
+until all the operator's indexes are filled (shell, around kopf's watcher).
 
-kopf runs no handler of an operator until every index of it is filled from the first listings (the cache's `synced`
-relies on it, `controller.watchcache`): each listed object's worker indexes the object, drops its own toggle from
-the operator's `ToggleSet` and waits on the set's condition until no toggle is left. kopf's set wakes every waiter
-at each drop (`notify_all`), and each waiter takes the condition's lock in turn only to find the set still not
-done: with N objects listed, about N²/2 wake-ups before the first handler runs. A restarted controller with
-1,500 Services (about 10,000 objects) spent minutes of CPU in them, holding every listed object parsed meanwhile
-(docs/benchmarks.md). The set's waiters wait only for its state (any or all of its toggles on), which adding or
-dropping a toggle changes rarely (the last one dropped), so the set's `make_toggle`, `drop_toggle` and
-`drop_toggles` are replaced by ones that wake the waiters only when the state changes. A toggle's own waiters
-are woken by the toggle itself (`Toggle.turn_to`), as before.
+kopf runs no handler of an operator until every index of it holds its first listings: each listed object's worker
+indexes the object, drops its own toggle from the operator's `ToggleSet`, and waits there, holding the object, its
+kopf wrappers and its task, until no toggle is left; and kopf's set wakes every waiter at each drop, each taking
+the set's lock in turn to find it still not done (N²/2 wake-ups for N objects). A controller restarted with
+1,500 Services (about 10,000 objects) spent over three minutes of CPU in those wake-ups and held every listed
+object meanwhile (docs/benchmarks.md). Here kopf's watchers run without that wait (`operator_indexed` is not
+handed to them): each object's handlers run once it is indexed and its worker ends. That is safe because the
+handlers only queue a parent's pass, and a pass waits until the watch cache is complete (`WatchCache.wait_synced`),
+which the cache now learns by counting (`WatchCache.count_listings`): each object of a kind's first listing as
+the stream yields it (`controller.relist`'s wrapper), each object kopf indexes (the index handler), and the end
+of each listing.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from typing import Any
 
-from kopf._cogs.aiokits.aiotoggles import Toggle, ToggleSet
+from kopf._core.reactor import queueing
 
-
-async def make_toggle(self: ToggleSet, __val: bool = False, *, name: str | None = None) -> Toggle:
-    toggle = Toggle(__val, name=name, condition=self._condition)
-    async with self._condition:
-        before = self.is_on()
-        self._toggles.add(toggle)
-        if self.is_on() != before:
-            self._condition.notify_all()
-    return toggle
+_original = queueing.watcher
 
 
-async def drop_toggle(self: ToggleSet, toggle: Toggle) -> None:
-    async with self._condition:
-        before = self.is_on()
-        self._toggles.discard(toggle)
-        if self.is_on() != before:
-            self._condition.notify_all()
-
-
-async def drop_toggles(self: ToggleSet, toggles: Iterable[Toggle]) -> None:
-    async with self._condition:
-        before = self.is_on()
-        self._toggles.difference_update(toggles)
-        if self.is_on() != before:
-            self._condition.notify_all()
+async def watcher(*, operator_indexed: Any = None, resource_indexed: Any = None, **kwargs: Any) -> None:
+    """kopf's watcher without the per-object wait for the operator's indexes. The kind's own toggle is dropped
+    at once (kopf drops it when the kind's listing ends), so nothing of kopf waits on the set."""
+    if operator_indexed is not None and resource_indexed is not None:
+        await operator_indexed.drop_toggle(resource_indexed)
+    await _original(**kwargs)
 
 
 def install() -> None:
-    """Replace kopf's `ToggleSet` methods, once for the process."""
-    ToggleSet.make_toggle = make_toggle          # type: ignore[method-assign]
-    ToggleSet.drop_toggle = drop_toggle          # type: ignore[method-assign]
-    ToggleSet.drop_toggles = drop_toggles        # type: ignore[method-assign]
+    """Replace kopf's watcher, once for the process (looked up by kopf's orchestrator at each watch's start)."""
+    queueing.watcher = watcher        # type: ignore[assignment]

@@ -14,9 +14,9 @@ then handles it as any deletion, in order with that object's other events: dropp
 handlers poke its parent's pass. client-go's informers do the same on a re-list. It sends no API request.
 
 The same wrapper drops each watched object's `metadata.managedFields` and kubectl's last-applied annotation as it
-passes (read by nobody; the cache leaves them out too, `controller.watchcache.slim`): kopf holds every listed
-object until all its indexes are filled, so a restart with thousands of parents holds them all at once, and these
-are often the largest part of an object.
+passes (read by nobody; the cache leaves them out too, `controller.watchcache.slim`): they are often the largest
+part of an object, and kopf holds each object from the stream until its handlers have run and its worker has idled
+(`controller.handlers.WORKER_IDLE`), a listing's page at a time.
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ log = logging.getLogger("controller")
 _kinds: set[tuple[str, str]] = set()
 #: (kopf resource, namespace) -> what that stream has shown and not seen deleted: uid -> object
 _shown: dict[tuple[Any, Any], dict[str, dict]] = {}
+#: told of the listings' objects and ends (controller.watchcache.WatchCache), or None
+_listings: Any = None
 
 
 #: kinds whose body no handler reads beyond the metadata (labels lead to the parent): only that is kept of them
@@ -70,11 +72,16 @@ def trim(event: Mapping[str, Any]) -> None:
         ann.pop(_LAST_APPLIED, None)
 
 
+def source(body: Any) -> Any:
+    """The event's own object under a kopf `Body` (what the stream yielded), or `body` itself."""
+    return body._src if isinstance(body, kopf.Body) else body
+
+
 def shrink(body: Any, plural: str) -> None:
     """Once kopf has indexed an object (the cache keeps it, compactly), reduce the event's object kopf holds to its
-    `skeleton`, in place: kopf holds every listed object until all its indexes are filled (a restart with 5,000
-    Services: every one of their 35,000 objects at once), and the handlers it then calls read no more than the
-    skeleton (`controller.handlers`). Only a kopf `Body` is changed (its source is the event's own dict)."""
+    `skeleton`, in place: kopf holds it until its handlers have run and its worker has idled, and the handlers
+    read no more than the skeleton (`controller.handlers`). Only a kopf `Body` is changed (its source is the
+    event's own dict)."""
     if not isinstance(body, kopf.Body):
         return
     raw = body._src
@@ -121,6 +128,10 @@ async def continuous_watch(*, resource: Any, namespace: Any, **kwargs: Any) -> A
         async for event in stream:
             if isinstance(event, Mapping):
                 trim(event)
+                if _listings is not None and event.get("type") is None:
+                    _listings.listed(resource.plural, event.get("object"))
+            if event is watching.Bookmark.LISTED and _listings is not None:
+                _listings.listing_ended(resource.plural)
             if event is watching.Bookmark.LISTED:
                 gone = missed(shown, listed)
                 if gone:
@@ -135,7 +146,10 @@ async def continuous_watch(*, resource: Any, namespace: Any, **kwargs: Any) -> A
             yield event
 
 
-def install(kinds: Iterable[Resource]) -> None:
-    """Send the missed deletions of these kinds' watches (kopf's watch function is replaced once, for the process)."""
+def install(kinds: Iterable[Resource], listings: Any = None) -> None:
+    """Send the missed deletions of these kinds' watches (kopf's watch function is replaced once, for the process);
+    `listings` (the watch cache) is told of each object of a listing and of its end (`WatchCache.listed`)."""
+    global _listings
+    _listings = listings
     _kinds.update((r.group, r.plural) for r in kinds)
     watching.continuous_watch = continuous_watch     # type: ignore[assignment]  # looked up by infinite_watch

@@ -3,11 +3,14 @@
 Every kind the controller watches (`WATCHED`: the parents cluster-wide, the proxies' objects in the controller's
 namespace, selected on the server by their label, and the ServiceMonitor CRD alone, by its name) gets a kopf
 index (`@kopf.index`, registered by `controller.handlers`), keyed by name, by namespace and by each label pair,
-holding the object without its `managedFields`. kopf fills an operator's indexes from its first listing before it
-runs any of that operator's handlers, so the first handler call of each operator is the moment its indexes are
-complete: `synced`. Each operator is sure to have one such call, from an object that always exists: the API
-server's own `kubernetes` Service in `default` for the cluster-wide one, the ServiceAccounts of the controller's
-namespace (its own and `default`) for the namespaced one.
+holding the object without its `managedFields`. The first handler call of each operator hands its indexes over
+(`attach`); each operator is sure to have one, from an object that always exists: the API server's own
+`kubernetes` Service in `default` for the cluster-wide one, the ServiceAccounts of the controller's namespace (its
+own and `default`) for the namespaced one. An operator's indexes are complete (`synced`) once every watched kind of
+it has ended its first listing and kopf has indexed every object of it: the cache counts them
+(`count_listings`), as kopf runs each object's handlers as soon as it is indexed (`controller.kopfready`).
+Without the count (the unit tests' set-up), kopf's own rule holds: it runs no handler of an operator before its
+indexes are filled, so the first handler call is that moment.
 
 `CachedKube` is the API client the passes use: reads of what is watched come from the indexes, everything else
 (and everything before its operator is synced) from the API server; writes go to the API server, and what they
@@ -253,17 +256,62 @@ class WatchCache:
     _overlay_limit: dict[str, int] = field(default_factory=dict)
     _events: dict[str, asyncio.Event] = field(default_factory=dict)
     _warned: bool = False
+    #: kopf runs each object's handlers as soon as it is indexed (`controller.kopfready`), so a handler's call no
+    #: longer means its operator's indexes are filled: the first listings are counted instead (`listed`,
+    #: `listing_ended`, `indexed`). False: kopf's own wait, the first handler call is the moment (`attach`).
+    count_listings: bool = False
+    #: kind plural -> the objects of its first listing not indexed yet (by identity: kopf's own event objects)
+    _unindexed: dict[str, set[int]] = field(default_factory=dict)
+    #: the kinds whose first listing has ended
+    _listed: set[str] = field(default_factory=set)
+    _attached: set[str] = field(default_factory=set)
 
     def _event(self, operator: str) -> asyncio.Event:
         return self._events.setdefault(operator, asyncio.Event())
 
     def attach(self, operator: str, kwargs: Mapping[str, Any]) -> None:
-        """A handler of `operator` was called: kopf has filled its indexes, which come in `kwargs`."""
-        if operator in self.synced_ops:
+        """A handler of `operator` was called: its indexes come in `kwargs` (filled, unless `count_listings`)."""
+        if operator in self._attached:
             return
         for w in WATCHED:
             if w.operator == operator and (idx := kwargs.get(w.index_id)) is not None:
                 self.indices[w.index_id] = idx
+        self._attached.add(operator)
+        self._check(operator)
+
+    def listed(self, plural: str, obj: object) -> None:
+        """The first listing of a watched kind yielded `obj` (kopf's own event object, which it indexes next)."""
+        if plural not in self._listed:
+            self._unindexed.setdefault(plural, set()).add(id(obj))
+
+    def listing_ended(self, plural: str) -> None:
+        """The first listing of a watched kind has ended (every object of it yielded)."""
+        if plural not in self._listed:
+            self._listed.add(plural)
+            self._unindexed.setdefault(plural, set())
+            self._check_kind(plural)
+
+    def indexed(self, plural: str, obj: object) -> None:
+        """kopf has indexed `obj` (the index handler, with kopf's own event object)."""
+        pending = self._unindexed.get(plural)
+        if pending:
+            pending.discard(id(obj))
+            if not pending:
+                self._check_kind(plural)
+
+    def _check_kind(self, plural: str) -> None:
+        for op in {w.operator for w in WATCHED if w.res.plural == plural}:
+            self._check(op)
+
+    def _filled(self, operator: str) -> bool:
+        if not self.count_listings:
+            return True
+        return all(w.res.plural in self._listed and not self._unindexed.get(w.res.plural)
+                   for w in WATCHED if w.operator == operator)
+
+    def _check(self, operator: str) -> None:
+        if operator in self.synced_ops or operator not in self._attached or not self._filled(operator):
+            return
         self.synced_ops.add(operator)
         self._event(operator).set()
         log.debug("watch cache: the %s operator's indexes are filled", operator)

@@ -1,84 +1,122 @@
-"""controller.kopfready: kopf's wait for its indexes releases every waiting object once the last one is indexed,
-none before, with work in proportion to the objects listed (kopf's own set woke every waiter at each drop)."""
+"""controller.kopfready: a listed object's handlers run as soon as kopf has indexed it (kopf's own watcher holds
+every listed object until all the operator's indexes are filled), and the watch cache is complete only once every
+watched kind's first listing has ended and every object of it has been indexed (it counts them)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import kopf
 import pytest
-from kopf._cogs.aiokits.aiotoggles import ToggleSet
+from kopf._cogs.aiokits import aiotoggles
+from kopf._cogs.clients import fetching, watching
+from kopf._core.actions import lifecycles
+from kopf._core.engines import indexing
+from kopf._core.reactor import inventory, processing, queueing
 
 from controller import kopfready
+from controller.watchcache import CHILDREN, PARENTS, WATCHED, WatchCache
 
 
-@pytest.fixture(params=[False, True], ids=["kopf", "patched"])
-def patched(request, monkeypatch):
-    if request.param:
-        for name in ("make_toggle", "drop_toggle", "drop_toggles"):
-            monkeypatch.setattr(ToggleSet, name, getattr(kopfready, name))
-    return request.param
+@pytest.mark.parametrize("patched", [False, True], ids=["kopf", "kopfready"])
+async def test_a_listed_object_is_handled_once_indexed_without_waiting_for_other_kinds(monkeypatch, patched):
+    def sts(name: str) -> dict:
+        return {"metadata": {"name": name, "namespace": "tailscale", "uid": f"u-{name}", "resourceVersion": "1"}}
 
+    async def fetch_objs(**_):
+        yield [sts("a"), sts("b")], "5"
 
-async def _index_all(n: int) -> tuple[int, list[int]]:
-    """n listed objects, as kopf's workers handle them: each indexed, its toggle dropped, then a wait for every
-    other; returns how often the set's state was computed, and how many toggles were left when each waiter went."""
-    calls = 0
+    async def watch_objs(**_):
+        await asyncio.Event().wait()      # the watch after the listing stays open
+        yield {}
 
-    def every(states) -> bool:
-        nonlocal calls
-        calls += 1
-        return all(states)
-    indexed = ToggleSet(every)
-    blocker = await indexed.make_toggle(name="orchestration blocker")
-    toggles = [await indexed.make_toggle(name=f"object {i}") for i in range(n)]
-    left_when_released: list[int] = []
+    monkeypatch.setattr(fetching, "fetch_objs", fetch_objs)
+    monkeypatch.setattr(watching, "watch_objs", watch_objs)
+    registry, handled, indexed = kopf.OperatorRegistry(), [], asyncio.Event()
 
-    async def worker(i: int, t) -> None:
-        for _ in range(i):
-            await asyncio.sleep(0)      # not a wait: one turn of the loop per object, indexed one after the other
-        await indexed.drop_toggle(t)
-        await indexed.wait_for(True)
-        left_when_released.append(len(indexed))
-    calls = 0
-    tasks = [asyncio.create_task(worker(i, t)) for i, t in enumerate(toggles)]
-    for _ in range(n + 5):
-        await asyncio.sleep(0)          # not a wait: the turns of the loop in which every object is indexed
-    assert left_when_released == []           # the listing is not over: nobody goes
-    await indexed.drop_toggle(blocker)
-    await asyncio.gather(*tasks)
-    return calls, left_when_released
+    @kopf.on.event("apps", "v1", "statefulsets", registry=registry)
+    async def on_event(body, **_):
+        handled.append(body["metadata"]["name"])
 
+    @kopf.index("apps", "v1", "statefulsets", id="names", registry=registry)
+    async def names(body, **_):
+        if body["metadata"]["name"] == "b":
+            indexed.set()
+        return {"name": body["metadata"]["name"]}
 
-async def test_every_object_waits_for_the_last_one_and_then_goes(patched):
-    calls, left = await _index_all(300)
-    assert left == [0] * 300
-
-
-async def test_the_wait_costs_in_proportion_to_the_objects():
-    # kopf's set: each drop wakes every waiter so far (about n²/2 state checks); patched: a few per object
-    for name in ("make_toggle", "drop_toggle", "drop_toggles"):
-        assert getattr(ToggleSet, name) is not getattr(kopfready, name)
-    kopf_calls, _ = await _index_all(300)
-    saved = {name: getattr(ToggleSet, name) for name in ("make_toggle", "drop_toggle", "drop_toggles")}
-    kopfready.install()
+    settings = kopf.OperatorSettings()
+    indexers = indexing.OperatorIndexers()
+    indexers.ensure(registry._indexing.get_all_handlers())
+    resource = kopf.Resource("apps", "v1", "statefulsets")
+    processor = functools.partial(processing.process_resource_event, lifecycle=lifecycles.all_at_once,
+                                  registry=registry, settings=settings, indexers=indexers,
+                                  memories=inventory.ResourceMemories(), memobase=kopf.Memo(),
+                                  event_queue=asyncio.Queue(), resource=resource)
+    # as kopf's orchestrator starts a watcher: the operator's set holds a toggle for each indexed kind, and
+    # another kind's (the Secrets', say) is still listing
+    operator_indexed = aiotoggles.ToggleSet(all)
+    other_kind = await operator_indexed.make_toggle(name="secrets")
+    this_kind = await operator_indexed.make_toggle(name="statefulsets")
+    run = kopfready.watcher if patched else queueing.watcher
+    task = asyncio.create_task(run(namespace="tailscale", settings=settings, resource=resource,
+                                   processor=processor, operator_indexed=operator_indexed,
+                                   resource_indexed=this_kind))
     try:
-        calls, _ = await _index_all(300)
+        await asyncio.wait_for(indexed.wait(), 10)
+        for _ in range(20):
+            await asyncio.sleep(0)      # not a wait: turns of the loop in which the handlers would run
+        if patched:
+            assert sorted(handled) == ["a", "b"]
+        else:
+            # kopf: both indexed, neither handled until the other kind's listing is indexed too
+            assert handled == []
+            await operator_indexed.drop_toggle(other_kind)
+            for _ in range(20):
+                await asyncio.sleep(0)      # not a wait: turns of the loop in which the handlers run
+            assert sorted(handled) == ["a", "b"]
     finally:
-        for name, f in saved.items():
-            setattr(ToggleSet, name, f)
-    assert kopf_calls > 300 * 300 / 4
-    assert calls < 300 * 5
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
-async def test_a_set_turned_off_by_a_new_toggle_wakes_its_waiters(patched):
-    s = ToggleSet(all)          # empty: on
-    waiter = asyncio.create_task(s.wait_for(False))
-    await asyncio.sleep(0)      # not a wait: one turn of the loop parks the waiter on the set
-    assert not waiter.done()
-    t = await s.make_toggle(False)
-    await asyncio.wait_for(waiter, 1)
-    await s.drop_toggles([t])
-    assert s.is_on()
+async def test_the_cache_is_complete_once_every_kind_is_listed_and_indexed():
+    cache = WatchCache("tailscale", count_listings=True)
+    kinds = sorted({w.res.plural for w in WATCHED if w.operator == PARENTS})
+    objs = {plural: [{"n": i} for i in range(3)] for plural in kinds}
+    # a handler ran (it does after the first object indexed): that alone no longer says the indexes are filled
+    cache.attach(PARENTS, {})
+    for plural in kinds:
+        for o in objs[plural]:
+            cache.listed(plural, o)
+    assert PARENTS not in cache.synced_ops
+    for plural in kinds:
+        cache.listing_ended(plural)
+        for o in objs[plural][:2]:
+            cache.indexed(plural, o)
+    assert PARENTS not in cache.synced_ops      # one object of each kind is not indexed yet
+    for plural in kinds[:-1]:
+        cache.indexed(plural, objs[plural][2])
+    assert PARENTS not in cache.synced_ops
+    cache.indexed(kinds[-1], objs[kinds[-1]][2])
+    assert PARENTS in cache.synced_ops and CHILDREN not in cache.synced_ops
+
+
+async def test_a_kind_listed_empty_is_complete_at_its_end_and_a_late_handler_attaches():
+    cache = WatchCache("tailscale", count_listings=True)
+    kinds = {w.res.plural for w in WATCHED if w.operator == CHILDREN}
+    for plural in kinds:
+        cache.listing_ended(plural)
+    assert CHILDREN not in cache.synced_ops      # the indexes are not handed over yet (no handler ran)
+    cache.attach(CHILDREN, {})
+    assert CHILDREN in cache.synced_ops
+    waiting = asyncio.create_task(cache.wait_synced(timeout=10))
+    cache.attach(PARENTS, {})
+    for plural in {w.res.plural for w in WATCHED if w.operator == PARENTS}:
+        cache.listing_ended(plural)
+    await asyncio.wait_for(waiting, 10)
