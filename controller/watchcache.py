@@ -330,10 +330,11 @@ class WatchCache:
                             " and ".join(op for op in missing if op not in self.synced_ops), timeout)
 
     def watched(self, res: Resource, namespace: str) -> Watched | None:
-        """The kind's watch if its index is ready and covers `namespace` ("" = every namespace)."""
+        """The kind's watch if its index is complete and covers `namespace` ("" = every namespace). An index
+        handed over before its operator's listings are all indexed is not read (the API server is, meanwhile)."""
         for w in WATCHED:
             if w.res == res:
-                if w.index_id not in self.indices:
+                if w.index_id not in self.indices or w.operator not in self.synced_ops:
                     return None
                 if w.operator == CHILDREN and res.namespaced and namespace != self.namespace:
                     return None

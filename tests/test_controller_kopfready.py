@@ -120,3 +120,20 @@ async def test_a_kind_listed_empty_is_complete_at_its_end_and_a_late_handler_att
     for plural in {w.res.plural for w in WATCHED if w.operator == PARENTS}:
         cache.listing_ended(plural)
     await asyncio.wait_for(waiting, 10)
+
+
+async def test_an_index_handed_over_before_its_listings_are_indexed_is_not_read():
+    from kopf._core.engines.indexing import OperatorIndexer
+
+    from controller.kubeapi import PROXYCLASSES
+    from controller.watchcache import index_entries
+    cache = WatchCache("tailscale", count_listings=True)
+    idx = OperatorIndexer()
+    idx.replace((None, "a", "u-a"), index_entries({"metadata": {"name": "a", "uid": "u-a", "resourceVersion": "1"}}))
+    w = next(w for w in WATCHED if w.res == PROXYCLASSES)
+    cache.attach(PARENTS, {w.index_id: idx.index})
+    # a pass that has waited past SYNC_TIMEOUT reads the API server, not a partial index
+    assert cache.watched(PROXYCLASSES, "") is None and cache.names(PROXYCLASSES) == []
+    for plural in {w.res.plural for w in WATCHED if w.operator == PARENTS}:
+        cache.listing_ended(plural)
+    assert cache.watched(PROXYCLASSES, "") == w and cache.names(PROXYCLASSES) == ["a"]
