@@ -15,6 +15,7 @@ from collections.abc import Callable
 from tscommon.redact import redact
 
 from .config import ConfigError, ControllerConfig, load
+from .resources import Resource
 
 
 def make_provider(cfg: ControllerConfig, kube):
@@ -83,7 +84,7 @@ async def detect_control_plane(provider) -> None:
         logging.getLogger("controller").warning("%s; its version is read again at the first call", e)
 
 
-def served_crds() -> tuple:
+def served_crds() -> tuple[Resource, ...]:
     """The project's CRDs among the kinds the controller watches (Connector, DNSConfig, ProxyClass, ProxyGroup,
     Recorder): each must be installed before kopf starts (controller.crdcheck)."""
     from .crdcheck import GROUP

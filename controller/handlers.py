@@ -221,8 +221,8 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
                     cache.seen(res, body)
                     entries = index_entries(body)
                     cache.indexed(res.plural, relist.source(body))
-                    # kopf holds the event's object until the handlers have run (every listed object at once
-                    # while its indexes fill): only what they read of it is left (controller.relist.shrink)
+                    # kopf holds the event's object until the handlers have run and the object's worker has
+                    # idled: only what they read of it is left (controller.relist.shrink)
                     relist.shrink(body, res.plural)
                     return entries
                 return index
