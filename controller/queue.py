@@ -75,8 +75,15 @@ class FaultLog:
                         self.window, n, len(keys))
 
 
+#: Passes running at once. A pass mostly waits for the API server (a new Service's eight writes go one after
+#: another), so the bound is on memory and the API server's load, not the controller's CPU: with 16, 500 new
+#: Services were held by the queue to about 25 passes a second while the cores had time to spare
+#: (docs/benchmarks.md).
+CONCURRENCY = 64
+
+
 class WorkQueue:
-    def __init__(self, work: Callable[[Hashable], Awaitable[float | None]], *, concurrency: int = 16,
+    def __init__(self, work: Callable[[Hashable], Awaitable[float | None]], *, concurrency: int = CONCURRENCY,
                  base_delay: float = 1.0, max_delay: float = 300.0) -> None:
         self._work = work
         self._sem = asyncio.Semaphore(concurrency)
