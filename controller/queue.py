@@ -75,10 +75,9 @@ class FaultLog:
                         self.window, n, len(keys))
 
 
-#: Passes running at once. A pass mostly waits for the API server (a new Service's eight writes go one after
-#: another), so the bound is on memory and the API server's load, not the controller's CPU: with 16, 500 new
-#: Services were held by the queue to about 25 passes a second while the cores had time to spare
-#: (docs/benchmarks.md).
+#: Passes running at once. A pass mostly waits for the API server (a new Service's nine requests go one after
+#: another), so this bounds the load a burst puts on it, not the controller's CPU: with 16, 500 new Services
+#: went through at about 25 passes a second whatever the cores could do (docs/benchmarks.md).
 CONCURRENCY = 64
 
 
