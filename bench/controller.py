@@ -424,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         cpu_converge = cpu_seconds(p.pid) - cpu0
         others = {n: round(c - others0.get(n, 0.0), 1) for n, c in component_cpu(k).items()}
         # the machine's busy time over the same window, less the run's own processes: other load
-        other_load = machine_busy_seconds() - busy0 - cpu_converge - sum(others.values())
+        # (never below 0: the per-process and the machine's counts are read a moment apart)
+        other_load = max(0.0, machine_busy_seconds() - busy0 - cpu_converge - sum(others.values()))
         rss_converged = rss_mib(p.pid)
         ev = controller_events()[base:total]
         verbs = by_verb(ev)
@@ -545,8 +546,11 @@ def main(argv: list[str] | None = None) -> int:
                 if "controller_cpu_s" in b else ""))
             rows[2].append(f"{b['requests_per_service']}: {b['reads_per_service']} reads, "
                            f"{b['writes_per_service']} writes")
-            rows[3].append(f"{b['idle_cpu_percent']:.2f} % of one core / {b['idle_rss_mib']:.0f} MiB")
-            rows[4].append(f"{bidle:.1f}")
+            # the baseline's own idle window when it differs from this run's (a short one counts few requests)
+            bwin = b.get("idle_window_s", a.idle)
+            over = f" (over {bwin:g} s)" if bwin != a.idle else ""
+            rows[3].append(f"{b['idle_cpu_percent']:.2f} % of one core / {b['idle_rss_mib']:.0f} MiB{over}")
+            rows[4].append(f"{bidle:.1f}{over}")
             rows[5].append(f"{b['restart_pass_all_s']:.1f} s / {b['restart_writes']} / "
                            f"{b.get('restart_reads', '-')} / {b.get('restart_most_lists_of_a_kind', '-')}")
             rows[6].append(where(b))
