@@ -9,8 +9,11 @@ provider: no control plane round trips, so the figures are the controller's own)
 as shipped (`python -m controller`, authenticated as the deployed ServiceAccount by its TokenRequest token). Then:
 
 1. `--services` Services annotated `tailscale.com/expose: "true"` are created at once (`--concurrency` in
-   flight); reported: time from the first create until every proxy's StatefulSet and Secret exist, and until the
-   controller's requests stop (every status written).
+   flight, with aiohttp: the bench's own CPU is on the cores it measures); reported: time from the first create
+   until every proxy's StatefulSet and Secret exist, and until the controller's requests stop (every status
+   written), and the CPU each process spent meanwhile (the controller, the API server, etcd, the controller
+   manager, the bench itself) and what the rest of the machine spent (`other_load_cpu_s`: other load
+   lengthens the times).
 2. API requests per Service (from the audit log: reads = get/list/watch, writes = create/patch/update/delete).
 3. Idle: the controller's CPU time over `--idle` seconds, its RSS and its API requests a minute, with all
    parents in place (every proxy stays pending: there is no node).
@@ -70,6 +73,13 @@ WRITES = {"create", "patch", "update", "delete"}
 def cpu_seconds(pid: int) -> float:
     f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds spent by every process on the machine so far (all cores; /proc/stat): what the run's own
+    processes did not spend of it is other load, which the times then show."""
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")      # all but idle and iowait
 
 
 def rss_mib(pid: int, field: str = "VmRSS") -> float:
@@ -134,10 +144,12 @@ class AuditTail:
 
 
 def component_cpu(k: KubeCluster) -> dict[str, float]:
-    """CPU seconds so far of the API server and etcd (where the time goes that is not the controller's)."""
+    """CPU seconds so far of the API server, etcd, the controller manager (its garbage collector watches every
+    kind), the scheduler and this bench's own process (its creates, its reading of the audit log): where the time
+    goes that is not the controller's, on the cores they share."""
     from labtools.kubecluster import _child_pid
-    out = {}
-    for name in ("kube-apiserver", "etcd"):
+    out = {"bench": cpu_seconds(os.getpid())}
+    for name in ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler"):
         pr = k.procs.get(name)
         if pr is not None and pr.proc.poll() is None:
             try:
@@ -196,17 +208,26 @@ def wait_settled(events: AuditTail, pid: int, quiet: float, timeout: float) -> i
 
 
 async def create_services(k: KubeCluster, n: int, concurrency: int) -> None:
-    sem = asyncio.Semaphore(concurrency)
+    """The `n` Services, `concurrency` creates in flight. Sent with aiohttp over kept connections: the bench shares
+    the cores with what it measures, and httpx's client took about 3 s of CPU for the 500 creates (6 ms a
+    request, a sixth of the controller's own CPU for the same Services), which the figures then counted as the
+    controller's time."""
     import ssl
-    async with httpx.AsyncClient(base_url=k.server, verify=ssl.create_default_context(cafile=str(k.ca_cert)),
-                                 timeout=30, headers={"Authorization": f"Bearer {k.token}"}) as c:
+
+    import aiohttp
+    sem = asyncio.Semaphore(concurrency)
+    conn = aiohttp.TCPConnector(limit=concurrency, ssl=ssl.create_default_context(cafile=str(k.ca_cert)))
+    async with aiohttp.ClientSession(base_url=k.server, connector=conn, timeout=aiohttp.ClientTimeout(total=30),
+                                     headers={"Authorization": f"Bearer {k.token}"}) as c:
         async def one(i: int) -> None:
             async with sem:
-                r = await c.post("/api/v1/namespaces/default/services", json={
+                async with c.post("/api/v1/namespaces/default/services", json={
                     "apiVersion": "v1", "kind": "Service",
                     "metadata": {"name": f"svc-{i:04d}", "annotations": {"tailscale.com/expose": "true"}},
-                    "spec": {"ports": [{"port": 80}], "selector": {"app": f"a{i}"}}})
-                r.raise_for_status()
+                    "spec": {"ports": [{"port": 80}], "selector": {"app": f"a{i}"}}}) as r:
+                    if r.status >= 300:
+                        raise SystemExit(f"creating Service svc-{i:04d}: HTTP {r.status} {await r.text()}")
+                    await r.read()
         await asyncio.gather(*(one(i) for i in range(n)))
 
 
@@ -386,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.controller: etcd/kube-apiserver are not built (scripts/install-kubernetes.sh)", file=sys.stderr)
         return 2
     d = pathlib.Path(tempfile.mkdtemp(prefix="bench-controller-"))
+    if a.keep:      # the cluster's own directory (its logs and the audit log) too, not only the controller's
+        os.environ["CBPY_KEEP_RUN_DIR"] = "1"
     k = KubeCluster.start(run_dir=d / "kube", service_cidr="10.96.0.0/16,fd00:10:96::/108",
                           audit_users=(CONTROLLER_USER,), controllers=ONLY_GC)
     procs: list[subprocess.Popen] = []
@@ -405,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
         time.sleep(2)
         base = len(controller_events())
-        cpu0, others0 = cpu_seconds(p.pid), component_cpu(k)
+        cpu0, others0, busy0 = cpu_seconds(p.pid), component_cpu(k), machine_busy_seconds()
         t0 = time.monotonic()
         asyncio.run(create_services(k, a.services, a.concurrency))
         t_created = time.monotonic() - t0
@@ -421,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         t_settled = time.monotonic() - t0 - (5.0 if done == a.services else 0.0)
         cpu_converge = cpu_seconds(p.pid) - cpu0
         others = {n: round(c - others0.get(n, 0.0), 1) for n, c in component_cpu(k).items()}
+        # the machine's busy time over the same window, less the run's own processes: other load
+        # (never below 0: the per-process and the machine's counts are read a moment apart)
+        other_load = max(0.0, machine_busy_seconds() - busy0 - cpu_converge - sum(others.values()))
         rss_converged = rss_mib(p.pid)
         ev = controller_events()[base:total]
         verbs = by_verb(ev)
@@ -471,7 +497,10 @@ def main(argv: list[str] | None = None) -> int:
             "services": a.services, "create_all_s": round(t_created, 2),
             "all_statefulsets_and_secrets_s": round(t_objects, 2), "all_statuses_written_s": round(t_settled, 2),
             "converged": done, "controller_cpu_s": round(cpu_converge, 1), "rss_converged_mib": round(rss_converged, 1),
-            "apiserver_cpu_s": others.get("kube-apiserver"), "etcd_cpu_s": others.get("etcd"), **latencies(ev),
+            "apiserver_cpu_s": others.get("kube-apiserver"), "etcd_cpu_s": others.get("etcd"),
+            "controller_manager_cpu_s": others.get("kube-controller-manager"), "bench_cpu_s": others.get("bench"),
+            "other_load_cpu_s": round(other_load, 1),
+            **latencies(ev),
             "requests_per_service": round((reads + writes) / max(done, 1), 2),
             "reads_per_service": round(reads / max(done, 1), 2), "writes_per_service": round(writes / max(done, 1), 2),
             "verbs": verbs, "reads": reads_by_resource(ev),
@@ -522,10 +551,13 @@ def main(argv: list[str] | None = None) -> int:
         def where(f: dict) -> str:
             if f.get("apiserver_cpu_s") is None:
                 return "-"
-            return (f"{f['controller_cpu_s']:.0f} s / {f['apiserver_cpu_s']:.0f} s / {f['etcd_cpu_s']:.0f} s; "
+            rest = (f" / {f['controller_manager_cpu_s']:.1f} s / {f['bench_cpu_s']:.1f} s / "
+                    f"{f['other_load_cpu_s']:.1f} s" if f.get("other_load_cpu_s") is not None else " / - / - / -")
+            return (f"{f['controller_cpu_s']:.1f} s / {f['apiserver_cpu_s']:.1f} s / {f['etcd_cpu_s']:.1f} s{rest}; "
                     f"{f.get('write_median_ms', 0):.0f} / {f.get('write_p90_ms', 0):.0f} ms")
-        cpu_row = ["CPU until every status is written: controller / kube-apiserver / etcd; the API server's time per "
-                   "write (median / 90th percentile)", where(fig)]
+        cpu_row = ["CPU until every status is written: controller / kube-apiserver / etcd / controller manager / "
+                   "this bench / other load on the machine; the API server's time per write (median / 90th "
+                   "percentile)", where(fig)]
         if done < n:         # stopped by --timeout: no idle window, no restart
             rows = rows[:3]
         rows.append(cpu_row)
@@ -544,8 +576,11 @@ def main(argv: list[str] | None = None) -> int:
                 if "controller_cpu_s" in b else ""))
             rows[2].append(f"{b['requests_per_service']}: {b['reads_per_service']} reads, "
                            f"{b['writes_per_service']} writes")
-            rows[3].append(f"{b['idle_cpu_percent']:.2f} % of one core / {b['idle_rss_mib']:.0f} MiB")
-            rows[4].append(f"{bidle:.1f}")
+            # the baseline's own idle window when it differs from this run's (a short one counts few requests)
+            bwin = b.get("idle_window_s", a.idle)
+            over = f" (over {bwin:g} s)" if bwin != a.idle else ""
+            rows[3].append(f"{b['idle_cpu_percent']:.2f} % of one core / {b['idle_rss_mib']:.0f} MiB{over}")
+            rows[4].append(f"{bidle:.1f}{over}")
             rows[5].append(f"{b['restart_pass_all_s']:.1f} s / {b['restart_writes']} / "
                            f"{b.get('restart_reads', '-')} / {b.get('restart_most_lists_of_a_kind', '-')}")
             rows[6].append(f"{b['peak_rss_mib']:.0f} MiB / {b['restart_peak_rss_mib']:.0f} MiB"

@@ -205,14 +205,13 @@ def registries(state: State, login: Callable[[str], Callable[..., Any]] | None =
     kopf.on.event("v1", "pods", labels={LABEL_MANAGED: "true", LABEL_PARENT_TYPE: PROXYGROUP},
                   registry=children)(on_group_pod)
     # The proxies' ServiceAccounts, Roles and RoleBindings are watched for the cache only (their pass is brought
-    # by the StatefulSet's and Secret's events); a ServiceAccount always exists in the namespace (the
-    # controller's own), so this operator always calls a handler once its indexes are filled.
+    # by the StatefulSet's and Secret's events): the Roles and RoleBindings have indexes and no handler (each
+    # handler call is kopf's machinery for every event, two of a new Service's nine); a ServiceAccount always
+    # exists in the namespace (the controller's own), so the handler of the ServiceAccounts makes this operator
+    # call a handler once its indexes are filled.
     async def on_cached(body: Any, **kw: Any) -> None:
         attach(CHILDREN, kw)
     kopf.on.event("v1", "serviceaccounts", registry=children)(on_cached)
-    for plural in ("roles", "rolebindings"):
-        kopf.on.event("rbac.authorization.k8s.io", "v1", plural, labels={LABEL_MANAGED: "true"},
-                      registry=children)(on_cached)
     if state.cache is not None:
         cache = state.cache
         for w in WATCHED:

@@ -5,9 +5,10 @@ rendered object is the whole truth for the fields it names, lists included) and 
 resources the controller touches. In a Pod it uses the ServiceAccount's token (re-read when kubelet rotates
 it) and CA. Errors are `KubeError` with the HTTP status and the API's reason; messages are redacted.
 
-The requests are httpx's (the shared wire format, `tscommon.kubehttp`, and the tests' mock transports), sent by
-aiohttp (`AiohttpTransport`), which kopf's watches already use: httpx's own connection pool (httpcore over
-anyio's TLS streams) took about half the controller's CPU when 500 Services came at once (docs/benchmarks.md).
+The requests are httpx's (the shared wire format, `tscommon.kubehttp`, and the tests' mock transports), handed
+straight to a transport, without an httpx client, and sent by aiohttp (`AiohttpTransport`), which kopf's watches
+already use: httpx's own connection pool (httpcore over anyio's TLS streams) took about half the controller's CPU
+when 500 Services came at once, and its client's steps per request a tenth more (docs/benchmarks.md).
 Like kopf's watches, it connects to the API server directly: no proxy from the environment (HTTPS_PROXY).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import httpx
 from tscommon import crashpoint
 from tscommon.jsontext import response_json
 from tscommon.kubeconn import TokenFile, https_url, sa_path, service_host_port, tls_context
-from tscommon.kubehttp import api_status, retry_after_seconds, send
+from tscommon.kubehttp import api_status, request, retry_after_seconds
 from tscommon.redact import redact, register
 
 from .resources import (  # noqa: F401  (re-exported: callers name resources through the client)
@@ -98,6 +99,10 @@ def path(res: Resource, namespace: str = "", name: str = "", subresource: str = 
 USER_AGENT = "tailscale-controller-py"
 
 
+#: Sent with every request besides the token and content headers: gzip accepted as httpx's client did (the API
+#: server compresses only large answers, lists)
+HEADERS = {"User-Agent": USER_AGENT, "Accept-Encoding": "gzip"}
+
 #: how many of its latest requests a client remembers (`Kube.requests`, for tests and request counts)
 RECENT_REQUESTS = 1000
 
@@ -157,9 +162,11 @@ class Kube:
         register(token)
         if verify is None:
             verify = tls_context(ca_file) if ca_file else True
-        self._client = httpx.AsyncClient(base_url=url.rstrip("/"), verify=verify, timeout=timeout,
-                                         transport=transport or AiohttpTransport(verify),
-                                         headers={"User-Agent": USER_AGENT})
+        # The transport is called directly (kubehttp.request), not through an httpx.AsyncClient: with 500 Services
+        # at once the client's own steps per request were a tenth of the controller's CPU (docs/benchmarks.md).
+        self._base = url.rstrip("/")
+        self._transport = transport or AiohttpTransport(verify)
+        self._timeout = httpx.Timeout(timeout)
         self.requests: list[tuple[str, str]] = []    # (method, path), the latest: for request counts
         #: the leader election's fence: when set and False, every write is refused before it is sent, so a
         #: replica that lost the Lease cannot write even from a pass that was already running
@@ -167,7 +174,7 @@ class Kube:
 
     @property
     def url(self) -> str:
-        return str(self._client.base_url).rstrip("/")
+        return self._base
 
     def token(self) -> str:
         """The current bearer token (re-read when its file changes): kopf's login uses the same credentials."""
@@ -192,8 +199,10 @@ class Kube:
         if len(self.requests) > 2 * RECENT_REQUESTS:     # the latest only: a long-running controller keeps no log
             del self.requests[:-RECENT_REQUESTS]
         try:
-            r = await send(self._client, method, p, token=self.token(), body=body, content_type=ctype,
-                           params=params)
+            r = await self._transport.handle_async_request(request(
+                method, self._base + p, token=self.token(), body=body, content_type=ctype, params=params,
+                headers=HEADERS, timeout=self._timeout))
+            await r.aread()
         except httpx.HTTPError as e:
             raise KubeError(f"{method} {p}: API server unreachable ({type(e).__name__}: {e})") from None
         if r.status_code == 404 and ok404:
@@ -253,4 +262,4 @@ class Kube:
                          if isinstance(r, dict) and isinstance(r.get("name"), str) and "/" not in r["name"])
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._transport.aclose()

@@ -75,8 +75,14 @@ class FaultLog:
                         self.window, n, len(keys))
 
 
+#: Passes running at once. A pass mostly waits for the API server (a new Service's nine requests go one after
+#: another), so this bounds the load a burst puts on it, not the controller's CPU: with 16, 500 new Services
+#: went through at about 25 passes a second whatever the cores could do (docs/benchmarks.md).
+CONCURRENCY = 64
+
+
 class WorkQueue:
-    def __init__(self, work: Callable[[Hashable], Awaitable[float | None]], *, concurrency: int = 16,
+    def __init__(self, work: Callable[[Hashable], Awaitable[float | None]], *, concurrency: int = CONCURRENCY,
                  base_delay: float = 1.0, max_delay: float = 300.0) -> None:
         self._work = work
         self._sem = asyncio.Semaphore(concurrency)

@@ -89,3 +89,31 @@ def test_retry_after_in_seconds_or_as_a_date():
     when = email.utils.formatdate(1_000_030, usegmt=True)
     assert retry_after_seconds(when, now=lambda: 1_000_000.0) == 30.0
     assert retry_after_seconds(when, now=lambda: 1_000_100.0) == 0.0
+
+
+def test_the_controllers_requests_name_it_and_keep_the_servers_path_and_the_selector():
+    """The controller's client hands its requests to the transport itself (no httpx client): the API server still
+    sees its User-Agent (the audit log tells its requests from kopf's by it), the label selector as a query,
+    and a server URL's own path kept in front of the API path."""
+    from controller.kubeapi import USER_AGENT
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"items": [{"metadata": {"name": "a"}}]})
+
+    ctl = Kube("https://api:6443/prefix/", token="t", transport=httpx.MockTransport(answer))
+
+    async def go() -> list[dict]:
+        try:
+            return await ctl.list(SECRETS, "ns", "tailscale.com/managed=true,app in (a,b)")
+        finally:
+            await ctl.aclose()
+
+    assert asyncio.run(go()) == [{"metadata": {"name": "a"}}]
+    (req,) = seen
+    assert (req.method, req.url.host, req.url.port, req.url.path) == ("GET", "api", 6443,
+                                                                      "/prefix/api/v1/namespaces/ns/secrets")
+    assert req.url.params["labelSelector"] == "tailscale.com/managed=true,app in (a,b)"
+    assert req.headers["User-Agent"] == USER_AGENT
+    assert "Content-Type" not in req.headers and not req.content
