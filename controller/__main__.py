@@ -10,7 +10,7 @@ import secrets
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from tscommon.redact import redact
 
@@ -92,6 +92,22 @@ def served_crds() -> tuple[Resource, ...]:
     return tuple(w.res for w in WATCHED if w.res.group == GROUP)
 
 
+async def unless_stopped(step: Awaitable[object], stop: asyncio.Event) -> bool:
+    """Run a start-up step unless the stop comes first: True once it is done (its error raised), False when the
+    stop came first (the step cancelled)."""
+    task = asyncio.ensure_future(step)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not task.done():
+        task.cancel()
+        return False
+    task.result()
+    return True
+
+
 #: How often the objects that are not watched (the namespace's Pod Security level, the CA ConfigMap, the static
 #: key) are read again, once for every pass that needs them (seconds).
 NAMESPACE_POLL = 20.0
@@ -168,22 +184,11 @@ async def run(cfg: ControllerConfig) -> int:
     try:
         # kopf resolves the kinds it serves once, at its start (its scanning of CRDs is off): each of the
         # project's CRDs must be installed by then (controller.crdcheck); a replica without them exits, naming them
-        checking = asyncio.ensure_future(crdcheck.wait_installed(served_crds(), api.served))
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({checking, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not checking.done():
-            checking.cancel()
+        if not await unless_stopped(crdcheck.wait_installed(served_crds(), api.served), stop):
             return 0
-        stopping.cancel()
-        checking.result()
         # standby: only the Lease is read, nothing is watched or written
-        acquiring = asyncio.ensure_future(elector.acquire())
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({acquiring, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not acquiring.done():
-            acquiring.cancel()
+        if not await unless_stopped(elector.acquire(), stop):
             return 0
-        stopping.cancel()
         probing = asyncio.ensure_future(prober.run())
         await detect_control_plane(provider)
 
