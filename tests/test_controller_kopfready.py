@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import pathlib
 import sys
 
@@ -15,12 +14,11 @@ import kopf
 import pytest
 from kopf._cogs.aiokits import aiotoggles
 from kopf._cogs.clients import fetching, watching
-from kopf._core.actions import lifecycles
-from kopf._core.engines import indexing
-from kopf._core.reactor import inventory, processing, queueing
+from kopf._core.reactor import queueing
 
 from controller import kopfready
 from controller.watchcache import CHILDREN, PARENTS, WATCHED, WatchCache
+from tests.support import kopfloop
 
 
 @pytest.mark.parametrize("patched", [False, True], ids=["kopf", "kopfready"])
@@ -50,13 +48,8 @@ async def test_a_listed_object_is_handled_once_indexed_without_waiting_for_other
         return {"name": body["metadata"]["name"]}
 
     settings = kopf.OperatorSettings()
-    indexers = indexing.OperatorIndexers()
-    indexers.ensure(registry._indexing.get_all_handlers())
     resource = kopf.Resource("apps", "v1", "statefulsets")
-    processor = functools.partial(processing.process_resource_event, lifecycle=lifecycles.all_at_once,
-                                  registry=registry, settings=settings, indexers=indexers,
-                                  memories=inventory.ResourceMemories(), memobase=kopf.Memo(),
-                                  event_queue=asyncio.Queue(), resource=resource)
+    processor, _ = kopfloop.processor(registry, settings, resource)
     # as kopf's orchestrator starts a watcher: the operator's set holds a toggle for each indexed kind, and
     # another kind's (the Secrets', say) is still listing
     operator_indexed = aiotoggles.ToggleSet(all)

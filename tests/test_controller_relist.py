@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import pathlib
 import sys
 
@@ -19,13 +18,12 @@ import aiohttp
 import kopf
 import pytest
 from kopf._cogs.clients import fetching, watching
-from kopf._core.actions import lifecycles
-from kopf._core.engines import indexing
-from kopf._core.reactor import inventory, processing, queueing
+from kopf._core.reactor import queueing
 
 from controller import relist
 from controller.kubeapi import STATEFULSETS
 from controller.watchcache import WATCHED, index_entries
+from tests.support import kopfloop
 from tests.test_controller_watchcache import exposed, setup
 
 STS_WATCH = next(w for w in WATCHED if w.res == STATEFULSETS)
@@ -153,13 +151,8 @@ async def test_kopf_drops_the_missed_object_from_its_index_and_calls_the_handler
 
     settings = kopf.OperatorSettings()
     settings.watching.reconnect_backoff = 0
-    indexers = indexing.OperatorIndexers()
-    indexers.ensure(registry._indexing.get_all_handlers())
     resource = kopf.Resource("apps", "v1", "statefulsets")
-    processor = functools.partial(processing.process_resource_event, lifecycle=lifecycles.all_at_once,
-                                  registry=registry, settings=settings, indexers=indexers,
-                                  memories=inventory.ResourceMemories(), memobase=kopf.Memo(),
-                                  event_queue=asyncio.Queue(), resource=resource)
+    processor, indexers = kopfloop.processor(registry, settings, resource)
     task = asyncio.create_task(queueing.watcher(namespace="tailscale", settings=settings, resource=resource,
                                                 processor=processor))
     try:
