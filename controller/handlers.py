@@ -270,13 +270,24 @@ LIST_PAGE = 500
 WORKER_IDLE = 0.5
 
 
+#: how long a watch stream may stay silent before it is taken for dead and reconnected: the API server's watch
+#: cache sends a bookmark about every 60 s, so 70 s (kopf's default, set here so it stays) allows for its jitter
+WATCH_SILENCE = 70.0
+
+
 def settings(child_watch: bool) -> kopf.OperatorSettings:
     s = kopf.OperatorSettings()
     s.networking.error_backoffs = RetryForever()
     s.posting.enabled = False
     s.persistence.diffbase_storage = NoDiffBase()
-    s.watching.server_timeout = 300
-    s.watching.client_timeout = 330
+    # Each watch's length is the API server's choice: without timeoutSeconds it draws one at random between its
+    # --min-request-timeout and twice that (1800-3600 s by default), so the watches started together at start-up
+    # do not reconnect together (a fixed length had all of them reconnect in the same minute, every time). A dead
+    # stream is not waited for that long: the API server sends a bookmark about every minute, and kopf reconnects
+    # a stream silent for WATCH_SILENCE.
+    s.watching.server_timeout = None
+    s.watching.client_timeout = None
+    s.watching.inactivity_timeout = WATCH_SILENCE
     # Nothing to discover while running: kopf resolves the kinds once at its start (API discovery) and lists and
     # watches no CRD. With scanning on, the cluster-wide operator would list and watch every CRD to serve one
     # installed later (a restart would list the CRDs twice, with the ServiceMonitor CRD's watch by name), and the

@@ -195,6 +195,11 @@ async def test_kopf_watches_map_events_to_queue_keys_and_children_are_filtered_s
     assert not list(settings(False).watching.field_selectors.items())
     # neither operator lists or watches the CRDs (kopf resolves its kinds once, at start: controller.crdcheck)
     assert settings(False).scanning.disabled and settings(True).scanning.disabled
+    # no watch asks for a length: the API server draws each one (1800-3600 s by default), so watches started
+    # together do not reconnect together; a dead stream is found by its silence (no bookmark for over a minute)
+    for op in (settings(False), settings(True)):
+        assert op.watching.server_timeout is None and op.watching.client_timeout is None
+        assert 60 < op.watching.inactivity_timeout <= 90
 
 
 async def test_the_servicemonitor_crds_events_queue_every_proxyclass(monkeypatch):
