@@ -349,19 +349,21 @@ E2E_FEATURE = "proxies: L3 ingress, egress, subnet router, exit node"
 
 
 def run_e2e(version: str) -> str:
-    """The proxies' e2e modules (E2E_MODULES) with this headscale: pytest's summary line."""
+    """The proxies' e2e modules (E2E_MODULES) with this headscale: pytest's summary line, and on a failure the
+    failed tests with pytest's one-line reason (the table's cell), its whole report on standard error."""
     import subprocess
-    cp = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *E2E_MODULES],
+    cp = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *E2E_MODULES],
                         cwd=REPO_ROOT, env={**os.environ, "HEADSCALE_VERSION": version}, capture_output=True,
                         text=True, timeout=1800)
     lines = [ln for ln in cp.stdout.splitlines() if ln.strip()]
     summary = lines[-1].strip("= ") if lines else cp.stderr[-300:]
-    if cp.returncode != 0:
-        # the table holds the summary alone: the failures themselves go to the run's output, where CI keeps them
-        print(f"[compat] headscale {version}: the proxies' e2e modules failed; pytest's report follows",
-              file=sys.stderr)
-        print("\n".join(cp.stdout.splitlines()[-200:]), cp.stderr[-2000:], sep="\n", file=sys.stderr)
-    return f"works ({summary})" if cp.returncode == 0 else f"failed ({_short(summary)})"
+    if cp.returncode == 0:
+        return f"works ({summary})"
+    print(f"[compat] headscale {version}: the proxies' e2e modules failed; pytest's report follows", file=sys.stderr)
+    print("\n".join(cp.stdout.splitlines()[-200:]), cp.stderr[-2000:], sep="\n", file=sys.stderr)
+    # "FAILED netns-tests/m.py::test_x - AssertionError: ...": the test's name and the reason's start
+    failed = [_short(ln.split("::", 1)[-1], 200) for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+    return f"failed ({_short(summary)}: {'; '.join(failed) or 'no test named'})"
 
 
 def table(rows: Mapping[str, Mapping[str, str]]) -> Table:
