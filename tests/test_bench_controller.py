@@ -1,7 +1,7 @@
 """bench.controller's reading of the API server's audit log: the idle window's worst minute and watch lengths."""
 from __future__ import annotations
 
-from bench.controller import worst_minute, watch_lengths
+from bench.controller import watch_lengths, worst_minute
 
 
 def _ev(verb: str, resource: str, start: str, end: str) -> dict:
