@@ -353,8 +353,9 @@ def run_e2e(version: str) -> str:
     failed tests with pytest's one-line reason (the table's cell), its whole report on standard error."""
     import subprocess
     cp = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *E2E_MODULES],
-                        cwd=REPO_ROOT, env={**os.environ, "HEADSCALE_VERSION": version}, capture_output=True,
-                        text=True, timeout=1800)
+                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800,
+                        # COLUMNS: pytest cuts its summary's lines to the terminal's width, the reasons first
+                        env={**os.environ, "HEADSCALE_VERSION": version, "COLUMNS": "400"})
     lines = [ln for ln in cp.stdout.splitlines() if ln.strip()]
     summary = lines[-1].strip("= ") if lines else cp.stderr[-300:]
     if cp.returncode == 0:

@@ -3,7 +3,9 @@ headscale (route approval), real tailscaled and our agent.
 
 * Subnet router: the proxy advertises the backend LAN (10.98.0.0/24, fd98::/64); once approved, the client
   (--accept-routes) reaches the backend by its LAN addresses through the proxy. Restarted with the same state
-  and `TS_ROUTES=""`, the proxy withdraws the routes and the client loses them.
+  and `TS_ROUTES=""`, the proxy withdraws the routes and the client loses them (headscale 0.26 can go on
+  serving them after such a restart, its known fault: the test says so as an expected failure, never when the
+  proxy still announces them).
 * Exit node: an `outside` namespace hangs off the proxy only (a veth, not the island bridge) with a server on
   documentation addresses (198.51.100.10, 2001:db8:1::10, one hop behind the proxy's 192.0.2.0/24 and
   2001:db8::/64 link) that exist nowhere else; the client uses the proxy as its exit node and reaches it.
@@ -53,6 +55,30 @@ def client_routes(lab) -> set[str]:
     return set((p or {}).get("PrimaryRoutes") or ())
 
 
+def hs_routes(lab) -> str:
+    """headscale's record of the proxy's routes: what the node announces, what is approved, what headscale serves
+    to the other nodes (its primary routes)."""
+    n = lab.hs_node("proxy") or {}
+    return (f"announced {n.get('available_routes') or []}, approved {n.get('approved_routes') or []}, "
+            f"served {n.get('subnet_routes') or []}")
+
+
+def wait_client_routes(lab, want: set[str], what: str) -> None:
+    """Wait until the client sees the proxy online and uses exactly ``want`` of its routes (online: an offline
+    router's routes are left out whatever it announces, so "none" while it reconnects would prove nothing). A
+    timeout names the routes the client still uses and headscale's record of them: a proxy that still announces
+    a route is the agent's fault, a route headscale serves that the proxy no longer announces is the control
+    server's."""
+    def used() -> bool:
+        p = proxy_peer(lab)
+        return bool(p and p.get("Online") and set(p.get("PrimaryRoutes") or ()) == want)
+    try:
+        wait_until(used, 30, 0.3, what)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}: the client uses {sorted(client_routes(lab))}; headscale: {hs_routes(lab)}") \
+            from None
+
+
 def proxy_prefs(lab) -> dict:
     return json.loads(lab.ts("proxy", "debug", "prefs").stdout)
 
@@ -83,7 +109,7 @@ def test_subnet_router_routes_then_withdraws(lab, lab_backend, start_agent):
     fwd = forwarding(lab)
     assert fwd[0] == "1" and (fwd[1] == "1" or not lab.backend_ipv6), f"IP forwarding (v4, v6) is {fwd}"
     lab.approve_routes("proxy", routes)
-    wait_until(lambda: client_routes(lab) == set(routes), 30, 0.3, "client accepting the proxy's routes")
+    wait_client_routes(lab, set(routes), "client accepting the proxy's routes")
 
     urls = {4: lab.url(lab.backend_ipv4, PORT, "/?subnet4")}
     if lab.backend_ipv6:
@@ -98,9 +124,19 @@ def test_subnet_router_routes_then_withdraws(lab, lab_backend, start_agent):
     again = start_and_wait(start_agent, {"TS_ROUTES": "", "TS_STATE_DIR": sd})
     assert again.tailnet_ips() == ips, "the restart with the same state made a new node"
     assert advertised(lab) == set(), proxy_prefs(lab).get("AdvertiseRoutes")
-    wait_until(lambda: not client_routes(lab), 30, 0.3, "client dropping the withdrawn routes")
     wait_until(lambda: not (lab.hs_node("proxy") or {}).get("available_routes"), 30, 0.3,
                "headscale seeing the routes withdrawn")
+    try:
+        wait_client_routes(lab, set(), "client dropping the withdrawn routes")
+    except AssertionError as e:
+        # headscale 0.26 sets a (re)connecting node's primary routes from the node as stored when its request
+        # arrived: when tailscaled, started with the old prefs, logs in and the agent's `tailscale up` replaces
+        # them at once, it can go on serving the routes the proxy no longer announces (docs/install-headscale.md).
+        # The proxy did its part (announces nothing, asserted above); a proxy still announcing them fails here.
+        n = lab.hs_node("proxy") or {}
+        if lab.hs_version.startswith("v0.26.") and not n.get("available_routes") and n.get("subnet_routes"):
+            pytest.xfail(f"headscale 0.26 serves routes the proxy no longer announces: {e}")
+        raise
     for url in urls.values():
         cp = lab.curl("client", url, 3)
         assert lab_backend.marker not in cp.stdout, f"{url} still reachable through withdrawn routes"
