@@ -93,7 +93,9 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
 
 
 def start_controller(k: KubeCluster, d: pathlib.Path, tag: str, tree: pathlib.Path = REPO) -> subprocess.Popen:
-    (d / "token").write_text(k.service_account_token("tailscale", "tailscale-controller"))
+    # a day: kubelet would rotate a Pod's token before its hour is up, nothing does here, and a long idle
+    # window (--idle 3900) would otherwise end with a controller whose requests the API server refuses
+    (d / "token").write_text(k.service_account_token("tailscale", "tailscale-controller", seconds=86400))
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(tree), "CONTROLLER_KUBE_URL": k.server,
            "CONTROLLER_KUBE_TOKEN_FILE": str(d / "token"), "CONTROLLER_KUBE_CA_FILE": str(k.ca_cert),
            "CONTROLLER_HEALTH_ADDR": "127.0.0.1:0", "OPERATOR_NAMESPACE": "tailscale", "CONTROL_PLANE": "static",
