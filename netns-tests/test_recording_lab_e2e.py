@@ -61,14 +61,23 @@ def test_exec_recorded_on_a_tagged_recorder_and_refused_without_one(lab, start_a
             except TimeoutError:
                 raise AssertionError(f"{_exec(lab, ip, 'echo x')}\n{p.log_text()[-3000:]}") from None
             assert "out: echo recorded-42" in cp.stdout
-            casts = wait_until(lambda: sorted(rec_dir.glob("*.cast")) or None, 30, 0.5, "the cast stored")
-            lines = [json.loads(x) for x in casts[-1].read_text().splitlines()]
+            out = ["o", "out: echo recorded-42\n"]
+
+            def cast_with_output() -> list | None:
+                # the recorder writes a cast as the session streams it in, so it exists (its header first) before
+                # the output has arrived: wait for the output, reading whole lines only
+                for c in sorted(rec_dir.glob("*.cast")):
+                    text = c.read_text()
+                    lines = [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines()]
+                    if lines and out in [ev[1:] for ev in lines[1:]]:
+                        return lines
+                return None
+            lines = wait_until(cast_with_output, 30, 0.5, "the cast stored, with the exec's output")
             head = lines[0]
             assert head["srcNodeUser"] == "e2e" and head["srcNode"].startswith("client")
             assert head["kubernetes"] == {"PodName": "talker", "Namespace": "apps", "Container": "",
                                           "SessionType": "exec"}
             assert (head["command"], head["width"], head["height"]) == ("sh", 80, 24)
-            assert ["o", "out: echo recorded-42\n"] in [ev[1:] for ev in lines[1:]]
             assert "will be recorded, the recording will be sent to a recorder at" in p.log_text()
 
             # the recorder stops: enforced, so refused before the API server sees the exec

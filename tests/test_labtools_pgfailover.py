@@ -47,6 +47,14 @@ def test_judge_names_the_survivors_held_connection_and_whether_it_broke():
     assert r2.held_port == 4001 and r2.held_failed and not r2.held_ok_after
 
 
+def test_a_victim_that_never_comes_back_counts_every_survivor_success_of_the_case():
+    # a lost node's replica is out until the case ends: it left the slice at 102.0, the survivor answered after
+    log = LOG + "103.05 new ok 100.64.0.2\n"
+    assert fo.judge("lose", "ha-1", "100.64.0.3", "100.64.0.2", 100.3, 102.0, 103.1, log).new_ok_survivor == 0
+    r = fo.judge("lose", "ha-1", "100.64.0.3", "100.64.0.2", 100.3, 102.0, 103.1, log, survivor_until=103.1)
+    assert r.new_ok_survivor == 2
+
+
 def test_a_failure_says_whether_it_waited_for_the_clients_timeout():
     new, _ = fo.parse_log(LOG + "103.2 new fail TimeoutError 2.001\n103.4 new fail ConnectionRefusedError 1.02\n")
     assert [a.error for a in new if not a.ok] == ["ConnectionRefusedError", "TimeoutError", "TimeoutError",
