@@ -17,8 +17,13 @@ _TAG_RE = re.compile(r"^tag:[a-zA-Z][a-zA-Z0-9-]*$")
 
 
 def ip_problem(value: str) -> str:
+    """An IP literal as the proxy's agent reads TS_TAILNET_TARGET_IP (Go's netip.ParseAddr): Python's parser
+    alone would also take a non-ASCII IPv6 zone, which the agent then refuses."""
+    v = value.strip()
     try:
-        ipaddress.ip_address(value.strip())
+        if not v.isascii() or any(c.isspace() for c in v):
+            raise ValueError(v)
+        ipaddress.ip_address(v)
     except ValueError:
         return f"{value!r} is not an IP address; use one IPv4 or IPv6 address such as 100.64.0.7"
     return ""

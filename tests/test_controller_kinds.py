@@ -98,6 +98,8 @@ def test_egress_rewrite_patch_and_noop():
     ({"tailscale.com/tailnet-ip": "100.64.0.5", "tailscale.com/tailnet-fqdn": "db.t.ts.net"}, {},
      "both tailscale.com/tailnet-ip and tailscale.com/tailnet-fqdn"),
     ({"tailscale.com/tailnet-ip": "100.64.0.999"}, {}, "'100.64.0.999' is not an IP address"),
+    # Python's parser takes any IPv6 zone; the proxy's agent (as Go's netip) refuses a non-ASCII one
+    ({"tailscale.com/tailnet-ip": "::%\x80"}, {}, "'::%\\x80' is not an IP address"),
     ({"tailscale.com/tailnet-fqdn": "db.example.com"}, {}, "'db.example.com' is not a MagicDNS name"),
     ({"tailscale.com/expose": "true", "tailscale.com/hostname": "My_Host"}, {}, "'My_Host' is not a valid DNS label"),
     ({"tailscale.com/expose": "true", "tailscale.com/hostname": "-x"}, {}, "'-x' is not a valid DNS label"),
