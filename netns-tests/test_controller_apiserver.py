@@ -819,7 +819,9 @@ def test_an_ingress_certificate_is_readable_by_its_proxy_only(running):
     assert not can_in("get", "other") and not can_in("list") and not can_in("update", "site-tls")
     assert c.delete("/apis/networking.k8s.io/v1/namespaces/default/ingresses/tls").status_code == 200
     try:
-        wait(lambda: get(kube, f"/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/{name}") is None, 60,
+        # the cleanup waits for the proxy's StatefulSet, deleted in the foreground: the garbage collector's pace,
+        # slow on a loaded machine after this module's API server restarts
+        wait(lambda: get(kube, f"/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles/{name}") is None, 180,
              "the Role to go with the Ingress")
     except AssertionError:
         # what the cleanup waits for first: the proxy's StatefulSet, deleted in the foreground (its Pods first)
