@@ -166,13 +166,10 @@ def component_cpu(k: KubeCluster) -> dict[str, float]:
 def latencies(events: list[dict]) -> dict[str, float]:
     """The API server's own time for the controller's requests (received to answered, from the audit log):
     median and 90th percentile of the writes, in milliseconds."""
-    from datetime import datetime
     ms = []
     for e in events:
         if e.get("verb") in WRITES and e.get("requestReceivedTimestamp") and e.get("stageTimestamp"):
-            a = datetime.fromisoformat(e["requestReceivedTimestamp"].replace("Z", "+00:00"))
-            b = datetime.fromisoformat(e["stageTimestamp"].replace("Z", "+00:00"))
-            ms.append((b - a).total_seconds() * 1000)
+            ms.append((_stamp(e, "stageTimestamp") - _stamp(e, "requestReceivedTimestamp")) * 1000)
     ms.sort()
     if not ms:
         return {}
